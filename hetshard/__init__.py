@@ -1,0 +1,32 @@
+"""hetshard: a JAX sharding compiler for clusters that mix GPU generations.
+
+The public surface is what this module exports; everything else is importable
+but not promised.
+"""
+
+from hetshard import nn
+from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group
+from hetshard.errors import (
+    DeviceBindingError,
+    HetshardError,
+    SpecError,
+    SpecParseError,
+    UnknownNameError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CATALOG",
+    "BoundCluster",
+    "Cluster",
+    "DeviceBindingError",
+    "DeviceType",
+    "Group",
+    "HetshardError",
+    "SpecError",
+    "SpecParseError",
+    "UnknownNameError",
+    "__version__",
+    "nn",
+]

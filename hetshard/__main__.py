@@ -1,0 +1,5 @@
+import sys
+
+from hetshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""The ``hetshard`` command line.
+
+  hetshard devices  [--json [FILE]]          GPU catalog
+  hetshard clusters [NAME] [--json [FILE]]   cluster presets, or one cluster's spec
+  hetshard models   [NAME] [--json [FILE]]   model presets with parameter counts
+
+Errors in user input print one line (``hetshard: error: ...``) and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from hetshard.errors import HetshardError
+
+
+def _emit_json(obj, dest: str) -> None:
+    text = json.dumps(obj, indent=2)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=title)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*("-" if v is None else str(v) for v in r))
+    Console().print(t)
+
+
+def _count(n: float | None) -> str | None:
+    if n is None:
+        return None
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}" if n < 100 * scale else f"{n / scale:.1f}{unit}"
+    return str(int(n))
+
+
+def _fmt(x: float | None, digits: int = 1) -> str | None:
+    return None if x is None else f"{x:,.{digits}f}"
+
+
+def cmd_devices(args) -> int:
+    from hetshard.cluster.catalog import CATALOG
+    if args.json:
+        _emit_json([t.to_dict() for t in CATALOG.values()], args.json)
+        return 0
+    _table("GPU catalog (per device, dense TFLOP/s, GB, GB/s one direction)",
+           ["name", "bf16", "fp16", "fp32", "memory GB", "HBM GB/s", "intra GB/s",
+            "inter GB/s"],
+           [[t.name, _fmt(t.bf16_tflops), _fmt(t.fp16_tflops), _fmt(t.fp32_tflops),
+             _fmt(t.memory_gb, 0), _fmt(t.memory_gbs, 0), _fmt(t.intra_node_gbs, 0),
+             _fmt(t.inter_node_gbs, 2)] for t in CATALOG.values()])
+    return 0
+
+
+def cmd_clusters(args) -> int:
+    from hetshard.cluster import PRESETS, Cluster
+    if args.name:
+        c = Cluster.load(args.name)
+        if args.json:
+            _emit_json(c.to_dict(), args.json)
+        else:
+            print(c.to_toml(), end="")
+        return 0
+    rows = []
+    for name, desc in PRESETS.items():
+        c = Cluster.load(name)
+        rows.append({"name": name, "gpus": c.num_devices,
+                     "types": [t.name for t in c.device_types],
+                     "peak_bf16_pflops": c.peak_flops("bfloat16") / 1e15,
+                     "description": desc})
+    if args.json:
+        _emit_json(rows, args.json)
+        return 0
+    _table("Cluster presets", ["name", "GPUs", "GPU types", "peak bf16 PFLOP/s", "source"],
+           [[r["name"], r["gpus"], " + ".join(r["types"]), _fmt(r["peak_bf16_pflops"], 2),
+             r["description"][:60]] for r in rows])
+    return 0
+
+
+def _model_row(name: str, config) -> dict:
+    from models import PUBLISHED_PARAMS
+    n = config.num_params()
+    pub = PUBLISHED_PARAMS.get(name)
+    row = {"name": name, "family": config.family, "params": n,
+           "published_params": pub[0] if pub else None,
+           "relative_error": (n / pub[0] - 1) if pub else None}
+    sub = config.text if config.family == "mllm" else config
+    row.update(layers=sub.layers, hidden=sub.hidden, heads=sub.heads,
+               seq=sub.seq if hasattr(sub, "seq") else None)
+    return row
+
+
+def cmd_models(args) -> int:
+    import dataclasses
+
+    import models
+    if args.name:
+        c = models.resolve(args.name)
+        row = _model_row(args.name, c)
+        row["config"] = dataclasses.asdict(c)
+        if args.json:
+            _emit_json(row, args.json)
+        else:
+            for k, v in row.items():
+                print(f"{k:>18}: {v}")
+        return 0
+    rows = [_model_row(n, c) for n, c in models.PRESETS.items()]
+    if args.json:
+        _emit_json(rows, args.json)
+        return 0
+    _table("Model presets", ["name", "family", "layers", "hidden", "heads", "params",
+                             "published", "error"],
+           [[r["name"], r["family"], r["layers"], r["hidden"], r["heads"],
+             _count(r["params"]), _count(r["published_params"]),
+             None if r["relative_error"] is None else f"{r['relative_error']:+.2%}"]
+            for r in rows])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetshard", description="Sharding planner and runtime "
+                                "for heterogeneous GPU clusters.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def json_flag(sp):
+        sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help="write JSON (to FILE, or stdout when FILE is omitted or '-')")
+
+    sp = sub.add_parser("devices", help="list the GPU catalog")
+    json_flag(sp)
+    sp.set_defaults(func=cmd_devices)
+    sp = sub.add_parser("clusters", help="list cluster presets, or print one cluster's spec")
+    sp.add_argument("name", nargs="?", help="a preset name or spec file to print")
+    json_flag(sp)
+    sp.set_defaults(func=cmd_clusters)
+    sp = sub.add_parser("models", help="list model presets, or describe one model")
+    sp.add_argument("name", nargs="?", help="a preset name or 'family:key=value,...' spec")
+    json_flag(sp)
+    sp.set_defaults(func=cmd_models)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except HetshardError as e:
+        print(f"hetshard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Catalog of accelerator types with datasheet numbers.
+
+All figures are per JAX device (what ``jax.devices()`` lists): for AMD MI250X
+that is one GCD, half of the package. TFLOP/s are dense (no 2:4 sparsity);
+tensor-core figures for bf16/fp16 assume fp32 accumulation, as training uses.
+``bf16_tflops=None`` means the chip has no bf16 matrix units (V100, T4, P100):
+bf16 runs there at ``fp32_tflops``. ``intra_node_gbs`` is GB/s per GPU in one
+direction over the node's GPU interconnect (NVLink/xGMI/PCIe);
+``inter_node_gbs`` is the usual per-node network of systems built from it,
+GB/s in one direction (all NICs together), used when a spec omits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetshard.errors import SpecError, UnknownNameError, check_positive
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceType:
+    """One accelerator model. Units: TFLOP/s, GB (1e9 bytes), GB/s (one direction)."""
+
+    name: str
+    bf16_tflops: float | None
+    fp16_tflops: float
+    fp32_tflops: float
+    memory_gb: float
+    memory_gbs: float
+    intra_node_gbs: float
+    inter_node_gbs: float
+    vendor: str = "nvidia"
+    device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings that mean this type
+    source: str = ""
+
+    def __post_init__(self):
+        where = f"GPU type {self.name!r}"
+        for f in ("fp16_tflops", "fp32_tflops", "memory_gb", "memory_gbs", "intra_node_gbs",
+                  "inter_node_gbs"):
+            check_positive(f, getattr(self, f), where=where)
+        if self.bf16_tflops is not None:
+            check_positive("bf16_tflops", self.bf16_tflops, where=where)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 1e9)
+
+    def peak_flops(self, dtype: str = "bfloat16") -> float:
+        """Peak dense FLOP/s for matmuls in ``dtype`` (``bfloat16``, ``float16``, ``float32``)."""
+        if dtype in ("bfloat16", "bf16"):
+            tflops = self.bf16_tflops if self.bf16_tflops is not None else self.fp32_tflops
+        elif dtype in ("float16", "fp16"):
+            tflops = self.fp16_tflops
+        elif dtype in ("float32", "fp32"):
+            tflops = self.fp32_tflops
+        else:
+            raise SpecError("dtype", dtype, "bfloat16, float16 or float32")
+        return tflops * 1e12
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["device_kinds"] = list(self.device_kinds)
+        return d
+
+
+# PCIe one-direction bandwidth per x16 slot: Gen3 ~16 GB/s, Gen4 ~32 GB/s, Gen5 ~64 GB/s
+# (PCI-SIG base specifications 3.0/4.0/5.0: 8/16/32 GT/s per lane, x16).
+_PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0
+# DGX A100 / DGX H100: 8x 200 Gb/s HDR InfiniBand = 200 GB/s per node (NVIDIA DGX A100
+# datasheet; Narayanan et al. 2021 §5). DGX H100: 8x 400 Gb/s NDR = 400 GB/s.
+# DGX-1 (V100): 4x 100 Gb/s EDR = 50 GB/s. Cloud/PCIe boxes: 100 Gb/s = 12.5 GB/s.
+
+_TYPES = [
+    DeviceType("V100-16GB", None, 125.0, 15.7, 16, 900, 150, 50,
+               device_kinds=("Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "Tesla V100-16GB"),
+               source="NVIDIA Tesla V100 datasheet (SXM2): 125 TFLOPS tensor, 15.7 FP32, "
+                      "900 GB/s HBM2, NVLink 300 GB/s bidirectional"),
+    DeviceType("V100-32GB", None, 125.0, 15.7, 32, 900, 150, 50,
+               device_kinds=("Tesla V100-SXM2-32GB", "Tesla V100-PCIE-32GB",
+                             "Tesla V100-32GB", "Tesla V100S-PCIE-32GB"),
+               source="NVIDIA Tesla V100 datasheet (SXM2 32GB)"),
+    DeviceType("P100-16GB", None, 21.2, 10.6, 16, 732, 80, 12.5,
+               device_kinds=("Tesla P100-SXM2-16GB", "Tesla P100-PCIE-16GB"),
+               source="NVIDIA Tesla P100 datasheet (SXM2): 21.2 FP16, 10.6 FP32, 732 GB/s, "
+                      "NVLink 160 GB/s bidirectional"),
+    DeviceType("A100-40GB", 312.0, 312.0, 19.5, 40, 1555, 300, 200,
+               device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
+               source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, 1555 GB/s, "
+                      "NVLink3 600 GB/s bidirectional"),
+    DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
+               device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
+               source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e"),
+    DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
+               device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
+               source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 67 FP32, "
+                      "3.35 TB/s, NVLink4 900 GB/s bidirectional"),
+    DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
+               device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
+               source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141 GB, 4.8 TB/s"),
+    DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
+               device_kinds=("NVIDIA B200",),
+               source="NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 sparse (2.25 dense), "
+                      "75 TFLOPS FP32, 180 GB HBM3e at 7.7 TB/s, NVLink5 1.8 TB/s bidir."),
+    DeviceType("L4", 121.0, 121.0, 30.3, 24, 300, _PCIE4, 12.5,
+               device_kinds=("NVIDIA L4",),
+               source="NVIDIA L4 datasheet: 242 TFLOPS BF16 with sparsity (121 dense), "
+                      "30.3 FP32, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16"),
+    DeviceType("T4", None, 65.0, 8.1, 16, 320, _PCIE3, 6.25,
+               device_kinds=("Tesla T4",),
+               source="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed, 8.1 FP32, 320 GB/s, "
+                      "PCIe Gen3 x16; network as AWS g4dn.12xlarge (50 Gb/s)"),
+    DeviceType("A10", 125.0, 125.0, 31.2, 24, 600, _PCIE4, 12.5,
+               device_kinds=("NVIDIA A10", "NVIDIA A10G"),
+               source="NVIDIA A10 datasheet: 250 BF16 with sparsity (125 dense), 31.2 FP32, "
+                      "600 GB/s, PCIe Gen4"),
+    DeviceType("RTX-3090", 71.0, 71.0, 35.6, 24, 936, _PCIE4, 1.25,
+               device_kinds=("NVIDIA GeForce RTX 3090",),
+               source="NVIDIA Ampere GA102 whitepaper, Table 9: 71 TFLOPS FP16/BF16 tensor "
+                      "with FP32 accumulate (dense), 35.6 FP32, 936 GB/s; 10 GbE network"),
+    DeviceType("RTX-3080Ti", 68.2, 68.2, 34.1, 12, 912, _PCIE4, 1.25,
+               device_kinds=("NVIDIA GeForce RTX 3080 Ti",),
+               source="GA102 whitepaper rates scaled to the 3080 Ti (80 SMs, 1665 MHz boost): "
+                      "68.2 TFLOPS tensor FP32-acc, 34.1 FP32, 912 GB/s GDDR6X"),
+    DeviceType("RTX-4090", 165.2, 165.2, 82.6, 24, 1008, _PCIE4, 1.25,
+               device_kinds=("NVIDIA GeForce RTX 4090",),
+               source="NVIDIA Ada AD102 whitepaper, Table 2: 165.2 TFLOPS FP16/BF16 tensor "
+                      "with FP32 accumulate (dense), 82.6 FP32, 1008 GB/s"),
+    DeviceType("MI250X", 191.5, 191.5, 47.9, 64, 1638, 100, 100, vendor="amd",
+               device_kinds=("AMD Instinct MI250X", "MI250X"),
+               source="AMD Instinct MI250X datasheet: 383 TFLOPS BF16, 95.7 FP32 matrix, "
+                      "128 GB at 3.2 TB/s per package = 2 GCDs (per-GCD figures here); "
+                      "Infinity Fabric 50-100 GB/s per direction between GCDs (Frontier node)"),
+    DeviceType("MI300X", 1307.4, 1307.4, 163.4, 192, 5300, 448, 400, vendor="amd",
+               device_kinds=("AMD Instinct MI300X", "MI300X"),
+               source="AMD Instinct MI300X datasheet: 1307.4 TFLOPS BF16 dense, 163.4 FP32 "
+                      "matrix, 192 GB at 5.3 TB/s, 896 GB/s aggregate Infinity Fabric (bidir.)"),
+    # Host CPUs stand in for GPUs in tests; nominal numbers, replaced by `hetshard profile`.
+    DeviceType("CPU", None, 0.1, 0.1, 16, 20, 10, 1.25, vendor="cpu", device_kinds=("cpu",),
+               source="nominal: one fake XLA CPU device; calibrate with `hetshard profile`"),
+]
+
+CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
+
+_INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb",
+                  "memory_gbs", "intra_node_gbs", "inter_node_gbs", "vendor"}
+
+
+def device_type(name: str) -> DeviceType:
+    """Looks up a catalog entry by name (case-insensitive), suggesting close names."""
+    if name in CATALOG:
+        return CATALOG[name]
+    by_lower = {k.lower(): v for k, v in CATALOG.items()}
+    if isinstance(name, str) and name.lower() in by_lower:
+        return by_lower[name.lower()]
+    raise UnknownNameError("gpu", name, CATALOG)
+
+
+def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
+    """An inline GPU type: ``{"name", "bf16_tflops", "memory_gb", "memory_gbs", ...}``.
+
+    ``fp16_tflops`` defaults to ``bf16_tflops``; ``fp32_tflops`` to 1/16 of it
+    (the A100/H100 ratio of dense tensor to FP32 is ~16x); links default to PCIe
+    Gen4 and a 100 Gb/s NIC.
+    """
+    extra = set(d) - _INLINE_FIELDS
+    if extra:
+        raise SpecError(f"{field}.{sorted(extra)[0]}", d[sorted(extra)[0]],
+                        f"only the fields {sorted(_INLINE_FIELDS)}")
+    for req in ("name", "bf16_tflops", "memory_gb", "memory_gbs"):
+        if req not in d:
+            raise SpecError(f"{field}.{req}", None, "a value (required for an inline GPU)")
+    if not isinstance(d["name"], str) or not d["name"]:
+        raise SpecError(f"{field}.name", d["name"], "a non-empty string")
+    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb", "memory_gbs",
+              "intra_node_gbs", "inter_node_gbs"):
+        if k in d:
+            check_positive(f"{field}.{k}", d[k])
+    bf16 = d["bf16_tflops"]
+    return DeviceType(
+        name=d["name"], bf16_tflops=bf16, fp16_tflops=d.get("fp16_tflops", bf16),
+        fp32_tflops=d.get("fp32_tflops", bf16 / 16), memory_gb=d["memory_gb"],
+        memory_gbs=d["memory_gbs"], intra_node_gbs=d.get("intra_node_gbs", _PCIE4),
+        inter_node_gbs=d.get("inter_node_gbs", 12.5), vendor=d.get("vendor", "custom"),
+        source="inline spec")
+
+
+def device_type_for_kind(kind: str) -> DeviceType:
+    """Maps a JAX ``Device.device_kind`` string to a catalog entry."""
+    for t in _TYPES:
+        if kind in t.device_kinds:
+            return t
+    low = kind.lower()
+    for t in _TYPES:  # loose match: "NVIDIA A100-SXM4-80GB" style names we have not listed
+        if t.vendor != "cpu" and t.name.split("-")[0].lower() in low and \
+                (len(t.name.split("-")) == 1 or t.name.split("-")[1].lower() in low):
+            return t
+    raise UnknownNameError("device_kind", kind, [k for t in _TYPES for k in t.device_kinds],
+                           where="Cluster.from_jax_devices (describe it with an inline gpu "
+                                 "object in a cluster spec instead)")

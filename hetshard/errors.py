@@ -1,0 +1,77 @@
+"""The errors hetshard raises for bad input.
+
+Every error a user can trigger is a subclass of :class:`HetshardError`, and
+also of the builtin exception a Python programmer would expect (``ValueError``
+for a bad value, ``KeyError``-like lookups are ``ValueError`` too, because the
+value, not the mapping, is what is wrong). Messages name the field, the value
+and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+class HetshardError(Exception):
+    """Base class of every error hetshard raises on purpose."""
+
+
+class SpecError(HetshardError, ValueError):
+    """A field of a user-supplied spec (cluster, model, plan, flag) is invalid.
+
+    Attributes:
+      field: dotted path of the offending field, e.g. ``groups[1].nodes``.
+      value: the value that was given.
+      accepted: a short description of what would have been accepted.
+    """
+
+    def __init__(self, field: str, value: Any, accepted: str, *, where: str = ""):
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        prefix = f"{where}: " if where else ""
+        super().__init__(f"{prefix}{field}={value!r} is invalid; expected {accepted}")
+
+
+class UnknownNameError(SpecError):
+    """A name (GPU type, preset, model) is not in the catalog it was looked up in."""
+
+    def __init__(self, field: str, value: str, known: Iterable[str], *, where: str = ""):
+        known = sorted(known)
+        close = difflib.get_close_matches(str(value), known, n=3, cutoff=0.5)
+        if not close:
+            lowered = {k.lower(): k for k in known}
+            close = [lowered[k] for k in difflib.get_close_matches(
+                str(value).lower(), list(lowered), n=3, cutoff=0.5)]
+        self.suggestions = close
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        accepted = f"one of {len(known)} known names ({hint}known: {', '.join(known)})"
+        super().__init__(field, value, accepted, where=where)
+
+
+class SpecParseError(HetshardError, ValueError):
+    """A spec file or string could not be parsed at all (syntax, not values)."""
+
+    def __init__(self, source: str, message: str, *, line: int | None = None):
+        self.source = source
+        self.line = line
+        where = f"{source}, line {line}" if line is not None else source
+        super().__init__(f"cannot parse {where}: {message}")
+
+
+class DeviceBindingError(HetshardError, RuntimeError):
+    """A cluster spec cannot be mapped onto the JAX devices that exist."""
+
+
+def check_positive(field: str, value: Any, *, integer: bool = False, where: str = "") -> Any:
+    """Returns ``value`` if it is a positive number (an int when ``integer``), else raises."""
+    kind = "a positive integer" if integer else "a positive number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(field, value, kind, where=where)
+    if integer and not isinstance(value, int):
+        raise SpecError(field, value, kind, where=where)
+    if not value > 0 or value != value or value == float("inf"):
+        raise SpecError(field, value, kind, where=where)
+    return value

@@ -1,0 +1,79 @@
+"""hetshard's model zoo: Flax NNX GPT/LLaMA, ViT and LLaVA-style MLLM.
+
+``resolve(name_or_spec)`` turns a preset name or a textual spec into a frozen
+config; ``build`` makes a real model; ``abstract`` makes a shape-only model
+(``nnx.eval_shape``: no weight memory) for planning huge sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from models.gpt import GPT, GPTConfig
+from models.mllm import MLLM, MLLMConfig
+from models.presets import PRESETS, PUBLISHED_PARAMS
+from models.spec import parse_model_spec
+from models.vit import ViT, ViTConfig
+
+ModelConfig = GPTConfig | ViTConfig | MLLMConfig
+_MODULES = {GPTConfig: GPT, ViTConfig: ViT, MLLMConfig: MLLM}
+
+
+def resolve(model: str | ModelConfig) -> ModelConfig:
+    """A config from a preset name, a ``family:key=value`` spec, or a config itself."""
+    if isinstance(model, (GPTConfig, ViTConfig, MLLMConfig)):
+        return model
+    from hetshard.errors import SpecError, UnknownNameError
+    if not isinstance(model, str):
+        raise SpecError("model", model, "a preset name, a 'family:key=value' spec or a config")
+    if ":" in model:
+        return parse_model_spec(model)
+    if model not in PRESETS:
+        raise UnknownNameError("model", model, PRESETS)
+    return PRESETS[model]
+
+
+def build(model: str | ModelConfig, *, rngs: nnx.Rngs | int = 0):
+    """A real (materialised) NNX model for ``model``."""
+    config = resolve(model)
+    if isinstance(rngs, int):
+        rngs = nnx.Rngs(rngs)
+    return _MODULES[type(config)](config, rngs=rngs)
+
+
+def abstract(model: str | ModelConfig):
+    """A shape-only NNX model: every parameter is a ``jax.ShapeDtypeStruct``.
+
+    Blocks are identical, so one block per stack is traced with
+    ``nnx.eval_shape`` and replicated. Tracing every block instead costs time
+    quadratic in depth (each RNG draw inspects the whole growing jaxpr):
+    57 s for gpt-175b against well under a second this way.
+    """
+    config = resolve(model)
+    if isinstance(config, MLLMConfig):
+        one = dataclasses.replace(config, vision=dataclasses.replace(config.vision, layers=1),
+                                  text=dataclasses.replace(config.text, layers=1))
+    else:
+        one = dataclasses.replace(config, layers=1)
+    m = nnx.eval_shape(lambda: _MODULES[type(config)](one, rngs=nnx.Rngs(0)))
+    stacks = ([(m.vision, config.vision), (m.text, config.text)]
+              if isinstance(config, MLLMConfig) else [(m, config)])
+    for module, cfg in stacks:
+        block = module.layers[0]
+        module.layers = nnx.List([block] + [nnx.clone(block) for _ in range(cfg.layers - 1)])
+        module.config = cfg
+    m.config = config
+    return m
+
+
+def param_count(model) -> int:
+    """Parameters of a model instance (real or abstract), counted from its state."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = ["GPT", "GPTConfig", "MLLM", "MLLMConfig", "ViT", "ViTConfig", "PRESETS",
+           "PUBLISHED_PARAMS", "ModelConfig", "abstract", "build", "param_count", "resolve",
+           "parse_model_spec"]
