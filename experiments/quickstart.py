@@ -34,7 +34,6 @@ import hetshard  # noqa: E402
 import models  # noqa: E402
 from models import data  # noqa: E402
 
-
 # At 3e-3 this tiny model trains chaotically enough that float32 reduction-order noise
 # (8-way data-parallel sums vs one device) grows to 1.4e-5 relative by step 47; at 1e-3
 # it stays near 2.5e-7 (measured; see README).

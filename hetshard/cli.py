@@ -3,6 +3,8 @@
   hetshard devices  [--json [FILE]]          GPU catalog
   hetshard clusters [NAME] [--json [FILE]]   cluster presets, or one cluster's spec
   hetshard models   [NAME] [--json [FILE]]   model presets with parameter counts
+  hetshard simulate --model M --cluster C --global-batch B --fix dp=..,tp=..,pp=..
+  hetshard profile  [--out FILE]             calibrate the cost model on this backend
 
 Errors in user input print one line (``hetshard: error: ...``) and exit 2.
 """
@@ -129,6 +131,50 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    import models
+    from hetshard.cluster import Cluster
+    from hetshard.cost.calibration import DEFAULT, Calibration
+    from hetshard.cost.profile import profile_model
+    from hetshard.sim import simulate, upper_bound_tokens_per_s
+    from hetshard.sim.export import write_chrome_trace, write_timeline_png
+    from hetshard.sim.simulator import annotate
+    from hetshard.solver.uniform import parse_fix, uniform_plan
+    cluster = Cluster.load(args.cluster)
+    config = models.resolve(args.model)
+    fix = parse_fix(args.fix)
+    seq_len = args.seq_len or config.seq
+    cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
+    profile = profile_model(args.model, seq_len, args.dtype)
+    plan = uniform_plan(args.model, profile, cluster, global_batch=args.global_batch,
+                        seq_len=seq_len, fix=fix, dtype=args.dtype, attention=args.attention)
+    result = simulate(plan, profile, cluster, cal)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    plan = annotate(plan, result, upper)
+    if args.trace:
+        write_chrome_trace(result, args.trace)
+    if args.png:
+        write_timeline_png(result, args.png)
+    out = result.to_dict()
+    out.update(upper_bound_tokens_per_s=upper, model_flops_counts_recompute=False,
+               plan=plan.to_dict())
+    if args.json:
+        _emit_json(out, args.json)
+    if args.json != "-":
+        print(plan.explain())
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from hetshard.cost.profiler import profile_backend
+    cal = profile_backend(quick=args.quick)
+    cal.save(args.out)
+    print(f"wrote {args.out}: " + ", ".join(
+        f"{n}: matmul_eff={e.matmul_eff:.3f} memory_eff={e.memory_eff:.3f}"
+        for n, e in cal.per_type))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetshard", description="Sharding planner and runtime "
                                 "for heterogeneous GPU clusters.")
@@ -149,6 +195,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name", nargs="?", help="a preset name or 'family:key=value,...' spec")
     json_flag(sp)
     sp.set_defaults(func=cmd_models)
+
+    sp = sub.add_parser("simulate", help="price a user-fixed uniform plan on a cluster")
+    sp.add_argument("--model", required=True, help="preset name or 'gpt:key=value,...' spec")
+    sp.add_argument("--cluster", required=True, help="preset name or spec file")
+    sp.add_argument("--global-batch", type=int, required=True)
+    sp.add_argument("--seq-len", type=int, default=None, help="default: the model's seq")
+    sp.add_argument("--fix", required=True,
+                    help="dp=,tp=,pp=,cp=,fsdp=true|false,mbs=,remat=none|selective|full,"
+                         "schedule=1f1b|gpipe")
+    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+    sp.add_argument("--calibration", default=None, help="a file written by hetshard profile")
+    sp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    sp.add_argument("--png", default=None, help="write a PNG timeline here")
+    json_flag(sp)
+    sp.set_defaults(func=cmd_simulate)
+
+    sp = sub.add_parser("profile", help="time matmuls, elementwise ops and collectives on "
+                                        "this backend; write a calibration file")
+    sp.add_argument("--out", default="calibration.json")
+    sp.add_argument("--quick", action="store_true", help="small shapes (tests)")
+    sp.set_defaults(func=cmd_profile)
     return p
 
 

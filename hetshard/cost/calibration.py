@@ -1,0 +1,103 @@
+"""Efficiency factors that turn datasheet peaks into attainable rates.
+
+``matmul_eff`` scales peak FLOP/s, ``memory_eff`` scales HBM bandwidth for the
+non-matmul (memory-bound) equations, ``fusion`` is the fraction of those
+equations' unfused bytes that reach HBM once XLA fuses elementwise chains,
+and ``comm_eff`` scales link bandwidths (NCCL bus bandwidth vs line rate).
+
+Defaults: ``matmul_eff``/``memory_eff``/``fusion`` for A100 were fitted on
+the 1.7B, 18.4B and 145.6B rows of Narayanan et al. 2021, Table 1 (see
+experiments/cost_model_accuracy.py, which reports the error on every other
+row). Other GPU types inherit the A100 factors unless a calibration file
+(``hetshard profile``) says otherwise. ``comm_eff`` 0.8: nccl-tests all-reduce
+bus bandwidth on DGX A100 reaches ~230 of 300 GB/s NVLink per direction.
+Latencies: ~10 us per NVLink hop and ~20 us per network hop (nccl-tests
+small-message all-reduce times, order of magnitude).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from hetshard.errors import SpecError, SpecParseError, check_positive
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    matmul_eff: float = 0.75
+    memory_eff: float = 0.8
+    fusion: float = 0.2
+    comm_eff: float = 0.8
+    intra_latency_s: float = 10e-6
+    inter_latency_s: float = 20e-6
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check_positive(f.name, getattr(self, f.name), where="calibration")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per GPU type efficiencies; types not listed use ``default``."""
+
+    default: Efficiency = Efficiency()
+    per_type: tuple[tuple[str, Efficiency], ...] = ()
+    source: str = "built-in defaults"
+
+    def for_type(self, name: str) -> Efficiency:
+        for n, e in self.per_type:
+            if n == name:
+                return e
+        return self.default
+
+    def with_type(self, name: str, eff: Efficiency) -> Calibration:
+        rest = tuple((n, e) for n, e in self.per_type if n != name)
+        return dataclasses.replace(self, per_type=rest + ((name, eff),))
+
+    def to_dict(self) -> dict:
+        return {"version": 1, "source": self.source,
+                "default": dataclasses.asdict(self.default),
+                "per_type": {n: dataclasses.asdict(e) for n, e in self.per_type}}
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "calibration") -> Calibration:
+        if not isinstance(d, dict) or d.get("version") != 1:
+            raise SpecError("version", d.get("version") if isinstance(d, dict) else d,
+                            "1 (a hetshard calibration file)", where=source)
+        fields = {f.name for f in dataclasses.fields(Efficiency)}
+
+        def eff(x, where):
+            extra = set(x) - fields
+            if extra:
+                raise SpecError(f"{where}.{sorted(extra)[0]}", x[sorted(extra)[0]],
+                                f"only {sorted(fields)}", where=source)
+            return Efficiency(**x)
+        return cls(default=eff(d.get("default", {}), "default"),
+                   per_type=tuple((n, eff(e, n)) for n, e in d.get("per_type", {}).items()),
+                   source=d.get("source", source))
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise SpecError("calibration", str(path), f"a readable file ({e.strerror})") \
+                from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecParseError(str(path), e.msg, line=e.lineno) from None
+        return cls.from_dict(data, source=str(path))
+
+
+# Fitted by experiments/cost_model_accuracy.py --fit (A100 rows 1.7B, 18.4B, 145.6B).
+DEFAULT = Calibration(default=Efficiency(), source="built-in defaults")

@@ -1,0 +1,113 @@
+"""Alpha-beta communication costs on a cluster's links.
+
+Collectives use the standard ring formulas (Thakur et al. 2005; NCCL's
+"bus bandwidth" convention): for n participants and S bytes,
+all-reduce moves 2(n-1)/n * S per device, all-gather and reduce-scatter
+(n-1)/n * S, all-to-all (n-1)/n * S; each ring step also costs a latency.
+A collective spanning several nodes is priced hierarchically (reduce-scatter
+inside each node, all-reduce across nodes on 1/g of the data, all-gather inside
+nodes), which is what NCCL's tree/ring hybrids achieve on multi-NIC nodes.
+Bandwidths are GB/s in one direction, scaled by the calibration's ``comm_eff``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import Calibration
+from hetshard.errors import SpecError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where a set of devices sits: GPUs per node used, nodes, and the bottleneck links."""
+
+    n: int
+    per_node: int
+    nodes: int
+    intra_gbs: float
+    inter_gbs: float  # per node, one direction (already the min over groups crossed)
+    groups: int
+
+
+def topology(cluster: Cluster, device_ids: Sequence[int]) -> Topology:
+    slots = cluster.slots()
+    if not device_ids:
+        raise SpecError("device_ids", list(device_ids), "at least one device")
+    nodes: dict[tuple[str, int], int] = {}
+    groups = set()
+    for i in device_ids:
+        s = slots[i]
+        nodes[(s.group, s.node)] = nodes.get((s.group, s.node), 0) + 1
+        groups.add(s.group)
+    gs = [cluster.group(g) for g in groups]
+    inter = min(g.inter_node_gbs for g in gs)
+    if len(groups) > 1:
+        inter = min(inter, cluster.inter_group_gbs)
+    return Topology(n=len(device_ids), per_node=max(nodes.values()), nodes=len(nodes),
+                    intra_gbs=min(g.intra_node_gbs for g in gs), inter_gbs=inter,
+                    groups=len(groups))
+
+
+def _ring(volume_factor: float, nbytes: float, n: int, gbs: float, latency_s: float,
+          steps: int) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return volume_factor * nbytes / (gbs * 1e9) + steps * latency_s
+
+
+def collective_time(kind: str, nbytes: float, topo: Topology, cal: Calibration,
+                    gpu_name: str) -> float:
+    """Seconds for collective ``kind`` over ``topo`` of a buffer of ``nbytes`` per device
+    (the full, unsharded size for all-gather outputs and reduce-scatter inputs)."""
+    if kind not in COLLECTIVES:
+        raise SpecError("collective", kind, f"one of {COLLECTIVES}")
+    e = cal.for_type(gpu_name)
+    n, g, k = topo.n, topo.per_node, topo.nodes
+    intra = topo.intra_gbs * e.comm_eff
+    inter = topo.inter_gbs * e.comm_eff
+    if n <= 1:
+        return 0.0
+    if kind == "all_to_all":
+        if k == 1:
+            return _ring((n - 1) / n, nbytes, n, intra, e.intra_latency_s, n - 1)
+        # The share leaving the node crosses the NIC, shared by the node's g GPUs.
+        return _ring((n - g) / n * g, nbytes, n, inter, e.inter_latency_s, n - 1)
+    half = kind != "all_reduce"
+    factor = 1.0 if half else 2.0
+    if k == 1:
+        return _ring(factor * (n - 1) / n, nbytes, n, intra, e.intra_latency_s,
+                     (1 if half else 2) * (n - 1))
+    t_intra = _ring(factor * (g - 1) / g, nbytes, g, intra, e.intra_latency_s,
+                    (1 if half else 2) * (g - 1))
+    # Across nodes each node moves its 1/g-th shard per GPU over the node's NICs
+    # together: per-node traffic factor*(k-1)/k * nbytes over inter_gbs.
+    t_inter = _ring(factor * (k - 1) / k, nbytes, k, inter, e.inter_latency_s,
+                    (1 if half else 2) * (k - 1))
+    return t_intra + t_inter
+
+
+def p2p_time(nbytes: float, cluster: Cluster, src: Sequence[int], dst: Sequence[int],
+             cal: Calibration) -> float:
+    """Seconds to send an activation of ``nbytes`` (in total) from devices ``src`` to
+    ``dst`` (pipeline send): same node -> NVLink/PCIe; else the nodes' NICs, or the link
+    between groups."""
+    if nbytes <= 0:
+        return 0.0
+    slots = cluster.slots()
+    a, b = slots[src[0]], slots[dst[0]]
+    e = cal.for_type(cluster.group(a.group).gpu.name)
+    if (a.group, a.node) == (b.group, b.node):
+        # Each of the stage's devices sends its share over its own link.
+        return nbytes / len(src) / (cluster.group(a.group).intra_node_gbs * 1e9 * e.comm_eff) \
+            + e.intra_latency_s
+    if a.group == b.group:
+        gbs = cluster.group(a.group).inter_node_gbs
+    else:
+        gbs = min(cluster.inter_group_gbs, cluster.group(a.group).inter_node_gbs,
+                  cluster.group(b.group).inter_node_gbs)
+    return nbytes / (gbs * 1e9 * e.comm_eff) + e.inter_latency_s

@@ -1,0 +1,193 @@
+"""Per-layer cost profile of a model, linear in the micro-batch size.
+
+Every quantity ``q`` of a layer (per-op flops and bytes, saved residual bytes,
+...) is ``q(b) = q0 + q1 * b`` for micro-batch size ``b``: the model is traced
+at b=2 and b=4 and the two traces (same equations, other shapes) are
+differenced (b=1 is avoided: size-1 dimensions trace to other equations).
+Identical blocks are traced twice at most (a 2-block copy of the model) and
+replicated, so profiling llama-70b costs the same as a 2-layer model.
+The batch-independent part of the residuals (the compute-dtype copies of the
+weights that autodiff keeps) is reported separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+
+import models
+from hetshard.errors import SpecError
+from hetshard.ir.graph import OpGraph
+from hetshard.ir.train_step import trace_train_step, with_layers
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerProfile:
+    """Costs of one layer; arrays have one entry per equation of the layer."""
+
+    name: str
+    kind: str  # layers of one kind are identical blocks
+    fwd_flops: tuple[np.ndarray, np.ndarray]  # (q0, q1): flops(b) = q0 + q1 * b
+    fwd_bytes: tuple[np.ndarray, np.ndarray]
+    bwd_flops: tuple[np.ndarray, np.ndarray]
+    bwd_bytes: tuple[np.ndarray, np.ndarray]
+    fwd_matmul: np.ndarray  # bool per forward equation: dot_general / convolution
+    bwd_matmul: np.ndarray
+    fwd_attention: np.ndarray  # bool per forward equation: inside hetshard_attention
+    residual_bytes_per_sample: float
+    attention_residual_bytes_per_sample: float
+    weight_copy_bytes: float  # batch-independent saved values (compute-dtype weights)
+    boundary_bytes_per_sample: float  # activation handed to the next layer
+    param_bytes: int
+    param_count: int
+
+    def flops(self, b: float) -> float:
+        """Forward + backward flops for a micro-batch of ``b`` samples (no recompute)."""
+        return float(self.fwd_flops[0].sum() + self.bwd_flops[0].sum() +
+                     b * (self.fwd_flops[1].sum() + self.bwd_flops[1].sum()))
+
+    def fwd_total_flops(self, b: float) -> float:
+        return float(self.fwd_flops[0].sum() + b * self.fwd_flops[1].sum())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelProfile:
+    """The layers of a model in execution order, with optimizer-state and token counts."""
+
+    model: str
+    seq_len: int
+    dtype: str
+    layers: tuple[LayerProfile, ...]
+    opt_bytes_per_param_byte: float
+    opt_update_bytes_per_param_byte: float  # HBM traffic of the optimizer update
+    tokens_per_sample: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    def flops_per_sample(self) -> float:
+        """Model flops (forward + backward, no recompute) of one sample."""
+        return sum(layer.flops(2) - layer.flops(1) for layer in self.layers) + \
+            sum(layer.flops(0) for layer in self.layers)
+
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+
+MATMULS = ("dot_general", "conv_general_dilated")
+_BLOCK = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)$")
+
+
+def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
+    per: dict[str, dict[str, list]] = {}
+    for op in graph.ops:
+        if op.phase in ("fwd", "bwd"):
+            d = per.setdefault(op.layer, {"fwd": [], "bwd": []})
+            d[op.phase].append(op)
+    return per
+
+
+def _boundary(graph: OpGraph) -> dict[str, float]:
+    order = {name: i for i, name in enumerate(graph.layers)}
+    seen: dict[str, set[int]] = {}
+    out: dict[str, float] = {}
+    for src, dst, nbytes in graph.edges:
+        s, d = graph.ops[src], graph.ops[dst]
+        if s.phase == d.phase == "fwd" and s.layer != d.layer and \
+                order.get(d.layer, -1) > order.get(s.layer, -1):
+            if src not in seen.setdefault(s.layer, set()):
+                seen[s.layer].add(src)
+                out[s.layer] = out.get(s.layer, 0.0) + nbytes
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
+    """Traces ``model`` (name, spec or config) and returns its :class:`ModelProfile`."""
+    config = models.resolve(model)
+    reduced = with_layers(config, 2)
+    g1 = trace_train_step(reduced, micro_batch=2, seq_len=seq_len, dtype=dtype)
+    g2 = trace_train_step(reduced, micro_batch=4, seq_len=seq_len, dtype=dtype)
+    p1, p2 = _split(g1), _split(g2)
+    t1, t2 = g1.layer_totals(), g2.layer_totals()
+    b1, b2 = _boundary(g1), _boundary(g2)
+    counts = _param_counts(g1)
+    reduced_layers: dict[str, LayerProfile] = {}
+    for name in g1.layers:
+        arrays = {}
+        for phase in ("fwd", "bwd"):
+            o1, o2 = p1[name][phase], p2[name][phase]
+            if [o.primitive for o in o1] != [o.primitive for o in o2]:
+                raise SpecError("model", str(model), "a model whose traced step has the same "
+                                f"equations at every batch size (layer {name} differs)")
+            for q in ("flops", "bytes"):
+                a1 = np.array([getattr(o, q) for o in o1])
+                a2 = np.array([getattr(o, q) for o in o2])
+                arrays[f"{phase}_{q}"] = _linear(a1, a2)
+            arrays[f"{phase}_matmul"] = np.array([o.primitive in MATMULS for o in o1], bool)
+        arrays["fwd_attention"] = np.array(
+            [o.region == "hetshard_attention" for o in p1[name]["fwd"]], bool)
+        res = _linear(t1[name].get("residual_bytes", 0.0), t2[name].get("residual_bytes", 0.0))
+        attn = _linear(t1[name].get("attention_residual_bytes", 0.0),
+                       t2[name].get("attention_residual_bytes", 0.0))
+        bnd = _linear(b1.get(name, 0.0), b2.get(name, 0.0))
+        m = _BLOCK.match(name)
+        kind = f"{m.group('stack')}/block" if m else name
+        reduced_layers[name] = LayerProfile(
+            name=name, kind=kind, **arrays,
+            residual_bytes_per_sample=res[1], attention_residual_bytes_per_sample=attn[1],
+            weight_copy_bytes=max(res[0], 0.0), boundary_bytes_per_sample=bnd[1],
+            param_bytes=int(t1[name].get("params", 0)), param_count=counts.get(name, 0))
+    layers = []
+    for name in g1.layers:
+        m = _BLOCK.match(name)
+        if not m:
+            layers.append(reduced_layers[name])
+            continue
+        if m.group("i") != "0":
+            continue  # replicate the first block of each stack to the full depth
+        stack = m.group("stack")
+        depth = _depth(config, stack)
+        src = reduced_layers[f"{stack}/layer_{min(1, depth - 1)}"] \
+            if f"{stack}/layer_1" in reduced_layers else reduced_layers[name]
+        for i in range(depth):
+            layers.append(dataclasses.replace(src, name=f"{stack}/layer_{i}"))
+    opt_ratio = g1.opt_state_bytes / max(sum(g1.param_bytes), 1)
+    return ModelProfile(
+        model=str(model), seq_len=seq_len, dtype=dtype, layers=tuple(layers),
+        opt_bytes_per_param_byte=opt_ratio,
+        # A fused update reads parameter, gradient and state and writes parameter and
+        # state once; the traced (unfused) equation bytes would overcount it ~6x.
+        opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
+        tokens_per_sample=seq_len)
+
+
+def _linear(at2, at4):
+    """(q0, q1) with q(b) = q0 + q1 * b from values at b=2 and b=4."""
+    q1 = (np.asarray(at4) - np.asarray(at2)) / 2.0
+    return np.asarray(at2) - 2.0 * q1, q1
+
+
+def _depth(config, stack: str) -> int:
+    if isinstance(config, models.MLLMConfig):
+        return config.vision.layers if stack == "vision" else config.text.layers
+    return config.layers
+
+
+def _param_counts(graph: OpGraph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer, n in zip(graph.param_layers, graph.param_sizes, strict=True):
+        out[layer] = out.get(layer, 0) + n
+    return out

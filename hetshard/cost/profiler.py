@@ -1,0 +1,60 @@
+"""``hetshard profile``: measure this backend and write a calibration.
+
+Times jitted matmuls of several shapes, an elementwise op streaming a large
+buffer, and (when there are several local devices) an all-reduce over them;
+the achieved rates divided by the catalog's peaks for the local device type
+become that type's ``matmul_eff``, ``memory_eff`` and ``comm_eff``. On CPU this
+calibrates the ``CPU`` type (whose catalog peaks are nominal), on a GPU its type.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetshard.cluster.catalog import device_type_for_kind
+from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
+
+
+def _best_time(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def profile_backend(quick: bool = False, base: Calibration = DEFAULT) -> Calibration:
+    dev = jax.devices()[0]
+    gpu = device_type_for_kind(dev.device_kind)
+    dtype = jnp.bfloat16 if dev.platform == "gpu" else jnp.float32
+    sizes = [256, 512] if quick else [1024, 2048, 4096]
+    rates = []
+    for n in sizes:
+        a = jnp.ones((n, n), dtype)
+        t = _best_time(jax.jit(lambda x: x @ x), a)
+        rates.append(2 * n ** 3 / t)
+    peak = gpu.peak_flops("bfloat16" if dtype == jnp.bfloat16 else "float32")
+    matmul_eff = max(rates) / peak
+    n = 1 << (20 if quick else 26)
+    x = jnp.ones((n,), jnp.float32)
+    t = _best_time(jax.jit(lambda v: v * 2.0 + 1.0), x)
+    memory_eff = (2 * n * 4 / t) / (gpu.memory_gbs * 1e9)
+    comm_eff = base.default.comm_eff
+    devs = jax.local_devices()
+    if len(devs) > 1:
+        m = 1 << (16 if quick else 22)
+        arr = jax.device_put_sharded([jnp.ones((m,), jnp.float32)] * len(devs), devs)
+        f = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", devices=devs)
+        t = _best_time(f, arr)
+        bus = 2 * (len(devs) - 1) / len(devs) * m * 4 / t
+        comm_eff = bus / (gpu.intra_node_gbs * 1e9)
+    eff = Efficiency(matmul_eff=float(matmul_eff), memory_eff=float(memory_eff),
+                     fusion=base.default.fusion, comm_eff=float(np.clip(comm_eff, 1e-6, 10)))
+    return Calibration(default=base.default, per_type=((gpu.name, eff),),
+                       source=f"hetshard profile on {dev.device_kind} ({dev.platform})")

@@ -1,0 +1,145 @@
+"""Time and memory of one pipeline stage: a layer range on a (tp x cp) submesh of one
+GPU type, replicated ``dp`` ways, running micro-batches of ``mbs`` samples.
+
+Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``;
+non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
+chains). Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's
+four activation all-reduces per layer (two forward, two backward; Shoeybi et al.
+2019, with sequence parallelism as reduce-scatter + all-gather of the same volume,
+Korthikanti et al. 2022). Context parallelism divides activations by ``cp`` and adds
+the K/V ring exchange, hidden behind compute where it is shorter (Liu et al. 2023).
+FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
+overlapped with the layer's compute, and turns the gradient all-reduce into a
+reduce-scatter.
+
+Memory per device (Korthikanti et al. 2022, §4): parameters, gradients and
+optimizer state (divided by tp, and by dp under FSDP), the compute-dtype weight
+copies autodiff keeps, and activations: the traced residuals per sample times the
+micro-batch size times the micro-batches in flight (1F1B: p - stage; GPipe: all),
+reduced by remat: ``selective`` drops attention's residuals (recomputed), ``full``
+keeps only each layer's input plus one layer's working set. With the flash
+attention kernel (``attention="flash"``, the default: hetshard's runtime swaps it
+in), attention keeps only O(S) state and its backward recomputes the scores, so
+attention's residuals are never stored whatever the remat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hetshard.cluster.catalog import DeviceType
+from hetshard.cost.calibration import Calibration
+from hetshard.cost.comm import Topology, collective_time
+from hetshard.cost.profile import ModelProfile
+from hetshard.errors import SpecError
+
+REMATS = ("none", "selective", "full")
+ATTENTIONS = ("flash", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    fwd_s: float  # one micro-batch forward, communication included
+    bwd_s: float  # one micro-batch backward, recomputation included
+    grad_sync_bytes: float  # gradient bytes per device to synchronise across replicas
+    optimizer_s: float
+    model_flops: float  # one micro-batch, whole stage (all tp*cp devices), no recompute
+    hardware_flops: float  # with recompute
+    memory_static_bytes: float  # per device: params, grads, optimizer state, weight copies
+    memory_per_microbatch_bytes: float  # per device, per micro-batch in flight
+    memory_working_bytes: float  # per device, transient (recompute working set)
+
+    def peak_memory(self, inflight: int) -> float:
+        return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
+                self.memory_working_bytes)
+
+
+def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray, peak: float,
+              bw: float, fusion: float) -> float:
+    eff_bytes = np.where(matmul, nbytes, nbytes * fusion)
+    return float(np.maximum(flops / peak, eff_bytes / bw).sum())
+
+
+def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
+               cp: int = 1, dp: int = 1, fsdp: bool = False, mbs: int = 1,
+               remat: str = "none", attention: str = "flash", cal: Calibration,
+               tp_topo: Topology | None = None,
+               cp_topo: Topology | None = None, dp_topo: Topology | None = None) -> StageCost:
+    """Prices layers ``[start, end)`` of ``profile`` (see the module docstring)."""
+    if remat not in REMATS:
+        raise SpecError("remat", remat, f"one of {REMATS}")
+    if attention not in ATTENTIONS:
+        raise SpecError("attention", attention, f"one of {ATTENTIONS}")
+    if not 0 <= start < end <= profile.num_layers:
+        raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
+    e = cal.for_type(gpu.name)
+    peak = gpu.peak_flops(profile.dtype) * e.matmul_eff
+    bw = gpu.memory_gbs * 1e9 * e.memory_eff
+    shard = tp * cp
+    fwd = bwd = recompute = 0.0
+    model_flops = hw_flops = 0.0
+    act = static_copy = param_bytes = 0.0
+    working = 0.0
+    for layer in profile.layers[start:end]:
+        ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
+        fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
+        bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
+        bb = layer.bwd_bytes[0] / tp + layer.bwd_bytes[1] * mbs / shard
+        t_f = _ops_time(ff, fb, layer.fwd_matmul, peak, bw, e.fusion)
+        t_b = _ops_time(bf, bb, layer.bwd_matmul, peak, bw, e.fusion)
+        act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
+        if tp > 1 and tp_topo is not None:
+            ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
+            t_f += 2 * ar
+            t_b += 2 * ar
+        if cp > 1 and cp_topo is not None and layer.fwd_attention.any():
+            # K and V chunks travel the ring (cp - 1 steps): the volume of an all-gather
+            # of the sequence's K and V (~2x the activation), overlapped with attention.
+            ring = collective_time("all_gather", 2 * act_bytes * cp / tp, cp_topo, cal,
+                                   gpu.name)
+            t_attn = _ops_time(ff[layer.fwd_attention], fb[layer.fwd_attention],
+                               layer.fwd_matmul[layer.fwd_attention], peak, bw, e.fusion)
+            t_f += max(0.0, ring - t_attn)
+            t_b += 2 * max(0.0, ring - t_attn)
+        if fsdp and dp > 1 and dp_topo is not None:
+            ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name)
+            t_f = max(t_f, ag)
+            t_b = max(t_b, ag)
+        if remat == "full":
+            recompute += t_f
+        elif remat == "selective" or attention == "flash":
+            # The flash kernel's backward recomputes the attention scores from q, k and v
+            # (Dao 2023), which costs what selective recomputation of attention costs.
+            mask = layer.fwd_attention
+            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak, bw,
+                                   e.fusion)
+        fwd += t_f
+        bwd += t_b
+        f_model = layer.flops(mbs)
+        model_flops += f_model
+        hw_flops += f_model + (layer.fwd_total_flops(mbs) if remat == "full" else 0.0)
+        res = layer.residual_bytes_per_sample * mbs / shard
+        attn = layer.attention_residual_bytes_per_sample * mbs / shard
+        if remat == "none" and attention == "reference":
+            act += res
+        elif remat in ("none", "selective"):
+            act += res - attn
+            working = max(working, attn)
+        else:
+            act += layer.boundary_bytes_per_sample * mbs / shard
+            working = max(working, res)
+        static_copy += layer.weight_copy_bytes / tp
+        param_bytes += layer.param_bytes / tp
+    if remat == "selective" or (remat == "none" and attention == "flash"):
+        hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
+                        for layer in profile.layers[start:end])
+    shard_dp = dp if fsdp else 1
+    static = (param_bytes * (2.0 + profile.opt_bytes_per_param_byte)) / shard_dp + \
+        (static_copy / shard_dp if fsdp else static_copy)
+    optimizer_s = param_bytes / shard_dp * profile.opt_update_bytes_per_param_byte / bw
+    return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
+                     optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
+                     memory_static_bytes=static, memory_per_microbatch_bytes=act,
+                     memory_working_bytes=working)

@@ -1,0 +1,98 @@
+"""OpGraph: one node per jaxpr equation, with flops, bytes, layer and phase.
+
+Built by :func:`hetshard.ir.trace.trace`. Layers come from the models'
+``jax.named_scope``\\ s (``decoder/layer_7``); the phase from JAX's autodiff
+name-stack wrappers: ``jvp(...)`` is the forward pass, ``transpose(jvp(...))``
+the backward pass, and anything outside ``value_and_grad`` (the optimizer
+update) is ``opt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+
+PHASES = ("fwd", "bwd", "opt")
+
+
+@dataclasses.dataclass
+class Op:
+    """One equation. ``flops`` and ``bytes`` already include scan trip counts."""
+
+    index: int
+    primitive: str
+    layer: str
+    phase: str
+    flops: float
+    bytes: float
+    out_bytes: float
+    region: str  # innermost named jit call, e.g. "hetshard_attention" ("" if none)
+    signature: tuple
+
+
+@dataclasses.dataclass
+class OpGraph:
+    """Ops in program order plus tensor edges ``(producer, consumer, bytes)``.
+
+    ``param_layers`` maps each parameter (by flat index) to the layer that
+    first reads it; ``param_bytes`` and ``param_sizes`` give its bytes and elements.
+    """
+
+    ops: list[Op]
+    edges: list[tuple[int, int, float]]
+    param_layers: list[str]
+    param_bytes: list[int]
+    param_sizes: list[int]
+    opt_state_bytes: int
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer tags in forward program order (untagged ops are attached to a neighbour)."""
+        seen: dict[str, None] = {}
+        for op in self.ops:
+            if op.phase == "fwd" and op.layer:
+                seen.setdefault(op.layer, None)
+        return list(seen)
+
+    def total_flops(self, phase: str | None = None) -> float:
+        return float(sum(op.flops for op in self.ops if phase in (None, op.phase)))
+
+    def layer_totals(self) -> dict[str, dict[str, float]]:
+        """Per layer: ``{fwd,bwd}_{flops,bytes}``, ``residual_bytes`` (forward values the
+        backward reads: the activation memory of a micro-batch without remat),
+        ``attention_residual_bytes`` (the part produced inside attention) and
+        ``params`` (bytes of parameters first read by the layer)."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for op in self.ops:
+            if op.phase in ("fwd", "bwd"):
+                out[op.layer][f"{op.phase}_flops"] += op.flops
+                out[op.layer][f"{op.phase}_bytes"] += op.bytes
+        consumed_by_bwd: dict[int, float] = {}
+        for src, dst, nbytes in self.edges:
+            s, d = self.ops[src], self.ops[dst]
+            if s.phase == "fwd" and d.phase == "bwd":
+                consumed_by_bwd[src] = max(consumed_by_bwd.get(src, 0.0), nbytes)
+        for src, nbytes in consumed_by_bwd.items():
+            s = self.ops[src]
+            out[s.layer]["residual_bytes"] += nbytes
+            if s.region == "hetshard_attention":
+                out[s.layer]["attention_residual_bytes"] += nbytes
+        for layer, nbytes in zip(self.param_layers, self.param_bytes, strict=True):
+            out[layer]["params"] += nbytes
+        return {k: dict(v) for k, v in out.items()}
+
+    def layer_signature(self, layer: str) -> tuple:
+        """Shapes and primitives of the layer's forward and backward ops, in order."""
+        return tuple(op.signature for op in self.ops if op.layer == layer and op.phase != "opt")
+
+    def identical_layers(self) -> list[list[str]]:
+        """Layers grouped by identical signature (identical blocks are priced once)."""
+        groups: dict[tuple, list[str]] = {}
+        for layer in self.layers:
+            groups.setdefault(self.layer_signature(layer), []).append(layer)
+        return list(groups.values())
+
+    def flops_array(self) -> np.ndarray:
+        return np.array([op.flops for op in self.ops])

@@ -1,0 +1,242 @@
+"""Tracing a train step (or a loss) to an :class:`OpGraph` on abstract inputs.
+
+The step is traced with ``jax.make_jaxpr`` on ``jax.ShapeDtypeStruct``\\ s, so
+no weight memory is used. Equations are visited recursively: ``jit``,
+``custom_jvp_call``/``custom_vjp_call`` and ``remat`` bodies are inlined,
+a ``scan`` body is counted ``length`` times, a ``cond`` counts its costliest
+branch and a ``while`` body once (its trip count is unknown; a warning says so).
+Flops and bytes per equation come from ``jax.experimental.roofline``'s rules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.experimental.roofline  # noqa: F401  (registers the per-primitive rules)
+import numpy as np
+from jax.extend import core as jcore
+
+from hetshard.ir.graph import Op, OpGraph
+
+_rl = importlib.import_module("jax.experimental.roofline.roofline")
+
+_LAYER_RE = re.compile(r"([A-Za-z_][\w\-]*/(?:layer_\d+|embed|head)|projector)")
+_NESTED = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def layer_of(name_stack: str) -> str:
+    """The innermost layer scope in a name stack ('' when there is none)."""
+    found = _LAYER_RE.findall(name_stack)
+    return found[-1] if found else ""
+
+
+def phase_of(name_stack: str) -> str:
+    if "transpose(" in name_stack:
+        return "bwd"
+    if "jvp(" in name_stack:
+        return "fwd"
+    return "opt"
+
+
+def _aval(v):
+    return v.aval if isinstance(v, jcore.Var) else jax.typeof(v.val)
+
+
+def _nbytes(aval) -> float:
+    shape = getattr(aval, "shape", ())
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0.0
+    n = 1
+    for d in shape:
+        n *= d
+    return float(n * dtype.itemsize)
+
+
+def _roofline(eqn, name_stack) -> tuple[float, float]:
+    rule = _rl._rooflines.get(eqn.primitive)
+    if rule is None:
+        _warn_once(f"no roofline rule for {eqn.primitive.name}: counted as 0 flops, "
+                   "its inputs and outputs as bytes")
+        return 0.0, sum(_nbytes(_aval(v)) for v in (*eqn.invars, *eqn.outvars))
+    avals_in = [_aval(v) for v in eqn.invars]
+    avals_out = [_aval(v) for v in eqn.outvars]
+    ctx = _rl.RooflineRuleContext(
+        name_stack=eqn.source_info.name_stack, primitive=eqn.primitive, avals_in=avals_in,
+        avals_out=avals_out, jaxpr_eqn_ctx=eqn.ctx, mesh=None, pin_lhs_in_vmem=False,
+        pin_rhs_in_vmem=False)
+    shapes = [_rl.RooflineShape.from_aval(a) for a in avals_in]
+    try:
+        r = rule(ctx, *shapes, **eqn.params)
+    except Exception as e:  # a rule that cannot handle these shapes: count bytes only
+        _warn_once(f"roofline rule for {eqn.primitive.name} failed ({e}); counted as bytes")
+        return 0.0, sum(_nbytes(a) for a in (*avals_in, *avals_out))
+    flops = float(max(r.flops, r.unfused_flops))
+    nbytes = float(r.unfused_hbm_bytes or r.hbm_bytes or
+                   sum(_nbytes(a) for a in (*avals_in, *avals_out)))
+    return flops, nbytes
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+class _Builder:
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.edges: list[tuple[int, int, float]] = []
+        self.producer: dict = {}  # var -> op index (after inlining)
+
+    def visit(self, jaxpr, env: dict, scale: float, outer_stack: str, region: str):
+        """Visits ``jaxpr`` whose invars are bound (in ``env``) to producer op indices."""
+        for eqn in jaxpr.eqns:
+            stack = f"{outer_stack}/{eqn.source_info.name_stack}" if outer_stack else \
+                str(eqn.source_info.name_stack)
+            sub = self._nested(eqn)
+            if sub is not None:
+                body, mult, sub_region = sub
+                inner_env = {}
+                for inner, outer in zip(body.invars, eqn.invars[-len(body.invars):],
+                                        strict=False):
+                    if isinstance(outer, jcore.Var) and outer in env:
+                        inner_env[inner] = env[outer]
+                self.visit(body, inner_env, scale * mult, stack,
+                           sub_region or region)
+                for inner, outer in zip(body.outvars, eqn.outvars, strict=False):
+                    if isinstance(inner, jcore.Var) and inner in inner_env:
+                        env[outer] = inner_env[inner]
+                continue
+            flops, nbytes = _roofline(eqn, stack)
+            idx = len(self.ops)
+            sig = (eqn.primitive.name,
+                   tuple((tuple(getattr(_aval(v), "shape", ())),
+                          str(getattr(_aval(v), "dtype", ""))) for v in eqn.invars),
+                   tuple(tuple(v.aval.shape) for v in eqn.outvars))
+            self.ops.append(Op(idx, eqn.primitive.name, layer_of(stack), phase_of(stack),
+                               flops * scale, nbytes * scale,
+                               sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig))
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var) and v in env:
+                    src = env[v]
+                    if src >= 0:
+                        self.edges.append((src, idx, _nbytes(v.aval)))
+            for v in eqn.outvars:
+                env[v] = idx
+
+    @staticmethod
+    def _nested(eqn):
+        name = eqn.primitive.name
+        if name == "scan":
+            return _open(eqn.params["jaxpr"]), float(eqn.params["length"]), ""
+        if name == "while":
+            _warn_once("while loop: its body is counted once (trip count unknown)")
+            return _open(eqn.params["body_jaxpr"]), 1.0, ""
+        if name == "cond":
+            branches = [_open(b) for b in eqn.params["branches"]]
+            return max(branches, key=lambda j: len(j.eqns)), 1.0, ""
+        for key in _NESTED:
+            if key in eqn.params and hasattr(_open(eqn.params[key]), "eqns"):
+                region = eqn.params.get("name", "") if name in ("jit", "pjit") else ""
+                return _open(eqn.params[key]), 1.0, str(region)
+        return None
+
+
+def _open(j):
+    return getattr(j, "jaxpr", j)
+
+
+def trace(fn: Callable, *args, param_argnum: int | None = 0,
+          opt_state_argnum: int | None = None) -> OpGraph:
+    """Traces ``fn(*args)`` (arrays or ``ShapeDtypeStruct``\\ s) to an :class:`OpGraph`.
+
+    ``args[param_argnum]`` (a pytree) holds the parameters: each is attributed
+    to the layer that first reads it. ``args[opt_state_argnum]``, if given,
+    holds optimizer state, whose bytes are recorded.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    jaxpr = closed.jaxpr
+    b = _Builder()
+    env = {v: -1 for v in jaxpr.invars}
+    b.visit(jaxpr, env, 1.0, "", "")
+    leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
+    param_layers: list[str] = []
+    param_bytes: list[int] = []
+    param_sizes: list[int] = []
+    if param_argnum is not None:
+        start = sum(leaves_per_arg[:param_argnum])
+        pvars = jaxpr.invars[start:start + leaves_per_arg[param_argnum]]
+        first_reader = _first_readers(jaxpr, b, pvars)
+        for v in pvars:
+            param_layers.append(first_reader.get(v, ""))
+            param_bytes.append(int(_nbytes(v.aval)))
+            param_sizes.append(int(math.prod(v.aval.shape)))
+    opt_bytes = 0
+    if opt_state_argnum is not None:
+        opt_bytes = int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(args[opt_state_argnum])))
+    _attach_untagged(b.ops)
+    return OpGraph(b.ops, b.edges, param_layers, param_bytes, param_sizes, opt_bytes)
+
+
+def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
+    """Layer of the first forward op reading each parameter var (through inlining)."""
+    # Re-walk with markers: bind each param var to a negative sentinel and see which op
+    # index first consumes it. Cheaper: record during a second light visit.
+    marks = {v: -(i + 2) for i, v in enumerate(pvars)}
+    readers: dict = {}
+
+    def walk(jx, env):
+        for eqn in jx.eqns:
+            sub = _Builder._nested(eqn)
+            if sub is not None:
+                body = sub[0]
+                inner = {}
+                for iv, ov in zip(body.invars, eqn.invars[-len(body.invars):], strict=False):
+                    if isinstance(ov, jcore.Var) and ov in env:
+                        inner[iv] = env[ov]
+                walk(body, inner)
+                continue
+            stack = str(eqn.source_info.name_stack)
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var) and v in env and env[v] not in readers:
+                    readers[env[v]] = layer_of(stack)
+            # Casts and copies of a parameter still identify it.
+            if eqn.primitive.name in ("convert_element_type", "copy", "copy_p") and \
+                    isinstance(eqn.invars[0], jcore.Var) and eqn.invars[0] in env:
+                env[eqn.outvars[0]] = env[eqn.invars[0]]
+
+    walk(jaxpr, dict(marks))
+    out = {}
+    for v, m in marks.items():
+        out[v] = readers.get(m, "")
+    return out
+
+
+def _attach_untagged(ops: list[Op]) -> None:
+    """Gives untagged forward/backward ops the layer of the nearest tagged op before them
+    in the same phase (or after, at the start): loss ops join the head, input
+    reshapes join the first layer."""
+    for phase in ("fwd", "bwd"):
+        idx = [i for i, op in enumerate(ops) if op.phase == phase]
+        last = ""
+        pending: list[int] = []
+        for i in idx:
+            if ops[i].layer:
+                last = ops[i].layer
+                for j in pending:
+                    ops[j].layer = last
+                pending = []
+            elif last:
+                ops[i].layer = last
+            else:
+                pending.append(i)

@@ -1,0 +1,294 @@
+"""The Plan: the one contract between the planner, the simulator and the runtime.
+
+A plan for one step of global batch ``B`` (see DESIGN.md, "The plan model"):
+``pipelines`` are data-parallel replicas, possibly different from each other,
+each with a ``batch_share`` (shares sum to B), micro-batch size and count, and
+``stages``: contiguous layer ranges on submeshes of one GPU type with a named
+mesh shape. ``grad_sync`` says which devices sum which layers' gradients;
+``context`` gives per-device sequence chunks; ``predicted`` and ``solver`` record
+what the simulator and solver said. Plans serialise to versioned JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hetshard.errors import SpecError, SpecParseError
+
+SCHEMA_VERSION = 1
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Layers ``[start, end)`` on ``devices`` (cluster device ids, one GPU type)."""
+
+    start: int
+    end: int
+    devices: tuple[int, ...]
+    gpu: str
+    mesh_shape: tuple[tuple[str, int], ...]  # ordered (axis, size); product == len(devices)
+    remat: str = "none"
+    shardings: tuple[tuple[str, tuple], ...] = ()  # (param or activation path, spec)
+    predicted_fwd_s: float = 0.0
+    predicted_bwd_s: float = 0.0
+    predicted_memory_bytes: float = 0.0
+
+    def axis(self, name: str) -> int:
+        return dict(self.mesh_shape).get(name, 1)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    batch_share: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str = "1f1b"
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSync:
+    """Layers ``[start, end)``: gradients summed over ``devices``, pipeline ``weights``."""
+
+    start: int
+    end: int
+    devices: tuple[int, ...]
+    weights: tuple[float, ...]
+    collective: str = "all_reduce"
+    overlap: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    degree: int = 1
+    chunk_lengths: tuple[int, ...] = ()
+    zigzag: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops_per_gpu: float = 0.0
+    mfu: float = 0.0
+    bubble_fraction: float = 0.0
+    peak_memory_bytes: float = 0.0
+    fits: bool = True
+    upper_bound_tokens_per_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverStats:
+    wall_time_s: float = 0.0
+    status: str = "fixed"
+    gap: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str
+    cluster: dict
+    global_batch: int
+    seq_len: int
+    pipelines: tuple[Pipeline, ...]
+    grad_sync: tuple[GradSync, ...] = ()
+    context: Context = Context()
+    dtype: str = "bfloat16"
+    fsdp: bool = False
+    attention: str = "flash"  # "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory)
+    predicted: Predicted = Predicted()
+    solver: SolverStats = SolverStats()
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        validate(self)
+
+    # ---- serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(dataclasses.asdict(self))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = "plan") -> Plan:
+        if not isinstance(d, dict):
+            raise SpecError("plan", type(d).__name__, "a JSON object", where=source)
+        if d.get("version") != SCHEMA_VERSION:
+            raise SpecError("version", d.get("version"),
+                            f"{SCHEMA_VERSION} (this hetshard's plan schema)", where=source)
+        try:
+            return _from(cls, d)
+        except (TypeError, KeyError) as e:
+            raise SpecError("plan", "malformed", f"a plan of schema {SCHEMA_VERSION} ({e})",
+                            where=source) from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "plan JSON") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecParseError(source, e.msg, line=e.lineno) from None
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise SpecError("plan", str(path), f"a readable plan file ({e.strerror})") from None
+        return cls.from_json(text, source=str(path))
+
+    # ---- views -----------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return sum(len(p.devices) for p in self.pipelines)
+
+    def explain(self) -> str:
+        """A readable table of the plan."""
+        lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
+                 f"{self.num_devices} devices, dtype {self.dtype}, {self.attention} attention"
+                 + (", FSDP" if self.fsdp else "")]
+        hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
+               f"{'devices':>16} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} {'mem GB':>7}")
+        lines.append(hdr)
+        for i, p in enumerate(self.pipelines):
+            lines.append(f"  pipeline {i}: batch share {p.batch_share}, {p.num_micro_batches} "
+                         f"micro-batches of {p.micro_batch_size}, {p.schedule}")
+            for j, s in enumerate(p.stages):
+                mesh = "x".join(f"{a}={n}" for a, n in s.mesh_shape)
+                devs = _ranges(s.devices)
+                lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
+                             f"{mesh:>22} {devs:>16} {s.remat:>9} "
+                             f"{s.predicted_fwd_s * 1e3:>8.2f} {s.predicted_bwd_s * 1e3:>8.2f} "
+                             f"{s.predicted_memory_bytes / 1e9:>7.2f}")
+        pr = self.predicted
+        lines.append(f"predicted: step {pr.step_time_s * 1e3:.1f} ms, {pr.tokens_per_s:,.0f} "
+                     f"tokens/s, {pr.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
+                     f"bubble {pr.bubble_fraction:.1%}, peak memory "
+                     f"{pr.peak_memory_bytes / 1e9:.2f} GB, fits={pr.fits}")
+        if pr.upper_bound_tokens_per_s:
+            lines.append(f"upper bound {pr.upper_bound_tokens_per_s:,.0f} tokens/s "
+                         f"({pr.tokens_per_s / pr.upper_bound_tokens_per_s:.1%} reached)")
+        sv = self.solver
+        lines.append(f"solver: {sv.status}, {sv.wall_time_s:.2f} s, gap {sv.gap:.1%}")
+        return "\n".join(lines)
+
+
+def _ranges(ids) -> str:
+    ids = list(ids)
+    if not ids:
+        return "-"
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+    return ",".join(map(str, ids))
+
+
+def validate(plan: Plan) -> None:
+    """Structural checks every plan must pass (the planner's output and loaded JSON)."""
+    if not plan.pipelines:
+        raise SpecError("pipelines", [], "at least one pipeline")
+    if plan.attention not in ("flash", "reference"):
+        raise SpecError("attention", plan.attention, "flash or reference")
+    shares = sum(p.batch_share for p in plan.pipelines)
+    if shares != plan.global_batch:
+        raise SpecError("pipelines[*].batch_share", shares,
+                        f"shares summing to global_batch={plan.global_batch}")
+    seen: set[int] = set()
+    for i, p in enumerate(plan.pipelines):
+        if p.schedule not in SCHEDULES:
+            raise SpecError(f"pipelines[{i}].schedule", p.schedule, f"one of {SCHEDULES}")
+        if p.micro_batch_size * p.num_micro_batches * _data_ways(p) != p.batch_share:
+            raise SpecError(f"pipelines[{i}].batch_share", p.batch_share,
+                            f"micro_batch_size*num_micro_batches*data = "
+                            f"{p.micro_batch_size}*{p.num_micro_batches}*{_data_ways(p)}")
+        if not p.stages or p.stages[0].start != 0:
+            raise SpecError(f"pipelines[{i}].stages[0].start",
+                            p.stages[0].start if p.stages else None, "0")
+        for j, s in enumerate(p.stages):
+            if j and s.start != p.stages[j - 1].end:
+                raise SpecError(f"pipelines[{i}].stages[{j}].start", s.start,
+                                f"the previous stage's end {p.stages[j - 1].end} (contiguous)")
+            if s.end <= s.start:
+                raise SpecError(f"pipelines[{i}].stages[{j}].end", s.end, f"> start {s.start}")
+            size = 1
+            for axis, n in s.mesh_shape:
+                if axis not in MESH_AXES:
+                    raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", axis,
+                                    f"axes among {MESH_AXES}")
+                size *= n
+            if size != len(s.devices):
+                raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
+                                f"a shape whose product is its {len(s.devices)} devices")
+            dup = seen.intersection(s.devices)
+            if dup:
+                raise SpecError(f"pipelines[{i}].stages[{j}].devices", sorted(dup)[:4],
+                                "devices used by no other stage")
+            seen.update(s.devices)
+    ends = {p.stages[-1].end for p in plan.pipelines}
+    if len(ends) != 1:
+        raise SpecError("pipelines[*].stages[-1].end", sorted(ends),
+                        "every pipeline covering the same layers")
+
+
+def _data_ways(p: Pipeline) -> int:
+    """Data-parallel ways inside a stage (``data`` and ``fsdp`` axes) -- equal in all stages."""
+    s = p.stages[0]
+    return s.axis("data") * s.axis("fsdp")
+
+
+def _to_jsonable(x):
+    if isinstance(x, dict):
+        return {k: _to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_jsonable(v) for v in x]
+    return x
+
+
+def _tuplify(x):
+    if isinstance(x, list):
+        return tuple(_tuplify(v) for v in x)
+    return x
+
+
+def _from(cls, d):
+    kw = {}
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(d) - set(hints)
+    if extra:
+        raise KeyError(f"unknown field {sorted(extra)[0]!r} in {cls.__name__}")
+    for name, value in d.items():
+        sub = {"pipelines": Pipeline, "stages": Stage, "grad_sync": GradSync}.get(name)
+        if sub is not None:
+            kw[name] = tuple(_from(sub, v) for v in value)
+        elif name == "context":
+            kw[name] = _from(Context, value)
+        elif name == "predicted":
+            kw[name] = _from(Predicted, value)
+        elif name == "solver":
+            kw[name] = _from(SolverStats, value)
+        elif name == "cluster":
+            kw[name] = value
+        else:
+            kw[name] = _tuplify(value)
+    return cls(**kw)

@@ -1,0 +1,58 @@
+"""Exports of a simulated step: Chrome trace JSON (opens in Perfetto) and a PNG timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hetshard.sim.simulator import SimResult
+
+_COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "opt": "#8172b3"}
+
+
+def chrome_trace(result: SimResult) -> dict:
+    """Trace Event Format: one process per pipeline, one thread per stage, times in us."""
+    events = []
+    for t in result.tasks:
+        name = t.kind if t.micro_batch < 0 else f"{t.kind}{t.micro_batch}"
+        events.append({"name": name, "cat": t.kind, "ph": "X", "pid": t.pipeline,
+                       "tid": t.stage, "ts": t.start_s * 1e6,
+                       "dur": max(t.end_s - t.start_s, 0.0) * 1e6,
+                       "args": {"micro_batch": t.micro_batch}})
+    pipes = sorted({t.pipeline for t in result.tasks})
+    for p in pipes:
+        events.append({"name": "process_name", "ph": "M", "pid": p,
+                       "args": {"name": f"pipeline {p}"}})
+        for s in sorted({t.stage for t in result.tasks if t.pipeline == p}):
+            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": s,
+                           "args": {"name": f"stage {s}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(result: SimResult, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(result), f)
+
+
+def write_timeline_png(result: SimResult, path: str | os.PathLike, title: str = "") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted({(t.pipeline, t.stage) for t in result.tasks})
+    index = {r: i for i, r in enumerate(rows)}
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
+    for t in result.tasks:
+        y = index[(t.pipeline, t.stage)]
+        ax.barh(y, (t.end_s - t.start_s) * 1e3, left=t.start_s * 1e3, height=0.8,
+                color=_COLORS[t.kind], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"p{p} s{s}" for p, s in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"step {result.step_time_s * 1e3:.1f} ms, "
+                          f"bubble {result.bubble_fraction:.1%}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    ax.legend(handles, ["forward", "backward", "grad sync", "optimizer"], loc="upper right",
+              fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

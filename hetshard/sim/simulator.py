@@ -1,0 +1,266 @@
+"""Event-driven simulation of one training step of a :class:`~hetshard.plan.Plan`.
+
+Each pipeline stage is a worker that runs forward (F) and backward (B)
+micro-batch tasks in its schedule's order (GPipe: all F then all B; 1F1B:
+``p - s - 1`` warm-up forwards, then one F / one B, then the cool-down Bs).
+A task starts when its worker is free and its input has arrived: F(s, i) needs
+F(s-1, i) plus the activation's point-to-point transfer; B(s, i) needs
+B(s+1, i) plus the cotangent's transfer, and F(s, i). Transfers are delays on
+the link between the two stages (links are not modelled as contended).
+After its last backward, a stage synchronises gradients with the stages that
+hold the same layers (``plan.grad_sync``), then runs the optimizer update; with
+``overlap``, synchronisation starts as the last backward starts, as DDP-style
+bucketing does. Step time is the latest finish over all stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.comm import collective_time, p2p_time, topology
+from hetshard.cost.profile import ModelProfile
+from hetshard.cost.stage import StageCost, stage_cost
+from hetshard.plan import Plan, Predicted
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    pipeline: int
+    stage: int
+    kind: str  # "F", "B", "sync", "opt", "send"
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (recomputation not counted) per GPU per second
+    mfu: float  # model FLOP/s over the cluster's aggregate peak
+    bubble_fraction: float
+    peak_memory_bytes: float  # max over devices
+    memory_per_device: dict[int, float]
+    busy_per_device: dict[int, float]
+    fits: bool
+    tasks: tuple[Task, ...]
+    stage_costs: tuple[tuple[StageCost, ...], ...]
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "bubble_fraction": self.bubble_fraction,
+                "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
+
+
+def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
+    """The order in which stage ``s`` of ``p`` runs its ``m`` micro-batches."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(p - s - 1, m)
+    order = [("F", i) for i in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        order += [("F", f), ("B", b)]
+        f += 1
+        b += 1
+    order += [("B", i) for i in range(b, m)]
+    return order
+
+
+def inflight(schedule: str, p: int, s: int, m: int) -> int:
+    """Micro-batches whose activations stage ``s`` holds at once."""
+    return m if schedule == "gpipe" else min(p - s, m)
+
+
+def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                    cal: Calibration) -> list[list[StageCost]]:
+    out = []
+    for pipe in plan.pipelines:
+        costs = []
+        for st in pipe.stages:
+            gpu = _slowest(cluster, st.devices)
+            tp, cp = st.axis("tensor"), st.axis("context")
+            dp = st.axis("data") * st.axis("fsdp")
+            devs = list(st.devices)
+            # Device order inside a stage: data-major, then context, then tensor (innermost).
+            tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
+            cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
+            dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
+            costs.append(stage_cost(profile, st.start, st.end, gpu, tp=tp, cp=cp, dp=dp,
+                                    fsdp=plan.fsdp or st.axis("fsdp") > 1,
+                                    mbs=pipe.micro_batch_size, remat=st.remat,
+                                    attention=plan.attention, cal=cal,
+                                    tp_topo=tp_topo, cp_topo=cp_topo, dp_topo=dp_topo))
+        out.append(costs)
+    return out
+
+
+def _slowest(cluster: Cluster, devices) -> object:
+    """The GPU type that paces an SPMD program over ``devices`` (the slowest one)."""
+    slots = cluster.slots()
+    types = {cluster.group(slots[d].group).gpu.name: cluster.group(slots[d].group).gpu
+             for d in devices}
+    return min(types.values(), key=lambda t: (t.peak_flops(), t.memory_gbs))
+
+
+def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
+             cal: Calibration = DEFAULT) -> SimResult:
+    """Simulates one step of ``plan``; see the module docstring for the model."""
+    costs = stage_costs_for(plan, profile, cluster, cal)
+    tasks: list[Task] = []
+    stage_end: dict[tuple[int, int], float] = {}
+    last_b_start: dict[tuple[int, int], float] = {}
+    busy: dict[int, float] = {}
+    mem: dict[int, float] = {}
+    for pi, pipe in enumerate(plan.pipelines):
+        p, m = len(pipe.stages), pipe.num_micro_batches
+        act = [c for c in costs[pi]]
+        sends = []
+        for s in range(p - 1):
+            a, b = pipe.stages[s], pipe.stages[s + 1]
+            nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
+                pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
+            sends.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
+        done: dict[tuple[str, int, int], float] = {}
+        orders = [schedule_order(pipe.schedule, p, s, m) for s in range(p)]
+        ptr = [0] * p
+        free = [0.0] * p
+        remaining = sum(len(o) for o in orders)
+        while remaining:
+            progressed = False
+            for s in range(p):
+                while ptr[s] < len(orders[s]):
+                    kind, i = orders[s][ptr[s]]
+                    if kind == "F":
+                        dep = 0.0 if s == 0 else done.get(("F", s - 1, i))
+                        if dep is None:
+                            break
+                        ready = dep + (sends[s - 1] if s else 0.0)
+                        dur = act[s].fwd_s
+                    else:
+                        own = done.get(("F", s, i))
+                        nxt = own if s == p - 1 else done.get(("B", s + 1, i))
+                        if own is None or nxt is None:
+                            break
+                        ready = max(own, nxt + (sends[s] if s < p - 1 else 0.0))
+                        dur = act[s].bwd_s
+                    start = max(free[s], ready)
+                    end = start + dur
+                    done[(kind, s, i)] = end
+                    free[s] = end
+                    tasks.append(Task(pi, s, kind, i, start, end))
+                    if kind == "B":
+                        last_b_start[(pi, s)] = start
+                    ptr[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:  # cannot happen for the schedules above
+                raise RuntimeError("pipeline schedule deadlocked")
+        for s in range(p):
+            stage_end[(pi, s)] = free[s]
+            st = pipe.stages[s]
+            n_inf = inflight(pipe.schedule, p, s, m)
+            for d in st.devices:
+                busy[d] = m * (act[s].fwd_s + act[s].bwd_s)
+                mem[d] = act[s].peak_memory(n_inf)
+    # Gradient synchronisation and optimizer step per stage.
+    step_end = 0.0
+    for pi, pipe in enumerate(plan.pipelines):
+        for s, st in enumerate(pipe.stages):
+            c = costs[pi][s]
+            partners = _sync_partners(plan, pi, st)
+            if partners:
+                devices, holders, overlap = partners
+                topo = topology(cluster, devices)
+                kind = "reduce_scatter" if (plan.fsdp or st.axis("fsdp") > 1) else "all_reduce"
+                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal,
+                                         _slowest(cluster, devices).name)
+                # Gradients are complete once every holder finished its last backward;
+                # with overlap, buckets start streaming when the last backward starts.
+                ends = [stage_end[k] for k in holders]
+                starts = [last_b_start.get(k, 0.0) for k in holders]
+                sync_ready = max(starts) if overlap else max(ends)
+                sync_end = max(sync_ready + t_sync, stage_end[(pi, s)])
+                tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end))
+            else:
+                sync_end = stage_end[(pi, s)]
+            opt_end = sync_end + c.optimizer_s
+            tasks.append(Task(pi, s, "opt", -1, sync_end, opt_end))
+            step_end = max(step_end, opt_end)
+    n_dev = plan.num_devices
+    model_flops = profile.flops_per_sample() * plan.global_batch
+    tokens = plan.global_batch * plan.seq_len
+    peak = cluster.peak_flops(plan.dtype) * n_dev / cluster.num_devices
+    capacity = {d: _capacity(cluster, d) for d in mem}
+    fits = all(mem[d] <= capacity[d] for d in mem)
+    bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0
+    return SimResult(
+        step_time_s=float(step_end), tokens_per_s=float(tokens / step_end),
+        tflops_per_gpu=float(model_flops / step_end / n_dev / 1e12),
+        mfu=float(model_flops / step_end / peak), bubble_fraction=float(bubble),
+        peak_memory_bytes=float(max(mem.values())),
+        memory_per_device={d: float(v) for d, v in mem.items()}, busy_per_device=busy,
+        fits=bool(fits), tasks=tuple(tasks), stage_costs=tuple(tuple(c) for c in costs))
+
+
+def _capacity(cluster: Cluster, device: int) -> float:
+    return cluster.group(cluster.slots()[device].group).gpu.memory_bytes
+
+
+def _sync_partners(plan: Plan, pi: int, stage):
+    """(devices, holder stages, overlap) for the replicas of this stage's layers across
+    pipelines and the stage's own data axis; None when it has no replica."""
+    devices = list(stage.devices)
+    holders = []
+    dp = stage.axis("data") * stage.axis("fsdp")
+    for qi, q in enumerate(plan.pipelines):
+        for qs, other in enumerate(q.stages):
+            if other.start < stage.end and other.end > stage.start:
+                holders.append((qi, qs))
+                if qi != pi:
+                    devices += list(other.devices)
+    if dp <= 1 and len(holders) == 1:
+        return None
+    overlap = all(g.overlap for g in plan.grad_sync) if plan.grad_sync else True
+    tp_cp = stage.axis("tensor") * stage.axis("context")
+    # One representative device per replica: the collective runs tp*cp-way in parallel.
+    return devices[::tp_cp], holders, overlap
+
+
+def annotate(plan: Plan, result: SimResult, upper_bound: float = 0.0) -> Plan:
+    """``plan`` with the simulator's predictions filled in (plan-wide and per stage)."""
+    pipes = []
+    for pi, pipe in enumerate(plan.pipelines):
+        stages = []
+        for s, st in enumerate(pipe.stages):
+            c = result.stage_costs[pi][s]
+            stages.append(dataclasses.replace(
+                st, predicted_fwd_s=c.fwd_s, predicted_bwd_s=c.bwd_s,
+                predicted_memory_bytes=max(result.memory_per_device[d] for d in st.devices)))
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes),
+                               predicted=predicted(result, upper_bound))
+
+
+def predicted(result: SimResult, upper_bound_tokens_per_s: float = 0.0) -> Predicted:
+    return Predicted(step_time_s=float(result.step_time_s),
+                     tokens_per_s=float(result.tokens_per_s),
+                     tflops_per_gpu=float(result.tflops_per_gpu), mfu=float(result.mfu),
+                     bubble_fraction=float(result.bubble_fraction),
+                     peak_memory_bytes=float(result.peak_memory_bytes), fits=bool(result.fits),
+                     upper_bound_tokens_per_s=float(upper_bound_tokens_per_s))
+
+
+def upper_bound_tokens_per_s(profile: ModelProfile, cluster: Cluster,
+                             cal: Calibration = DEFAULT, mbs: int = 8) -> float:
+    """Every GPU computing the whole model on its own samples with no communication,
+    no bubble and no memory limit: the cluster's aggregate attainable throughput."""
+    total = 0.0
+    for g in cluster.groups:
+        c = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=mbs, cal=cal)
+        total += g.num_devices * mbs * profile.tokens_per_sample / (c.fwd_s + c.bwd_s)
+    return total

@@ -1,0 +1,1 @@
+"""Plan builders and solvers."""

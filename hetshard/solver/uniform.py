@@ -1,0 +1,123 @@
+"""Uniform Megatron-style plans: ``dp x tp x pp (x cp)`` over the whole cluster.
+
+This is what ``hetshard simulate --fix`` prices and what the uniform baselines
+build on. Devices are laid out pipeline-stage-major, then data, context and
+tensor (innermost, so tensor-parallel groups stay inside a node when they fit),
+as Megatron-LM orders its ranks. Blocks are split evenly across stages; the
+embedding joins the first stage and the head the last. A stage whose devices mix
+GPU types runs at the slowest type's pace (one SPMD program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import models
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.profile import ModelProfile
+from hetshard.errors import SpecError
+from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
+
+FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
+            "remat": str, "schedule": str}
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    fsdp: bool = False
+    mbs: int = 1
+    remat: str = "none"
+    schedule: str = "1f1b"
+
+
+def parse_fix(text: str) -> Fix:
+    """Parses ``dp=8,tp=1,pp=1,fsdp=true,mbs=6,remat=none``."""
+    kw: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise SpecError("--fix", item, "key=value items")
+        if key not in FIX_KEYS:
+            raise SpecError(f"--fix {key}", value, f"a key among {sorted(FIX_KEYS)}")
+        if key in kw:
+            raise SpecError(f"--fix {key}", value, "each key once (contradictory values)")
+        kind = FIX_KEYS[key]
+        value = value.strip()
+        if kind is int:
+            try:
+                kw[key] = int(value)
+            except ValueError:
+                raise SpecError(f"--fix {key}", value, "a positive integer") from None
+            if kw[key] < 1:
+                raise SpecError(f"--fix {key}", value, "a positive integer")
+        elif kind is bool:
+            if value.lower() not in _BOOL:
+                raise SpecError(f"--fix {key}", value, "true or false")
+            kw[key] = _BOOL[value.lower()]
+        else:
+            kw[key] = value
+    fix = Fix(**kw)
+    if fix.remat not in ("none", "selective", "full"):
+        raise SpecError("--fix remat", fix.remat, "none, selective or full")
+    if fix.schedule not in SCHEDULES:
+        raise SpecError("--fix schedule", fix.schedule, f"one of {SCHEDULES}")
+    return fix
+
+
+def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
+    """Layer ranges of ``pp`` stages with equal numbers of blocks."""
+    blocks = [i for i, layer in enumerate(profile.layers) if layer.kind.endswith("/block")]
+    if len(blocks) % pp:
+        raise SpecError("--fix pp", pp, f"a divisor of the model's {len(blocks)} blocks")
+    per = len(blocks) // pp
+    starts = [0] + [blocks[k * per] for k in range(1, pp)]
+    # Non-block layers just before a stage's first block belong to that stage.
+    for k in range(1, pp):
+        j = starts[k]
+        while j - 1 > starts[k - 1] and not profile.layers[j - 1].kind.endswith("/block"):
+            j -= 1
+        starts[k] = j
+    return list(zip(starts, starts[1:] + [profile.num_layers], strict=True))
+
+
+def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
+                 seq_len: int, fix: Fix, dtype: str = "bfloat16",
+                 attention: str = "flash") -> Plan:
+    """The uniform plan ``fix`` describes on ``cluster`` (errors name what does not divide)."""
+    n = fix.dp * fix.tp * fix.pp * fix.cp
+    if n != cluster.num_devices:
+        raise SpecError("--fix", f"dp*tp*pp*cp={n}",
+                        f"a product equal to the cluster's {cluster.num_devices} GPUs")
+    if global_batch % (fix.dp * fix.mbs):
+        valid = [fix.dp * fix.mbs * k for k in range(1, 5)]
+        raise SpecError("--global-batch", global_batch,
+                        f"a multiple of dp*mbs={fix.dp * fix.mbs} (e.g. {valid})")
+    if seq_len % fix.cp:
+        raise SpecError("--seq-len", seq_len, f"a multiple of cp={fix.cp}")
+    config = models.resolve(model)
+    heads = config.text.heads if isinstance(config, models.MLLMConfig) else config.heads
+    if heads % fix.tp:
+        raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
+    bounds = stage_bounds(profile, fix.pp)
+    per_stage = fix.dp * fix.cp * fix.tp
+    slots = cluster.slots()
+    stages = []
+    for s, (a, b) in enumerate(bounds):
+        devices = tuple(range(s * per_stage, (s + 1) * per_stage))
+        gpus = sorted({cluster.group(slots[d].group).gpu.name for d in devices})
+        mesh = (("fsdp" if fix.fsdp else "data", fix.dp), ("context", fix.cp),
+                ("tensor", fix.tp))
+        stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
+                            mesh_shape=mesh, remat=fix.remat))
+    m = global_batch // (fix.dp * fix.mbs)
+    pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,
+                    num_micro_batches=m, schedule=fix.schedule)
+    return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
+                seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
+                attention=attention)
