@@ -182,21 +182,24 @@ def trace(fn: Callable, *args, param_argnum: int | None = 0,
             param_sizes.append(int(math.prod(v.aval.shape)))
     opt_bytes = 0
     if opt_state_argnum is not None:
+        # Per-parameter state only: scalar step counters are a few bytes per model.
         opt_bytes = int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                            for x in jax.tree.leaves(args[opt_state_argnum])))
+                            for x in jax.tree.leaves(args[opt_state_argnum]) if x.shape))
     _attach_untagged(b.ops)
     return OpGraph(b.ops, b.edges, param_layers, param_bytes, param_sizes, opt_bytes)
 
 
 def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
     """Layer of the first forward op reading each parameter var (through inlining)."""
-    # Re-walk with markers: bind each param var to a negative sentinel and see which op
-    # index first consumes it. Cheaper: record during a second light visit.
+    # Bind each parameter var to a sentinel and follow it (through inlined calls and
+    # casts) to the first equation that reads it.
     marks = {v: -(i + 2) for i, v in enumerate(pvars)}
     readers: dict = {}
 
-    def walk(jx, env):
+    def walk(jx, env, outer):
         for eqn in jx.eqns:
+            stack = f"{outer}/{eqn.source_info.name_stack}" if outer else \
+                str(eqn.source_info.name_stack)
             sub = _Builder._nested(eqn)
             if sub is not None:
                 body = sub[0]
@@ -204,9 +207,8 @@ def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
                 for iv, ov in zip(body.invars, eqn.invars[-len(body.invars):], strict=False):
                     if isinstance(ov, jcore.Var) and ov in env:
                         inner[iv] = env[ov]
-                walk(body, inner)
+                walk(body, inner, stack)
                 continue
-            stack = str(eqn.source_info.name_stack)
             for v in eqn.invars:
                 if isinstance(v, jcore.Var) and v in env and env[v] not in readers:
                     readers[env[v]] = layer_of(stack)
@@ -215,7 +217,7 @@ def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
                     isinstance(eqn.invars[0], jcore.Var) and eqn.invars[0] in env:
                 env[eqn.outvars[0]] = env[eqn.invars[0]]
 
-    walk(jaxpr, dict(marks))
+    walk(jaxpr, dict(marks), "")
     out = {}
     for v, m in marks.items():
         out[v] = readers.get(m, "")

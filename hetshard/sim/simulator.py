@@ -76,6 +76,46 @@ def inflight(schedule: str, p: int, s: int, m: int) -> int:
     return m if schedule == "gpipe" else min(p - s, m)
 
 
+def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str):
+    """Runs one pipeline's micro-batches; returns (events, per-stage finish times).
+
+    ``fwd_s[s]``/``bwd_s[s]``: one micro-batch's forward/backward time on stage s;
+    ``sends_s[s]``: transfer time between stage s and s+1 (both directions).
+    Events are ``(stage, "F"|"B", micro_batch, start_s, end_s)``.
+    """
+    p = len(fwd_s)
+    done: dict[tuple[str, int, int], float] = {}
+    orders = [schedule_order(schedule, p, s, m) for s in range(p)]
+    ptr, free, events = [0] * p, [0.0] * p, []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while ptr[s] < len(orders[s]):
+                kind, i = orders[s][ptr[s]]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else done.get(("F", s - 1, i))
+                    if dep is None:
+                        break
+                    ready, dur = dep + (sends_s[s - 1] if s else 0.0), fwd_s[s]
+                else:
+                    own = done.get(("F", s, i))
+                    nxt = own if s == p - 1 else done.get(("B", s + 1, i))
+                    if own is None or nxt is None:
+                        break
+                    ready = max(own, nxt + (sends_s[s] if s < p - 1 else 0.0))
+                    dur = bwd_s[s]
+                start = max(free[s], ready)
+                done[(kind, s, i)] = free[s] = start + dur
+                events.append((s, kind, i, start, start + dur))
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the schedules above
+            raise RuntimeError("pipeline schedule deadlocked")
+    return events, free
+
+
 def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                     cal: Calibration) -> list[list[StageCost]]:
     out = []
@@ -125,41 +165,12 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
                 pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
             sends.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
-        done: dict[tuple[str, int, int], float] = {}
-        orders = [schedule_order(pipe.schedule, p, s, m) for s in range(p)]
-        ptr = [0] * p
-        free = [0.0] * p
-        remaining = sum(len(o) for o in orders)
-        while remaining:
-            progressed = False
-            for s in range(p):
-                while ptr[s] < len(orders[s]):
-                    kind, i = orders[s][ptr[s]]
-                    if kind == "F":
-                        dep = 0.0 if s == 0 else done.get(("F", s - 1, i))
-                        if dep is None:
-                            break
-                        ready = dep + (sends[s - 1] if s else 0.0)
-                        dur = act[s].fwd_s
-                    else:
-                        own = done.get(("F", s, i))
-                        nxt = own if s == p - 1 else done.get(("B", s + 1, i))
-                        if own is None or nxt is None:
-                            break
-                        ready = max(own, nxt + (sends[s] if s < p - 1 else 0.0))
-                        dur = act[s].bwd_s
-                    start = max(free[s], ready)
-                    end = start + dur
-                    done[(kind, s, i)] = end
-                    free[s] = end
-                    tasks.append(Task(pi, s, kind, i, start, end))
-                    if kind == "B":
-                        last_b_start[(pi, s)] = start
-                    ptr[s] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:  # cannot happen for the schedules above
-                raise RuntimeError("pipeline schedule deadlocked")
+        events, free = run_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
+                                    pipe.schedule)
+        for s_, kind, i, start, end in events:
+            tasks.append(Task(pi, s_, kind, i, start, end))
+            if kind == "B":
+                last_b_start[(pi, s_)] = start
         for s in range(p):
             stage_end[(pi, s)] = free[s]
             st = pipe.stages[s]

@@ -1,0 +1,116 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import models
+from hetshard.cluster import Cluster
+from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
+from hetshard.cost.comm import collective_time, p2p_time, topology
+from hetshard.cost.profile import profile_model
+from hetshard.cost.stage import stage_cost
+from hetshard.errors import SpecError
+
+CAL = Calibration(default=Efficiency(comm_eff=0.5, intra_latency_s=1e-5,
+                                     inter_latency_s=2e-5))
+
+
+def test_all_reduce_inside_a_node():
+    c = Cluster.load("dgx-a100-80gb-x16")
+    topo = topology(c, range(8))
+    assert (topo.n, topo.nodes, topo.per_node) == (8, 1, 8)
+    # Ring: 2(n-1)/n * S / (300 GB/s * 0.5) + 2(n-1) latencies.
+    want = 2 * 7 / 8 * 1e9 / 150e9 + 14 * 1e-5
+    assert collective_time("all_reduce", 1e9, topo, CAL, "A100-80GB") == pytest.approx(want)
+    half = 7 / 8 * 1e9 / 150e9 + 7 * 1e-5
+    assert collective_time("all_gather", 1e9, topo, CAL, "A100-80GB") == pytest.approx(half)
+    assert collective_time("reduce_scatter", 1e9, topo, CAL, "A100-80GB") == pytest.approx(half)
+    assert collective_time("all_reduce", 1e9, topology(c, [3]), CAL, "A100-80GB") == 0.0
+
+
+def test_all_reduce_across_nodes_is_hierarchical():
+    c = Cluster.load("dgx-a100-80gb-x16")
+    topo = topology(c, range(16))
+    assert (topo.nodes, topo.per_node, topo.inter_gbs) == (2, 8, 200)
+    intra = 2 * 7 / 8 * 1e9 / 150e9 + 14 * 1e-5
+    inter = 2 * 1 / 2 * 1e9 / 100e9 + 2 * 2e-5
+    assert collective_time("all_reduce", 1e9, topo, CAL, "A100-80GB") == pytest.approx(
+        intra + inter)
+
+
+def test_p2p_uses_the_right_link():
+    c = Cluster.load("a100-v100")
+    same_node = p2p_time(1e9, c, [0, 1], [2, 3], CAL)
+    assert same_node == pytest.approx(1e9 / 2 / 150e9 + 1e-5)
+    across_nodes = p2p_time(1e9, c, [0], [8], CAL)
+    assert across_nodes == pytest.approx(1e9 / 100e9 + 2e-5)
+    across_groups = p2p_time(1e9, c, [0], [16], CAL)
+    assert across_groups == pytest.approx(1e9 / (12.5e9 * 0.5) + 2e-5)
+    with pytest.raises(SpecError, match="collective"):
+        collective_time("broadcast", 1.0, topology(c, [0, 1]), CAL, "A100-80GB")
+
+
+SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    return profile_model(SPEC, 32, "float32")
+
+
+def test_memory_model_matches_hand_computed_totals(prof):
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    n_params = models.resolve(SPEC).num_params()
+    copies = sum(layer.weight_copy_bytes for layer in prof.layers)
+    base = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, cal=DEFAULT,
+                      attention="reference")
+    # fp32 parameters + fp32 gradients (8 bytes per parameter) + AdamW's state: two fp32
+    # moments per parameter (its scalar step counters are ignored).
+    state = jax.eval_shape(optax.adamw(1e-4).init,
+                           {"w": jax.ShapeDtypeStruct((n_params,), jnp.float32)})
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.shape)
+    assert opt_bytes == 8 * n_params
+    assert base.memory_static_bytes - copies == pytest.approx(8 * n_params + opt_bytes,
+                                                              rel=1e-9)
+    residual = sum(layer.residual_bytes_per_sample for layer in prof.layers)
+    assert base.memory_per_microbatch_bytes == pytest.approx(2 * residual)
+    fsdp = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, dp=4, fsdp=True, cal=DEFAULT,
+                      attention="reference")
+    assert fsdp.memory_static_bytes == pytest.approx(base.memory_static_bytes / 4)
+    full = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="full", cal=DEFAULT)
+    # Full remat keeps each layer's input: [seq=32, hidden=64] float32 per sample per block.
+    blocks = [layer for layer in prof.layers if layer.kind.endswith("block")]
+    kept = sum(layer.boundary_bytes_per_sample for layer in prof.layers) * 2
+    assert full.memory_per_microbatch_bytes == pytest.approx(kept)
+    assert blocks[0].boundary_bytes_per_sample == 32 * 64 * 4
+    sel = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="selective", cal=DEFAULT)
+    attn = sum(layer.attention_residual_bytes_per_sample for layer in prof.layers)
+    assert sel.memory_per_microbatch_bytes == pytest.approx(2 * (residual - attn))
+    assert full.bwd_s > sel.bwd_s >= base.bwd_s
+    assert full.hardware_flops > full.model_flops == base.model_flops
+
+
+def test_tensor_parallel_divides_compute_and_adds_communication(prof):
+    c = Cluster.load("dgx-a100-80gb-x8")
+    gpu = c.groups[0].gpu
+    one = stage_cost(prof, 1, 3, gpu, mbs=4, cal=DEFAULT)
+    two = stage_cost(prof, 1, 3, gpu, mbs=4, tp=2, cal=DEFAULT, tp_topo=topology(c, [0, 1]))
+    no_comm = stage_cost(prof, 1, 3, gpu, mbs=4, tp=2, cal=DEFAULT)
+    assert no_comm.fwd_s < one.fwd_s and two.fwd_s > no_comm.fwd_s
+    assert two.memory_static_bytes == pytest.approx(one.memory_static_bytes / 2)
+
+
+def test_calibration_round_trip_and_errors(tmp_path):
+    cal = DEFAULT.with_type("H100-80GB", dataclasses.replace(DEFAULT.default, matmul_eff=0.6))
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path) == dataclasses.replace(cal, source=cal.source)
+    assert Calibration.load(path).for_type("H100-80GB").matmul_eff == 0.6
+    path.write_text('{"version": 1, "default": {"matmul_eff": -1}}')
+    with pytest.raises(SpecError, match="matmul_eff=-1"):
+        Calibration.load(path)
+    path.write_text('{"version": 2}')
+    with pytest.raises(SpecError, match="version"):
+        Calibration.load(path)
