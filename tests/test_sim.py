@@ -171,7 +171,7 @@ def test_plan_validation_and_load_errors(tmp_path):
         dataclasses.replace(plan, global_batch=9)
     with pytest.raises(SpecError, match="product"):
         Plan("gpt-tiny", {}, 8, 64, (Pipeline((dataclasses.replace(
-            stage, mesh_shape=(("data", 3),)),), 8, 2, 2),))
+            stage, mesh_shape=(("data", 2), ("tensor", 2))),), 8, 2, 2),))
     with pytest.raises(SpecError, match="no other stage"):
         Plan("gpt-tiny", {}, 16, 64, (pipe, pipe))
     path = tmp_path / "p.json"
