@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_model
-from hetshard.errors import SpecError
+from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverStats, Stage
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.simulator import annotate, inflight, run_pipeline, schedule_order
@@ -183,5 +183,5 @@ def test_plan_validation_and_load_errors(tmp_path):
     with pytest.raises(SpecError, match="version=99"):
         Plan.load(path)
     path.write_text("{bad json")
-    with pytest.raises(SpecError, match="line 1"):
+    with pytest.raises(SpecParseError, match="line 1"):
         Plan.load(path)
