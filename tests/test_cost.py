@@ -114,3 +114,13 @@ def test_calibration_round_trip_and_errors(tmp_path):
     path.write_text('{"version": 2}')
     with pytest.raises(SpecError, match="version"):
         Calibration.load(path)
+
+
+def test_profile_command_writes_a_loadable_calibration(tmp_path):
+    from hetshard.cli import main
+    out = tmp_path / "cal.json"
+    assert main(["profile", "--quick", "--out", str(out)]) == 0
+    cal = Calibration.load(out)
+    (name, eff), = cal.per_type
+    assert name == "CPU" and eff.matmul_eff > 0 and eff.memory_eff > 0 and eff.comm_eff > 0
+    assert "cpu" in cal.source.lower()

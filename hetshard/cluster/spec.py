@@ -11,6 +11,7 @@ The file format is documented in ``docs/cluster-spec.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -90,14 +91,25 @@ class Cluster:
                                where=f"cluster {self.name!r}")
 
     def slots(self) -> list[DeviceSlot]:
-        """Every GPU of the spec in global id order."""
+        """Every GPU of the spec in global id order (computed once per cluster)."""
+        return list(self._slots)
+
+    @functools.cached_property
+    def _slots(self) -> tuple[DeviceSlot, ...]:
         out, i = [], 0
         for g in self.groups:
             for node in range(g.nodes):
                 for local in range(g.gpus_per_node):
                     out.append(DeviceSlot(i, g.name, node, local))
                     i += 1
-        return out
+        return tuple(out)
+
+    def slot(self, device_id: int) -> DeviceSlot:
+        return self._slots[device_id]
+
+    def gpu_of(self, device_id: int) -> DeviceType:
+        """The GPU type of device ``device_id``."""
+        return self.group(self._slots[device_id].group).gpu
 
     def group_device_ids(self, name: str) -> range:
         start = 0

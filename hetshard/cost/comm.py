@@ -35,13 +35,12 @@ class Topology:
 
 
 def topology(cluster: Cluster, device_ids: Sequence[int]) -> Topology:
-    slots = cluster.slots()
     if not device_ids:
         raise SpecError("device_ids", list(device_ids), "at least one device")
     nodes: dict[tuple[str, int], int] = {}
     groups = set()
     for i in device_ids:
-        s = slots[i]
+        s = cluster.slot(i)
         nodes[(s.group, s.node)] = nodes.get((s.group, s.node), 0) + 1
         groups.add(s.group)
     gs = [cluster.group(g) for g in groups]
@@ -98,8 +97,7 @@ def p2p_time(nbytes: float, cluster: Cluster, src: Sequence[int], dst: Sequence[
     between groups."""
     if nbytes <= 0:
         return 0.0
-    slots = cluster.slots()
-    a, b = slots[src[0]], slots[dst[0]]
+    a, b = cluster.slot(src[0]), cluster.slot(dst[0])
     e = cal.for_type(cluster.group(a.group).gpu.name)
     if (a.group, a.node) == (b.group, b.node):
         # Each of the stage's devices sends its share over its own link.

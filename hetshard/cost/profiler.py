@@ -49,8 +49,12 @@ def profile_backend(quick: bool = False, base: Calibration = DEFAULT) -> Calibra
     devs = jax.local_devices()
     if len(devs) > 1:
         m = 1 << (16 if quick else 22)
-        arr = jax.device_put_sharded([jnp.ones((m,), jnp.float32)] * len(devs), devs)
-        f = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i", devices=devs)
+        mesh = jax.sharding.Mesh(np.array(devs), ("i",))
+        spec = jax.sharding.PartitionSpec("i")
+        arr = jax.device_put(jnp.ones((len(devs) * m,), jnp.float32),
+                             jax.sharding.NamedSharding(mesh, spec))
+        f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "i"), mesh=mesh, in_specs=spec,
+                                  out_specs=spec))
         t = _best_time(f, arr)
         bus = 2 * (len(devs) - 1) / len(devs) * m * 4 / t
         comm_eff = bus / (gpu.intra_node_gbs * 1e9)

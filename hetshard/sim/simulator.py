@@ -141,9 +141,7 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 def _slowest(cluster: Cluster, devices) -> object:
     """The GPU type that paces an SPMD program over ``devices`` (the slowest one)."""
-    slots = cluster.slots()
-    types = {cluster.group(slots[d].group).gpu.name: cluster.group(slots[d].group).gpu
-             for d in devices}
+    types = {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in devices}
     return min(types.values(), key=lambda t: (t.peak_flops(), t.memory_gbs))
 
 
@@ -219,7 +217,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 
 def _capacity(cluster: Cluster, device: int) -> float:
-    return cluster.group(cluster.slots()[device].group).gpu.memory_bytes
+    return cluster.gpu_of(device).memory_bytes
 
 
 def _sync_partners(plan: Plan, pi: int, stage):

@@ -106,11 +106,10 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
         raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
     bounds = stage_bounds(profile, fix.pp)
     per_stage = fix.dp * fix.cp * fix.tp
-    slots = cluster.slots()
     stages = []
     for s, (a, b) in enumerate(bounds):
         devices = tuple(range(s * per_stage, (s + 1) * per_stage))
-        gpus = sorted({cluster.group(slots[d].group).gpu.name for d in devices})
+        gpus = sorted({cluster.gpu_of(d).name for d in devices})
         mesh = (("fsdp" if fix.fsdp else "data", fix.dp), ("context", fix.cp),
                 ("tensor", fix.tp))
         stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
