@@ -5,6 +5,8 @@
   hetshard models   [NAME] [--json [FILE]]   model presets with parameter counts
   hetshard simulate --model M --cluster C --global-batch B --fix dp=..,tp=..,pp=..
   hetshard profile  [--out FILE]             calibrate the cost model on this backend
+  hetshard plan     --model M --cluster C --global-batch B [--time-limit T] [--json F]
+  hetshard compare  --model M --cluster C --global-batch B --json F
 
 Errors in user input print one line (``hetshard: error: ...``) and exit 2.
 """
@@ -165,6 +167,73 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _planner_options(args):
+    from hetshard.solver import PlannerOptions, options_from_fix
+    base = PlannerOptions(time_limit_s=args.time_limit, dtype=args.dtype,
+                          attention=args.attention)
+    return options_from_fix(args.fix, base)
+
+
+def cmd_plan(args) -> int:
+    from hetshard.cost.calibration import Calibration
+    from hetshard.solver import make_plan
+    cal = Calibration.load(args.calibration) if args.calibration else None
+    plan = make_plan(args.model, args.cluster, global_batch=args.global_batch,
+                     seq_len=args.seq_len, options=_planner_options(args), calibration=cal)
+    if args.json:
+        _emit_json(plan.to_dict(), args.json)
+    if args.json != "-":
+        print(plan.explain())
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import models
+    from hetshard.cluster import Cluster
+    from hetshard.cost.calibration import DEFAULT, Calibration
+    from hetshard.cost.profile import profile_model
+    from hetshard.sim import upper_bound_tokens_per_s
+    from hetshard.solver import make_plan
+    from hetshard.solver.baselines import BASELINES, run_baseline
+    cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
+    cluster = Cluster.load(args.cluster)
+    opts = _planner_options(args)
+    config = models.resolve(args.model)
+    seq_len = args.seq_len or getattr(config, "seq", None) or config.text.seq
+    profile = profile_model(args.model, seq_len, opts.dtype)
+    rows = []
+    ours = make_plan(args.model, cluster, global_batch=args.global_batch, seq_len=seq_len,
+                     options=opts, calibration=cal)
+    rows.append(("hetshard", ours))
+    for name in BASELINES:
+        rows.append((name, run_baseline(name, args.model, profile, cluster,
+                                        args.global_batch, seq_len, opts, cal)))
+    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    fitting = [p.predicted.tokens_per_s for n, p in rows[1:] if p and p.predicted.fits]
+    best_base = max(fitting) if fitting else 0.0
+    results = []
+    for name, p in rows:
+        tps = p.predicted.tokens_per_s if p else 0.0
+        fits = bool(p and p.predicted.fits)
+        results.append({"name": name, "tokens_per_s": tps, "fits": fits,
+                        "ratio_to_upper_bound": tps / upper,
+                        "ratio_to_best_baseline": tps / best_base if best_base else None,
+                        "plan": p.to_dict() if p else None})
+    out = {"model": args.model, "cluster": cluster.name, "global_batch": args.global_batch,
+           "seq_len": seq_len, "upper_bound_tokens_per_s": upper, "results": results}
+    if args.json:
+        _emit_json(out, args.json)
+    if args.json != "-":
+        _table(f"{args.model} on {cluster.name}, global batch {args.global_batch} "
+               f"(upper bound {upper:,.0f} tokens/s)",
+               ["planner", "tokens/s", "fits", "vs upper bound", "vs best baseline"],
+               [[r["name"], f"{r['tokens_per_s']:,.0f}", r["fits"],
+                 f"{r['ratio_to_upper_bound']:.1%}",
+                 None if r["ratio_to_best_baseline"] is None
+                 else f"{r['ratio_to_best_baseline']:.3f}x"] for r in results])
+    return 0
+
+
 def cmd_profile(args) -> int:
     from hetshard.cost.profiler import profile_backend
     cal = profile_backend(quick=args.quick)
@@ -211,6 +280,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--png", default=None, help="write a PNG timeline here")
     json_flag(sp)
     sp.set_defaults(func=cmd_simulate)
+
+    for cmd, fn, hlp in (("plan", cmd_plan, "plan a model on a cluster"),
+                         ("compare", cmd_compare, "plan with hetshard and every baseline")):
+        sp = sub.add_parser(cmd, help=hlp)
+        sp.add_argument("--model", required=True)
+        sp.add_argument("--cluster", required=True)
+        sp.add_argument("--global-batch", type=int, required=True)
+        sp.add_argument("--seq-len", type=int, default=None)
+        sp.add_argument("--time-limit", type=float, default=60.0, help="seconds")
+        sp.add_argument("--fix", default=None, help="constraints: tp=,mbs=,remat=,schedule=")
+        sp.add_argument("--dtype", default="bfloat16",
+                        choices=["bfloat16", "float16", "float32"])
+        sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+        sp.add_argument("--calibration", default=None)
+        json_flag(sp)
+        sp.set_defaults(func=fn)
 
     sp = sub.add_parser("profile", help="time matmuls, elementwise ops and collectives on "
                                         "this backend; write a calibration file")

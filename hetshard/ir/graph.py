@@ -30,6 +30,11 @@ class Op:
     out_bytes: float
     region: str  # innermost named jit call, e.g. "hetshard_attention" ("" if none)
     signature: tuple
+    # Inputs as (source, shape): source is a producing op index, -1 for a non-parameter
+    # input or constant, and -(2 + k) for parameter k of the traced function.
+    inputs: tuple = ()
+    out_shapes: tuple = ()
+    params: dict = dataclasses.field(default_factory=dict)  # dims/axes the sharding rules read
 
 
 @dataclasses.dataclass

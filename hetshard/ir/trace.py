@@ -91,6 +91,21 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
+_KEPT_PARAMS = ("dimension_numbers", "axes", "new_sizes", "dimensions", "permutation",
+                "broadcast_dimensions", "shape")
+
+
+def _rule_params(eqn) -> dict:
+    """The equation parameters the sharding rules need (dims, axes, shapes)."""
+    out = {}
+    for k in _KEPT_PARAMS:
+        if k in eqn.params:
+            v = eqn.params[k]
+            out[k] = v if k != "dimension_numbers" or eqn.primitive.name == "dot_general" \
+                else None
+    return out
+
+
 class _Builder:
     def __init__(self):
         self.ops: list[Op] = []
@@ -110,8 +125,10 @@ class _Builder:
                                         strict=False):
                     if isinstance(outer, jcore.Var) and outer in env:
                         inner_env[inner] = env[outer]
+                # An enclosing attention region keeps its name over inner helper calls.
+                keep = region == "hetshard_attention"
                 self.visit(body, inner_env, scale * mult, stack,
-                           sub_region or region)
+                           region if keep else (sub_region or region))
                 for inner, outer in zip(body.outvars, eqn.outvars, strict=False):
                     if isinstance(inner, jcore.Var) and inner in inner_env:
                         env[outer] = inner_env[inner]
@@ -122,9 +139,13 @@ class _Builder:
                    tuple((tuple(getattr(_aval(v), "shape", ())),
                           str(getattr(_aval(v), "dtype", ""))) for v in eqn.invars),
                    tuple(tuple(v.aval.shape) for v in eqn.outvars))
+            inputs = tuple((env.get(v, -1) if isinstance(v, jcore.Var) else -1,
+                            tuple(getattr(_aval(v), "shape", ()))) for v in eqn.invars)
             self.ops.append(Op(idx, eqn.primitive.name, layer_of(stack), phase_of(stack),
                                flops * scale, nbytes * scale,
-                               sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig))
+                               sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig,
+                               inputs, tuple(tuple(v.aval.shape) for v in eqn.outvars),
+                               _rule_params(eqn)))
             for v in eqn.invars:
                 if isinstance(v, jcore.Var) and v in env:
                     src = env[v]
@@ -167,8 +188,12 @@ def trace(fn: Callable, *args, param_argnum: int | None = 0,
     jaxpr = closed.jaxpr
     b = _Builder()
     env = {v: -1 for v in jaxpr.invars}
-    b.visit(jaxpr, env, 1.0, "", "")
     leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
+    if param_argnum is not None:
+        start = sum(leaves_per_arg[:param_argnum])
+        for k, v in enumerate(jaxpr.invars[start:start + leaves_per_arg[param_argnum]]):
+            env[v] = -(2 + k)
+    b.visit(jaxpr, env, 1.0, "", "")
     param_layers: list[str] = []
     param_bytes: list[int] = []
     param_sizes: list[int] = []

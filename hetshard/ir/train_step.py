@@ -75,6 +75,19 @@ def model_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
+def param_paths(config) -> list[str]:
+    """Names of the model's parameters, in the order ``trace_train_step`` passes them
+    (``layers/3/attn/q_proj/kernel``; MLLMs prefix ``vision/`` or ``text/``)."""
+    model = models.abstract(models.resolve(config))
+    params = nnx.state(model, nnx.Param)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    names = []
+    for path, _ in flat:
+        parts = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        names.append("/".join(p for p in parts if p not in (".value", "value")))
+    return names
+
+
 def trace_train_step(config, *, micro_batch: int, seq_len: int, dtype: str | None = None,
                      optimizer: optax.GradientTransformation | None = None) -> OpGraph:
     """Traces one AdamW train step of ``config`` on one micro-batch."""

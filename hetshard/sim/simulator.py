@@ -40,7 +40,7 @@ class SimResult:
     step_time_s: float
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (recomputation not counted) per GPU per second
-    mfu: float  # model FLOP/s over the cluster's aggregate peak
+    mfu: float  # model FLOP/s over the whole cluster's aggregate peak (idle GPUs count)
     bubble_fraction: float
     peak_memory_bytes: float  # max over devices
     memory_per_device: dict[int, float]
@@ -203,7 +203,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch
     tokens = plan.global_batch * plan.seq_len
-    peak = cluster.peak_flops(plan.dtype) * n_dev / cluster.num_devices
+    peak = cluster.peak_flops(plan.dtype)  # the whole cluster, idle GPUs included
     capacity = {d: _capacity(cluster, d) for d in mem}
     fits = all(mem[d] <= capacity[d] for d in mem)
     bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0

@@ -1,1 +1,75 @@
-"""Plan builders and solvers."""
+"""Planning: uniform plans, the intra-op (CP-SAT) and inter-op solvers, baselines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions
+
+
+def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
+    """Restricts the planner with ``--fix``-style constraints (tp, mbs, remat, schedule).
+
+    Raises SpecError for keys the planner cannot honour (dp, pp, cp decide the layout,
+    which is the planner's job: use ``hetshard simulate`` to price a fixed layout).
+    """
+    from hetshard.errors import SpecError
+    from hetshard.solver.uniform import parse_fix
+    if not text:
+        return base
+    fix = parse_fix(text)
+    given = {item.split("=")[0].strip() for item in text.split(",") if item.strip()}
+    layout = given & {"dp", "pp", "cp", "fsdp"}
+    if layout:
+        raise SpecError(f"--fix {sorted(layout)[0]}", getattr(fix, sorted(layout)[0]),
+                        "only tp, mbs, remat and schedule for 'hetshard plan' (the planner "
+                        "chooses the layout; 'hetshard simulate --fix' prices a fixed one)")
+    opts = base
+    if "tp" in given:
+        opts = dataclasses.replace(opts, tp_options=(fix.tp,))
+    if "mbs" in given:
+        opts = dataclasses.replace(opts, mbs_options=(fix.mbs,))
+    if "remat" in given:
+        opts = dataclasses.replace(opts, remat_options=(fix.remat,))
+    if "schedule" in given:
+        opts = dataclasses.replace(opts, schedule=fix.schedule)
+    return opts
+
+
+def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = None,
+              options: PlannerOptions | None = None, calibration=None, shardings: bool = True):
+    """Plans ``model`` on ``cluster``: profile, inter-op search, intra-op shardings.
+
+    Raises:
+      NoFeasiblePlanError: nothing fits (names the tightest stage's need vs capacity).
+      SpecError: a batch, sequence or constraint the model or cluster cannot take.
+    """
+    import models
+    from hetshard.cluster import Cluster
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.cost.profile import profile_model
+    from hetshard.errors import SpecError
+    from hetshard.solver.inter_op import _heads, plan
+    from hetshard.solver.shardings import attach_shardings
+    cluster = Cluster.load(cluster)
+    opts = options or PlannerOptions()
+    config = models.resolve(model)
+    seq_len = seq_len or getattr(config, "seq", None) or config.text.seq
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise SpecError("global_batch", global_batch, "a positive integer")
+    heads = _heads(model)
+    max_gpn = max(g.gpus_per_node for g in cluster.groups)
+    usable = [t for t in opts.tp_options if heads % t == 0 and t <= max_gpn]
+    if not usable:
+        raise SpecError("tp", opts.tp_options, f"a tensor degree dividing the model's {heads} "
+                        f"heads and at most {max_gpn} (GPUs per node)")
+    cal = calibration or DEFAULT
+    profile = profile_model(model, seq_len, opts.dtype)
+    result = plan(model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                  cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable)))
+    if shardings:
+        result = attach_shardings(result, profile, cluster, cal)
+    return result
+
+
+__all__ = ["NoFeasiblePlanError", "PlannerOptions", "make_plan", "options_from_fix"]

@@ -1,0 +1,209 @@
+"""Baseline planners, priced by the same simulator as hetshard's plans.
+
+Each is a simplified re-implementation of what its source does, on hetshard's cost
+model; what is simplified is stated per function. They share the search machinery
+of ``inter_op`` where the source's algorithm coincides with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.profile import ModelProfile
+from hetshard.errors import HetshardError
+from hetshard.plan import Plan
+from hetshard.sim.simulator import annotate, simulate
+from hetshard.solver.uniform import Fix, stage_bounds, uniform_plan
+
+BASELINES = ("megatron-uniform", "fastest-only", "metis-like", "amp-like", "alpa-homogeneous")
+
+
+def _blocks(profile: ModelProfile) -> int:
+    return sum(1 for layer in profile.layers if layer.kind.endswith("/block"))
+
+
+def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> list[Plan]:
+    """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats)."""
+    from hetshard.solver.inter_op import _heads
+    n = cluster.num_devices
+    heads = _heads(model)
+    max_tp = min(g.gpus_per_node for g in cluster.groups)
+    out = []
+    for tp in opts.tp_options:
+        if n % tp or heads % tp or tp > max_tp:
+            continue
+        for pp in range(1, min(_blocks(profile), n // tp) + 1):
+            if (n // tp) % pp or _blocks(profile) % pp:
+                continue
+            dp = n // (tp * pp)
+            for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+                if global_batch % (dp * mbs):
+                    continue
+                try:
+                    out.append(uniform_plan(model, profile, cluster, global_batch=global_batch,
+                                            seq_len=seq_len, fix=Fix(dp, tp, pp, 1, False, mbs,
+                                                                     remat, opts.schedule),
+                                            dtype=opts.dtype, attention=opts.attention))
+                except HetshardError:
+                    continue
+    return out
+
+
+def _best(plans, profile, cluster, cal):
+    best = None
+    for p in plans:
+        r = simulate(p, profile, cluster, cal)
+        key = (not r.fits, r.step_time_s)
+        if best is None or key < best[0]:
+            best = (key, p, r)
+    if best is None:
+        return None
+    return annotate(best[1], best[2])
+
+
+def megatron_uniform(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """Best uniform TP x PP x DP over the whole cluster: even layers per stage, equal batch
+    per replica, devices in id order, so each SPMD stage runs at its slowest GPU's pace
+    (what a mixed cluster gets from a homogeneous framework)."""
+    return _best(uniform_candidates(model, profile, cluster, global_batch, seq_len, opts),
+                 profile, cluster, cal)
+
+
+def _sub_cluster(cluster: Cluster, group: str) -> Cluster:
+    g = cluster.group(group)
+    return dataclasses.replace(cluster, name=f"{cluster.name}:{group}", groups=(g,),
+                               inter_group_gbs=g.inter_node_gbs)
+
+
+def _shift(plan: Plan, offset: int, cluster: Cluster) -> Plan:
+    pipes = []
+    for p in plan.pipelines:
+        stages = tuple(dataclasses.replace(s, devices=tuple(d + offset for d in s.devices))
+                       for s in p.stages)
+        pipes.append(dataclasses.replace(p, stages=stages))
+    return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster.to_dict(),
+                               grad_sync=())
+
+
+def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """The best uniform plan on the fastest GPU group alone (the rest idle)."""
+    g = max(cluster.groups, key=lambda g: g.gpu.peak_flops(opts.dtype) * g.num_devices)
+    fastest = max(cluster.groups, key=lambda g: g.gpu.peak_flops(opts.dtype))
+    g = fastest
+    sub = _sub_cluster(cluster, g.name)
+    plans = uniform_candidates(model, profile, sub, global_batch, seq_len, opts)
+    offset = cluster.group_device_ids(g.name).start
+    return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal)
+
+
+def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """Metis (Um et al., ATC'24), simplified: one pipeline family over all groups with
+    per-group stage counts, a common TP degree and data ways searched; layers split in
+    proportion to each stage's peak throughput (not balanced on the cost model); one
+    batch share (Metis' per-pipeline uneven batches are not modelled here)."""
+    import math
+
+    from hetshard.solver.inter_op import Family, _divisors, _heads, build_plan
+    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
+    heads = _heads(model)
+    n_layers = profile.num_layers
+    plans = []
+    gcd = math.gcd(*[g.num_devices for g in groups])
+    for r in _divisors(gcd):
+        for tp in opts.tp_options:
+            if heads % tp or any(tp > g.gpus_per_node or g.num_devices % (r * tp)
+                                 for g in groups):
+                continue
+            ks = [g.num_devices // (r * tp) for g in groups]
+            if sum(ks) > n_layers:
+                continue
+            speeds = [g.gpu.peak_flops(opts.dtype) for g, k in zip(groups, ks, strict=True)
+                      for _ in range(k)]
+            names = [g.name for g, k in zip(groups, ks, strict=True) for _ in range(k)]
+            cuts, acc, total = [0], 0.0, sum(speeds)
+            for sp in speeds[:-1]:
+                acc += sp
+                cuts.append(min(max(round(acc / total * n_layers), cuts[-1] + 1),
+                                n_layers - (len(speeds) - len(cuts))))
+            bounds = tuple(zip(cuts, cuts[1:] + [n_layers], strict=True))
+            for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+                if global_batch % (r * mbs):
+                    continue
+                fam = Family(tuple(g.name for g in groups), r, tp, mbs, remat, bounds,
+                             tuple(names), 0.0, 0.0)
+                plans.append(build_plan(model, profile, cluster, [fam],
+                                        [global_batch // (r * mbs)], global_batch, seq_len,
+                                        opts))
+    return _best(plans, profile, cluster, cal)
+
+
+def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
+    searches), with the layers re-split across the pipeline stages to balance each
+    stage's predicted time on its own (slowest) GPU type."""
+    from hetshard.solver.inter_op import _Tables, split_layers
+    tables = _Tables(profile, cluster, cal, opts.attention)
+    out = []
+    for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
+        pipe = p.pipelines[0]
+        stages, caps = [], []
+        for st in pipe.stages:
+            g = min((cluster.group(cluster.slot(d).group) for d in st.devices),
+                    key=lambda g: g.gpu.peak_flops(opts.dtype))
+            stages.append(tables.get(g, st.axis("tensor"), pipe.micro_batch_size, st.remat,
+                                     st.axis("data")))
+            caps.append(g.gpu.memory_bytes * (1 - opts.memory_margin))
+        res = split_layers(stages, profile.num_layers, caps)
+        if res is None:
+            out.append(p)
+            continue
+        bounds, _ = res
+        new = tuple(dataclasses.replace(st, start=a, end=b)
+                    for st, (a, b) in zip(pipe.stages, bounds, strict=True))
+        out.append(dataclasses.replace(p, pipelines=(dataclasses.replace(pipe, stages=new),)))
+    return _best(out, profile, cluster, cal)
+
+
+def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """Alpa (Zheng et al., OSDI'22), simplified: its stage/submesh search run as if every
+    GPU were the cluster's most common type (one pipeline over all devices, stage layer
+    split balanced on that assumption), then priced on the real cluster."""
+    from hetshard.solver.inter_op import (
+        Family,
+        _heads,
+        _Tables,
+        assign_batch,
+        build_plan,
+        family_configs,
+    )
+    common = max(cluster.groups, key=lambda g: g.num_devices).gpu
+    homo = dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, gpu=common)
+                                                     for g in cluster.groups))
+    import time
+    tables = _Tables(profile, homo, cal, opts.attention)
+    fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
+                          time.perf_counter() + opts.time_limit_s)
+    plans = []
+    for fam in sorted(fams, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)[:8]:
+        res = assign_batch([fam], global_batch)
+        if res is None:
+            continue
+        fam = dataclasses.replace(fam, groups=fam.groups)
+        assert isinstance(fam, Family)
+        plans.append(build_plan(model, profile, cluster, [fam], res[0], global_batch,
+                                seq_len, opts))
+    return _best(plans, profile, cluster, cal)
+
+
+def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts,
+                 cal: Calibration = DEFAULT):
+    fn = {"megatron-uniform": megatron_uniform, "fastest-only": fastest_only,
+          "metis-like": metis_like, "amp-like": amp_like,
+          "alpa-homogeneous": alpa_homogeneous}[name]
+    return fn(model, profile, cluster, global_batch, seq_len, opts, cal)
+
+
+__all__ = ["BASELINES", "run_baseline", "uniform_candidates", "stage_bounds"]

@@ -1,0 +1,433 @@
+"""Inter-op planning: pipelines, single-type stages, uneven layer and batch splits.
+
+Search space. A plan is a set of pipelines ("families"). A family spans an ordered
+subset of the cluster's GPU groups (fastest first) and uses each of them whole: group
+g contributes ``k_g`` consecutive stages of ``R x tp`` devices (``R`` data ways inside
+every stage of the family, ``tp`` tensor ways), so ``R * tp * k_g = n_g``. Groups may be
+left idle. Every family has its own micro-batch count; all share the micro-batch size
+and a remat choice is made per family.
+
+Algorithm.
+1. Per-layer cost tables for every (GPU type, tp, micro-batch size, remat): time of one
+   micro-batch forward+backward, static and per-micro-batch memory (hetshard.cost.stage).
+2. For each family configuration, the layer split minimising the slowest stage: binary
+   search on that stage time, with a greedy contiguous packing as the feasibility test
+   (exact for a bottleneck objective with costs monotone in the layers, and every stage's
+   memory under 1F1B in-flight counts checked). Alpa's DP enumerates the same bottleneck;
+   here stages of one type are interchangeable, which makes the greedy test exact.
+3. For each assignment of groups to families, the micro-batch counts by CP-SAT:
+   sum_f m_f * mbs * R_f = B, minimising max_f (fill_f + (m_f - 1) * bottleneck_f).
+4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
+   are part of the space), are simulated in full; the fastest simulated plan that fits
+   wins. Its gap is reported against a lower bound on the step time: the cluster's
+   compute-only upper bound on throughput (no communication, no bubble).
+
+On tiny instances the search is exhaustive over this space (tests compare it with
+brute force over layer splits and batch shares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import warnings
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+import models
+from hetshard.cluster.spec import Cluster, Group
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.comm import topology
+from hetshard.cost.profile import ModelProfile
+from hetshard.cost.stage import stage_cost
+from hetshard.errors import HetshardError, SpecError
+from hetshard.plan import GradSync, Pipeline, Plan, SolverStats, Stage
+from hetshard.sim.simulator import annotate, simulate, upper_bound_tokens_per_s
+
+
+class NoFeasiblePlanError(HetshardError, ValueError):
+    """No plan in the search space fits the cluster's memory (or divides the batch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    time_limit_s: float = 60.0
+    mbs_options: tuple[int, ...] = (1, 2, 4, 8)
+    remat_options: tuple[str, ...] = ("none", "selective", "full")
+    tp_options: tuple[int, ...] = (1, 2, 4, 8)
+    memory_margin: float = 0.05  # fraction of each GPU's memory kept free
+    simulate_top: int = 24
+    refine_top: int = 3  # best simulated candidates improved by local search
+    attention: str = "flash"
+    dtype: str = "bfloat16"
+    schedule: str = "1f1b"
+    include_uniform: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    groups: tuple[str, ...]
+    r: int
+    tp: int
+    mbs: int
+    remat: str
+    bounds: tuple[tuple[int, int], ...]  # layer range per stage
+    stage_groups: tuple[str, ...]
+    fill_s: float  # sum of stage times (one micro-batch through the pipeline)
+    bottleneck_s: float
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        return self.mbs * self.r
+
+
+class _Tables:
+    """Per-layer costs for (gpu type, tp, mbs, remat), computed once per layer kind."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                 attention: str):
+        self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
+        self._cache: dict = {}
+
+    def get(self, group: Group, tp: int, mbs: int, remat: str, r: int):
+        key = (group.name, tp, mbs, remat, r)
+        if key in self._cache:
+            return self._cache[key]
+        ids = list(self.cluster.group_device_ids(group.name))
+        tp_topo = topology(self.cluster, ids[:tp]) if tp > 1 else None
+        per_kind: dict = {}
+        rows = []
+        for i, layer in enumerate(self.profile.layers):
+            k = layer.kind
+            if k not in per_kind:
+                per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, mbs=mbs,
+                                         remat=remat, attention=self.attention, cal=self.cal,
+                                         tp_topo=tp_topo)
+            c = per_kind[k]
+            rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
+                         c.memory_per_microbatch_bytes, c.memory_working_bytes))
+        a = np.array(rows)
+        out = (np.concatenate([[0.0], np.cumsum(a[:, 0])]),
+               np.concatenate([[0.0], np.cumsum(a[:, 1])]),
+               np.concatenate([[0.0], np.cumsum(a[:, 2])]), a[:, 3])
+        self._cache[key] = out
+        return out
+
+
+def _pack(t_max: float, stages, n_layers: int, caps):
+    """Greedy contiguous packing of the layers into ``stages`` (tables per stage) with every
+    stage time <= t_max and memory <= cap; returns the bounds or None."""
+    p = len(stages)
+    bounds, start = [], 0
+    for s, (ct, cs, ca, work) in enumerate(stages):
+        left = p - s - 1
+        inflight = p - s
+        end = start
+        best = None
+        while end < n_layers - left:
+            end += 1
+            t = ct[end] - ct[start]
+            mem = cs[end] - cs[start] + inflight * (ca[end] - ca[start]) + work[start:end].max()
+            if t > t_max or mem > caps[s]:
+                break
+            best = end
+        if best is None:
+            return None
+        if s == p - 1 and best != n_layers:
+            return None
+        bounds.append((start, best))
+        start = best
+    return bounds
+
+
+def split_layers(stages, n_layers: int, caps):
+    """Minimum bottleneck split: (bounds, stage times) or None if nothing fits."""
+    if len(stages) > n_layers:
+        return None
+    total = max(st[0][-1] for st in stages)
+    lo, hi = 0.0, total * 1.0001
+    if _pack(hi, stages, n_layers, caps) is None:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if _pack(mid, stages, n_layers, caps) is None:
+            lo = mid
+        else:
+            hi = mid
+    bounds = _pack(hi, stages, n_layers, caps)
+    times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
+    return bounds, times
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(model: str) -> int:
+    c = models.resolve(model)
+    return c.text.heads if isinstance(c, models.MLLMConfig) else getattr(c, "heads", 1)
+
+
+def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelProfile,
+                   opts: PlannerOptions, heads: int, deadline: float):
+    """Best split for every (R, tp, mbs, remat) of a family spanning ``groups``."""
+    out = []
+    n_layers = profile.num_layers
+    gcd = math.gcd(*[g.num_devices for g in groups])
+    for r in _divisors(gcd):
+        for tp in opts.tp_options:
+            if heads % tp or any(tp > g.gpus_per_node for g in groups):
+                continue
+            if any(g.num_devices % (r * tp) for g in groups):
+                continue
+            ks = [g.num_devices // (r * tp) for g in groups]
+            if sum(ks) > n_layers:
+                continue
+            for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+                if time.perf_counter() > deadline:
+                    return out
+                stages, caps, names = [], [], []
+                for g, k in zip(groups, ks, strict=True):
+                    tab = tables.get(g, tp, mbs, remat, r)
+                    stages += [tab] * k
+                    caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
+                    names += [g.name] * k
+                res = split_layers(stages, n_layers, caps)
+                if res is None:
+                    continue
+                bounds, times = res
+                out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
+                                  tuple(bounds), tuple(names), float(sum(times)),
+                                  float(max(times))))
+    return out
+
+
+def assign_batch(families: list[Family], global_batch: int):
+    """Micro-batch counts per family minimising the slowest family's time (CP-SAT)."""
+    m = cp_model.CpModel()
+    scale = 1e6
+    hi = global_batch
+    ms = [m.NewIntVar(1, hi, f"m{i}") for i in range(len(families))]
+    m.Add(sum(mv * f.samples_per_microbatch for mv, f in zip(ms, families, strict=True))
+          == global_batch)
+    top = int(max(f.fill_s + (hi - 1) * f.bottleneck_s for f in families) * scale) + 1
+    t = m.NewIntVar(0, top, "t")
+    for mv, f in zip(ms, families, strict=True):
+        m.Add(t >= int(f.fill_s * scale) + (mv - 1) * max(1, int(f.bottleneck_s * scale)))
+    m.Minimize(t)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = 5.0
+    solver.parameters.num_workers = 1
+    st = solver.Solve(m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return [solver.Value(v) for v in ms], solver.Value(t) / scale
+
+
+def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, counts,
+               global_batch: int, seq_len: int, opts: PlannerOptions) -> Plan:
+    pipes = []
+    for f, mcount in zip(families, counts, strict=True):
+        next_free = {g: iter(range(cluster.group_device_ids(g).start,
+                                   cluster.group_device_ids(g).stop, f.r * f.tp))
+                     for g in f.groups}
+        stages = []
+        for (a, b), g in zip(f.bounds, f.stage_groups, strict=True):
+            first = next(next_free[g])
+            devices = tuple(range(first, first + f.r * f.tp))
+            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name,
+                                (("data", f.r), ("tensor", f.tp)), f.remat))
+        pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
+                              opts.schedule))
+    sync = grad_sync_for(pipes, global_batch)
+    return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
+                seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, dtype=opts.dtype,
+                attention=opts.attention)
+
+
+def grad_sync_for(pipes, global_batch: int) -> tuple[GradSync, ...]:
+    """For each layer interval, the devices holding it and each pipeline's batch weight."""
+    cuts = sorted({b for p in pipes for s in p.stages for b in (s.start, s.end)})
+    out = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        devices, weights = [], []
+        for p in pipes:
+            for s in p.stages:
+                if s.start <= a and s.end >= b:
+                    devices += list(s.devices)
+                    weights.append(p.batch_share / global_batch)
+        if len(devices) > 1:
+            out.append(GradSync(a, b, tuple(devices), tuple(weights)))
+    return tuple(out)
+
+
+def _assignments(groups: tuple[Group, ...]):
+    """Every way to split the groups into families (ordered fastest first) or leave idle."""
+    names = list(range(len(groups)))
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for part in partitions(rest):
+            yield [[first]] + part
+            for i in range(len(part)):
+                yield part[:i] + [[first] + part[i]] + part[i + 1:]
+    for used_mask in range(1, 2 ** len(names)):
+        used = [i for i in names if used_mask >> i & 1]
+        for part in partitions(used):
+            yield [tuple(sorted(fam)) for fam in part]
+
+
+def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
+         seq_len: int, cal: Calibration = DEFAULT, options: PlannerOptions | None = None,
+         extra_candidates: tuple[Plan, ...] = ()) -> Plan:
+    """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
+    opts = options or PlannerOptions()
+    t0 = time.perf_counter()
+    deadline = t0 + opts.time_limit_s * 0.7
+    if global_batch < 1:
+        raise SpecError("global_batch", global_batch, "a positive integer")
+    tables = _Tables(profile, cluster, cal, opts.attention)
+    heads = _heads(model)
+    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
+    fam_cache: dict[tuple, list[Family]] = {}
+    estimates = []
+    timed_out = False
+    for assignment in _assignments(groups):
+        per_family = []
+        for fam in assignment:
+            key = tuple(groups[i].name for i in fam)
+            if key not in fam_cache:
+                fam_cache[key] = family_configs(tuple(groups[i] for i in fam), tables,
+                                                profile, opts, heads, deadline)
+            cands = fam_cache[key]
+            if not cands:
+                break
+            # Keep each family's most promising configurations (throughput at large m).
+            cands = sorted(cands, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
+            per_family.append(cands[:8])
+        else:
+            for combo in itertools.product(*per_family):
+                if time.perf_counter() > deadline:
+                    timed_out = True
+                    break
+                if global_batch < sum(f.samples_per_microbatch for f in combo):
+                    continue
+                res = assign_batch(list(combo), global_batch)
+                if res is None:
+                    continue
+                counts, t_est = res
+                estimates.append((t_est, combo, counts))
+    estimates.sort(key=lambda e: e[0])
+    candidates = []
+    for t_est, combo, counts in estimates[:opts.simulate_top]:
+        candidates.append(build_plan(model, profile, cluster, list(combo), counts,
+                                     global_batch, seq_len, opts))
+    if opts.include_uniform:
+        from hetshard.solver.baselines import uniform_candidates
+        candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts)
+    candidates += list(extra_candidates)
+    if not candidates:
+        raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
+    scored = []
+    for cand in candidates:
+        r = simulate(cand, profile, cluster, cal)
+        scored.append(((not r.fits, r.step_time_s), cand, r))
+    scored.sort(key=lambda x: x[0])
+    refine_deadline = t0 + opts.time_limit_s * 0.95
+    best = scored[0]
+    for key, cand, r in scored[:opts.refine_top]:
+        if key[0]:
+            continue
+        improved = local_search(cand, r, profile, cluster, cal, refine_deadline)
+        if (not improved[1].fits, improved[1].step_time_s) < best[0]:
+            best = ((not improved[1].fits, improved[1].step_time_s), *improved)
+    (_, _), chosen, result = best
+    if not result.fits:
+        raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    lower_step = global_batch * seq_len / upper
+    gap = max(0.0, 1 - lower_step / result.step_time_s)
+    wall = time.perf_counter() - t0
+    status = "time_limit" if timed_out else "searched"
+    if timed_out:
+        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit: best plan found, "
+                      f"gap to the compute bound {gap:.1%}", stacklevel=2)
+    chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
+    return annotate(chosen, result, upper)
+
+
+def _neighbours(plan: Plan):
+    """Plans one move away: a stage boundary shifted by one layer, or one micro-batch moved
+    from a pipeline to another (when their micro-batch sizes allow)."""
+    pipes = plan.pipelines
+    for pi, p in enumerate(pipes):
+        for j in range(len(p.stages) - 1):
+            for delta in (-1, 1):
+                a, b = p.stages[j], p.stages[j + 1]
+                cut = a.end + delta
+                if a.start < cut < b.end:
+                    st = list(p.stages)
+                    st[j] = dataclasses.replace(a, end=cut)
+                    st[j + 1] = dataclasses.replace(b, start=cut)
+                    new = list(pipes)
+                    new[pi] = dataclasses.replace(p, stages=tuple(st))
+                    yield dataclasses.replace(plan, pipelines=tuple(new))
+    for pi, qi in itertools.permutations(range(len(pipes)), 2):
+        p, q = pipes[pi], pipes[qi]
+        unit_p = p.micro_batch_size * p.stages[0].axis("data")
+        unit_q = q.micro_batch_size * q.stages[0].axis("data")
+        if unit_p != unit_q or p.num_micro_batches <= 1:
+            continue
+        new = list(pipes)
+        new[pi] = dataclasses.replace(p, num_micro_batches=p.num_micro_batches - 1,
+                                      batch_share=p.batch_share - unit_p)
+        new[qi] = dataclasses.replace(q, num_micro_batches=q.num_micro_batches + 1,
+                                      batch_share=q.batch_share + unit_q)
+        yield dataclasses.replace(plan, pipelines=tuple(new),
+                                  grad_sync=grad_sync_for(new, plan.global_batch))
+
+
+def local_search(plan: Plan, result, profile, cluster, cal, deadline: float):
+    """First-improvement hill climbing on the simulated step time (memory must fit)."""
+    best, best_r = plan, result
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for cand in _neighbours(best):
+            if time.perf_counter() > deadline:
+                break
+            try:
+                r = simulate(cand, profile, cluster, cal)
+            except HetshardError:
+                continue
+            if r.fits and r.step_time_s < best_r.step_time_s * (1 - 1e-9):
+                best, best_r, improved = cand, r, True
+                break
+    if best is not plan:
+        best = dataclasses.replace(best, grad_sync=grad_sync_for(best.pipelines,
+                                                                 best.global_batch))
+    return best, best_r
+
+
+def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
+    """An error naming the tightest stage: the largest GPU type, most sharding, full remat."""
+    g = max(cluster.groups, key=lambda g: g.gpu.memory_bytes * g.num_devices)
+    tp = max(t for t in opts.tp_options if t <= g.gpus_per_node and heads % t == 0)
+    ct, cs, ca, work = tables.get(g, tp, min(opts.mbs_options), "full", 1)
+    stages = max(1, min(profile.num_layers, g.num_devices // tp))
+    per_stage = profile.num_layers / stages
+    need = (cs[-1] + stages * ca[-1]) / profile.num_layers * per_stage + work.max()
+    cap = g.gpu.memory_bytes * (1 - opts.memory_margin)
+    min_batch = min(f for f in [1])
+    return NoFeasiblePlanError(
+        f"no plan fits: even on group {g.name!r} ({g.num_devices}x {g.gpu.name}) with "
+        f"tensor parallelism {tp}, {stages} pipeline stages, micro-batch "
+        f"{min(opts.mbs_options)} and full remat, the tightest stage needs "
+        f"{need / 1e9:.1f} GB per GPU against {cap / 1e9:.1f} GB usable "
+        f"(global batch {global_batch}, at least {min_batch} sample per pipeline)")

@@ -1,0 +1,85 @@
+"""Per-parameter shardings for a plan's stages, from the intra-op CP-SAT solver.
+
+Each distinct (block kind, GPU type, tensor degree, micro-batch size) among the plan's
+stages is solved once on the traced block (identical blocks reuse the answer), and the
+resulting specs are written to every stage's ``shardings`` as ``(parameter path,
+spec)`` pairs, a spec being a tuple with ``"tensor"`` where the parameter is split.
+Each stage also records the layout of the activation it hands on
+(``activation:<layer>``: batch over ``data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import models
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.comm import topology
+from hetshard.cost.profile import ModelProfile
+from hetshard.ir.train_step import param_paths, trace_train_step, with_layers
+from hetshard.plan import Plan
+from hetshard.solver.intra_op import solve, spec_of
+
+_LAYER = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)$")
+
+
+@functools.lru_cache(maxsize=16)
+def _reduced(model: str, mbs: int, seq_len: int, dtype: str):
+    config = with_layers(models.resolve(model), 2)
+    graph = trace_train_step(config, micro_batch=mbs, seq_len=seq_len, dtype=dtype)
+    return graph, param_paths(config)
+
+
+def _path_prefix(stack: str, config) -> str:
+    if isinstance(config, models.MLLMConfig):
+        return "vision/layers" if stack == "vision" else "text/layers"
+    return "layers"
+
+
+def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                     cal: Calibration = DEFAULT, time_limit_s: float = 10.0) -> Plan:
+    """``plan`` with every stage's ``shardings`` filled in."""
+    config = models.resolve(plan.model)
+    solved: dict = {}
+    pipes = []
+    for pipe in plan.pipelines:
+        stages = []
+        for st in pipe.stages:
+            tp = st.axis("tensor")
+            entries = []
+            gpu = cluster.gpu_of(st.devices[0])
+            for li in range(st.start, st.end):
+                layer = profile.layers[li]
+                m = _LAYER.match(layer.name)
+                if tp == 1 or m is None:
+                    continue
+                key = (m.group("stack"), gpu.name, tp, pipe.micro_batch_size)
+                if key not in solved:
+                    graph, paths = _reduced(plan.model, pipe.micro_batch_size, plan.seq_len,
+                                            plan.dtype)
+                    src = f"{m.group('stack')}/layer_0"
+                    ops = [op for op in graph.ops if op.layer == src and op.phase == "fwd"]
+                    res = solve(ops, tp=tp, gpu=gpu, topo=topology(cluster, st.devices[:tp]),
+                                cal=cal, dtype=plan.dtype,
+                                param_bytes=dict(enumerate(graph.param_bytes)),
+                                time_limit_s=time_limit_s)
+                    prefix = f"{_path_prefix(m.group('stack'), config)}/0/"
+                    ranks = {}
+                    for op in ops:
+                        for src_k, shape in op.inputs:
+                            if src_k <= -2:
+                                ranks[-src_k - 2] = len(shape)
+                    solved[key] = {paths[k][len(prefix):]: spec_of(lay, ranks.get(k, 2))
+                                   for k, lay in res.param_specs.items()
+                                   if paths[k].startswith(prefix)}
+                prefix = f"{_path_prefix(m.group('stack'), config)}/{m.group('i')}/"
+                entries += [(prefix + name, spec) for name, spec in
+                            sorted(solved[key].items())]
+            entries.append((f"activation:{profile.layers[st.end - 1].name}",
+                            ("data", None, None)))
+            stages.append(dataclasses.replace(st, shardings=tuple(entries)))
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
