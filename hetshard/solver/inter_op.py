@@ -325,7 +325,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                 estimates.append((t_est, combo, counts))
     estimates.sort(key=lambda e: e[0])
     candidates = []
-    for t_est, combo, counts in estimates[:opts.simulate_top]:
+    for _t_est, combo, counts in estimates[:opts.simulate_top]:
         candidates.append(build_plan(model, profile, cluster, list(combo), counts,
                                      global_batch, seq_len, opts))
     if opts.include_uniform:

@@ -313,7 +313,7 @@ def solve(ops: Sequence[Op], *, tp: int, gpu: DeviceType, topo: Topology | None,
     for n, node in enumerate(nodes):
         for s, strat in enumerate(node.strategies):
             cost = 3 * strat.cost_s
-            for (src, shape), need in zip(node.inputs, strat.ins, strict=False):
+            for (src, _shape), need in zip(node.inputs, strat.ins, strict=False):
                 k = -src - 2 if src <= -2 else cast_of.get(src)
                 if k is None or need is None:
                     continue
