@@ -65,6 +65,8 @@ class PlannerOptions:
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
     include_uniform: bool = True
+    exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
+    exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,14 +197,42 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
                     stages += [tab] * k
                     caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                     names += [g.name] * k
-                res = split_layers(stages, n_layers, caps)
-                if res is None:
-                    continue
-                bounds, times = res
-                out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
-                                  tuple(bounds), tuple(names), float(sum(times)),
-                                  float(max(times))))
+                if math.comb(n_layers - 1, len(stages) - 1) <= opts.exhaustive_splits:
+                    splits = pareto_splits(stages, n_layers, caps)
+                else:
+                    res = split_layers(stages, n_layers, caps)
+                    splits = [] if res is None else [res]
+                for bounds, times in splits:
+                    out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
+                                      tuple(bounds), tuple(names), float(sum(times)),
+                                      float(max(times))))
     return out
+
+
+def stage_fits(stage, a: int, b: int, inflight: int, cap: float) -> bool:
+    ct, cs, ca, work = stage
+    return cs[b] - cs[a] + inflight * (ca[b] - ca[a]) + work[a:b].max() <= cap
+
+
+def pareto_splits(stages, n_layers: int, caps):
+    """Every contiguous split that fits, reduced to the Pareto set of (sum, max) stage time:
+    for any micro-batch count the best split (fill + (m - 1) * max) is among them."""
+    p = len(stages)
+    points = []
+    for cuts in itertools.combinations(range(1, n_layers), p - 1):
+        bounds = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
+        if not all(stage_fits(st, a, b, p - s, caps[s])
+                   for s, (st, (a, b)) in enumerate(zip(stages, bounds, strict=True))):
+            continue
+        times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
+        points.append((sum(times), max(times), bounds, times))
+    points.sort(key=lambda t: (t[0], t[1]))
+    front, best_max = [], float("inf")
+    for total, mx, bounds, times in points:
+        if mx < best_max - 1e-15:
+            front.append((bounds, times))
+            best_max = mx
+    return front
 
 
 def assign_batch(families: list[Family], global_batch: int):
@@ -285,7 +315,7 @@ def _assignments(groups: tuple[Group, ...]):
 
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
          seq_len: int, cal: Calibration = DEFAULT, options: PlannerOptions | None = None,
-         extra_candidates: tuple[Plan, ...] = ()) -> Plan:
+         extra_candidates: tuple[Plan, ...] = (), return_estimates: bool = False) -> Plan:
     """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
@@ -310,8 +340,10 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                 break
             # Keep each family's most promising configurations (throughput at large m).
             cands = sorted(cands, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
-            per_family.append(cands[:8])
+            per_family.append(cands)
         else:
+            if math.prod(len(c) for c in per_family) > opts.exhaustive_combos:
+                per_family = [c[:8] for c in per_family]
             for combo in itertools.product(*per_family):
                 if time.perf_counter() > deadline:
                     timed_out = True
@@ -323,9 +355,21 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                     continue
                 counts, t_est = res
                 estimates.append((t_est, combo, counts))
-    estimates.sort(key=lambda e: e[0])
+    estimates.sort(key=lambda e: (e[0], str(e[1]), e[2]))
+    if return_estimates:
+        return estimates
+    # The estimate ignores transfers and gradient sync, so besides the global top-N the
+    # best candidate of every group assignment (which groups, in which families) is
+    # simulated: the simulator, not the estimate, decides between structures.
+    chosen_idx, seen = [], set()
+    for i, (_t, combo, _c) in enumerate(estimates):
+        key = tuple(f.groups for f in combo)
+        if i < opts.simulate_top or key not in seen:
+            chosen_idx.append(i)
+        seen.add(key)
     candidates = []
-    for _t_est, combo, counts in estimates[:opts.simulate_top]:
+    for i in chosen_idx:
+        _t_est, combo, counts = estimates[i]
         candidates.append(build_plan(model, profile, cluster, list(combo), counts,
                                      global_batch, seq_len, opts))
     if opts.include_uniform:

@@ -84,6 +84,11 @@ class _Node:
         self.strategies = strategies
 
 
+def _broadcastable(shape, out_shape) -> bool:
+    return len(shape) == len(out_shape) and all(a in (b, 1) for a, b in zip(shape, out_shape,
+                                                                            strict=True))
+
+
 def _split_ok(n: int, tp: int) -> bool:
     return n >= tp and n % tp == 0
 
@@ -119,19 +124,27 @@ def _strategies(op: Op, in_shapes, out_shape, tp: int, peak: float, bw: float):
             if _split_ok(ls[a], tp):
                 out.append(Strategy(P, (("S", a), ("S", b)), part))
         return out
-    if name in _ELEMENTWISE and all(_is_scalar(s) or tuple(s) == tuple(out_shape)
+    if name in _ELEMENTWISE and all(_is_scalar(s) or _broadcastable(s, out_shape)
                                     for s in in_shapes):
+        def need(s, lay):
+            if _is_scalar(s):
+                return None
+            if lay in (R, P) or s[lay[1]] == out_shape[lay[1]]:
+                return lay
+            return R  # a size-1 (broadcast) dimension is replicated
         for d in range(rank):
             if _split_ok(out_shape[d], tp):
-                out.append(Strategy(("S", d), tuple(None if _is_scalar(s) else ("S", d)
-                                                    for s in in_shapes), part))
-        if name in _LINEAR:
+                out.append(Strategy(("S", d), tuple(need(s, ("S", d)) for s in in_shapes),
+                                    part))
+        full_inputs = [i for i, s in enumerate(in_shapes)
+                       if not _is_scalar(s) and tuple(s) == tuple(out_shape)]
+        if name in _LINEAR and len(full_inputs) == n_in - sum(map(_is_scalar, in_shapes)):
             out.append(Strategy(P, tuple(None if _is_scalar(s) else P for s in in_shapes),
                                 part))
         elif name in ("mul", "div") and n_in == 2:
             # Partial sums times (or over) a replicated factor stay partial sums.
             for i in range(2 if name == "mul" else 1):
-                if _is_scalar(in_shapes[i]):
+                if i not in full_inputs:
                     continue
                 ins = [R, R]
                 ins[i] = P

@@ -1,0 +1,227 @@
+import itertools
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import models
+from hetshard.cli import main
+from hetshard.cluster import Cluster
+from hetshard.cost.comm import topology
+from hetshard.cost.profile import profile_model
+from hetshard.errors import SpecError
+from hetshard.ir.trace import trace
+from hetshard.ir.train_step import trace_train_step, with_layers
+from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
+from hetshard.solver.baselines import BASELINES, run_baseline
+from hetshard.solver.inter_op import _Tables, plan
+from hetshard.solver.intra_op import solve, spec_of
+
+A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+
+
+def _mlp(params, x):
+    h = jax.nn.gelu(x @ params["w1"])
+    return jnp.sum(jnp.tanh(h @ params["w2"]))
+
+
+@pytest.mark.parametrize("batch,hidden,expect", [
+    (8, 4096, {0: (None, "tensor"), 1: ("tensor", None)}),  # Megatron column then row
+    (65536, 256, {0: (None, None), 1: (None, None)}),  # tiny weights: split the batch
+])
+def test_intra_op_mlp_picks_megatron_split_when_cheapest(batch, hidden, expect):
+    c = Cluster.load("dgx-a100-80gb-x8")
+    params = {"w1": jax.ShapeDtypeStruct((hidden, 4 * hidden), jnp.bfloat16),
+              "w2": jax.ShapeDtypeStruct((4 * hidden, hidden), jnp.bfloat16)}
+    g = trace(_mlp, params, jax.ShapeDtypeStruct((batch, hidden), jnp.bfloat16))
+    r = solve(g.ops, tp=8, gpu=A100, topo=topology(c, range(8)),
+              param_bytes=dict(enumerate(g.param_bytes)))
+    assert r.status == "optimal" and r.gap == 0.0
+    assert {k: spec_of(v, 2) for k, v in r.param_specs.items()} == expect
+    first_dot = next(op for op in g.ops if op.primitive == "dot_general")
+    assert r.op_layouts[first_dot.index] == (("S", 1) if expect[0][1] else ("S", 0))
+
+
+def test_intra_op_transformer_block_is_megatron():
+    # Realistic shapes: weights (2-8 MB each) outweigh a 1 MB activation, as in training.
+    cfg = with_layers(models.resolve("gpt:layers=2,hidden=1024,heads=8,vocab=256,seq=512"),
+                      2)
+    g = trace_train_step(cfg, micro_batch=1, seq_len=512, dtype="bfloat16")
+    from hetshard.ir.train_step import param_paths
+    paths = param_paths(cfg)
+    ops = [op for op in g.ops if op.layer == "decoder/layer_0" and op.phase == "fwd"]
+    c = Cluster.load("dgx-a100-80gb-x8")
+    r = solve(ops, tp=4, gpu=A100, topo=topology(c, range(4)),
+              param_bytes=dict(enumerate(g.param_bytes)))
+    specs = {paths[k].removeprefix("layers/0/"): v for k, v in r.param_specs.items()
+             if paths[k].startswith("layers/0/") and paths[k].endswith("kernel")}
+    col, row = "('S', 1)", "('S', 0)"
+    assert specs == {"attn/q_proj/kernel": col, "attn/k_proj/kernel": col,
+                     "attn/v_proj/kernel": col, "attn/o_proj/kernel": row,
+                     "mlp/up/kernel": col, "mlp/down/kernel": row}
+
+
+# ---- inter-op: exact on tiny instances --------------------------------------------------
+
+TINY = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64"
+TINY_CLUSTER = {"name": "tiny", "groups": [
+    {"name": "fast", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+    {"name": "slow", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2}],
+    "inter_group_gbs": 12.5}
+OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_options=(1, 2),
+                      dtype="float16", time_limit_s=60)
+
+
+def _brute_force(profile, cluster, global_batch, opts):
+    """Independent enumeration of the planner's space; returns the best estimated time."""
+    tables = _Tables(profile, cluster, __import__("hetshard").cost.calibration.DEFAULT,
+                     opts.attention)
+    groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
+    n_layers = profile.num_layers
+    best = float("inf")
+    for labels in itertools.product(range(len(groups) + 1), repeat=len(groups)):
+        fams = {}
+        for g, lab in zip(groups, labels, strict=True):
+            if lab:
+                fams.setdefault(lab, []).append(g)
+        if not fams:
+            continue
+        options = []
+        for fam in fams.values():
+            opts_f = []
+            for r, tp, mbs, remat in itertools.product((1, 2), opts.tp_options, opts.mbs_options,
+                                                       opts.remat_options):
+                if any(g.num_devices % (r * tp) for g in fam) or 4 % tp:
+                    continue
+                stages = []
+                for g in fam:
+                    stages += [(g, tables.get(g, tp, mbs, remat, r))] * (g.num_devices // (r * tp))
+                p = len(stages)
+                for cuts in itertools.combinations(range(1, n_layers), p - 1):
+                    b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
+                    ok, times = True, []
+                    for s, ((g, (ct, cs, ca, w)), (lo, hi)) in enumerate(zip(stages, b,
+                                                                              strict=True)):
+                        mem = cs[hi] - cs[lo] + (p - s) * (ca[hi] - ca[lo]) + w[lo:hi].max()
+                        ok &= mem <= g.gpu.memory_bytes * (1 - opts.memory_margin)
+                        times.append(ct[hi] - ct[lo])
+                    if ok:
+                        opts_f.append((mbs * r, sum(times), max(times)))
+            options.append(opts_f)
+        for combo in itertools.product(*options):
+            spm = [c[0] for c in combo]
+            for ms in itertools.product(range(1, global_batch + 1), repeat=len(combo)):
+                if sum(m * u for m, u in zip(ms, spm, strict=True)) != global_batch:
+                    continue
+                t = max(f + (m - 1) * mx for m, (_, f, mx) in zip(ms, combo, strict=True))
+                best = min(best, t)
+    return best
+
+
+@pytest.mark.slow
+def test_planner_search_is_exact_on_a_tiny_instance():
+    cluster = Cluster.load(TINY_CLUSTER)
+    profile = profile_model(TINY, 64, "float16")
+    estimates = plan(TINY, profile, cluster, global_batch=4, seq_len=64, options=OPTS,
+                     return_estimates=True)
+    want = _brute_force(profile, cluster, 4, OPTS)
+    assert estimates[0][0] == pytest.approx(want, rel=1e-6, abs=2e-6)
+
+
+def test_planner_is_deterministic_and_beats_baselines_on_tiny():
+    cluster = Cluster.load(TINY_CLUSTER)
+    a = make_plan(TINY, cluster, global_batch=8, seq_len=64, options=OPTS)
+    b = make_plan(TINY, cluster, global_batch=8, seq_len=64, options=OPTS)
+    strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "solver"}
+    assert strip(a) == strip(b)
+    profile = profile_model(TINY, 64, "float16")
+    for name in BASELINES:
+        base = run_baseline(name, TINY, profile, cluster, 8, 64, OPTS)
+        if base is not None and base.predicted.fits:
+            assert a.predicted.tokens_per_s >= base.predicted.tokens_per_s * (1 - 1e-9), name
+
+
+_types = st.sampled_from(["A100-80GB", "V100-32GB", "T4", "H100-80GB", "RTX-4090"])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=st.lists(st.tuples(_types, st.integers(1, 2), st.sampled_from([1, 2, 4])),
+                       min_size=1, max_size=3),
+       layers=st.integers(2, 4), batch=st.integers(4, 24))
+def test_every_plan_is_valid(groups, layers, batch):
+    spec = {"name": "rand", "groups": [
+        {"name": f"g{i}", "gpu": t, "nodes": n, "gpus_per_node": g}
+        for i, (t, n, g) in enumerate(groups)]}
+    cluster = Cluster.load(spec)
+    model = f"gpt:layers={layers},hidden=64,heads=4,vocab=128,seq=32"
+    opts = PlannerOptions(mbs_options=(1, 2), remat_options=("none",), tp_options=(1, 2),
+                          time_limit_s=20, dtype="float16")
+    p = make_plan(model, cluster, global_batch=batch, seq_len=32, options=opts,
+                  shardings=False)
+    n_layers = profile_model(model, 32, "float16").num_layers
+    assert sum(q.batch_share for q in p.pipelines) == batch
+    used = set()
+    for q in p.pipelines:
+        covered = [i for s in q.stages for i in range(s.start, s.end)]
+        assert covered == list(range(n_layers))  # each layer exactly once per pipeline
+        for s in q.stages:
+            assert len({cluster.gpu_of(d).name for d in s.devices}) == 1  # one GPU type
+            assert not used & set(s.devices)
+            used |= set(s.devices)
+            assert s.predicted_memory_bytes <= cluster.gpu_of(s.devices[0]).memory_bytes
+    assert p.predicted.fits
+    for gs in p.grad_sync:
+        assert sum(gs.weights) == pytest.approx(1.0)
+
+
+def test_model_that_fits_nowhere_names_the_tightest_stage():
+    cluster = Cluster.load({"name": "small", "groups": [
+        {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}]})
+    with pytest.raises(NoFeasiblePlanError, match=r"needs [\d.]+ GB per GPU against [\d.]+ GB"):
+        make_plan("gpt-13b", cluster, global_batch=8, seq_len=256,
+                  options=PlannerOptions(time_limit_s=10, mbs_options=(1,)))
+
+
+def test_bad_constraints_and_batches():
+    with pytest.raises(SpecError, match="only tp, mbs, remat"):
+        options_from_fix("dp=2", PlannerOptions())
+    with pytest.raises(SpecError, match="contradictory"):
+        options_from_fix("tp=2,tp=4", PlannerOptions())
+    with pytest.raises(SpecError, match="heads"):
+        make_plan(TINY, Cluster.load(TINY_CLUSTER), global_batch=8, seq_len=64,
+                  options=options_from_fix("tp=3", OPTS))
+    with pytest.raises(SpecError, match="global_batch"):
+        make_plan(TINY, Cluster.load(TINY_CLUSTER), global_batch=0, seq_len=64)
+
+
+def test_time_limit_returns_best_found_with_a_warning():
+    cluster = Cluster.load("a100-v100")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = make_plan("gpt-1.3b", cluster, global_batch=64, seq_len=2048,
+                      options=PlannerOptions(time_limit_s=0.05), shardings=False)
+    assert p.predicted.fits and p.solver.status == "time_limit"
+    assert any("limit" in str(w.message) and "gap" in str(w.message) for w in caught)
+
+
+def test_plan_and_compare_cli(capsys, tmp_path):
+    out = tmp_path / "cmp.json"
+    args = ["--model", TINY, "--cluster", "h100-a100-v100-x8", "--global-batch", "16",
+            "--seq-len", "64", "--dtype", "float16", "--time-limit", "20"]
+    assert main(["plan", *args, "--json", str(tmp_path / "plan.json")]) == 0
+    assert "solver:" in capsys.readouterr().out
+    from hetshard.plan import Plan
+    p = Plan.load(tmp_path / "plan.json")
+    assert p.pipelines and any(s.shardings for q in p.pipelines for s in q.stages)
+    assert main(["compare", *args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["results"]]
+    assert names == ["hetshard", *BASELINES] and data["upper_bound_tokens_per_s"] > 0
+    ours = data["results"][0]
+    assert ours["fits"] and all(ours["tokens_per_s"] >= r["tokens_per_s"] * (1 - 1e-9)
+                                for r in data["results"][1:] if r["fits"])
+    assert main(["plan", *args, "--fix", "pp=2"]) == 2
