@@ -228,7 +228,7 @@ def pareto_splits(stages, n_layers: int, caps):
         points.append((sum(times), max(times), bounds, times))
     points.sort(key=lambda t: (t[0], t[1]))
     front, best_max = [], float("inf")
-    for total, mx, bounds, times in points:
+    for _total, mx, bounds, times in points:
         if mx < best_max - 1e-15:
             front.append((bounds, times))
             best_max = mx
@@ -319,11 +319,25 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
-    deadline = t0 + opts.time_limit_s * 0.7
+    # Budget: search 50%, heuristic seeds up to 40% used, refinement to 80%; the rest is
+    # left for the intra-op shardings that make_plan attaches afterwards.
+    deadline = t0 + opts.time_limit_s * 0.5
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
     tables = _Tables(profile, cluster, cal, opts.attention)
     heads = _heads(model)
+    # Fast heuristic plans (AMP-, then Metis-style) as extra starting points, while they
+    # are cheap: they lie in this search space, and local search starts from the best.
+    seeds = []
+    if not return_estimates:
+        from hetshard.solver.baselines import amp_like, metis_like
+        for heuristic in (amp_like, metis_like):
+            if time.perf_counter() > t0 + opts.time_limit_s * 0.2:
+                break
+            seed = heuristic(model, profile, cluster, global_batch, seq_len, opts, cal)
+            if seed is not None:
+                seeds.append(dataclasses.replace(
+                    seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))
     groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
     fam_cache: dict[tuple, list[Family]] = {}
     estimates = []
@@ -355,6 +369,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                     continue
                 counts, t_est = res
                 estimates.append((t_est, combo, counts))
+    timed_out = timed_out or time.perf_counter() > deadline
     estimates.sort(key=lambda e: (e[0], str(e[1]), e[2]))
     if return_estimates:
         return estimates
@@ -375,7 +390,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     if opts.include_uniform:
         from hetshard.solver.baselines import uniform_candidates
         candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts)
-    candidates += list(extra_candidates)
+    candidates += list(extra_candidates) + seeds
     if not candidates:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
@@ -383,7 +398,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         r = simulate(cand, profile, cluster, cal)
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
-    refine_deadline = t0 + opts.time_limit_s * 0.95
+    refine_deadline = t0 + opts.time_limit_s * 0.8
     best = scored[0]
     for key, cand, r in scored[:opts.refine_top]:
         if key[0]:

@@ -1,0 +1,156 @@
+"""Planner benchmark: plan quality and planning time on heterogeneous and homogeneous presets.
+
+For each (cluster, model, global batch) row: hetshard's plan and every baseline's, all
+priced by the same simulator; tokens/s, fits, ratio to the cluster's upper bound
+(aggregate compute-only throughput) and to the best baseline; and hetshard's planning
+wall time on this machine (2 CPU cores). Clusters holding pre-Ampere GPUs (V100, T4,
+P100: no bf16 units) are planned in float16, as their published testbeds trained.
+
+Targets (issue 4): on heterogeneous presets hetshard >= every baseline and >= 0.85 of the
+upper bound; on homogeneous presets within 2% of the best uniform plan or better;
+planning time gpt-1.3b / 16 GPUs / 2 types <= 5 s, llama-70b / 256 GPUs / 3 types <= 30 s,
+gpt-175b / 1024 GPUs / 4 types <= 60 s.
+
+Usage: python experiments/planner_bench.py [--only CLUSTER] [--time-limit S]
+Writes experiments/results/planner_bench.json and planner_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hetshard.cluster import Cluster  # noqa: E402
+from hetshard.cost.profile import profile_model  # noqa: E402
+from hetshard.sim import upper_bound_tokens_per_s  # noqa: E402
+from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan  # noqa: E402
+from hetshard.solver.baselines import BASELINES, run_baseline  # noqa: E402
+
+# cluster, model, global batch, planning-time target (s) or None
+ROWS = [
+    ("a100-v100-x16", "gpt-1.3b", 256, 5.0),
+    ("a100-v100-x16", "gpt-6.7b", 256, None),
+    ("a100-v100", "gpt-1.3b", 512, None),
+    ("a100-v100", "llama-13b", 256, None),
+    ("amp-t4-v100", "gpt-1.3b", 256, None),
+    ("amp-t4-v100", "gpt-6.7b", 256, None),
+    ("metis-a100-t4", "gpt-6.7b", 256, None),
+    ("metis-4types", "gpt-1.3b", 256, None),
+    ("metis-4types", "gpt-6.7b", 256, None),
+    ("flashflex-consumer", "gpt-1.3b", 256, None),
+    ("flashflex-consumer", "llama-13b", 256, None),
+    ("sailor-a100-v100", "gpt-6.7b", 256, None),
+    ("sailor-a100-v100", "llama-13b", 256, None),
+    ("h100-a100-v100-x8", "gpt-1.3b", 128, None),
+    ("h100-a100-v100-x8", "llava-7b", 64, None),
+    ("mix3-x256", "llama-70b", 1024, 30.0),
+    ("mix4-x1024", "gpt-175b", 2048, 60.0),
+    ("dgx-a100-80gb-x64", "gpt-6.7b", 512, None),
+    ("dgx-a100-80gb-x64", "llama-70b", 512, None),
+    ("dgx-h100-x64", "llama-13b", 512, None),
+]
+PRE_AMPERE = {"V100-16GB", "V100-32GB", "T4", "P100-16GB"}
+
+
+def run_row(cluster_name, model, batch, limit, time_limit):
+    cluster = Cluster.load(cluster_name)
+    dtype = "float16" if {t.name for t in cluster.device_types} & PRE_AMPERE else "bfloat16"
+    opts = PlannerOptions(time_limit_s=limit or time_limit, dtype=dtype)
+    seq = 2048
+    profile = profile_model(model, seq, dtype)
+    upper = upper_bound_tokens_per_s(profile, cluster)
+    row = {"cluster": cluster_name, "model": model, "global_batch": batch, "dtype": dtype,
+           "gpus": cluster.num_devices, "types": len(cluster.device_types),
+           "homogeneous": cluster.is_homogeneous, "upper_bound_tokens_per_s": upper,
+           "planning_time_target_s": limit, "results": {}}
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = make_plan(model, cluster, global_batch=batch, seq_len=seq, options=opts)
+        row["planning_time_s"] = time.perf_counter() - t0
+        row["warnings"] = [str(w.message) for w in caught]
+        row["results"]["hetshard"] = {"tokens_per_s": plan.predicted.tokens_per_s,
+                                      "fits": plan.predicted.fits,
+                                      "solver": plan.solver.__dict__,
+                                      "pipelines": len(plan.pipelines),
+                                      "stages": [len(p.stages) for p in plan.pipelines]}
+    except NoFeasiblePlanError as e:
+        row["planning_time_s"] = time.perf_counter() - t0
+        row["results"]["hetshard"] = {"tokens_per_s": 0.0, "fits": False, "error": str(e)}
+    for name in BASELINES:
+        t1 = time.perf_counter()
+        base = run_baseline(name, model, profile, cluster, batch, seq, opts)
+        row["results"][name] = {"tokens_per_s": base.predicted.tokens_per_s if base else 0.0,
+                                "fits": bool(base and base.predicted.fits),
+                                "time_s": time.perf_counter() - t1}
+    ours = row["results"]["hetshard"]["tokens_per_s"]
+    fitting = [r["tokens_per_s"] for n, r in row["results"].items()
+               if n != "hetshard" and r["fits"]]
+    best = max(fitting) if fitting else 0.0
+    uniform = row["results"]["megatron-uniform"]
+    row["ratio_to_upper_bound"] = ours / upper
+    row["ratio_to_best_baseline"] = ours / best if best else None
+    row["ratio_to_best_uniform"] = (ours / uniform["tokens_per_s"]
+                                    if uniform["fits"] and uniform["tokens_per_s"] else None)
+    row["beats_every_baseline"] = all(ours >= r["tokens_per_s"] * (1 - 1e-9)
+                                      for n, r in row["results"].items()
+                                      if n != "hetshard" and r["fits"])
+    return row
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = ["hetshard", *BASELINES]
+    fig, axes = plt.subplots((len(rows) + 3) // 4, 4, figsize=(16, 3.2 * ((len(rows) + 3) // 4)))
+    for ax, row in zip(axes.flat, rows, strict=False):
+        vals = [row["results"][n]["tokens_per_s"] / row["upper_bound_tokens_per_s"]
+                if row["results"][n]["fits"] else 0 for n in names]
+        ax.bar(range(len(names)), vals, color=["tab:red"] + ["tab:gray"] * len(BASELINES))
+        ax.axhline(0.85, color="k", linestyle="--", linewidth=0.7)
+        ax.set_xticks(range(len(names)), [n.replace("-", "\n") for n in names], fontsize=6)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{row['model']} on {row['cluster']}", fontsize=8)
+        ax.set_ylabel("tokens/s / upper bound", fontsize=7)
+    for ax in list(axes.flat)[len(rows):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for cluster_name, model, batch, limit in ROWS:
+        if args.only and args.only != cluster_name:
+            continue
+        row = run_row(cluster_name, model, batch, limit, args.time_limit)
+        rows.append(row)
+        res = row["results"]["hetshard"]
+        print(f"{cluster_name:>20} {model:>10} B={batch:<5} hetshard {res['tokens_per_s']:>12,.0f} "
+              f"tok/s  {row['ratio_to_upper_bound']:6.1%} of bound  "
+              f"x{(row['ratio_to_best_baseline'] or 0):.3f} best baseline  "
+              f"plan {row['planning_time_s']:.1f}s  beats all: {row['beats_every_baseline']}",
+              flush=True)
+        with open(os.path.join(args.out, "planner_bench.json"), "w") as f:
+            json.dump({"rows": rows}, f, indent=2)
+    plot(rows, os.path.join(args.out, "planner_bench.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
