@@ -1,27 +1,38 @@
 """Neural-network entry points that hetshard's rewrite passes know how to find.
 
-Model code calls :func:`attention` for every attention op. It traces to a
-``jit`` equation named ``hetshard_attention`` whose static parameters record the
-masking, so the attention rewrite pass can find each call in a jaxpr and swap
-its body (XLA reference, Pallas flash kernel, ring attention) without pattern
-matching softmax graphs.
+Model code calls :func:`attention` for every attention op. It traces to a ``jit``
+equation named ``hetshard_attention`` (or ``hetshard_attention_causal``) whose operands
+are ``q, k, v[, segment_ids], scale``, so the attention rewrite pass
+(``hetshard.rewrite.attention``) can find each call in a jaxpr and swap its body (XLA
+reference, Pallas flash kernel, ring attention) without pattern matching.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import jax
+import jax.numpy as jnp
 
 from hetshard.kernels.reference import attention_reference, check_attention_args
 
 ATTENTION_NAME = "hetshard_attention"
+CAUSAL_ATTENTION_NAME = "hetshard_attention_causal"
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale"))
-def hetshard_attention(q, k, v, segment_ids, *, causal: bool, sm_scale: float | None):
+def _reference(q, k, v, segment_ids, scale, causal):
     return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids,
-                               sm_scale=sm_scale)
+                               sm_scale=scale)
+
+
+@jax.jit
+def hetshard_attention(q, k, v, segment_ids, scale):
+    return _reference(q, k, v, segment_ids, scale, False)
+
+
+@jax.jit
+def hetshard_attention_causal(q, k, v, segment_ids, scale):
+    return _reference(q, k, v, segment_ids, scale, True)
 
 
 def attention(q, k, v, *, causal: bool, segment_ids=None, sm_scale: float | None = None):
@@ -41,4 +52,6 @@ def attention(q, k, v, *, causal: bool, segment_ids=None, sm_scale: float | None
       SpecError: shapes, dtypes or segment ids that do not fit together.
     """
     check_attention_args(q, k, v, segment_ids, where="hetshard.nn.attention")
-    return hetshard_attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale)
+    scale = jnp.float32(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+    fn = hetshard_attention_causal if causal else hetshard_attention
+    return fn(q, k, v, segment_ids, scale)

@@ -179,7 +179,7 @@ def test_attention_goes_through_one_named_function(rng):
     model = models.build("gpt-tiny")
     jaxpr = jax.make_jaxpr(lambda t: model(t))(jnp.zeros((2, 8), jnp.int32))
     names = [e.params.get("name") for e in jaxpr.jaxpr.eqns]
-    assert names.count(hetshard.nn.ATTENTION_NAME) == model.config.layers
+    assert names.count(hetshard.nn.CAUSAL_ATTENTION_NAME) == model.config.layers
 
 
 def test_gqa_equals_mha_with_repeated_kv(rng):

@@ -127,6 +127,8 @@ class _Builder:
                         inner_env[inner] = env[outer]
                 # An enclosing attention region keeps its name over inner helper calls.
                 keep = region == "hetshard_attention"
+                if sub_region.startswith("hetshard_attention"):
+                    sub_region = "hetshard_attention"
                 self.visit(body, inner_env, scale * mult, stack,
                            region if keep else (sub_region or region))
                 for inner, outer in zip(body.outvars, eqn.outvars, strict=False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
@@ -52,9 +53,11 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
     return out
 
 
-def _best(plans, profile, cluster, cal):
+def _best(plans, profile, cluster, cal, deadline: float | None = None):
     best = None
     for p in plans:
+        if deadline is not None and best is not None and time.perf_counter() > deadline:
+            break
         r = simulate(p, profile, cluster, cal)
         key = (not r.fits, r.step_time_s)
         if best is None or key < best[0]:
@@ -99,7 +102,8 @@ def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAU
     return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal)
 
 
-def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
+               deadline: float | None = None):
     """Metis (Um et al., ATC'24), simplified: one pipeline family over all groups with
     per-group stage counts, a common TP degree and data ways searched; layers split in
     proportion to each stage's peak throughput (not balanced on the cost model); one
@@ -137,10 +141,11 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
                 plans.append(build_plan(model, profile, cluster, [fam],
                                         [global_batch // (r * mbs)], global_batch, seq_len,
                                         opts))
-    return _best(plans, profile, cluster, cal)
+    return _best(plans, profile, cluster, cal, deadline)
 
 
-def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
+             deadline: float | None = None):
     """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
@@ -164,7 +169,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
         new = tuple(dataclasses.replace(st, start=a, end=b)
                     for st, (a, b) in zip(pipe.stages, bounds, strict=True))
         out.append(dataclasses.replace(p, pipelines=(dataclasses.replace(pipe, stages=new),)))
-    return _best(out, profile, cluster, cal)
+    return _best(out, profile, cluster, cal, deadline)
 
 
 def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):

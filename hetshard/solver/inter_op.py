@@ -331,10 +331,12 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     seeds = []
     if not return_estimates:
         from hetshard.solver.baselines import amp_like, metis_like
+        seed_deadline = t0 + opts.time_limit_s * 0.2
         for heuristic in (amp_like, metis_like):
-            if time.perf_counter() > t0 + opts.time_limit_s * 0.2:
+            if time.perf_counter() > seed_deadline:
                 break
-            seed = heuristic(model, profile, cluster, global_batch, seq_len, opts, cal)
+            seed = heuristic(model, profile, cluster, global_batch, seq_len, opts, cal,
+                             deadline=seed_deadline)
             if seed is not None:
                 seeds.append(dataclasses.replace(
                     seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))

@@ -1,0 +1,296 @@
+"""Pallas flash attention (Dao et al. 2022; FlashAttention-2's loop order), forward and
+backward, with grouped-query attention, segment ids and causal block skipping.
+
+Masking works on explicit token positions: query i may see key j when ``kv_pos[j] >= 0``
+(padding has position -1), ``q_pos[i] >= kv_pos[j]`` if causal, and their segment ids
+match. The public entry point builds positions for the usual layout (ends aligned, as
+the reference does); ring attention passes the global positions of its chunks, which
+is how zigzag order and uneven per-device chunks get exact masks. A key block whose
+keys are all padding, or (causal) all after every query of the query block, is skipped,
+so padded or shorter chunks really cost less.
+
+Lowering: interpret mode on CPU; on GPU, Pallas's Triton backend, chosen in
+``_lowering`` only (JAX 0.10's default GPU lowering is Mosaic GPU, Hopper-only; Triton
+also serves Ampere and Volta, and JAX deprecates that path from 0.11).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from hetshard.kernels.reference import MASK_VALUE, check_attention_args
+
+_BIG = 2 ** 30
+
+
+def _lowering(interpret: bool | None) -> dict:
+    """The one place that picks how pallas_call lowers."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret:
+        return {"interpret": True}
+    from jax.experimental.pallas import triton as pltriton
+    return {"compiler_params": pltriton.CompilerParams(num_warps=4, num_stages=2)}
+
+
+def _block_mask(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool):
+    mask = kpos[None, :] >= 0
+    if causal:
+        mask = mask & (qpos[:, None] >= kpos[None, :])
+    if has_seg:
+        mask = mask & (qseg[:, None] == kseg[None, :])
+    return mask
+
+
+def _block_active(qpos, kpos, causal: bool):
+    """False when the key block can be skipped for this query block."""
+    any_key = jnp.max(kpos) >= 0
+    if not causal:
+        return any_key
+    first_key = jnp.min(jnp.where(kpos >= 0, kpos, _BIG))
+    return any_key & (first_key <= jnp.max(qpos))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
+                *, scale, causal, has_seg, block_k, num_k_blocks):
+    q = q_ref[...].astype(jnp.float32)
+    qpos, qseg = qpos_ref[...], qseg_ref[...]
+    bq, d = q.shape
+
+    def body(j, carry):
+        ks = pl.ds(j * block_k, block_k)
+        kpos, kseg = kpos_ref[ks], kseg_ref[ks]
+
+        def compute(carry):
+            m, denom, acc = carry
+            k = k_ref[ks, :].astype(jnp.float32)
+            v = v_ref[ks, :].astype(jnp.float32)
+            s = jnp.dot(q, k.T) * scale
+            mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            return (m_new, alpha * denom + p.sum(axis=1),
+                    alpha[:, None] * acc + jnp.dot(p, v))
+
+        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda c: c, carry)
+
+    init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
+            jnp.zeros((bq, d), jnp.float32))
+    m, denom, acc = jax.lax.fori_loop(0, num_k_blocks, body, init)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o_ref[...] = jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(denom > 0, m + jnp.log(safe), MASK_VALUE)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
+               kseg_ref, dq_ref, *, scale, causal, has_seg, block_k, num_k_blocks):
+    q = q_ref[...].astype(jnp.float32)
+    do = do_ref[...].astype(jnp.float32)
+    lse, delta = lse_ref[...], delta_ref[...]
+    qpos, qseg = qpos_ref[...], qseg_ref[...]
+
+    def body(j, dq):
+        ks = pl.ds(j * block_k, block_k)
+        kpos, kseg = kpos_ref[ks], kseg_ref[ks]
+
+        def compute(dq):
+            k = k_ref[ks, :].astype(jnp.float32)
+            v = v_ref[ks, :].astype(jnp.float32)
+            mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
+            p = jnp.where(mask, jnp.exp(jnp.dot(q, k.T) * scale - lse[:, None]), 0.0)
+            ds = p * (jnp.dot(do, v.T) - delta[:, None])
+            return dq + jnp.dot(ds, k) * scale
+
+        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda x: x, dq)
+
+    dq = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
+                kseg_ref, dk_ref, dv_ref, *, scale, causal, has_seg, block_q, num_q_blocks):
+    k = k_ref[...].astype(jnp.float32)
+    v = v_ref[...].astype(jnp.float32)
+    kpos, kseg = kpos_ref[...], kseg_ref[...]
+
+    def body(i, carry):
+        qs = pl.ds(i * block_q, block_q)
+        qpos, qseg = qpos_ref[qs], qseg_ref[qs]
+
+        def compute(carry):
+            dk, dv = carry
+            q = q_ref[qs, :].astype(jnp.float32)
+            do = do_ref[qs, :].astype(jnp.float32)
+            lse, delta = lse_ref[qs], delta_ref[qs]
+            mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
+            p = jnp.where(mask, jnp.exp(jnp.dot(q, k.T) * scale - lse[:, None]), 0.0)
+            ds = p * (jnp.dot(do, v.T) - delta[:, None])
+            return dk + jnp.dot(ds.T, q) * scale, dv + jnp.dot(p.T, do)
+
+        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda c: c, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, num_q_blocks, body, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _specs(bq, bk, sq, skv, d, group):
+    qb = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
+    kv_full = pl.BlockSpec((None, None, skv, d), lambda b, h, i: (b, h // group, 0, 0))
+    qvec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    posq = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
+    posk = pl.BlockSpec((None, skv), lambda b, h, i: (b, 0))
+    return qb, kv_full, qvec, posq, posk
+
+
+def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg):
+    scale, causal, has_seg, bq, bk, interpret, _ = cfg
+    b, h, sq, d = q.shape
+    skv, group = k.shape[2], h // k.shape[1]
+    qb, kv_full, qvec, posq, posk = _specs(bq, bk, sq, skv, d, group)
+    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, has_seg=has_seg,
+                               block_k=bk, num_k_blocks=skv // bk)
+    return pl.pallas_call(
+        kernel, grid=(b, h, sq // bq),
+        in_specs=[qb, kv_full, kv_full, posq, posk, posq, posk],
+        out_specs=[qb, qvec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
+        name="hetshard_flash_fwd", **_lowering(interpret))(q, k, v, qpos, kpos, qseg, kseg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, cfg):
+    return _forward(q, k, v, qpos, kpos, qseg, kseg, cfg)
+
+
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, cfg):
+    o, lse = _forward(q, k, v, qpos, kpos, qseg, kseg, cfg)
+    return (o, lse), (q, k, v, qpos, kpos, qseg, kseg, o, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+    scale, causal, has_seg, bq, bk, interpret, _ = cfg
+    q, k, v, qpos, kpos, qseg, kseg, o, lse = res
+    do, dlse = cts
+    b, h, sq, d = q.shape
+    kvh, skv = k.shape[1], k.shape[2]
+    group = h // kvh
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    if dlse is not None:  # d(lse)/d(s) = p: folds into delta with the opposite sign
+        delta = delta - dlse
+    qb, kv_full, qvec, posq, posk = _specs(bq, bk, sq, skv, d, group)
+    lw = _lowering(interpret)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, causal=causal, has_seg=has_seg,
+                          block_k=bk, num_k_blocks=skv // bk),
+        grid=(b, h, sq // bq),
+        in_specs=[qb, kv_full, kv_full, qb, qvec, qvec, posq, posk, posq, posk],
+        out_specs=qb, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        name="hetshard_flash_dq", **lw)(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
+    kb = pl.BlockSpec((None, None, bk, d), lambda b_, h_, j: (b_, h_ // group, j, 0))
+    kb_out = pl.BlockSpec((None, None, bk, d), lambda b_, h_, j: (b_, h_, j, 0))
+    q_full = pl.BlockSpec((None, None, sq, d), lambda b_, h_, j: (b_, h_, 0, 0))
+    qvec_full = pl.BlockSpec((None, None, sq), lambda b_, h_, j: (b_, h_, 0))
+    posq_full = pl.BlockSpec((None, sq), lambda b_, h_, j: (b_, 0))
+    posk_b = pl.BlockSpec((None, bk), lambda b_, h_, j: (b_, j))
+    dk_h, dv_h = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, causal=causal, has_seg=has_seg,
+                          block_q=bq, num_q_blocks=sq // bq),
+        grid=(b, h, skv // bk),
+        in_specs=[q_full, kb, kb, q_full, qvec_full, qvec_full, posq_full, posk_b,
+                  posq_full, posk_b],
+        out_specs=[kb_out, kb_out],
+        out_shape=[jax.ShapeDtypeStruct((b, h, skv, d), jnp.float32)] * 2,
+        name="hetshard_flash_dkv", **lw)(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
+    # Query heads of one group share a kv head: their contributions add up.
+    dk = dk_h.reshape(b, kvh, group, skv, d).sum(axis=2).astype(k.dtype)
+    dv = dv_h.reshape(b, kvh, group, skv, d).sum(axis=2).astype(v.dtype)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad(x, axis, to, value=0):
+    n = x.shape[axis]
+    if n == to:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - n)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _default_block(n: int, interpret: bool) -> int:
+    cap = 64 if interpret else 128
+    return max(16, min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
+
+
+def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=False,
+                              segment_ids=None, kv_segment_ids=None, sm_scale=None,
+                              block_q=None, block_k=None, interpret=None):
+    """Flash attention with explicit token positions ([b, s] int32, -1 = padding key).
+
+    Returns ``(out [b, sq, h, d], lse [b, h, sq] float32)``. ``segment_ids`` belong to the
+    queries and ``kv_segment_ids`` (default: the same) to the keys.
+    """
+    b, sq, h, d = q.shape
+    skv = k.shape[1]
+    use_interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    bq = block_q or _default_block(sq, use_interpret)
+    bk = block_k or _default_block(skv, use_interpret)
+    sq_p, skv_p = -(-sq // bq) * bq, -(-skv // bk) * bk
+    has_seg = segment_ids is not None
+    qseg = segment_ids if has_seg else jnp.zeros((b, sq), jnp.int32)
+    kseg = (kv_segment_ids if kv_segment_ids is not None else segment_ids) if has_seg \
+        else jnp.zeros((b, skv), jnp.int32)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, None)
+    qt = _pad(jnp.swapaxes(q, 1, 2), 2, sq_p)
+    kt = _pad(jnp.swapaxes(k, 1, 2), 2, skv_p)
+    vt = _pad(jnp.swapaxes(v, 1, 2), 2, skv_p)
+    qpos = _pad(q_positions.astype(jnp.int32), 1, sq_p, -1)
+    kpos = _pad(kv_positions.astype(jnp.int32), 1, skv_p, -1)
+    qseg = _pad(qseg.astype(jnp.int32), 1, sq_p, -1)
+    kseg = _pad(kseg.astype(jnp.int32), 1, skv_p, -2)
+    o, lse = _flash(qt, kt, vt, qpos, kpos, qseg, kseg, cfg)
+    return jnp.swapaxes(o[:, :, :sq], 1, 2), lse[:, :, :sq]
+
+
+def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale=None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    interpret: bool | None = None, return_lse: bool = False):
+    """Multi-head / grouped-query attention with the Pallas flash kernel.
+
+    Args:
+      q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_kv, kv_heads, head_dim],
+        kv_heads dividing heads.
+      causal: mask keys after each query (ends of q and kv aligned, as the reference).
+      segment_ids: int32 [batch, seq] shared by q and kv (needs seq_q == seq_kv).
+      sm_scale: logit scale (default 1/sqrt(head_dim)).
+      block_q, block_k: tile sizes (default 64 interpreted, 128 on GPU); any sequence
+        length works: the kernel pads internally.
+      interpret: None means True on CPU and False on GPU.
+      return_lse: also return the log-sum-exp [batch, heads, seq_q] (float32).
+
+    Raises:
+      SpecError: shapes, dtypes or segment ids that do not fit together.
+    """
+    check_attention_args(q, k, v, segment_ids, where="flash_attention")
+    b, sq, _, _ = q.shape
+    skv = k.shape[1]
+    qpos = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32) + (skv - sq), (b, sq))
+    kpos = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+    out, lse = flash_attention_positions(q, k, v, qpos, kpos, causal=causal,
+                                         segment_ids=segment_ids, sm_scale=sm_scale,
+                                         block_q=block_q, block_k=block_k,
+                                         interpret=interpret)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,126 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hetshard.errors import SpecError
+from hetshard.kernels import attention_reference, context_parallel_attention, flash_attention
+from hetshard.kernels.ring_attention import device_token_ids
+
+
+def _inputs(rng, b=2, s=40, h=4, kvh=2, d=16, dtype=jnp.float32, skv=None):
+    skv = skv or s
+    q = jnp.asarray(rng.normal(size=(b, s, h, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, skv, kvh, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, skv, kvh, d)), dtype)
+    return q, k, v
+
+
+def _segments(rng, b, s):
+    return jnp.asarray(np.sort(rng.integers(1, 4, (b, s)), axis=1), jnp.int32)
+
+
+def _loss(fn, cot):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_segments", [False, True])
+@pytest.mark.parametrize("s,h,kvh", [(40, 4, 2), (32, 2, 2), (17, 4, 1)])
+def test_flash_matches_reference_float32(rng, causal, with_segments, s, h, kvh):
+    q, k, v = _inputs(rng, s=s, h=h, kvh=kvh)
+    seg = _segments(rng, 2, s) if with_segments else None
+    kw = dict(causal=causal, segment_ids=seg)
+    out, lse = flash_attention(q, k, v, block_q=16, block_k=16, return_lse=True, **kw)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    cot = jnp.asarray(rng.normal(size=out.shape), jnp.float32)  # fresh cotangent
+    g = jax.grad(_loss(lambda *a: flash_attention(*a, block_q=16, block_k=16, **kw), cot),
+                 argnums=(0, 1, 2))(q, k, v)
+    gr = jax.grad(_loss(lambda *a: attention_reference(*a, **kw), cot), argnums=(0, 1, 2))(
+        q, k, v)
+    for a, b in zip(g, gr, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_bfloat16_within_bf16_tolerance(rng):
+    q, k, v = _inputs(rng, s=48, dtype=jnp.bfloat16)
+    out = flash_attention(q, k, v, causal=True, block_q=16, block_k=16)
+    ref = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                              v.astype(jnp.float32), causal=True)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_flash_writes_every_output_element(rng):
+    # Rows with no visible key (segment of one padded query) must still be written: the
+    # output must be finite everywhere and zero where nothing is visible.
+    q, k, v = _inputs(rng, s=20)
+    seg = jnp.asarray([[1] * 10 + [2] * 10, [3] * 20], jnp.int32)
+    out = flash_attention(q, k, v, causal=True, segment_ids=seg, block_q=16, block_k=16)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    ref = attention_reference(q, k, v, causal=True, segment_ids=seg)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_cross_attention_lengths(rng):
+    q, k, v = _inputs(rng, s=12, skv=30)
+    for causal in (False, True):
+        np.testing.assert_allclose(
+            flash_attention(q, k, v, causal=causal, block_q=16, block_k=16),
+            attention_reference(q, k, v, causal=causal), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(k_shape=(2, 8, 3, 16)), "kv heads dividing"),
+    (dict(seg=np.zeros((2, 7), np.int32)), "segment_ids.shape"),
+    (dict(k_dtype=jnp.bfloat16), "dtype"),
+])
+def test_flash_rejects_bad_arguments(args, match):
+    q = jnp.zeros((2, 8, 4, 16))
+    k = jnp.zeros(args.get("k_shape", (2, 8, 2, 16)), args.get("k_dtype", jnp.float32))
+    with pytest.raises(SpecError, match=match):
+        flash_attention(q, k, k, segment_ids=args.get("seg"))
+
+
+def test_zigzag_token_assignment():
+    ids = device_token_ids(16, [4, 4, 4, 4], zigzag=True)
+    assert [list(t) for t in ids] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
+                                      [6, 7, 8, 9]]
+    uneven = device_token_ids(10, [4, 3, 2, 1], zigzag=True)
+    assert sorted(np.concatenate(uneven).tolist()) == list(range(10))
+    assert [len(t) for t in uneven] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("chunks,zigzag,causal", [
+    (None, True, True), ([10, 6, 4, 4], True, True), ([5, 7, 9, 3], False, False),
+    (None, False, True)])
+def test_context_parallel_equals_full_attention(rng, chunks, zigzag, causal):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
+    q, k, v = _inputs(rng, b=1, s=24, h=2, kvh=1, d=8)
+    seg = _segments(rng, 1, 24)
+    kw = dict(causal=causal, segment_ids=seg)
+    cp = lambda q, k, v: context_parallel_attention(q, k, v, mesh, "context",
+                                                    chunk_lengths=chunks, zigzag=zigzag,
+                                                    block_q=16, block_k=16, **kw)
+    np.testing.assert_allclose(cp(q, k, v), attention_reference(q, k, v, **kw),
+                               rtol=1e-5, atol=1e-5)
+    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    g = jax.grad(_loss(cp, cot), argnums=(0, 1, 2))(q, k, v)
+    gr = jax.grad(_loss(lambda *a: attention_reference(*a, **kw), cot),
+                  argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, gr, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_context_parallel_rejects_bad_chunks(rng):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("context",))
+    q, k, v = _inputs(rng, b=1, s=24, h=2, kvh=1, d=8)
+    with pytest.raises(SpecError, match="summing to the sequence length 24"):
+        context_parallel_attention(q, k, v, mesh, chunk_lengths=[6, 6, 6, 5])
+    with pytest.raises(SpecError, match="4 lengths"):
+        context_parallel_attention(q, k, v, mesh, chunk_lengths=[12, 12])
+    with pytest.raises(SpecError, match="mesh axis"):
+        context_parallel_attention(q, k, v, mesh, axis="seq")
