@@ -18,6 +18,7 @@ Writes experiments/results/attention_bench.json and attention_bench.png.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -86,6 +87,10 @@ def main() -> int:
     return 0
 
 
+def _summed(fn, q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32))
+
+
 def gpu_speed():  # pragma: no cover - needs a GPU
     from jax.experimental.pallas.ops.gpu import attention as pallas_ops
     rows = []
@@ -94,15 +99,13 @@ def gpu_speed():  # pragma: no cover - needs a GPU
             for s in SEQS:
                 key = jax.random.key(0)
                 q = jax.random.normal(key, (B, s, H, d), jnp.bfloat16)
-                fns = {"hetshard_flash": lambda q, k, v: flash_attention(q, k, v, causal=causal),
-                       "pallas_mha": lambda q, k, v: pallas_ops.mha(q, k, v, None,
-                                                                     causal=causal),
-                       "reference": lambda q, k, v: attention_reference(q, k, v,
-                                                                        causal=causal)}
+                fns = {"hetshard_flash": functools.partial(flash_attention, causal=causal),
+                       "pallas_mha": functools.partial(pallas_ops.mha, segment_ids=None,
+                                                       causal=causal),
+                       "reference": functools.partial(attention_reference, causal=causal)}
                 row = {"seq": s, "head_dim": d, "causal": causal}
                 for name, fn in fns.items():
-                    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                                         argnums=(0, 1, 2)))
+                    g = jax.jit(jax.grad(functools.partial(_summed, fn), argnums=(1, 2, 3)))
                     try:
                         jax.block_until_ready(g(q, q, q))
                         t = time.perf_counter()

@@ -134,6 +134,11 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "planner_bench.json")
+    previous = []
+    if args.only and os.path.exists(path):  # re-run one cluster, keep the other rows
+        with open(path) as f:
+            previous = [r for r in json.load(f)["rows"] if r["cluster"] != args.only]
     rows = []
     for cluster_name, model, batch, limit in ROWS:
         if args.only and args.only != cluster_name:
@@ -146,9 +151,11 @@ def main() -> int:
               f"x{(row['ratio_to_best_baseline'] or 0):.3f} best baseline  "
               f"plan {row['planning_time_s']:.1f}s  beats all: {row['beats_every_baseline']}",
               flush=True)
-        with open(os.path.join(args.out, "planner_bench.json"), "w") as f:
-            json.dump({"rows": rows}, f, indent=2)
-    plot(rows, os.path.join(args.out, "planner_bench.png"))
+        merged = sorted(previous + rows, key=lambda r: [(c, m) for c, m, _, _ in ROWS].index(
+            (r["cluster"], r["model"])))
+        with open(path, "w") as f:
+            json.dump({"rows": merged}, f, indent=2)
+    plot(merged, os.path.join(args.out, "planner_bench.png"))
     return 0
 
 

@@ -225,3 +225,22 @@ def test_plan_and_compare_cli(capsys, tmp_path):
     assert ours["fits"] and all(ours["tokens_per_s"] >= r["tokens_per_s"] * (1 - 1e-9)
                                 for r in data["results"][1:] if r["fits"])
     assert main(["plan", *args, "--fix", "pp=2"]) == 2
+
+
+@pytest.mark.slow
+def test_long_sequences_get_context_parallelism():
+    # One sample and no tensor parallelism: a pipeline would run its stages one after the
+    # other, so only context parallelism can keep the 8 GPUs busy at once.
+    cluster = Cluster.load("dgx-h100-x8")
+    long_llama = ("gpt:layers=8,hidden=2048,heads=16,vocab=32000,seq=65536,ffn=5632,"
+                  "pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
+    opts = PlannerOptions(time_limit_s=30, mbs_options=(1,), remat_options=("full",),
+                          tp_options=(1,))
+    p = make_plan(long_llama, cluster, global_batch=1, seq_len=65536, options=opts,
+                  shardings=False)
+    assert p.context.degree == 8 and sum(p.context.chunk_lengths) == 65536
+    assert {s.axis("context") for q in p.pipelines for s in q.stages} == {8}
+    assert p.predicted.fits
+    short = make_plan(long_llama, cluster, global_batch=1, seq_len=2048, options=opts,
+                      shardings=False)
+    assert short.context.degree == 1  # below context_min_seq no ring is considered

@@ -122,14 +122,18 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         hw_flops += f_model + (layer.fwd_total_flops(mbs) if remat == "full" else 0.0)
         res = layer.residual_bytes_per_sample * mbs / shard
         attn = layer.attention_residual_bytes_per_sample * mbs / shard
+        # The flash kernel never materialises attention's scores: they are neither kept
+        # nor part of any recomputation working set. The reference keeps them (none) or
+        # rebuilds them one layer at a time (selective, full).
+        inner = 0.0 if attention == "flash" else attn
         if remat == "none" and attention == "reference":
             act += res
         elif remat in ("none", "selective"):
             act += res - attn
-            working = max(working, attn)
+            working = max(working, inner)
         else:
             act += layer.boundary_bytes_per_sample * mbs / shard
-            working = max(working, res)
+            working = max(working, res - attn + inner)
         static_copy += layer.weight_copy_bytes / tp
         param_bytes += layer.param_bytes / tp
     if remat == "selective" or (remat == "none" and attention == "flash"):

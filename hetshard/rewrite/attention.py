@@ -8,7 +8,9 @@ chosen implementation:
   equations with operands ``q, k, v[, segment_ids], scale``);
 * the einsum-softmax-einsum pattern of unmodified Flax attention
   (``nnx.dot_product_attention``, used by ``nnx.MultiHeadAttention``): a
-  ``dot_general`` of q and k, a softmax, and a ``dot_general`` with v, with no mask.
+  ``dot_general`` of q and k, a scale, a softmax and a ``dot_general`` with v, back in
+  q's layout. Masked Flax attention (a ``select_n`` on the logits), dropout on the
+  weights, or weights used elsewhere do not match and are left as they are.
 
 Calls that contain attention (``jit``, ``remat``, custom-derivative wrappers) are
 inlined so the swap reaches inside them; everything else is re-bound unchanged. The
@@ -74,6 +76,11 @@ def count_attention(fn, *args) -> int:
 
 # ---- the Flax pattern ---------------------------------------------------------------
 
+_SOFTMAX_OPS = {"mul", "reduce_max", "max", "transpose", "broadcast_in_dim", "stop_gradient",
+                "sub", "exp", "reduce_sum", "div", "convert_element_type"}
+_LAYOUT_OPS = {"transpose", "reshape", "convert_element_type"}
+
+
 def _consumers(jaxpr):
     out = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -83,48 +90,72 @@ def _consumers(jaxpr):
     return out
 
 
-def _is_softmax(eqn) -> bool:
-    inner = _inner(eqn)
-    if inner is None:
-        return False
-    prims = {e.primitive.name for e in inner[0].eqns}
-    return {"exp", "reduce_sum"} <= prims and ("reduce_max" in prims or "max" in prims)
-
-
 def _softmax_patterns(jaxpr):
-    """(dot1 index, softmax index, dot2 index) of q.k -> softmax -> .v chains, where
-    dot1 is [b, q, h, d] x [b, k, h, d] -> [b, h, q, k] (Flax's einsum layout)."""
-    found = []
+    """Unmasked Flax attention: reshape(q) . k -> (scale) -> softmax -> . v -> layout ops
+    back to q's [b, s, h, d] shape. Returns dicts with the equation to replace (``end``),
+    the equations to skip, the q, k, v variables and the scale; anything else (a mask,
+    dropout, weights used elsewhere) is left alone."""
+    eqns = jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     uses = _consumers(jaxpr)
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != "dot_general":
+    found = []
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "dot_general" or len(e.invars) != 2:
             continue
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if tuple(lc) != (3,) or tuple(rc) != (3,) or tuple(lb) != (0, 2) or tuple(rb) != (0, 2):
+        lhs, rhs = e.invars
+        pr = producer.get(lhs)
+        if pr is None or eqns[pr].primitive.name != "reshape":
             continue
-        j, v = i, eqn.outvars[0]
-        hops = 0
-        while hops < 3:  # a cast or a scale may sit between the dot and the softmax
-            nxt = uses.get(v, [])
-            if len(nxt) != 1:
+        q = eqns[pr].invars[0]
+        if len(q.aval.shape) != 4 or len(lhs.aval.shape) != 5 or len(rhs.aval.shape) != 4:
+            continue
+        region, frontier, scale, d2, ok = {i}, [e.outvars[0]], 1.0, None, True
+        while frontier and ok:
+            var = frontier.pop()
+            for j in uses.get(var, []):
+                if j in region or j == d2:
+                    continue
+                name = eqns[j].primitive.name
+                if name == "dot_general":
+                    if d2 is not None:
+                        ok = False
+                    d2 = j
+                elif name in _SOFTMAX_OPS:
+                    if name == "mul":
+                        lit = [a for a in eqns[j].invars if isinstance(a, ext.Literal)]
+                        if len(lit) != 1:
+                            ok = False
+                            break
+                        scale *= float(lit[0].val)
+                    region.add(j)
+                    frontier += list(eqns[j].outvars)
+                else:
+                    ok = False
+                    break
+        if not ok or d2 is None or "exp" not in {eqns[j].primitive.name for j in region}:
+            continue
+        others = [a for a in eqns[d2].invars
+                  if not (isinstance(a, ext.Var) and producer.get(a) in region)]
+        if len(others) != 1 or len(others[0].aval.shape) != 4:
+            continue
+        v = others[0]
+        chain, var, end = [], eqns[d2].outvars[0], None
+        while True:
+            nxt = uses.get(var, [])
+            if len(nxt) != 1 or eqns[nxt[0]].primitive.name not in _LAYOUT_OPS:
                 break
-            j = nxt[0]
-            if _is_softmax(jaxpr.eqns[j]):
+            chain.append(nxt[0])
+            var = eqns[nxt[0]].outvars[0]
+            if tuple(var.aval.shape) == tuple(q.aval.shape):
+                end = nxt[0]
                 break
-            if jaxpr.eqns[j].primitive.name not in ("convert_element_type", "mul", "div"):
-                j = None
-                break
-            v = jaxpr.eqns[j].outvars[0]
-            hops += 1
-        if j is None or not _is_softmax(jaxpr.eqns[j]):
+        if end is None:
             continue
-        sm_out = jaxpr.eqns[j].outvars[0]
-        k2 = [u for u in uses.get(sm_out, [])]
-        while len(k2) == 1 and jaxpr.eqns[k2[0]].primitive.name == "convert_element_type":
-            k2 = uses.get(jaxpr.eqns[k2[0]].outvars[0], [])
-        if len(k2) != 1 or jaxpr.eqns[k2[0]].primitive.name != "dot_general":
-            continue
-        found.append((i, j, k2[0]))
+        inside = region | {d2} | set(chain)
+        if any(set(uses.get(o, [])) - inside for j in inside - {end} for o in eqns[j].outvars):
+            continue  # an intermediate (e.g. the attention weights) is used elsewhere
+        found.append({"end": end, "skip": inside - {end}, "q": q, "k": rhs, "v": v,
+                      "scale": scale})
     return found
 
 
@@ -163,18 +194,17 @@ def _eval(jaxpr, consts, args, run):
         env[var] = val
     for var, val in zip(jaxpr.invars, args, strict=True):
         env[var] = val
-    patterns = {p[2]: p for p in _softmax_patterns(jaxpr)}
-    skip = set()
+    patterns = {p["end"]: p for p in _softmax_patterns(jaxpr)}
+    skip = set().union(*[p["skip"] for p in patterns.values()]) if patterns else set()
     for idx, eqn in enumerate(jaxpr.eqns):
         if idx in skip:
             continue
-        invals = [read(v) for v in eqn.invars]
         causal = _attention_call(eqn)
+        invals = [] if idx in patterns else [read(v) for v in eqn.invars]
         if idx in patterns:
-            d1, _, d2 = patterns[idx]
-            q, k = [read(v) for v in jaxpr.eqns[d1].invars]
-            vv = read(eqn.invars[1])
-            out = run(q, k, vv, None, 1.0, False)  # Flax scales q itself beforehand
+            pat = patterns[idx]
+            out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), None, pat["scale"],
+                      False)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         elif causal is not None:
             if len(invals) == 5:

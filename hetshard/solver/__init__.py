@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions
 
@@ -64,11 +65,16 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
         raise SpecError("tp", opts.tp_options, f"a tensor degree dividing the model's {heads} "
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
+    t0 = time.perf_counter()
     profile = profile_model(model, seq_len, opts.dtype)
+    # One budget: the inter-op search gets 65% of it, the intra-op shardings the rest.
+    inter = opts.time_limit_s * (0.65 if shardings else 1.0)
     result = plan(model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                  cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable)))
+                  cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable),
+                                                       time_limit_s=inter))
     if shardings:
-        result = attach_shardings(result, profile, cluster, cal)
+        left = opts.time_limit_s - (time.perf_counter() - t0)
+        result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))
     return result
 
 

@@ -44,7 +44,7 @@ from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import HetshardError, SpecError
-from hetshard.plan import GradSync, Pipeline, Plan, SolverStats, Stage
+from hetshard.plan import Context, GradSync, Pipeline, Plan, SolverStats, Stage
 from hetshard.sim.simulator import annotate, simulate, upper_bound_tokens_per_s
 
 
@@ -58,6 +58,8 @@ class PlannerOptions:
     mbs_options: tuple[int, ...] = (1, 2, 4, 8)
     remat_options: tuple[str, ...] = ("none", "selective", "full")
     tp_options: tuple[int, ...] = (1, 2, 4, 8)
+    cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
+    context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
     refine_top: int = 3  # best simulated candidates improved by local search
@@ -80,6 +82,11 @@ class Family:
     stage_groups: tuple[str, ...]
     fill_s: float  # sum of stage times (one micro-batch through the pipeline)
     bottleneck_s: float
+    cp: int = 1
+
+    @property
+    def stage_devices(self) -> int:
+        return self.r * self.cp * self.tp
 
     @property
     def samples_per_microbatch(self) -> int:
@@ -94,20 +101,21 @@ class _Tables:
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
         self._cache: dict = {}
 
-    def get(self, group: Group, tp: int, mbs: int, remat: str, r: int):
-        key = (group.name, tp, mbs, remat, r)
+    def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
+        key = (group.name, tp, mbs, remat, r, cp)
         if key in self._cache:
             return self._cache[key]
         ids = list(self.cluster.group_device_ids(group.name))
         tp_topo = topology(self.cluster, ids[:tp]) if tp > 1 else None
+        cp_topo = topology(self.cluster, ids[:tp * cp:tp]) if cp > 1 else None
         per_kind: dict = {}
         rows = []
         for i, layer in enumerate(self.profile.layers):
             k = layer.kind
             if k not in per_kind:
-                per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, mbs=mbs,
-                                         remat=remat, attention=self.attention, cal=self.cal,
-                                         tp_topo=tp_topo)
+                per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
+                                         mbs=mbs, remat=remat, attention=self.attention,
+                                         cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo)
             c = per_kind[k]
             rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
                          c.memory_per_microbatch_bytes, c.memory_working_bytes))
@@ -175,37 +183,38 @@ def _heads(model: str) -> int:
 
 def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelProfile,
                    opts: PlannerOptions, heads: int, deadline: float):
-    """Best split for every (R, tp, mbs, remat) of a family spanning ``groups``."""
+    """Best split for every (R, cp, tp, mbs, remat) of a family spanning ``groups``."""
     out = []
     n_layers = profile.num_layers
     gcd = math.gcd(*[g.num_devices for g in groups])
-    for r in _divisors(gcd):
-        for tp in opts.tp_options:
-            if heads % tp or any(tp > g.gpus_per_node for g in groups):
-                continue
-            if any(g.num_devices % (r * tp) for g in groups):
-                continue
-            ks = [g.num_devices // (r * tp) for g in groups]
-            if sum(ks) > n_layers:
-                continue
-            for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
-                if time.perf_counter() > deadline:
-                    return out
-                stages, caps, names = [], [], []
-                for g, k in zip(groups, ks, strict=True):
-                    tab = tables.get(g, tp, mbs, remat, r)
-                    stages += [tab] * k
-                    caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
-                    names += [g.name] * k
-                if math.comb(n_layers - 1, len(stages) - 1) <= opts.exhaustive_splits:
-                    splits = pareto_splits(stages, n_layers, caps)
-                else:
-                    res = split_layers(stages, n_layers, caps)
-                    splits = [] if res is None else [res]
-                for bounds, times in splits:
-                    out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
-                                      tuple(bounds), tuple(names), float(sum(times)),
-                                      float(max(times))))
+    cps = [c for c in opts.cp_options if c == 1 or (profile.seq_len >= opts.context_min_seq
+                                                     and profile.seq_len % c == 0)]
+    for r, cp, tp in itertools.product(_divisors(gcd), cps, opts.tp_options):
+        if heads % tp or any(tp > g.gpus_per_node for g in groups):
+            continue
+        if any(g.num_devices % (r * tp * cp) for g in groups):
+            continue
+        ks = [g.num_devices // (r * tp * cp) for g in groups]
+        if sum(ks) > n_layers:
+            continue
+        for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+            if time.perf_counter() > deadline:
+                return out
+            stages, caps, names = [], [], []
+            for g, k in zip(groups, ks, strict=True):
+                tab = tables.get(g, tp, mbs, remat, r, cp)
+                stages += [tab] * k
+                caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
+                names += [g.name] * k
+            if math.comb(n_layers - 1, len(stages) - 1) <= opts.exhaustive_splits:
+                splits = pareto_splits(stages, n_layers, caps)
+            else:
+                res = split_layers(stages, n_layers, caps)
+                splits = [] if res is None else [res]
+            for bounds, times in splits:
+                out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
+                                  tuple(bounds), tuple(names), float(sum(times)),
+                                  float(max(times)), cp))
     return out
 
 
@@ -262,20 +271,25 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     pipes = []
     for f, mcount in zip(families, counts, strict=True):
         next_free = {g: iter(range(cluster.group_device_ids(g).start,
-                                   cluster.group_device_ids(g).stop, f.r * f.tp))
+                                   cluster.group_device_ids(g).stop, f.stage_devices))
                      for g in f.groups}
         stages = []
         for (a, b), g in zip(f.bounds, f.stage_groups, strict=True):
             first = next(next_free[g])
-            devices = tuple(range(first, first + f.r * f.tp))
-            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name,
-                                (("data", f.r), ("tensor", f.tp)), f.remat))
+            devices = tuple(range(first, first + f.stage_devices))
+            mesh = (("data", f.r),) + ((("context", f.cp),) if f.cp > 1 else ()) + \
+                (("tensor", f.tp),)
+            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh, f.remat))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
                               opts.schedule))
     sync = grad_sync_for(pipes, global_batch)
+    cp = max(f.cp for f in families)
+    # Stages are single-type, so equal chunks balance a stage's context axis; the kernels
+    # also take uneven chunks (context_parallel_attention) for mixed-speed devices.
+    context = Context(cp, (seq_len // cp,) * cp if cp > 1 else (), True)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
-                seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, dtype=opts.dtype,
-                attention=opts.attention)
+                seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
+                dtype=opts.dtype, attention=opts.attention)
 
 
 def grad_sync_for(pipes, global_batch: int) -> tuple[GradSync, ...]:
@@ -319,8 +333,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
-    # Budget: search 50%, heuristic seeds up to 40% used, refinement to 80%; the rest is
-    # left for the intra-op shardings that make_plan attaches afterwards.
+    # Budget: heuristic seeds up to 20%, search to 50%, refinement to 70%; the rest is
+    # left for simulating candidates and the intra-op shardings make_plan attaches.
     deadline = t0 + opts.time_limit_s * 0.5
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
@@ -391,8 +405,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                                      global_batch, seq_len, opts))
     if opts.include_uniform:
         from hetshard.solver.baselines import uniform_candidates
+        # Uniform plans are part of the space when each stage stays on one GPU type
+        # (a mixed stage runs one SPMD program at the slowest GPU's pace).
         candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts)
     candidates += list(extra_candidates) + seeds
+    candidates = [p for p in candidates if single_type_stages(p, cluster)]
     if not candidates:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
@@ -400,7 +417,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         r = simulate(cand, profile, cluster, cal)
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
-    refine_deadline = t0 + opts.time_limit_s * 0.8
+    refine_deadline = t0 + opts.time_limit_s * 0.7
     best = scored[0]
     for key, cand, r in scored[:opts.refine_top]:
         if key[0]:
@@ -421,6 +438,13 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                       f"gap to the compute bound {gap:.1%}", stacklevel=2)
     chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
     return annotate(chosen, result, upper)
+
+
+def single_type_stages(plan: Plan, cluster: Cluster) -> bool:
+    """Every stage on one GPU type (hetshard's plans; a mixed stage would run one SPMD
+    program at its slowest GPU's pace)."""
+    return all(len({cluster.gpu_of(d).name for d in st.devices}) == 1
+               for q in plan.pipelines for st in q.stages)
 
 
 def _neighbours(plan: Plan):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import time
 
 import models
 from hetshard.cluster.spec import Cluster
@@ -41,8 +42,15 @@ def _path_prefix(stack: str, config) -> str:
 
 def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
                      cal: Calibration = DEFAULT, time_limit_s: float = 10.0) -> Plan:
-    """``plan`` with every stage's ``shardings`` filled in."""
+    """``plan`` with every stage's ``shardings`` filled in; the distinct intra-op problems
+    share ``time_limit_s`` (each gets at least half a second)."""
     config = models.resolve(plan.model)
+    deadline = time.perf_counter() + time_limit_s
+    todo = {(m.group("stack"), cluster.gpu_of(st.devices[0]).name, st.axis("tensor"),
+             pipe.micro_batch_size)
+            for pipe in plan.pipelines for st in pipe.stages if st.axis("tensor") > 1
+            for li in range(st.start, st.end)
+            if (m := _LAYER.match(profile.layers[li].name)) is not None}
     solved: dict = {}
     pipes = []
     for pipe in plan.pipelines:
@@ -62,10 +70,12 @@ def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                             plan.dtype)
                     src = f"{m.group('stack')}/layer_0"
                     ops = [op for op in graph.ops if op.layer == src and op.phase == "fwd"]
+                    left = max(1, len(todo) - len(solved))
+                    limit = max(0.5, (deadline - time.perf_counter()) / left)
                     res = solve(ops, tp=tp, gpu=gpu, topo=topology(cluster, st.devices[:tp]),
                                 cal=cal, dtype=plan.dtype,
                                 param_bytes=dict(enumerate(graph.param_bytes)),
-                                time_limit_s=time_limit_s)
+                                time_limit_s=limit)
                     prefix = f"{_path_prefix(m.group('stack'), config)}/0/"
                     ranks = {}
                     for op in ops:
