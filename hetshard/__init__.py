@@ -13,6 +13,8 @@ from hetshard.errors import (
     SpecParseError,
     UnknownNameError,
 )
+from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit, value_and_grad
+from hetshard.plan import Plan
 
 __version__ = "0.1.0"
 
@@ -24,9 +26,14 @@ __all__ = [
     "DeviceType",
     "Group",
     "HetshardError",
+    "NonFiniteLossError",
+    "Plan",
+    "PlanNotExecutableError",
     "SpecError",
     "SpecParseError",
     "UnknownNameError",
     "__version__",
+    "jit",
     "nn",
+    "value_and_grad",
 ]

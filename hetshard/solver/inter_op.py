@@ -67,6 +67,8 @@ class PlannerOptions:
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
     include_uniform: bool = True
+    max_stages: int | None = None  # per pipeline (None: no limit)
+    max_pipelines: int | None = None
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
     exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
 
@@ -195,7 +197,7 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
         if any(g.num_devices % (r * tp * cp) for g in groups):
             continue
         ks = [g.num_devices // (r * tp * cp) for g in groups]
-        if sum(ks) > n_layers:
+        if sum(ks) > n_layers or (opts.max_stages is not None and sum(ks) > opts.max_stages):
             continue
         for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
             if time.perf_counter() > deadline:
@@ -359,6 +361,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     estimates = []
     timed_out = False
     for assignment in _assignments(groups):
+        if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
+            continue
         per_family = []
         for fam in assignment:
             key = tuple(groups[i].name for i in fam)
@@ -409,7 +413,10 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         # (a mixed stage runs one SPMD program at the slowest GPU's pace).
         candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts)
     candidates += list(extra_candidates) + seeds
-    candidates = [p for p in candidates if single_type_stages(p, cluster)]
+    candidates = [p for p in candidates if single_type_stages(p, cluster) and
+                  (opts.max_stages is None or
+                   all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and
+                  (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)]
     if not candidates:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []

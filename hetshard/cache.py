@@ -1,0 +1,73 @@
+"""On-disk and in-memory plan cache.
+
+Plans are stored as JSON under ``$HETSHARD_CACHE_DIR/plans/<key>.json`` (default: the
+user cache directory, ``~/.cache/hetshard``), keyed by a fingerprint of the traced
+step, the input shapes and dtypes, the cluster and the planner options. Writes are
+atomic (temporary file + rename). A file that does not parse or does not match its key
+is reported once, ignored and replaced by the recomputed plan; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+from hetshard.errors import HetshardError
+from hetshard.plan import Plan
+
+_MEMORY: dict[str, Plan] = {}
+_REPORTED: set[str] = set()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HETSHARD_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetshard"
+
+
+def fingerprint(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def load(key: str) -> Plan | None:
+    """The cached plan for ``key`` (memory first, then disk), or None."""
+    if key in _MEMORY:
+        return _MEMORY[key]
+    path = cache_dir() / "plans" / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            raise HetshardError(f"key {data.get('key')!r} != {key!r}")
+        plan = Plan.from_dict(data["plan"], source=str(path))
+    except (OSError, ValueError, KeyError, TypeError, HetshardError) as e:
+        if str(path) not in _REPORTED:
+            _REPORTED.add(str(path))
+            warnings.warn(f"hetshard plan cache: {path} is corrupted or stale ({e}); "
+                          f"re-planning and overwriting it", stacklevel=3)
+        return None
+    _MEMORY[key] = plan
+    return plan
+
+
+def store(key: str, plan: Plan) -> None:
+    _MEMORY[key] = plan
+    folder = cache_dir() / "plans"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.json"
+    tmp = folder / f".{key}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"key": key, "plan": plan.to_dict()}))
+    os.replace(tmp, path)
+
+
+def clear_memory() -> None:
+    _MEMORY.clear()

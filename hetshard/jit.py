@@ -1,0 +1,244 @@
+"""``@hetshard.jit``: trace, plan (or load a cached plan), compile and run a train step.
+
+Status: single-stage plans run (data, FSDP, tensor and mixed per-op shardings, on any
+bound submesh); plans with several stages or pipelines are planned and simulated but
+not yet executable here, and asking to run one raises ``PlanNotExecutableError``. The
+planner is therefore asked for single-stage plans (``max_stages=1``, one pipeline)
+unless ``plan=`` pins another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hetshard import cache
+from hetshard.cluster.spec import Cluster
+from hetshard.errors import HetshardError, SpecError
+from hetshard.plan import Plan
+from hetshard.runtime.spmd import batch_sharding, stage_mesh, state_shardings
+
+_MARK = threading.local()
+NAN_POLICIES = ("skip", "apply", "raise")
+
+
+class PlanNotExecutableError(HetshardError, NotImplementedError):
+    """The plan needs the pipeline runtime, which this version does not have yet."""
+
+
+class NonFiniteLossError(HetshardError, FloatingPointError):
+    """The step's loss was NaN or infinite (``nan_policy="raise"``)."""
+
+
+def value_and_grad(fn, argnums=0, has_aux: bool = False):
+    """Drop-in for ``nnx.value_and_grad`` that marks the per-micro-batch region."""
+    inner = nnx.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        _MARK.used = True
+        return inner(*args, **kwargs)
+
+    return wrapped
+
+
+def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
+        plan: Plan | str | None = None, nan_policy: str = "skip", **planner_options):
+    """Compiles ``fn`` (a train step) for ``cluster``; usable as ``@hetshard.jit(...)``.
+
+    Args:
+      cluster: a Cluster, preset name, spec path or dict; its GPUs are bound to the JAX
+        devices (fake CPU devices stand in for them on CPU).
+      global_batch: expected leading batch size (checked on every call).
+      batch_argnums: index of the batch argument (default: the last positional one).
+      plan: a Plan or a plan JSON path; skips planning (and pins the shapes).
+      nan_policy: "skip" (default: a non-finite loss is reported and the update not
+        applied), "apply" or "raise".
+      planner_options: PlannerOptions fields (time_limit_s, dtype, tp_options, ...).
+    """
+    if fn is None:
+        return functools.partial(jit, cluster=cluster, global_batch=global_batch,
+                                 batch_argnums=batch_argnums, plan=plan,
+                                 nan_policy=nan_policy, **planner_options)
+    return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
+                       planner_options)
+
+
+def _is_graph(x) -> bool:
+    return isinstance(x, (nnx.Module, nnx.Optimizer)) or nnx.is_graph_node(x)
+
+
+def _signature(args) -> str:
+    leaves, tree = jax.tree.flatten(jax.tree.map(
+        lambda x: (tuple(np.shape(x)), str(jnp.result_type(x))) if hasattr(x, "shape")
+        else x, nnx.state(args) if any(_is_graph(a) for a in args) else args))
+    return f"{tree}|{leaves}"
+
+
+class HetshardJit:
+    def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
+                 planner_options):
+        from hetshard.solver import PlannerOptions
+        self.fn = fn
+        self.cluster = Cluster.load(cluster)
+        self.global_batch = global_batch
+        self.batch_argnums = batch_argnums
+        if nan_policy not in NAN_POLICIES:
+            raise SpecError("nan_policy", nan_policy, f"one of {NAN_POLICIES}")
+        self.nan_policy = nan_policy
+        fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+        unknown = set(planner_options) - fields
+        if unknown:
+            raise SpecError(sorted(unknown)[0], planner_options[sorted(unknown)[0]],
+                            f"a PlannerOptions field among {sorted(fields)}",
+                            where="hetshard.jit")
+        planner_options.setdefault("max_stages", 1)
+        planner_options.setdefault("max_pipelines", 1)
+        self.options = PlannerOptions(**planner_options)
+        self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
+        self.plan: Plan | None = self.pinned
+        self._compiled: dict[str, tuple] = {}
+        self._bound = None
+        self._warned_vg = False
+        functools.update_wrapper(self, fn)
+
+    # ---- planning --------------------------------------------------------------------
+    def _model_config(self, objs):
+        import models
+        for o in objs:
+            for m in ([o] + [getattr(o, "model", None)]):
+                cfg = getattr(m, "config", None)
+                if cfg is not None:
+                    try:
+                        return models.resolve(cfg)
+                    except HetshardError:
+                        continue
+        raise SpecError("model", "no hetshard zoo model among the arguments",
+                        "an NNX model from models/ (it carries .config), or plan=",
+                        where="hetshard.jit")
+
+    def _plan_for(self, args, batch, batch_size: int, signature: str) -> Plan:
+        if self.pinned is not None:
+            if self.pinned.global_batch != batch_size:
+                shares = [p.batch_share for p in self.pinned.pipelines]
+                raise SpecError("batch", f"leading dimension {batch_size}",
+                                f"the pinned plan's global batch {self.pinned.global_batch} "
+                                f"(split {shares})", where="hetshard.jit")
+            return self.pinned
+        from hetshard.solver import make_plan
+        objs = [a for a in args if _is_graph(a)]
+        config = self._model_config(objs)
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        seq_len = tokens.shape[1] if tokens is not None else None
+        key = cache.fingerprint(signature, self.cluster.to_json(), repr(self.options),
+                                repr(config))
+        found = cache.load(key)
+        if found is not None:
+            return found
+        plan = make_plan(config, self.cluster, global_batch=batch_size, seq_len=seq_len,
+                         options=self.options)
+        cache.store(key, plan)
+        return plan
+
+    # ---- execution -------------------------------------------------------------------
+    def __call__(self, *args):
+        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
+        if not -len(args) <= idx < len(args):
+            raise SpecError("batch_argnums", idx, f"an argument index below {len(args)}",
+                            where="hetshard.jit")
+        idx %= len(args)
+        batch = args[idx]
+        leaves = jax.tree.leaves(batch)
+        if not leaves or not hasattr(leaves[0], "shape") or not np.ndim(leaves[0]):
+            raise SpecError("batch", type(batch).__name__,
+                            "a pytree of arrays with a leading batch dimension",
+                            where="hetshard.jit")
+        size = int(np.shape(leaves[0])[0])
+        if self.global_batch is not None and size != self.global_batch:
+            raise SpecError("batch", f"leading dimension {size}",
+                            f"global_batch={self.global_batch}", where="hetshard.jit")
+        others = tuple(a for i, a in enumerate(args) if i != idx)
+        sig = _signature(args)
+        entry = self._compiled.get(sig)
+        if entry is None:
+            plan = self._plan_for(others, batch, size, sig)
+            if len(plan.pipelines) != 1 or len(plan.pipelines[0].stages) != 1:
+                raise PlanNotExecutableError(
+                    f"this plan has {len(plan.pipelines)} pipeline(s) and "
+                    f"{[len(p.stages) for p in plan.pipelines]} stages; hetshard.jit runs "
+                    f"single-stage plans so far (plan with max_stages=1, max_pipelines=1, "
+                    f"or price the plan with hetshard simulate)")
+            if self._bound is None:
+                self._bound = self.cluster.bind()
+            mesh = stage_mesh(plan, self._bound.devices)
+            entry = self._compile(plan, mesh, others, batch, idx)
+            self._compiled[sig] = entry
+            self.plan = plan
+        return self._run(entry, others, batch)
+
+    def _compile(self, plan, mesh, others, batch, idx):
+        nnx_mode = any(_is_graph(a) for a in others)
+        b_shard = batch_sharding(batch, plan, mesh)
+        fn = self.fn
+        if nnx_mode:
+            graphdef, state = nnx.split(others)
+            s_shard = state_shardings(state, plan, mesh)
+
+            def pure(state, batch):
+                _MARK.used = False
+                objs = list(nnx.merge(graphdef, state))
+                objs.insert(idx, batch)
+                out = fn(*objs)
+                del objs[idx]
+                new = nnx.state(tuple(objs))
+                return out, jax.lax.with_sharding_constraint(new, s_shard), _MARK.used
+            jitted = jax.jit(pure, in_shardings=(s_shard, b_shard))
+            return ("nnx", jitted, s_shard, b_shard, idx)
+        s_shard = tuple(state_shardings(a, plan, mesh) for a in others)
+
+        def pure_tree(state, batch):
+            full = list(state)
+            full.insert(idx, batch)
+            return fn(*full)
+        jitted = jax.jit(pure_tree, in_shardings=(s_shard, b_shard))
+        return ("tree", jitted, s_shard, b_shard, idx)
+
+    def _run(self, entry, others, batch):
+        kind, jitted, s_shard, b_shard, idx = entry
+        batch = jax.device_put(batch, b_shard)
+        if kind == "tree":
+            out = jitted(jax.device_put(others, s_shard), batch)
+            self._check_loss(out)
+            return out
+        state = jax.device_put(nnx.state(others), s_shard)
+        out, new_state, used_vg = jitted(state, batch)
+        if not bool(used_vg) and not self._warned_vg:
+            self._warned_vg = True
+            warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "
+                          "to single-stage plans for it (use hetshard.value_and_grad)",
+                          stacklevel=3)
+        if self._check_loss(out):
+            nnx.update(others, new_state)
+        return out
+
+    def _check_loss(self, out) -> bool:
+        """True when the update may be applied."""
+        loss = jax.tree.leaves(out)[0] if jax.tree.leaves(out) else None
+        if loss is None or np.ndim(loss) or bool(jnp.isfinite(loss)):
+            return True
+        if self.nan_policy == "raise":
+            raise NonFiniteLossError(f"the step's loss is {float(loss)}")
+        if self.nan_policy == "skip":
+            warnings.warn(f"non-finite loss {float(loss)}: the step was not applied "
+                          f"(nan_policy='skip')", stacklevel=3)
+            return False
+        warnings.warn(f"non-finite loss {float(loss)} (applied: nan_policy='apply')",
+                      stacklevel=3)
+        return True

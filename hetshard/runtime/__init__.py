@@ -1,0 +1,1 @@
+"""Executing plans: SPMD single-stage programs (pipelines: planned, not yet executable)."""

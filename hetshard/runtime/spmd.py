@@ -1,0 +1,77 @@
+"""Running a single-stage plan as one SPMD program on the stage's submesh.
+
+The stage's devices form a ``Mesh`` with the plan's named axes. Every state leaf (NNX
+parameters, optimizer moments, or a pure pytree) gets a ``NamedSharding``: the plan's
+per-parameter spec when it names one (optimizer moments follow their parameter),
+otherwise the largest dimension divisible by the ``fsdp`` axis under FSDP, otherwise
+replicated. The batch's leading dimension is split over the ``data`` and ``fsdp`` axes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetshard.errors import SpecError
+from hetshard.plan import Plan
+
+
+def stage_mesh(plan: Plan, devices) -> Mesh:
+    (stage,) = plan.pipelines[0].stages
+    shape = [n for _, n in stage.mesh_shape]
+    names = [a for a, _ in stage.mesh_shape]
+    return Mesh(np.array([devices[i] for i in stage.devices]).reshape(shape), names)
+
+
+def path_string(path) -> str:
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        if str(k) not in ("value", ".value"):
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of one state leaf (see the module docstring)."""
+    best = None
+    for name, spec in specs.items():
+        if (path == name or path.endswith("/" + name)) and len(spec) == len(shape):
+            if best is None or len(name) > len(best[0]):
+                best = (name, spec)
+    if best is not None:
+        spec = tuple(a if a is None or shape[i] % mesh.shape[a] == 0 else None
+                     for i, a in enumerate(best[1]))
+        return PartitionSpec(*spec)
+    fsdp = mesh.shape.get("fsdp", 1)
+    if fsdp > 1 and shape:
+        dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+        for d in dims:
+            if shape[d] % fsdp == 0:
+                return PartitionSpec(*[("fsdp" if i == d else None) for i in range(len(shape))])
+    return PartitionSpec()
+
+
+def state_shardings(tree, plan: Plan, mesh: Mesh):
+    import jax
+    (stage,) = plan.pipelines[0].stages
+    specs = {name: tuple(spec) for name, spec in stage.shardings
+             if not name.startswith("activation:")}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(path_string(p), np.shape(x), specs, mesh)),
+        tree)
+
+
+def batch_sharding(batch, plan: Plan, mesh: Mesh):
+    import jax
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+    def one(x):
+        n = np.shape(x)[0] if np.ndim(x) else None
+        if n is None or n % ways:
+            raise SpecError("batch", f"leading dimension {n}",
+                            f"a multiple of the plan's {ways} data-parallel ways "
+                            f"(valid batch sizes: {[ways * k for k in range(1, 5)]})")
+        return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+    return jax.tree.map(one, batch)

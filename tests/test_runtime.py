@@ -1,0 +1,158 @@
+import json
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import hetshard
+import models
+from hetshard import cache
+from hetshard.cluster import Cluster
+from hetshard.cost.profile import profile_model
+from hetshard.solver.shardings import attach_shardings
+from hetshard.solver.uniform import parse_fix, uniform_plan
+from models import data
+
+MODEL = "gpt-tiny"
+CLUSTER = "dgx-a100-80gb-x8"
+
+
+def loss_fn(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+# Parameter equality is checked with SGD: AdamW turns float32 reduction-order noise in a
+# near-zero gradient into a full +-lr step, so its parameters differ by ~lr between any
+# two summation orders (one device vs eight) while the losses still agree.
+def _tx(name):
+    return optax.sgd(0.1) if name == "sgd" else optax.adamw(1e-3)
+
+
+def _reference(batches, steps, tx="sgd"):
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, _tx(tx), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, batches[i % len(batches)])) for i in range(steps)]
+    return losses, nnx.state(model, nnx.Param)
+
+
+def _run(plan=None, steps=3, tx="sgd", **kw):
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, _tx(tx), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=CLUSTER, plan=plan, **kw)
+    def train_step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(train_step(model, opt, batches[i % 2])) for i in range(steps)]
+    return losses, nnx.state(model, nnx.Param), train_step, batches, (model, opt)
+
+
+def _plan(fix, shardings=False):
+    prof = profile_model(MODEL, 16, "float32")
+    c = Cluster.load(CLUSTER)
+    p = uniform_plan(MODEL, prof, c, global_batch=8, seq_len=16, fix=parse_fix(fix),
+                     dtype="float32")
+    return attach_shardings(p, prof, c) if shardings else p
+
+
+@pytest.mark.parametrize("fix,shardings", [
+    ("dp=8,tp=1,pp=1", False),             # data parallel
+    ("dp=8,tp=1,pp=1,fsdp=true", False),   # FSDP (ZeRO-3 style parameter sharding)
+    ("dp=2,tp=4,pp=1", True),              # tensor parallel, specs from the CP-SAT solver
+])
+def test_single_stage_plans_match_single_device_training(fix, shardings):
+    plan = _plan(fix, shardings)
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    want_losses, want_params = _reference(batches, 3)
+    losses, params, step, _, _ = _run(plan)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if shardings:  # the plan really split weights over the tensor axis
+        kernel = step.plan.pipelines[0].stages[0].shardings
+        assert any("tensor" in spec for _, spec in kernel)
+
+
+def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETSHARD_CACHE_DIR", str(tmp_path))
+    cache.clear_memory()
+    losses, params, step, batches, (model, opt) = _run(time_limit_s=10, dtype="float32",
+                                                       tx="adamw")
+    want, _ = _reference(batches, 3, tx="adamw")
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert int(opt.step[...]) == 3  # the NNX optimizer was updated in place
+    assert "solver:" in step.plan.explain()
+    files = list((tmp_path / "plans").glob("*.json"))
+    assert len(files) == 1
+    # A corrupted cache file is reported once, re-planned and rewritten.
+    files[0].write_text("{not json")
+    cache.clear_memory()
+    with pytest.warns(UserWarning, match="corrupted"):
+        _run(time_limit_s=10, dtype="float32", steps=1, tx="adamw")
+    assert json.loads(files[0].read_text())["plan"]["version"] == 1
+
+
+def test_pinned_plan_from_json_and_bad_batches(tmp_path):
+    plan = _plan("dp=8,tp=1,pp=1")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    losses, *_ = _run(str(path), steps=2)
+    assert len(losses) == 2
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = hetshard.jit(lambda m, o, b: loss_fn(m, b), cluster=CLUSTER, plan=plan)
+    wrong = data.text_batch(np.random.default_rng(0), 6, 16, 256)
+    with pytest.raises(hetshard.SpecError, match="global batch 8"):
+        step(model, opt, wrong)
+
+
+def test_multi_stage_plan_is_refused_clearly():
+    plan = _plan("dp=4,tp=1,pp=2")
+    with pytest.raises(hetshard.PlanNotExecutableError, match="single-stage"):
+        _run(plan, steps=1)
+
+
+def test_nan_loss_is_reported_and_not_applied():
+    plan = _plan("dp=8,tp=1,pp=1")
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+    @hetshard.jit(cluster=CLUSTER, plan=plan)
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(lambda m, b: loss_fn(m, b) * np.nan)(model,
+                                                                                   batch)
+        optimizer.update(model, grads)
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(model, opt, data.text_batch(np.random.default_rng(0), 8, 16, 256))
+    assert any("not applied" in str(w.message) for w in caught)
+    after = nnx.state(model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cluster_needing_more_devices_says_how():
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = hetshard.jit(lambda m, o, b: loss_fn(m, b), cluster="a100-v100", time_limit_s=5)
+    with pytest.raises(hetshard.DeviceBindingError, match="device_count=32"):
+        step(model, opt, data.text_batch(np.random.default_rng(0), 8, 16, 256))
