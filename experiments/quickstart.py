@@ -1,12 +1,15 @@
 """hetshard quickstart: a tiny multimodal model on a heterogeneous cluster emulated by
 8 fake CPU devices.
 
-What runs today (the foundation): the cluster spec ``h100-a100-v100-x8`` (2x H100,
-2x A100, 4x V100) is bound onto 8 fake CPU devices, the tiny LLaVA-style model is
-built, and it trains on a synthetic packed multimodal data set with plain JAX data
-parallelism over the bound devices, checked step by step against a single-device
-run. The planner, simulator and heterogeneous runtime replace the plain data
-parallelism as they land (see the README's status table).
+1. Binds the cluster spec ``h100-a100-v100-x8`` (2x H100, 2x A100, 4x V100) onto 8 fake
+   CPU devices.
+2. Plans the tiny LLaVA-style model on it with hetshard and every baseline, all priced
+   by the same simulator, and prints the simulated speed-up over each baseline; writes
+   a Perfetto trace and a PNG of hetshard's simulated schedule.
+3. Trains ~50 steps with ``@hetshard.jit`` on a synthetic packed multimodal data set and
+   checks every step's loss against a single-device run (float32, relative difference
+   <= 1e-5). The runtime executes single-stage plans so far, so the step runs the best
+   single-stage plan (the planner's multi-pipeline plan is what step 2 simulates).
 
 Usage: python experiments/quickstart.py [--steps N]
 """
@@ -17,27 +20,32 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import hetshard  # noqa: E402
 import models  # noqa: E402
+from hetshard.cost.profile import profile_model  # noqa: E402
+from hetshard.sim import simulate, write_chrome_trace, write_timeline_png  # noqa: E402
+from hetshard.solver import PlannerOptions, make_plan  # noqa: E402
+from hetshard.solver.baselines import BASELINES, run_baseline  # noqa: E402
 from models import data  # noqa: E402
 
 # At 3e-3 this tiny model trains chaotically enough that float32 reduction-order noise
-# (8-way data-parallel sums vs one device) grows to 1.4e-5 relative by step 47; at 1e-3
-# it stays near 2.5e-7 (measured; see README).
+# (data-parallel sums vs one device) grows to 1.4e-5 relative by step 47; at 1e-3 it
+# stays near 2.5e-7 (measured; see README).
 LEARNING_RATE = 1e-3
+SEQ = 64
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def loss_fn(model, batch):
@@ -47,15 +55,6 @@ def loss_fn(model, batch):
     return (ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
 
-def make_step():
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        opt.update(model, grads)
-        return loss
-    return step
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
@@ -63,6 +62,7 @@ def main() -> int:
     args = ap.parse_args()
     console = Console()
     t0 = time.time()
+    os.makedirs(RESULTS, exist_ok=True)
 
     cluster = hetshard.Cluster.load("h100-a100-v100-x8")
     bound = cluster.bind()
@@ -74,40 +74,73 @@ def main() -> int:
         table.add_row(g.name, g.gpu.name, str(g.num_devices),
                       f"{g.gpu.peak_flops() / 1e12:.1f}", f"{g.gpu.memory_gb:g}", str(ids))
     console.print(table)
-
     config = models.mllm.preset("llava-tiny")
-    console.print(f"model {config.name}: {config.num_params():,} parameters "
-                  f"(ViT {config.vision.layers} layers + LLaMA-style decoder "
-                  f"{config.text.layers} layers, {config.image_tokens} tokens per image)")
+    console.print(f"model {config.name}: {config.num_params():,} parameters")
 
+    # 2. Plans, priced by the simulator.
+    opts = PlannerOptions(time_limit_s=20, dtype="float16")
+    profile = profile_model(config, SEQ, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(config, cluster, global_batch=args.global_batch, seq_len=SEQ,
+                         options=opts)
+    console.print(plan.explain())
+    result = simulate(plan, profile, cluster)
+    write_chrome_trace(result, os.path.join(RESULTS, "quickstart_trace.json"))
+    write_timeline_png(result, os.path.join(RESULTS, "quickstart_schedule.png"),
+                       title="hetshard plan for llava-tiny on h100-a100-v100-x8 (simulated)")
+    speed = Table(title="simulated throughput (same simulator for every planner)")
+    for col in ("planner", "tokens/s", "fits", "hetshard speed-up"):
+        speed.add_column(col)
+    speed.add_row("hetshard", f"{plan.predicted.tokens_per_s:,.0f}", "True", "1.00x")
+    for name in BASELINES:
+        base = run_baseline(name, config, profile, cluster, args.global_batch, SEQ, opts)
+        ok = bool(base and base.predicted.fits)
+        tps = base.predicted.tokens_per_s if base else 0.0
+        speed.add_row(name, f"{tps:,.0f}", str(ok),
+                      f"{plan.predicted.tokens_per_s / tps:.2f}x" if ok and tps else "-")
+    console.print(speed)
+
+    # 3. Training with @hetshard.jit, checked against one device.
     rng = np.random.default_rng(0)
-    batches = [data.mllm_batch(rng, args.global_batch, config, seq_len=64)
+    batches = [data.mllm_batch(rng, args.global_batch, config, seq_len=SEQ)
                for _ in range(4)]
-
-    # Reference: one device. Candidate: data parallel over the bound cluster devices.
     ref_model = models.build(config, rngs=0)
     ref_opt = nnx.Optimizer(ref_model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
-    mesh = Mesh(np.array(bound.devices), ("data",))
+
+    @nnx.jit
+    def ref_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
     model = models.build(config, rngs=0)
-    opt = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    nnx.update((model, opt), jax.device_put(nnx.state((model, opt)), replicated))
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    ref_step, dp_step = make_step(), make_step()
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=cluster, time_limit_s=10, dtype="float32")
+    def train_step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
 
     losses, max_rel = [], 0.0
     with Progress(console=console) as progress:
-        task = progress.add_task("training (data parallel on 8 fake devices)", total=args.steps)
+        task = progress.add_task("training with @hetshard.jit", total=args.steps)
         for i in range(args.steps):
             batch = batches[i % len(batches)]
             ref_loss = float(ref_step(ref_model, ref_opt, batch))
-            loss = float(dp_step(model, opt, jax.device_put(batch, batch_sharding)))
+            loss = float(train_step(model, optimizer, batch))
             max_rel = max(max_rel, abs(loss - ref_loss) / abs(ref_loss))
             losses.append(loss)
             progress.update(task, advance=1, description=f"step {i + 1} loss {loss:.4f}")
-
+    run_plan = train_step.plan
+    stage = run_plan.pipelines[0].stages[0]
+    console.print(f"executed plan: one stage on {stage.gpu} devices {list(stage.devices)}, "
+                  f"mesh {dict(stage.mesh_shape)}")
     console.print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
     console.print(f"largest relative difference from the single-device run: {max_rel:.2e}")
+    console.print(f"trace: {os.path.join(RESULTS, 'quickstart_trace.json')} (Perfetto), "
+                  f"schedule: {os.path.join(RESULTS, 'quickstart_schedule.png')}")
     ok = losses[-1] < losses[0] and max_rel <= 1e-5
     console.print(f"{'OK' if ok else 'FAILED'} in {time.time() - t0:.1f} s")
     return 0 if ok else 1

@@ -69,7 +69,8 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     profile = profile_model(model, seq_len, opts.dtype)
     # One budget: the inter-op search gets 65% of it, the intra-op shardings the rest.
     inter = opts.time_limit_s * (0.65 if shardings else 1.0)
-    result = plan(model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+    name = model if isinstance(model, str) else config.name
+    result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
                   cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable),
                                                        time_limit_s=inter))
     if shardings:

@@ -249,8 +249,11 @@ def pareto_splits(stages, n_layers: int, caps):
 def assign_batch(families: list[Family], global_batch: int):
     """Micro-batch counts per family minimising the slowest family's time (CP-SAT)."""
     m = cp_model.CpModel()
-    scale = 1e6
     hi = global_batch
+    # Integer time units relative to the problem (1e-9 of the slowest bound), so tiny
+    # and huge models are resolved equally finely.
+    worst = max(f.fill_s + (hi - 1) * f.bottleneck_s for f in families)
+    scale = 1e9 / max(worst, 1e-30)
     ms = [m.NewIntVar(1, hi, f"m{i}") for i in range(len(families))]
     m.Add(sum(mv * f.samples_per_microbatch for mv, f in zip(ms, families, strict=True))
           == global_batch)
