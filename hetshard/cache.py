@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from hetshard.errors import HetshardError
+from hetshard.fileio import write_atomic
 from hetshard.plan import Plan
 
 _MEMORY: dict[str, Plan] = {}
@@ -63,10 +64,7 @@ def store(key: str, plan: Plan) -> None:
     _MEMORY[key] = plan
     folder = cache_dir() / "plans"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{key}.json"
-    tmp = folder / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"key": key, "plan": plan.to_dict()}))
-    os.replace(tmp, path)
+    write_atomic(folder / f"{key}.json", json.dumps({"key": key, "plan": plan.to_dict()}))
 
 
 def clear_memory() -> None:

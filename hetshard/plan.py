@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-from hetshard.errors import SpecError, SpecParseError
+from hetshard.errors import SpecError
+from hetshard.fileio import parse_json, read_text, write_atomic
 
 SCHEMA_VERSION = 1
 MESH_AXES = ("data", "fsdp", "tensor", "context")
@@ -139,25 +139,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "plan JSON") -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecParseError(source, e.msg, line=e.lineno) from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_json(text, source), source=source)
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise SpecError("plan", str(path), f"a readable plan file ({e.strerror})") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(read_text(path, "plan"), source=str(path))
 
     # ---- views -----------------------------------------------------------------------
     @property

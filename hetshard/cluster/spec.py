@@ -22,6 +22,7 @@ from typing import Any
 
 from hetshard.cluster.catalog import CATALOG, DeviceType, device_type, device_type_from_dict
 from hetshard.errors import SpecError, SpecParseError, UnknownNameError, check_positive
+from hetshard.fileio import parse_json, read_text, write_atomic
 
 _TOP_FIELDS = {"name": True, "groups": True, "inter_group_gbs": False}
 _GROUP_FIELDS = {"name": True, "gpu": True, "nodes": True, "gpus_per_node": True,
@@ -150,22 +151,14 @@ class Cluster:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Cluster:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise SpecError("cluster", str(path), f"a readable spec file ({e.strerror})") \
-                from None
+        text = read_text(path, "cluster")
         if path.suffix == ".toml":
             return cls.from_toml(text, source=str(path))
         return cls.from_json(text, source=str(path))
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "cluster JSON") -> Cluster:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecParseError(source, e.msg, line=e.lineno) from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_json(text, source), source=source)
 
     @classmethod
     def from_toml(cls, text: str, *, source: str = "cluster TOML") -> Cluster:
@@ -263,10 +256,7 @@ class Cluster:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the spec as TOML (``.toml``) or JSON (anything else), atomically."""
         path = Path(path)
-        text = self.to_toml() if path.suffix == ".toml" else self.to_json()
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, self.to_toml() if path.suffix == ".toml" else self.to_json())
 
     def bind(self, devices=None):
         """Maps this spec's GPUs onto JAX devices; see :func:`hetshard.cluster.bind`."""

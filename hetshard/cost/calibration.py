@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
-from hetshard.errors import SpecError, SpecParseError, check_positive
+from hetshard.errors import SpecError, check_positive
+from hetshard.fileio import parse_json, read_text, write_atomic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,22 +82,11 @@ class Calibration:
                    source=d.get("source", source))
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise SpecError("calibration", str(path), f"a readable file ({e.strerror})") \
-                from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecParseError(str(path), e.msg, line=e.lineno) from None
+        data = parse_json(read_text(path, "calibration"), str(path))
         return cls.from_dict(data, source=str(path))
 
 

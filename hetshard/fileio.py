@@ -1,0 +1,35 @@
+"""Reading and writing user files: atomic writes, and reads whose errors name the file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hetshard.errors import SpecError, SpecParseError
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and a rename, so a reader never
+    sees a half-written file and an interrupted write leaves the old file intact."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """The file's text, or a SpecError naming ``what`` and the OS reason."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise SpecError(what, str(path), f"a readable {what} file ({e.strerror})") from None
+
+
+def parse_json(text: str, source: str) -> Any:
+    """Parsed JSON, or a SpecParseError with the source and line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecParseError(source, e.msg, line=e.lineno) from None
