@@ -1,10 +1,11 @@
 """``@hetshard.jit``: trace, plan (or load a cached plan), compile and run a train step.
 
-Status: single-stage plans run (data, FSDP, tensor and mixed per-op shardings, on any
-bound submesh); plans with several stages or pipelines are planned and simulated but
-not yet executable here, and asking to run one raises ``PlanNotExecutableError``. The
-planner is therefore asked for single-stage plans (``max_stages=1``, one pipeline)
-unless ``plan=`` pins another.
+Status: plans whose pipelines each have one stage run: a single pipeline as one SPMD
+program (data, FSDP, tensor and mixed per-op shardings) and several pipelines with
+uneven batch shares on their own submeshes, their gradients combined weighted by batch
+share. Plans with several stages per pipeline are planned and simulated but not yet
+executable here (``PlanNotExecutableError``), so the planner is asked for single-stage
+pipelines (``max_stages=1``, one pipeline by default) unless ``plan=`` pins another.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard import cache
 from hetshard.cluster.spec import Cluster
@@ -38,13 +40,25 @@ class NonFiniteLossError(HetshardError, FloatingPointError):
 
 
 def value_and_grad(fn, argnums=0, has_aux: bool = False):
-    """Drop-in for ``nnx.value_and_grad`` that marks the per-micro-batch region."""
+    """Drop-in for ``nnx.value_and_grad`` that marks the per-micro-batch region.
+
+    Under ``hetshard.jit`` it lets the runtime compute the value and gradients per
+    pipeline (each on its own batch share and submesh) and hand the step the
+    batch-share-weighted combination, so the update equals the global-batch mean
+    gradient's.
+    """
     inner = nnx.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         _MARK.used = True
-        return inner(*args, **kwargs)
+        mode = getattr(_MARK, "mode", None)
+        if mode == "provide":
+            return _MARK.provided
+        out = inner(*args, **kwargs)
+        if mode == "capture":
+            _MARK.captured = out
+        return out
 
     return wrapped
 
@@ -169,19 +183,97 @@ class HetshardJit:
         entry = self._compiled.get(sig)
         if entry is None:
             plan = self._plan_for(others, batch, size, sig)
-            if len(plan.pipelines) != 1 or len(plan.pipelines[0].stages) != 1:
+            if any(len(p.stages) != 1 for p in plan.pipelines):
                 raise PlanNotExecutableError(
-                    f"this plan has {len(plan.pipelines)} pipeline(s) and "
-                    f"{[len(p.stages) for p in plan.pipelines]} stages; hetshard.jit runs "
-                    f"single-stage plans so far (plan with max_stages=1, max_pipelines=1, "
-                    f"or price the plan with hetshard simulate)")
+                    f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
+                    f"pipeline; hetshard.jit runs single-stage pipelines so far (plan with "
+                    f"max_stages=1, or price the plan with hetshard simulate)")
             if self._bound is None:
                 self._bound = self.cluster.bind()
-            mesh = stage_mesh(plan, self._bound.devices)
-            entry = self._compile(plan, mesh, others, batch, idx)
+            if len(plan.pipelines) == 1:
+                mesh = stage_mesh(plan, self._bound.devices)
+                entry = self._compile(plan, mesh, others, batch, idx)
+            else:
+                entry = self._compile_pipelines(plan, others, batch, idx)
             self._compiled[sig] = entry
             self.plan = plan
+        if entry[0] == "multi":
+            return self._run_pipelines(entry, others, batch)
         return self._run(entry, others, batch)
+
+    def _compile_pipelines(self, plan, others, batch, idx):
+        """Several single-stage pipelines with (uneven) batch shares: each computes the
+        value and gradients of its share on its submesh; the runtime combines them
+        weighted by share; each then applies the same update (see value_and_grad)."""
+        if not any(_is_graph(a) for a in others):
+            raise PlanNotExecutableError("plans with several pipelines need an NNX step "
+                                         "using hetshard.value_and_grad")
+        fn = self.fn
+        graphdef, state = nnx.split(others)
+        parts = []
+        for p in plan.pipelines:
+            sub = dataclasses.replace(plan, pipelines=(p,), global_batch=p.batch_share,
+                                      grad_sync=())
+            mesh = stage_mesh(sub, self._bound.devices)
+            s_shard = state_shardings(state, sub, mesh)
+            b_shard = batch_sharding(jax.tree.map(lambda x, n=p.batch_share: x[:n], batch),
+                                     sub, mesh)
+            parts.append((p.batch_share, mesh, s_shard, b_shard))
+
+        def capture(state, batch):
+            _MARK.mode, _MARK.captured, _MARK.used = "capture", None, False
+            try:
+                objs = list(nnx.merge(graphdef, state))
+                objs.insert(idx, batch)
+                fn(*objs)
+                if _MARK.captured is None:
+                    raise PlanNotExecutableError(
+                        "plans with several pipelines need the step to call "
+                        "hetshard.value_and_grad (it found none)")
+                return _MARK.captured
+            finally:
+                _MARK.mode = None
+
+        def apply(state, batch, provided):
+            _MARK.mode, _MARK.provided = "provide", provided
+            try:
+                objs = list(nnx.merge(graphdef, state))
+                objs.insert(idx, batch)
+                out = fn(*objs)
+                del objs[idx]
+                return out, nnx.state(tuple(objs))
+            finally:
+                _MARK.mode = None
+
+        cap = [jax.jit(capture, in_shardings=(s, b)) for _, _, s, b in parts]
+        # The combined update is applied once, on the first pipeline's devices; the next
+        # step hands every pipeline a copy of the updated state.
+        return ("multi", parts, cap, jax.jit(apply), idx)
+
+    def _run_pipelines(self, entry, others, batch):
+        _, parts, cap, app, _idx = entry
+        state = nnx.state(others)
+        total = sum(share for share, *_ in parts)
+        start, results, states, batches = 0, [], [], []
+        for (share, _mesh, s_shard, b_shard), f in zip(parts, cap, strict=True):
+            sl = jax.tree.map(lambda x, a=start, n=share: x[a:a + n], batch)
+            st = jax.device_put(state, s_shard)
+            bt = jax.device_put(sl, b_shard)
+            results.append(f(st, bt))  # dispatched asynchronously on each submesh
+            states.append(st)
+            batches.append(bt)
+            start += share
+        # Weighted sum on the first pipeline's devices: the global-batch mean gradient.
+        home = NamedSharding(parts[0][1], PartitionSpec())
+        combined = None
+        for (share, *_), res in zip(parts, results, strict=True):
+            moved = jax.device_put(res, home)
+            term = jax.tree.map(lambda x, w=share / total: x * w, moved)
+            combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
+        out, new_state = app(states[0], batches[0], combined)
+        if self._check_loss(out):
+            nnx.update(others, new_state)
+        return out
 
     def _compile(self, plan, mesh, others, batch, idx):
         nnx_mode = any(_is_graph(a) for a in others)

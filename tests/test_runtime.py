@@ -156,3 +156,30 @@ def test_cluster_needing_more_devices_says_how():
     step = hetshard.jit(lambda m, o, b: loss_fn(m, b), cluster="a100-v100", time_limit_s=5)
     with pytest.raises(hetshard.DeviceBindingError, match="device_count=32"):
         step(model, opt, data.text_batch(np.random.default_rng(0), 8, 16, 256))
+
+
+def test_two_pipelines_with_uneven_batch_shares_match_one_device():
+    from hetshard.plan import Pipeline, Plan, Stage
+    cluster = Cluster.load("h100-a100-v100-x8")
+    n_layers = profile_model(MODEL, 16, "float32").num_layers
+    # Batch shares 5:3, one pipeline on an H100 pair, one on four V100s.
+    fast = Pipeline((Stage(0, n_layers, (0,), "H100-80GB", (("data", 1),)),), 5, 5, 1)
+    slow = Pipeline((Stage(0, n_layers, (4, 5, 6), "V100-32GB", (("data", 3),)),), 3, 1, 1)
+    plan = Plan(MODEL, cluster.to_dict(), 8, 16, (fast, slow))
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    want_losses, want_params = _reference(batches, 3)
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=cluster, plan=plan)
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, batches[i % 2])) for i in range(3)]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(want_params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
