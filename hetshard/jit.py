@@ -49,13 +49,33 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     """
     inner = nnx.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
 
+    def swapped(impl, args):
+        # Functional form of the loss in the model's parameters, with attention rewritten,
+        # then differentiated: gradients have nnx.value_and_grad's structure.
+        model = args[argnums]
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        others = args[:argnums] + args[argnums + 1:]
+
+        def loss_of(params, *others):
+            full = list(others)
+            full.insert(argnums, nnx.merge(graphdef, params, rest))
+            return fn(*full)
+
+        from hetshard.rewrite import swap_attention
+        return jax.value_and_grad(swap_attention(loss_of, impl), has_aux=has_aux)(params,
+                                                                                 *others)
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         _MARK.used = True
         mode = getattr(_MARK, "mode", None)
         if mode == "provide":
             return _MARK.provided
-        out = inner(*args, **kwargs)
+        impl = getattr(_MARK, "attention", None)
+        if impl in (None, "reference") or kwargs or not isinstance(argnums, int):
+            out = inner(*args, **kwargs)
+        else:
+            out = swapped(impl, args)
         if mode == "capture":
             _MARK.captured = out
         return out
@@ -83,6 +103,20 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
                                  nan_policy=nan_policy, **planner_options)
     return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
                        planner_options)
+
+
+def _with_attention(fn, plan: Plan):
+    """``fn`` traced with the plan's attention choice, which ``value_and_grad`` applies to
+    the loss before differentiating (the rewrite must precede autodiff)."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        previous = getattr(_MARK, "attention", None)
+        _MARK.attention = plan.attention
+        try:
+            return fn(*args)
+        finally:
+            _MARK.attention = previous
+    return wrapped
 
 
 def _is_graph(x) -> bool:
@@ -245,7 +279,8 @@ class HetshardJit:
             finally:
                 _MARK.mode = None
 
-        cap = [jax.jit(capture, in_shardings=(s, b)) for _, _, s, b in parts]
+        cap = [jax.jit(_with_attention(capture, plan), in_shardings=(s, b))
+               for _, _, s, b in parts]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
         return ("multi", parts, cap, jax.jit(apply), idx)
@@ -290,8 +325,9 @@ class HetshardJit:
                 out = fn(*objs)
                 del objs[idx]
                 new = nnx.state(tuple(objs))
-                return out, jax.lax.with_sharding_constraint(new, s_shard), _MARK.used
-            jitted = jax.jit(pure, in_shardings=(s_shard, b_shard))
+                return (out, jax.lax.with_sharding_constraint(new, s_shard),
+                        jnp.asarray(bool(_MARK.used)))
+            jitted = jax.jit(_with_attention(pure, plan), in_shardings=(s_shard, b_shard))
             return ("nnx", jitted, s_shard, b_shard, idx)
         s_shard = tuple(state_shardings(a, plan, mesh) for a in others)
 

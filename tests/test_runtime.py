@@ -183,3 +183,16 @@ def test_two_pipelines_with_uneven_batch_shares_match_one_device():
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(want_params),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention,kernels", [("flash", 6), ("reference", 0)])
+def test_runtime_runs_the_plans_attention_choice(attention, kernels):
+    prof = profile_model(MODEL, 16, "float32")
+    plan = uniform_plan(MODEL, prof, Cluster.load(CLUSTER), global_batch=8, seq_len=16,
+                        fix=parse_fix("dp=8,tp=1,pp=1"), dtype="float32", attention=attention)
+    _, _, step, batches, (model, opt) = _run(plan, steps=1)
+    entry = next(iter(step._compiled.values()))
+    jaxpr = str(entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),
+                               jax.device_put(batches[0], entry[3])).jaxpr)
+    # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
+    assert jaxpr.count("pallas_call") == kernels
