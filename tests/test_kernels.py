@@ -32,12 +32,15 @@ def test_flash_matches_reference_float32(rng, causal, with_segments, s, h, kvh):
     q, k, v = _inputs(rng, s=s, h=h, kvh=kvh)
     seg = _segments(rng, 2, s) if with_segments else None
     kw = dict(causal=causal, segment_ids=seg)
-    out, lse = flash_attention(q, k, v, block_q=16, block_k=16, return_lse=True, **kw)
+    # Outputs start as NaN (forward and backward kernels): unwritten elements would fail.
+    out, lse = flash_attention(q, k, v, block_q=16, block_k=16, return_lse=True,
+                               poison_outputs=True, **kw)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
     cot = jnp.asarray(rng.normal(size=out.shape), jnp.float32)  # fresh cotangent
-    g = jax.grad(_loss(lambda *a: flash_attention(*a, block_q=16, block_k=16, **kw), cot),
+    g = jax.grad(_loss(lambda *a: flash_attention(*a, block_q=16, block_k=16,
+                                                  poison_outputs=True, **kw), cot),
                  argnums=(0, 1, 2))(q, k, v)
     gr = jax.grad(_loss(lambda *a: attention_reference(*a, **kw), cot), argnums=(0, 1, 2))(
         q, k, v)
@@ -47,11 +50,28 @@ def test_flash_matches_reference_float32(rng, causal, with_segments, s, h, kvh):
 
 def test_flash_bfloat16_within_bf16_tolerance(rng):
     q, k, v = _inputs(rng, s=48, dtype=jnp.bfloat16)
-    out = flash_attention(q, k, v, causal=True, block_q=16, block_k=16)
+    out = flash_attention(q, k, v, causal=True, block_q=16, block_k=16, poison_outputs=True)
     ref = attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
                               v.astype(jnp.float32), causal=True)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_poisoning_catches_an_unwritten_output():
+    # The check the kernel tests rely on: a kernel writing half its output leaves NaNs.
+    from jax.experimental import pallas as pl
+
+    from hetshard.kernels.flash_attention import _lowering, _pallas
+
+    def half(x_ref, o_ref):
+        o_ref[:4] = x_ref[:4]
+
+    x = jnp.ones((8,), jnp.float32)
+    out = _pallas(half, grid=(1,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
+                  out_specs=pl.BlockSpec((8,), lambda i: (0,)),
+                  out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), name="half",
+                  lowering=_lowering(True), poison=True, args=(x,))
+    assert bool(jnp.all(out[:4] == 1)) and bool(jnp.all(jnp.isnan(out[4:])))
 
 
 def test_flash_writes_every_output_element(rng):
@@ -59,7 +79,8 @@ def test_flash_writes_every_output_element(rng):
     # output must be finite everywhere and zero where nothing is visible.
     q, k, v = _inputs(rng, s=20)
     seg = jnp.asarray([[1] * 10 + [2] * 10, [3] * 20], jnp.int32)
-    out = flash_attention(q, k, v, causal=True, segment_ids=seg, block_q=16, block_k=16)
+    out = flash_attention(q, k, v, causal=True, segment_ids=seg, block_q=16, block_k=16,
+                          poison_outputs=True)
     assert bool(jnp.all(jnp.isfinite(out)))
     ref = attention_reference(q, k, v, causal=True, segment_ids=seg)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -69,7 +90,8 @@ def test_flash_cross_attention_lengths(rng):
     q, k, v = _inputs(rng, s=12, skv=30)
     for causal in (False, True):
         np.testing.assert_allclose(
-            flash_attention(q, k, v, causal=causal, block_q=16, block_k=16),
+            flash_attention(q, k, v, causal=causal, block_q=16, block_k=16,
+                            poison_outputs=True),
             attention_reference(q, k, v, causal=causal), rtol=1e-5, atol=1e-5)
 
 

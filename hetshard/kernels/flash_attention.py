@@ -142,6 +142,27 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _pallas(kernel, *, grid, in_specs, out_specs, out_shape, name, lowering, poison, args):
+    """``pl.pallas_call`` of ``kernel``; with ``poison`` every output starts as a NaN buffer
+    aliased to it, so an element the kernel does not write stays NaN (tests use this)."""
+    multi = isinstance(out_shape, (list, tuple))
+    shapes = list(out_shape) if multi else [out_shape]
+    specs = list(out_specs) if multi else [out_specs]
+    if poison:
+        n_in = len(args)
+        inner = kernel
+
+        def kernel(*refs):  # drop the aliased poison inputs; outputs follow them
+            return inner(*refs[:n_in], *refs[n_in + len(shapes):])
+
+        args = (*args, *[jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes])
+        in_specs = [*in_specs, *specs]
+        lowering = {**lowering,
+                    "input_output_aliases": {n_in + i: i for i in range(len(shapes))}}
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, name=name, **lowering)(*args)
+
+
 def _specs(bq, bk, sq, skv, d, group):
     qb = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
     kv_full = pl.BlockSpec((None, None, skv, d), lambda b, h, i: (b, h // group, 0, 0))
@@ -152,19 +173,19 @@ def _specs(bq, bk, sq, skv, d, group):
 
 
 def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg):
-    scale, causal, has_seg, bq, bk, interpret, _ = cfg
+    scale, causal, has_seg, bq, bk, interpret, poison = cfg
     b, h, sq, d = q.shape
     skv, group = k.shape[2], h // k.shape[1]
     qb, kv_full, qvec, posq, posk = _specs(bq, bk, sq, skv, d, group)
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, has_seg=has_seg,
                                block_k=bk, num_k_blocks=skv // bk)
-    return pl.pallas_call(
-        kernel, grid=(b, h, sq // bq),
-        in_specs=[qb, kv_full, kv_full, posq, posk, posq, posk],
-        out_specs=[qb, qvec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
-        name="hetshard_flash_fwd", **_lowering(interpret))(q, k, v, qpos, kpos, qseg, kseg)
+    return _pallas(kernel, grid=(b, h, sq // bq),
+                   in_specs=[qb, kv_full, kv_full, posq, posk, posq, posk],
+                   out_specs=[qb, qvec],
+                   out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                              jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
+                   name="hetshard_flash_fwd", lowering=_lowering(interpret), poison=poison,
+                   args=(q, k, v, qpos, kpos, qseg, kseg))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -178,7 +199,7 @@ def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, cfg):
 
 
 def _flash_bwd(cfg, res, cts):
-    scale, causal, has_seg, bq, bk, interpret, _ = cfg
+    scale, causal, has_seg, bq, bk, interpret, poison = cfg
     q, k, v, qpos, kpos, qseg, kseg, o, lse = res
     do, dlse = cts
     b, h, sq, d = q.shape
@@ -189,20 +210,21 @@ def _flash_bwd(cfg, res, cts):
         delta = delta - dlse
     qb, kv_full, qvec, posq, posk = _specs(bq, bk, sq, skv, d, group)
     lw = _lowering(interpret)
-    dq = pl.pallas_call(
+    dq = _pallas(
         functools.partial(_dq_kernel, scale=scale, causal=causal, has_seg=has_seg,
                           block_k=bk, num_k_blocks=skv // bk),
         grid=(b, h, sq // bq),
         in_specs=[qb, kv_full, kv_full, qb, qvec, qvec, posq, posk, posq, posk],
         out_specs=qb, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        name="hetshard_flash_dq", **lw)(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
+        name="hetshard_flash_dq", lowering=lw, poison=poison,
+        args=(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg))
     kb = pl.BlockSpec((None, None, bk, d), lambda b_, h_, j: (b_, h_ // group, j, 0))
     kb_out = pl.BlockSpec((None, None, bk, d), lambda b_, h_, j: (b_, h_, j, 0))
     q_full = pl.BlockSpec((None, None, sq, d), lambda b_, h_, j: (b_, h_, 0, 0))
     qvec_full = pl.BlockSpec((None, None, sq), lambda b_, h_, j: (b_, h_, 0))
     posq_full = pl.BlockSpec((None, sq), lambda b_, h_, j: (b_, 0))
     posk_b = pl.BlockSpec((None, bk), lambda b_, h_, j: (b_, j))
-    dk_h, dv_h = pl.pallas_call(
+    dk_h, dv_h = _pallas(
         functools.partial(_dkv_kernel, scale=scale, causal=causal, has_seg=has_seg,
                           block_q=bq, num_q_blocks=sq // bq),
         grid=(b, h, skv // bk),
@@ -210,7 +232,8 @@ def _flash_bwd(cfg, res, cts):
                   posq_full, posk_b],
         out_specs=[kb_out, kb_out],
         out_shape=[jax.ShapeDtypeStruct((b, h, skv, d), jnp.float32)] * 2,
-        name="hetshard_flash_dkv", **lw)(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
+        name="hetshard_flash_dkv", lowering=lw, poison=poison,
+        args=(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg))
     # Query heads of one group share a kv head: their contributions add up.
     dk = dk_h.reshape(b, kvh, group, skv, d).sum(axis=2).astype(k.dtype)
     dv = dv_h.reshape(b, kvh, group, skv, d).sum(axis=2).astype(v.dtype)
@@ -236,11 +259,14 @@ def _default_block(n: int, interpret: bool) -> int:
 
 def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=False,
                               segment_ids=None, kv_segment_ids=None, sm_scale=None,
-                              block_q=None, block_k=None, interpret=None):
+                              block_q=None, block_k=None, interpret=None,
+                              poison_outputs: bool = False):
     """Flash attention with explicit token positions ([b, s] int32, -1 = padding key).
 
     Returns ``(out [b, sq, h, d], lse [b, h, sq] float32)``. ``segment_ids`` belong to the
-    queries and ``kv_segment_ids`` (default: the same) to the keys.
+    queries and ``kv_segment_ids`` (default: the same) to the keys. ``poison_outputs``
+    (a testing aid) starts every kernel output as NaN, forward and backward, so an
+    element a kernel fails to write shows up.
     """
     b, sq, h, d = q.shape
     skv = k.shape[1]
@@ -253,7 +279,7 @@ def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=Fals
     kseg = (kv_segment_ids if kv_segment_ids is not None else segment_ids) if has_seg \
         else jnp.zeros((b, skv), jnp.int32)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, None)
+    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, bool(poison_outputs))
     qt = _pad(jnp.swapaxes(q, 1, 2), 2, sq_p)
     kt = _pad(jnp.swapaxes(k, 1, 2), 2, skv_p)
     vt = _pad(jnp.swapaxes(v, 1, 2), 2, skv_p)
@@ -267,7 +293,8 @@ def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=Fals
 
 def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale=None,
                     block_q: int | None = None, block_k: int | None = None,
-                    interpret: bool | None = None, return_lse: bool = False):
+                    interpret: bool | None = None, return_lse: bool = False,
+                    poison_outputs: bool = False):
     """Multi-head / grouped-query attention with the Pallas flash kernel.
 
     Args:
@@ -280,6 +307,8 @@ def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale
         length works: the kernel pads internally.
       interpret: None means True on CPU and False on GPU.
       return_lse: also return the log-sum-exp [batch, heads, seq_q] (float32).
+      poison_outputs: testing aid: kernel outputs start as NaN (forward and backward) so
+        any element a kernel does not write is caught.
 
     Raises:
       SpecError: shapes, dtypes or segment ids that do not fit together.
@@ -292,5 +321,5 @@ def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale
     out, lse = flash_attention_positions(q, k, v, qpos, kpos, causal=causal,
                                          segment_ids=segment_ids, sm_scale=sm_scale,
                                          block_q=block_q, block_k=block_k,
-                                         interpret=interpret)
+                                         interpret=interpret, poison_outputs=poison_outputs)
     return (out, lse) if return_lse else out
