@@ -69,6 +69,8 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     def wrapped(*args, **kwargs):
         _MARK.used = True
         mode = getattr(_MARK, "mode", None)
+        if mode == "record":
+            raise _Recorded(_loss_call(fn, argnums, has_aux, args, kwargs))
         if mode == "provide":
             return _MARK.provided
         impl = getattr(_MARK, "attention", None)
@@ -81,6 +83,43 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         return out
 
     return wrapped
+
+
+class _Recorded(Exception):  # noqa: N818 (control flow, never escapes hetshard)
+    def __init__(self, call):
+        super().__init__("recorded")
+        self.call = call
+
+
+def _loss_call(fn, argnums, has_aux, args, kwargs):
+    """How the step called the loss, relative to its NNX objects and batch (LossCall)."""
+    from hetshard.runtime.pipeline import LossCall, PipelineSetupError
+    if kwargs or not isinstance(argnums, int):
+        raise PipelineSetupError("under a pipeline plan, hetshard.value_and_grad takes "
+                                 "positional arguments and one integer argnums")
+    objs, batch = _MARK.record_objs, _MARK.record_batch
+    ids = {id(x): k for k, x in enumerate(jax.tree.leaves(batch))}
+    spec = []
+    for i, a in enumerate(args):
+        j = next((j for j, o in enumerate(objs) if o is a), None)
+        if j is not None:
+            spec.append(("model", j))
+            continue
+        if i == argnums:
+            raise PipelineSetupError("under a pipeline plan, the differentiated argument of "
+                                     "hetshard.value_and_grad must be an NNX model the step "
+                                     "receives as an argument")
+        leaves, tree = jax.tree.flatten(a)
+        if leaves and all(id(x) in ids for x in leaves):
+            spec.append(("batch", tree, [ids[id(x)] for x in leaves]))
+        elif not any(isinstance(x, (jax.Array, np.ndarray)) for x in leaves):
+            spec.append(("static", a))
+        else:
+            raise PipelineSetupError(
+                f"argument {i} of the loss is computed inside the step; under a pipeline "
+                f"plan the loss's arguments must be the step's model and its batch (or "
+                f"parts of it), so each micro-batch can be cut from the batch")
+    return LossCall(fn, argnums, has_aux, tuple(spec))
 
 
 def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
@@ -172,7 +211,7 @@ class HetshardJit:
                         "an NNX model from models/ (it carries .config), or plan=",
                         where="hetshard.jit")
 
-    def _plan_for(self, args, batch, batch_size: int, signature: str) -> Plan:
+    def _plan_for(self, args, batch, batch_size: int, signature: str, call) -> Plan:
         if self.pinned is not None:
             if self.pinned.global_batch != batch_size:
                 shares = [p.batch_share for p in self.pinned.pipelines]
@@ -181,17 +220,24 @@ class HetshardJit:
                                 f"(split {shares})", where="hetshard.jit")
             return self.pinned
         from hetshard.solver import make_plan
+        options = self.options
+        if call is None and (options.max_stages != 1 or options.max_pipelines != 1):
+            if not self._warned_vg:
+                self._warned_vg = True
+                warnings.warn("the step does not call hetshard.value_and_grad: hetshard "
+                              "restricts itself to single-stage plans for it", stacklevel=4)
+            options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
         objs = [a for a in args if _is_graph(a)]
         config = self._model_config(objs)
         tokens = batch.get("tokens") if isinstance(batch, dict) else None
         seq_len = tokens.shape[1] if tokens is not None else None
-        key = cache.fingerprint(signature, self.cluster.to_json(), repr(self.options),
+        key = cache.fingerprint(signature, self.cluster.to_json(), repr(options),
                                 repr(config))
         found = cache.load(key)
         if found is not None:
             return found
         plan = make_plan(config, self.cluster, global_batch=batch_size, seq_len=seq_len,
-                         options=self.options)
+                         options=options)
         cache.store(key, plan)
         return plan
 
@@ -216,24 +262,60 @@ class HetshardJit:
         sig = _signature(args)
         entry = self._compiled.get(sig)
         if entry is None:
-            plan = self._plan_for(others, batch, size, sig)
-            if any(len(p.stages) != 1 for p in plan.pipelines):
-                raise PlanNotExecutableError(
-                    f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
-                    f"pipeline; hetshard.jit runs single-stage pipelines so far (plan with "
-                    f"max_stages=1, or price the plan with hetshard simulate)")
+            call = self._record(others, batch, idx)
+            plan = self._plan_for(others, batch, size, sig, call)
             if self._bound is None:
                 self._bound = self.cluster.bind()
-            if len(plan.pipelines) == 1:
+            multi_stage = any(len(p.stages) != 1 for p in plan.pipelines)
+            if multi_stage and call is None:
+                raise PlanNotExecutableError(
+                    f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
+                    f"pipeline; pipeline plans need an NNX step that calls "
+                    f"hetshard.value_and_grad (or plan with max_stages=1)")
+            if multi_stage:
+                from hetshard.runtime.pipeline import PipelineRunner
+                graphdef, state = nnx.split(others)
+                entry = ("mpmd", PipelineRunner(plan, self._bound.devices, self.fn, graphdef,
+                                                state, batch, idx, call, _MARK))
+            elif len(plan.pipelines) == 1:
                 mesh = stage_mesh(plan, self._bound.devices)
                 entry = self._compile(plan, mesh, others, batch, idx)
             else:
                 entry = self._compile_pipelines(plan, others, batch, idx)
             self._compiled[sig] = entry
             self.plan = plan
+        if entry[0] == "mpmd":
+            out, new_state = entry[1].step(nnx.state(others), batch, self._check_loss)
+            if new_state is not None:
+                nnx.update(others, new_state)
+            return out
         if entry[0] == "multi":
             return self._run_pipelines(entry, others, batch)
         return self._run(entry, others, batch)
+
+    def _record(self, others, batch, idx):
+        """The step's ``hetshard.value_and_grad`` call (a LossCall), or None when the
+        step does not use it (then only single-stage plans are possible)."""
+        if not any(_is_graph(a) for a in others):
+            return None
+        graphdef, state = nnx.split(others)
+
+        def probe(state, batch):
+            objs = list(nnx.merge(graphdef, state))
+            _MARK.record_objs, _MARK.record_batch = tuple(objs), batch
+            objs.insert(idx, batch)
+            self.fn(*objs)
+
+        previous = getattr(_MARK, "mode", None)
+        _MARK.mode = "record"
+        try:
+            jax.eval_shape(probe, state, batch)
+        except _Recorded as rec:
+            return rec.call
+        finally:
+            _MARK.mode = previous
+            _MARK.record_objs = _MARK.record_batch = None
+        return None
 
     def _compile_pipelines(self, plan, others, batch, idx):
         """Several single-stage pipelines with (uneven) batch shares: each computes the

@@ -185,18 +185,29 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, **kernel)
 
 
 def _eval(jaxpr, consts, args, run):
-    env = {}
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    eval_equations(jaxpr, env, run)
+    return [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
 
+
+@functools.cache
+def _patterns_of(jaxpr):
+    return {p["end"]: p for p in _softmax_patterns(jaxpr)}
+
+
+def eval_equations(jaxpr, env: dict, run, indices=None) -> None:
+    """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
+    ``env`` (var -> value; it must hold every variable they read), computing attention
+    with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
+    equations this way."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
-    for var, val in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
-    patterns = {p["end"]: p for p in _softmax_patterns(jaxpr)}
+    patterns = _patterns_of(jaxpr)
     skip = set().union(*[p["skip"] for p in patterns.values()]) if patterns else set()
-    for idx, eqn in enumerate(jaxpr.eqns):
+    for idx in (range(len(jaxpr.eqns)) if indices is None else indices):
+        eqn = jaxpr.eqns[idx]
         if idx in skip:
             continue
         causal = _attention_call(eqn)
@@ -226,7 +237,12 @@ def _eval(jaxpr, consts, args, run):
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+
+
+def attention_runner(impl: str = "flash", **options):
+    """The attention implementation ``eval_equations`` calls: ``run(q, k, v, segment_ids,
+    scale, causal)`` (see ``swap_attention`` for the options)."""
+    return _impl(impl, **options)
 
 
 def swap_attention(fn, impl: str = "flash", **options):

@@ -1,0 +1,250 @@
+"""The pipeline rewrite: a loss function split at layer boundaries into stage programs.
+
+``split_stages`` traces ``loss(state_leaves, batch_leaves)`` (one micro-batch) to a
+jaxpr and assigns every equation to a stage: its layer (the ``named_scope`` tags the
+tracer reads, ``decoder/layer_7``; untagged equations join the nearest tagged one
+before them, loss equations after the head join the head) is looked up in the plan's
+layer ranges, and an equation never runs before a stage that produces one of its
+operands. Each stage then evaluates only its equations; the values it hands to later
+stages (the boundary activations, plus whatever else crosses, such as position ids)
+are its ``sends``, and what it reads from earlier stages its ``recvs``.
+
+A :class:`StageProgram` is differentiable on its own: ``forward`` returns the stage's
+sends and a ``jax.vjp`` function (a pytree that ``jax.jit`` can return, so residuals
+stay on the stage's devices), ``backward`` turns the sends' cotangents into the
+cotangents of the received values and of the stage's parameters. Chaining the stages'
+forwards reproduces the loss, chaining their backwards in reverse the gradient: the
+runtime (``hetshard.runtime.pipeline``) runs them on the stages' submeshes under a
+1F1B schedule. Attention equations are evaluated with the plan's implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as ext
+
+from hetshard.errors import HetshardError
+from hetshard.ir.trace import layer_of
+from hetshard.rewrite.attention import attention_runner, eval_equations
+
+
+class StageSplitError(HetshardError, ValueError):
+    """The loss cannot be split at the plan's layer boundaries."""
+
+
+def _inexact(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(eq=False)
+class StageProgram:
+    """One stage's slice of the loss jaxpr (see the module docstring).
+
+    Index lists refer to the flat inputs of the traced loss: ``state`` to state leaves,
+    ``batch`` to batch leaves. ``params`` are the differentiable state leaves it reads,
+    ``frozen`` the other state leaves it reads (non-trainable variables). ``recvs`` and
+    ``sends`` are jaxpr variables; ``outputs`` maps final outputs (loss, aux) produced
+    here to their position in the loss's flat outputs.
+    """
+
+    index: int
+    layers: tuple[int, int]
+    eqns: list[int]
+    params: list[int]
+    frozen: list[int]
+    batch: list[int]
+    recvs: list
+    sends: list
+    outputs: dict  # send position -> flat output position
+    _split: StageSplit
+
+    @property
+    def diff_recvs(self) -> list[int]:
+        return [i for i, v in enumerate(self.recvs) if _inexact(v.aval)]
+
+    @property
+    def diff_sends(self) -> list[int]:
+        return [i for i, v in enumerate(self.sends) if _inexact(v.aval)]
+
+    def evaluate(self, params, frozen, batch, recvs) -> list:
+        """The stage's sends from its inputs (lists in the orders above)."""
+        sp = self._split
+        jaxpr = sp.closed.jaxpr
+        env = dict(zip(jaxpr.constvars, sp.closed.consts, strict=True))
+        for idx, val in zip(self.params, params, strict=True):
+            env[jaxpr.invars[idx]] = val
+        for idx, val in zip(self.frozen, frozen, strict=True):
+            env[jaxpr.invars[idx]] = val
+        for idx, val in zip(self.batch, batch, strict=True):
+            env[jaxpr.invars[sp.num_state + idx]] = val
+        for var, val in zip(self.recvs, recvs, strict=True):
+            env[var] = val
+        eval_equations(jaxpr, env, sp.run, self.eqns)
+        return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
+
+    def forward(self, params, frozen, batch, recvs, wrap=None):
+        """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
+        ``(param_cts, float_recv_cts)``. ``wrap`` (e.g. ``jax.checkpoint``) wraps the
+        differentiated function: the stage's rematerialisation."""
+        d_in, d_out = self.diff_recvs, self.diff_sends
+        fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
+
+        def f(p, fr):
+            full = list(fixed)
+            for i, val in zip(d_in, fr, strict=True):
+                full[i] = val
+            outs = self.evaluate(p, frozen, batch, full)
+            return ([outs[i] for i in d_out],
+                    [o for i, o in enumerate(outs) if i not in set(d_out)])
+        if wrap is not None:
+            f = wrap(f)
+        float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
+                                         has_aux=True)
+        return float_outs, other, vjp
+
+
+@dataclasses.dataclass(eq=False)
+class StageSplit:
+    closed: object  # ClosedJaxpr of loss(state_leaves, batch_leaves)
+    num_state: int
+    layer_names: list[str]
+    stages: list[StageProgram]
+    out_tree: object
+    run: Callable
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    def producer(self) -> dict:
+        """var -> stage index that sends it."""
+        return {v: s.index for s in self.stages for v in s.sends}
+
+
+def layer_sequence(closed) -> tuple[list[str], list[int]]:
+    """Layer names in execution order and each equation's layer index (untagged
+    equations join the nearest tagged equation before them, or after at the start)."""
+    names: list[str] = []
+    tags: list[int | None] = []
+    for eqn in closed.jaxpr.eqns:
+        name = layer_of(str(eqn.source_info.name_stack))
+        if not name:
+            tags.append(None)
+            continue
+        if name not in names:
+            names.append(name)
+        tags.append(names.index(name))
+    if not names:
+        raise StageSplitError("the loss has no layer scopes (jax.named_scope('stack/layer_i')"
+                              " around each block) to split into pipeline stages")
+    first = next(t for t in tags if t is not None)
+    out, last = [], first
+    for t in tags:
+        last = last if t is None else t
+        out.append(last)
+    return names, out
+
+
+def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
+                 ranges: Sequence[tuple[int, int]], diff_state: Sequence[int], *,
+                 attention: str = "reference", **attention_options) -> StageSplit:
+    """Splits ``loss(state_leaves, batch_leaves)`` (arrays or ShapeDtypeStructs) into
+    stages with the layer ``ranges`` ([start, end) per stage, contiguous from 0).
+
+    ``diff_state``: indices of the state leaves to differentiate (the parameters).
+
+    Raises:
+      StageSplitError: ranges that do not cover the loss's layers exactly, or a loss
+        without layer scopes.
+    """
+    closed, out_shape = jax.make_jaxpr(loss, return_shape=True)(list(state_leaves),
+                                                               list(batch_leaves))
+    jaxpr = closed.jaxpr
+    num_state = len(state_leaves)
+    names, eqn_layer = layer_sequence(closed)
+    if ranges[0][0] != 0 or ranges[-1][1] != len(names) or any(
+            a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False)) or any(
+            e <= s for s, e in ranges):
+        raise StageSplitError(
+            f"the plan's stage layer ranges {list(ranges)} must cover the model's "
+            f"{len(names)} layers contiguously ({names[0]} ... {names[-1]})")
+    stage_of_layer = np.zeros(len(names), int)
+    for k, (s, e) in enumerate(ranges):
+        stage_of_layer[s:e] = k
+    produced: dict = {}
+    eqn_stage = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        k = int(stage_of_layer[eqn_layer[i]])
+        for v in eqn.invars:
+            if isinstance(v, ext.Var) and v in produced:
+                k = max(k, produced[v])
+        eqn_stage.append(k)
+        for v in eqn.outvars:
+            produced[v] = k
+    n = len(ranges)
+    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
+    diff = set(diff_state)
+    reads: list[set] = [set() for _ in range(n)]
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, ext.Var):
+                reads[eqn_stage[i]].add(v)
+    final = [v for v in jaxpr.outvars if isinstance(v, ext.Var)]
+    stages = []
+    for k in range(n):
+        eqns = [i for i, s in enumerate(eqn_stage) if s == k]
+        mine = [v for i in eqns for v in jaxpr.eqns[i].outvars]
+        later = set().union(*reads[k + 1:]) if k + 1 < n else set()
+        sends = [v for v in mine if v in later or v in final]
+        # A final output that is a plain input (no equation) is sent by the last stage.
+        if k == n - 1:
+            sends += [v for v in final if v in invar_index and v not in sends]
+        recvs = sorted((v for v in reads[k] if v in produced and produced[v] < k),
+                       key=lambda v: (produced[v], str(v)))
+        ins = sorted(invar_index[v] for v in reads[k] | (set(sends) & set(invar_index))
+                     if v in invar_index)
+        outputs = {j: pos for j, v in enumerate(sends)
+                   for pos, w in enumerate(jaxpr.outvars) if w is v}
+        stages.append(StageProgram(
+            index=k, layers=tuple(ranges[k]), eqns=eqns,
+            params=[i for i in ins if i < num_state and i in diff
+                    and _inexact(jaxpr.invars[i].aval)],
+            frozen=[i for i in ins if i < num_state and not (
+                i in diff and _inexact(jaxpr.invars[i].aval))],
+            batch=[i - num_state for i in ins if i >= num_state],
+            recvs=recvs, sends=sends, outputs=outputs, _split=None))
+    # Every final output must come from some stage.
+    sent = {v for s in stages for v in s.sends}
+    for pos, v in enumerate(jaxpr.outvars):
+        if isinstance(v, ext.Var) and v not in sent:
+            raise StageSplitError(f"output {pos} of the loss comes from no stage")
+    split = StageSplit(closed, num_state, names, stages, jax.tree.structure(out_shape),
+                       attention_runner(attention, **attention_options))
+    for s in stages:
+        s._split = split
+    return split
+
+
+def run_sequential(split: StageSplit, state_leaves, batch_leaves) -> list:
+    """The loss's flat outputs computed stage by stage (no differentiation): a check
+    that the split loses nothing."""
+    values: dict = {}
+    outs: list = [None] * len(split.closed.jaxpr.outvars)
+    for st in split.stages:
+        sends = st.evaluate([state_leaves[i] for i in st.params],
+                            [state_leaves[i] for i in st.frozen],
+                            [batch_leaves[i] for i in st.batch],
+                            [values[v] for v in st.recvs])
+        for j, (v, val) in enumerate(zip(st.sends, sends, strict=True)):
+            values[v] = val
+            if j in st.outputs:
+                outs[st.outputs[j]] = val
+    for pos, v in enumerate(split.closed.jaxpr.outvars):
+        if isinstance(v, ext.Literal):
+            outs[pos] = v.val
+    return outs

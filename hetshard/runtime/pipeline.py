@@ -1,0 +1,578 @@
+"""MPMD execution of any plan: pipelines of stages, each stage on its own submesh.
+
+What one step does (``PipelineRunner.step``):
+
+1. Each pipeline takes its batch share, cut into micro-batches.
+2. Stage programs (``hetshard.rewrite.pipeline``) run forward and backward per
+   micro-batch under the pipeline's schedule (1F1B or GPipe), each jitted on its
+   stage's mesh; activations go forward and cotangents back with ``jax.device_put`` to
+   the receiving stage's sharding; each backward is seeded with ``mbs / global_batch``
+   so the summed gradients are the global-batch mean gradient (the loss must be a mean
+   over samples); gradients accumulate per stage over micro-batches.
+3. A parameter read by several stages of a pipeline (tied embeddings) has its
+   gradients added at the stage that owns it; across pipelines the owners' gradients
+   are summed (``hetshard.collectives``: a ``shard_map`` all-reduce when the holders'
+   meshes are congruent, transfers otherwise).
+4. Each stage applies the user's step (the optimizer update) to the state it owns, on
+   its own submesh: the step is traced with the gradients and loss provided to
+   ``hetshard.value_and_grad`` and every leaf the stage does not hold filled with zeros,
+   which is exact because the step was checked to be separable (``_ownership``): every
+   updated leaf reads only its own state, its own parameters' gradients, the loss and
+   shared leaves (step counters), never another stage's. Shared leaves are kept on
+   every stage and updated identically everywhere.
+
+Dispatch is asynchronous: the host enqueues every task of the step in schedule order
+and only the caller's loss check waits for the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetshard.collectives import congruent, sum_across, sum_across_collective
+from hetshard.errors import HetshardError, SpecError
+from hetshard.ir.dependencies import output_dependencies
+from hetshard.plan import Plan, Stage
+from hetshard.rewrite.pipeline import StageSplitError, split_stages
+from hetshard.runtime.spmd import leaf_spec, path_string
+from hetshard.sim.simulator import schedule_order
+
+
+class PipelineSetupError(HetshardError, ValueError):
+    """The step cannot run under this plan's pipelines (the message says why and what
+    would work)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+    """How the step called ``hetshard.value_and_grad(fn)``: ``args`` holds, per
+    argument, ``("model", i)`` (the step's i-th NNX argument, batch excluded),
+    ``("batch", treedef, leaf_indices)`` (the batch or part of it) or
+    ``("static", value)``."""
+
+    fn: Callable
+    argnums: int
+    has_aux: bool
+    args: tuple
+
+
+def stage_mesh_of(stage: Stage, devices) -> Mesh:
+    shape = [n for _, n in stage.mesh_shape]
+    names = [a for a, _ in stage.mesh_shape]
+    return Mesh(np.array([devices[i] for i in stage.devices]).reshape(shape), names)
+
+
+def _batch_axes(mesh: Mesh) -> tuple:
+    return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+
+
+def activation_sharding(shape, mesh: Mesh, mbs: int) -> NamedSharding:
+    """Micro-batch values are split over the stage's data axes when their leading
+    dimension is the micro-batch and divides evenly, and replicated otherwise."""
+    axes = _batch_axes(mesh)
+    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if axes and len(shape) and shape[0] == mbs and mbs % ways == 0:
+        return NamedSharding(mesh, PartitionSpec(axes))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b):
+        self.parent[self.find(a)] = self.find(b)
+
+
+@dataclasses.dataclass
+class _StageRun:
+    """One (pipeline, stage): its program, mesh, jitted functions and the state it holds."""
+
+    program: object
+    mesh: Mesh
+    remat: str
+    owned: list[int]  # state leaves it updates
+    local: list[int]  # state leaves it holds: owned + shared + read copies
+    shardings: dict  # state leaf -> NamedSharding on this mesh
+    fwd: Callable = None
+    bwd: Callable = None
+    apply: Callable = None
+
+
+class PipelineRunner:
+    """Runs a step under ``plan`` (see the module docstring)."""
+
+    def __init__(self, plan: Plan, devices, step_fn, graphdef, state, batch, batch_index: int,
+                 call: LossCall, mark):
+        self.plan, self.step_fn, self.graphdef = plan, step_fn, graphdef
+        self.batch_index, self.call, self.mark = batch_index, call, mark
+        flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state)
+        self.paths = [path_string(p) for p, _ in flat]
+        self.state_avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+                            for _, x in flat]
+        batch_leaves, self.batch_tree = jax.tree.flatten(batch)
+        self.batch_avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+                            for x in batch_leaves]
+        self.global_batch = int(np.shape(batch_leaves[0])[0])
+        self._check_batch()
+        self.grad_index = self._param_leaves(state)
+        self.diff = sorted(set(self.grad_index))
+        self.splits = [self._split(p) for p in plan.pipelines]
+        self.meshes = [[stage_mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
+        self.loss_out_avals = None
+        self._ownership()
+        self.runs = [[self._stage_run(pi, si) for si in range(len(p.stages))]
+                     for pi, p in enumerate(plan.pipelines)]
+        self.views = None  # per (pipeline, stage): leaf -> array
+        self.published: list | None = None
+
+    # ---- set-up ----------------------------------------------------------------------
+    def _check_batch(self):
+        plan, b = self.plan, self.global_batch
+        if plan.global_batch != b:
+            raise SpecError("batch", f"leading dimension {b}",
+                            f"the plan's global batch {plan.global_batch} "
+                            f"(pipeline shares {[p.batch_share for p in plan.pipelines]})",
+                            where="hetshard.jit")
+        for p in plan.pipelines:
+            if p.batch_share % p.num_micro_batches:
+                raise SpecError("plan.pipelines", f"batch share {p.batch_share}",
+                                f"a multiple of its {p.num_micro_batches} micro-batches")
+
+    def _param_leaves(self, state) -> list[int]:
+        """Full-state index of each leaf of the model's ``nnx.Param`` state (the
+        gradient structure ``nnx.value_and_grad`` returns)."""
+        objs = nnx.merge(self.graphdef, state)
+        model = objs[self.call.args[self.call.argnums][1]]
+        prefix = str(self.call.args[self.call.argnums][1])
+        where = {p: i for i, p in enumerate(self.paths)}
+        flat, self.grad_tree = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
+        out = []
+        for p, _ in flat:
+            key = f"{prefix}/{path_string(p)}" if path_string(p) else prefix
+            if key not in where:
+                raise PipelineSetupError(f"parameter {key} of the model is not in the step's "
+                                         f"state; pass the model to the step directly")
+            out.append(where[key])
+        return out
+
+    def _loss_flat(self, state_leaves, batch_leaves):
+        objs = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_tree, state_leaves))
+        args = []
+        for kind, *rest in self.call.args:
+            if kind == "model":
+                args.append(objs[rest[0]])
+            elif kind == "batch":
+                args.append(jax.tree.unflatten(rest[0], [batch_leaves[i] for i in rest[1]]))
+            else:
+                args.append(rest[0])
+        return self.call.fn(*args)
+
+    def _split(self, pipeline):
+        mbs = _samples_per_micro_batch(pipeline)
+        mb_avals = [jax.ShapeDtypeStruct((mbs, *a.shape[1:]), a.dtype)
+                    for a in self.batch_avals]
+        ranges = [(s.start, s.end) for s in pipeline.stages]
+        try:
+            return split_stages(self._loss_flat, self.state_avals, mb_avals, ranges,
+                                self.diff, attention=self.plan.attention)
+        except StageSplitError as e:
+            raise PipelineSetupError(str(e)) from None
+
+    def _apply_fn(self):
+        """The user's step as a function of flat leaves, value_and_grad provided."""
+        mark, call = self.mark, self.call
+
+        def apply(state_leaves, grad_leaves, loss_leaves, batch_leaves):
+            objs = list(nnx.merge(self.graphdef,
+                                  jax.tree.unflatten(self.state_tree, state_leaves)))
+            model = objs[call.args[call.argnums][1]]
+            grads = jax.tree.unflatten(jax.tree.structure(nnx.state(model, nnx.Param)),
+                                       grad_leaves)
+            value = jax.tree.unflatten(self._loss_tree, loss_leaves)
+            objs.insert(self.batch_index,
+                        jax.tree.unflatten(self.batch_tree, batch_leaves))
+            previous = getattr(mark, "mode", None), getattr(mark, "provided", None)
+            mark.mode, mark.provided = "provide", (value, grads)
+            try:
+                out = self.step_fn(*objs)
+            finally:
+                mark.mode, mark.provided = previous
+            del objs[self.batch_index]
+            return out, jax.tree.leaves(nnx.state(tuple(objs)))
+        return apply
+
+    def _ownership(self):
+        """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
+        closed = self.splits[0].closed
+        self._loss_tree = self.splits[0].out_tree
+        loss_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                      for v in closed.jaxpr.outvars]
+        self.loss_out_avals = loss_avals
+        grad_avals = [self.state_avals[i] for i in self.grad_index]
+        apply = self._apply_fn()
+        traced, out_shape = jax.make_jaxpr(apply, return_shape=True)(
+            self.state_avals, grad_avals, loss_avals, self.batch_avals)
+        self._out_tree = jax.tree.structure(out_shape[0])
+        n_out = len(jax.tree.leaves(out_shape[0]))
+        if len(jax.tree.leaves(out_shape[1])) != len(self.state_avals):
+            raise PipelineSetupError("the step changes the structure of its NNX state")
+        deps = output_dependencies(traced)
+        ns, ng, nl = len(self.state_avals), len(grad_avals), len(loss_avals)
+        grad_of = {ns + k: self.grad_index[k] for k in range(ng)}
+        batch_inputs = set(range(ns + ng + nl, ns + ng + nl + len(self.batch_avals)))
+        loss_inputs = set(range(ns + ng, ns + ng + nl))
+        new = deps[n_out:]
+        for i, d in enumerate(new):
+            if d & batch_inputs:
+                raise PipelineSetupError(
+                    f"the step updates {self.paths[i]} from the batch outside "
+                    f"hetshard.value_and_grad; pipeline plans need the batch used only "
+                    f"by the loss")
+        shared = {i for i, d in enumerate(new) if not (d & set(grad_of))}
+        changed = True
+        while changed:
+            changed = False
+            for i in list(shared):
+                if any(j < ns and j not in shared for j in new[i]):
+                    shared.discard(i)
+                    changed = True
+        for k, d in enumerate(deps[:n_out]):
+            bad = [j for j in d if not (j in loss_inputs or (j < ns and j in shared))]
+            if bad:
+                raise PipelineSetupError(
+                    f"output {k} of the step reads "
+                    f"{self._input_name(bad[0], ns, grad_of)} (not only the loss); under a "
+                    f"pipeline plan the step may return the loss and aux of "
+                    f"hetshard.value_and_grad, and values of shared scalars")
+        uf = _UnionFind()
+        for i, d in enumerate(new):
+            if i in shared:
+                continue
+            uf.find(i)
+            for j in d:
+                if j < ns and j not in shared:
+                    uf.union(i, j)
+                elif j in grad_of:
+                    uf.union(i, grad_of[j])
+        comps: dict = {}
+        for i in range(ns):
+            if i not in shared:
+                comps.setdefault(uf.find(i), []).append(i)
+        self.shared = sorted(shared)
+        self.owner = []  # per pipeline: state leaf -> stage
+        for split in self.splits:
+            first: dict[int, int] = {}
+            for st in split.stages:
+                for i in st.params + st.frozen:
+                    first.setdefault(i, st.index)
+            owner = {}
+            for members in comps.values():
+                stages = {first[i] for i in members if i in first and i in set(self.diff)}
+                if len(stages) > 1:
+                    names = sorted({self.paths[i] for i in members if i in first})[:3]
+                    raise PipelineSetupError(
+                        f"the optimizer update couples parameters of pipeline stages "
+                        f"{sorted(stages)} (e.g. {names}); a global-norm clip or another "
+                        f"cross-parameter transform needs all gradients in one place. Use a "
+                        f"per-parameter optimizer or a single-stage plan (max_stages=1)")
+                readers = [first[i] for i in members if i in first]
+                stage = min(stages) if stages else (min(readers) if readers else 0)
+                for i in members:
+                    owner[i] = stage
+            self.owner.append(owner)
+
+    def _input_name(self, j, ns, grad_of):
+        if j < ns:
+            return self.paths[j]
+        if j in grad_of:
+            return f"the gradient of {self.paths[grad_of[j]]}"
+        return f"input {j}"
+
+    def _stage_run(self, pi, si) -> _StageRun:
+        pipeline = self.plan.pipelines[pi]
+        stage, program = pipeline.stages[si], self.splits[pi].stages[si]
+        mesh = self.meshes[pi][si]
+        owned = sorted(i for i, s in self.owner[pi].items() if s == si)
+        local = sorted(set(owned) | set(self.shared) | set(program.params) |
+                       set(program.frozen))
+        specs = {name: tuple(spec) for name, spec in stage.shardings
+                 if not name.startswith("activation:")}
+        shardings = {i: NamedSharding(mesh, leaf_spec(self.paths[i],
+                                                      self.state_avals[i].shape, specs, mesh))
+                     for i in local}
+        run = _StageRun(program, mesh, stage.remat, owned, local, shardings)
+        run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
+        run.bwd = jax.jit(functools.partial(_backward, program))
+        run.apply = jax.jit(self._stage_apply(run, pi))
+        return run
+
+    def _stage_apply(self, run: _StageRun, pi: int):
+        apply = self._apply_fn()
+        owned, shared = run.owned, self.shared
+        grad_pos = {i: k for k, i in enumerate(self.grad_index)}
+        owned_params = [i for i in owned if i in grad_pos]
+
+        def fn(owned_vals, shared_vals, grad_vals, loss_leaves):
+            leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
+            for i, v in zip(owned, owned_vals, strict=True):
+                leaves[i] = v
+            for i, v in zip(shared, shared_vals, strict=True):
+                leaves[i] = v
+            grads = [jnp.zeros(self.state_avals[i].shape, self.state_avals[i].dtype)
+                     for i in self.grad_index]
+            for i, g in zip(owned_params, grad_vals, strict=True):
+                grads[grad_pos[i]] = g
+            batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
+            out, new = apply(leaves, grads, loss_leaves, batch)
+            return out, [new[i] for i in owned], [new[i] for i in shared]
+        run.owned_params = owned_params
+        return fn
+
+    # ---- state -----------------------------------------------------------------------
+    def _distribute(self, leaves):
+        self.views = []
+        for stages in self.runs:
+            row = []
+            for run in stages:
+                row.append({i: jax.device_put(leaves[i], run.shardings[i]) for i in run.local})
+            self.views.append(row)
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self, state, batch, check_loss) -> object:
+        leaves = jax.tree.leaves(state)
+        if self.published is None or len(leaves) != len(self.published) or any(
+                a is not b for a, b in zip(leaves, self.published, strict=True)):
+            self._distribute(leaves)
+        batch_leaves = jax.tree.leaves(batch)
+        grads, losses = [], []
+        start = 0
+        for pi, p in enumerate(self.plan.pipelines):
+            g, loss = self._run_pipeline(pi, p, batch_leaves, start)
+            grads.append(g)
+            losses.append(loss)
+            start += p.batch_share
+        grads = self._sync(grads)
+        loss = self._combine_losses(losses)
+        new_views, out = [], None
+        for pi, stages in enumerate(self.runs):
+            row = []
+            for si, run in enumerate(stages):
+                view = self.views[pi][si]
+                lv = jax.device_put(loss, NamedSharding(run.mesh, PartitionSpec()))
+                o, owned, shared = run.apply([view[i] for i in run.owned],
+                                             [view[i] for i in self.shared],
+                                             [grads[pi][si][i] for i in run.owned_params], lv)
+                if out is None:
+                    out = o
+                new = dict(view)
+                new.update(zip(run.owned, owned, strict=True))
+                new.update(zip(self.shared, shared, strict=True))
+                row.append(new)
+            new_views.append(row)
+        if not check_loss(out):
+            return out, None
+        # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
+        for pi, stages in enumerate(self.runs):
+            for si, run in enumerate(stages):
+                for i in run.local:
+                    o = self.owner[pi].get(i)
+                    if o is not None and o != si:
+                        new_views[pi][si][i] = jax.device_put(new_views[pi][o][i],
+                                                              run.shardings[i])
+        self.views = new_views
+        published = []
+        for i in range(len(self.state_avals)):
+            o = self.owner[0].get(i, 0)
+            published.append(new_views[0][o][i])
+        self.published = published
+        return out, jax.tree.unflatten(self.state_tree, published)
+
+    def _run_pipeline(self, pi, pipeline, batch_leaves, start):
+        runs = self.runs[pi]
+        n, m = len(runs), pipeline.num_micro_batches
+        mbs = _samples_per_micro_batch(pipeline)
+        weight = mbs / self.global_batch
+        producer = {}
+        for st in self.splits[pi].stages:
+            for v in st.sends:
+                producer[v] = st.index
+        values: list[dict] = [{} for _ in range(m)]
+        cts: list[dict] = [{} for _ in range(m)]
+        vjps: dict = {}
+        acc: list = [None] * n
+        loss_acc: dict = {}
+        orders = [schedule_order(pipeline.schedule, n, s, m) for s in range(n)]
+        ptr = [0] * n
+        done: set = set()
+
+        def ready(s, kind, mb):
+            if kind == "F":
+                return all(("F", j, mb) in done for j in range(s))
+            return ("F", s, mb) in done and all(("B", j, mb) in done for j in range(s + 1, n))
+
+        def forward(s, mb):
+            run, st = runs[s], runs[s].program
+            lo = start + mb * mbs
+            view = self.views[pi][s]
+            batch = [jax.device_put(np.asarray(batch_leaves[i][lo:lo + mbs])
+                                    if isinstance(batch_leaves[i], np.ndarray)
+                                    else batch_leaves[i][lo:lo + mbs],
+                                    activation_sharding((mbs,), run.mesh, mbs))
+                     for i in st.batch]
+            recvs = [jax.device_put(values[mb][v],
+                                    activation_sharding(v.aval.shape, run.mesh, mbs))
+                     for v in st.recvs]
+            fo, oo, vjp = run.fwd([view[i] for i in st.params],
+                                  [view[i] for i in st.frozen], batch, recvs)
+            vjps[s, mb] = vjp
+            d_out = st.diff_sends
+            outs = [None] * len(st.sends)
+            for j, x in zip(d_out, fo, strict=True):
+                outs[j] = x
+            rest = iter(oo)
+            for j in range(len(st.sends)):
+                if outs[j] is None:
+                    outs[j] = next(rest)
+            for j, (v, x) in enumerate(zip(st.sends, outs, strict=True)):
+                values[mb][v] = x
+                if j in st.outputs:
+                    pos = st.outputs[j]
+                    loss_acc[pos] = _accumulate(loss_acc.get(pos), x, weight)
+
+        def backward(s, mb):
+            run, st = runs[s], runs[s].program
+            incoming = []
+            for j in st.diff_sends:
+                parts = cts[mb].pop(st.sends[j], [])
+                incoming.append(functools.reduce(jnp.add, parts) if parts else None)
+            seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
+            acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
+            for i, c in zip(st.diff_recvs, rc, strict=True):
+                v = st.recvs[i]
+                home = self.runs[pi][producer[v]].mesh
+                cts[mb].setdefault(v, []).append(
+                    jax.device_put(c, activation_sharding(v.aval.shape, home, mbs)))
+
+        remaining = sum(len(o) for o in orders)
+        while remaining:
+            progressed = False
+            for s in range(n):
+                while ptr[s] < len(orders[s]):
+                    kind, mb = orders[s][ptr[s]]
+                    if not ready(s, kind, mb):
+                        break
+                    (forward if kind == "F" else backward)(s, mb)
+                    done.add((kind, s, mb))
+                    ptr[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:  # a schedule bug, never user input
+                raise RuntimeError(f"pipeline {pi}: schedule deadlock at {ptr}")
+        # Tied parameters: gradients of read copies go to the owning stage.
+        grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) for s in range(n)]
+        owner = self.owner[pi]
+        for s in range(n):
+            for i in list(grads[s]):
+                o = owner.get(i, s)
+                if o != s:
+                    moved = jax.device_put(grads[s].pop(i), runs[o].shardings[i])
+                    grads[o][i] = _add(grads[o][i], moved) if i in grads[o] else moved
+        return grads, [loss_acc[k] for k in sorted(loss_acc)]
+
+    def _sync(self, grads):
+        """Sums each parameter's gradient over the pipelines (module docstring, 3)."""
+        if len(grads) == 1:
+            return grads
+        groups: dict = {}
+        for i in self.diff:
+            holders = tuple(self.owner[pi].get(i, 0) for pi in range(len(grads)))
+            if all(i in grads[pi][s] for pi, s in enumerate(holders)):
+                groups.setdefault(holders, []).append(i)
+        for holders, leaves in groups.items():
+            copies = [[grads[pi][s][i] for i in leaves] for pi, s in enumerate(holders)]
+            fast = [j for j in range(len(leaves))
+                    if congruent([c[j].sharding for c in copies])]
+            slow = [j for j in range(len(leaves)) if j not in set(fast)]
+            for idx, fn in ((fast, sum_across_collective), (slow, sum_across)):
+                if not idx:
+                    continue
+                summed = fn([[c[j] for j in idx] for c in copies])
+                for pi, s in enumerate(holders):
+                    for j, x in zip(idx, summed[pi], strict=True):
+                        grads[pi][s][leaves[j]] = x
+        return grads
+
+    def _combine_losses(self, losses):
+        home = losses[0][0].sharding
+        total = list(losses[0])
+        for other in losses[1:]:
+            total = [_add(a, jax.device_put(b, home)) for a, b in zip(total, other,
+                                                                     strict=True)]
+        return total
+
+
+def _samples_per_micro_batch(pipeline) -> int:
+    """Samples in one micro-batch of the pipeline (the plan's ``micro_batch_size`` is per
+    data-parallel replica of a stage)."""
+    return pipeline.batch_share // pipeline.num_micro_batches
+
+
+# ---- jitted stage functions -----------------------------------------------------------
+
+_REMAT = {"none": None, "selective": "dots_with_no_batch_dims_saveable", "full": "nothing"}
+
+
+def _forward(program, remat, params, frozen, batch, recvs):
+    if remat in ("selective", "full"):
+        policy = (jax.checkpoint_policies.nothing_saveable if remat == "full" else
+                  jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        return program.forward(params, frozen, batch, recvs, wrap=functools.partial(
+            jax.checkpoint, policy=policy))
+    return program.forward(params, frozen, batch, recvs)
+
+
+def _backward(program, vjp, incoming, seeds, acc):
+    cts = []
+    for j, ct, seed in zip(program.diff_sends, incoming, seeds, strict=True):
+        aval = program.sends[j].aval
+        base = jnp.zeros(aval.shape, aval.dtype) if seed is None else \
+            jnp.full(aval.shape, seed, aval.dtype)
+        cts.append(base if ct is None else base + ct.astype(aval.dtype))
+    pcts, rcts = vjp(cts)
+    pcts = list(pcts)
+    if acc is not None:
+        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
+    return pcts, list(rcts)
+
+
+@jax.jit
+def _add(a, b):
+    return a + b
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _weighted(acc, x, w):
+    x = x * jnp.asarray(w, x.dtype)
+    return x if acc is None else acc + x
+
+
+def _accumulate(acc, x, w):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return _weighted(acc, x, w)
