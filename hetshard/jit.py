@@ -1,11 +1,16 @@
 """``@hetshard.jit``: trace, plan (or load a cached plan), compile and run a train step.
 
-Status: plans whose pipelines each have one stage run: a single pipeline as one SPMD
-program (data, FSDP, tensor and mixed per-op shardings) and several pipelines with
-uneven batch shares on their own submeshes, their gradients combined weighted by batch
-share. Plans with several stages per pipeline are planned and simulated but not yet
-executable here (``PlanNotExecutableError``), so the planner is asked for single-stage
-pipelines (``max_stages=1``, one pipeline by default) unless ``plan=`` pins another.
+Every plan kind runs:
+
+* one pipeline of one stage: one SPMD program on the stage's mesh (data, FSDP, tensor
+  and mixed per-op shardings);
+* several single-stage pipelines with uneven batch shares: each computes its share's
+  value and gradients on its submesh, combined weighted by share, the update applied once;
+* pipelines of several stages (MPMD): ``hetshard.runtime.pipeline`` -- stage programs on
+  their own submeshes under 1F1B, per-stage optimizer updates.
+
+Pipeline plans need the step to call ``hetshard.value_and_grad``; for a step that does
+not, the planner is restricted to single-stage plans (a warning says so once).
 """
 
 from __future__ import annotations
@@ -186,8 +191,6 @@ class HetshardJit:
             raise SpecError(sorted(unknown)[0], planner_options[sorted(unknown)[0]],
                             f"a PlannerOptions field among {sorted(fields)}",
                             where="hetshard.jit")
-        planner_options.setdefault("max_stages", 1)
-        planner_options.setdefault("max_pipelines", 1)
         self.options = PlannerOptions(**planner_options)
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned

@@ -122,10 +122,16 @@ def test_pinned_plan_from_json_and_bad_batches(tmp_path):
         step(model, opt, wrong)
 
 
-def test_multi_stage_plan_is_refused_clearly():
-    plan = _plan("dp=4,tp=1,pp=2")
-    with pytest.raises(hetshard.PlanNotExecutableError, match="single-stage"):
-        _run(plan, steps=1)
+def test_uniform_pipeline_parallel_plan_matches_single_device_training():
+    plan = _plan("dp=2,tp=2,pp=2", shardings=True)
+    assert [len(p.stages) for p in plan.pipelines] == [2]
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    want_losses, want_params = _reference(batches, 3)
+    losses, params, *_ = _run(plan)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_nan_loss_is_reported_and_not_applied():

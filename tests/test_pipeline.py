@@ -1,0 +1,277 @@
+"""MPMD pipelines: stage programs on uneven submeshes match single-device training."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import hetshard
+import models
+from hetshard.cluster import Cluster
+from hetshard.collectives import congruent, sum_across, sum_across_collective
+from hetshard.plan import Pipeline, Plan, Stage
+from hetshard.rewrite.pipeline import StageSplitError, run_sequential, split_stages
+from hetshard.runtime.pipeline import PipelineSetupError
+from models import data
+
+CLUSTER = "h100-a100-v100-x8"  # devices 0-1 H100, 2-3 A100, 4-7 V100
+H, A, V = "H100-80GB", "A100-80GB", "V100-32GB"
+
+
+def lm_loss(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def mllm_loss(model, batch):
+    logits = model(batch["tokens"], batch["images"], batch["image_index"],
+                   positions_bs=batch["positions"], segment_ids_bs=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    # A per-sample mean, so micro-batches weigh by their sample count (see the README).
+    per_row = (ce * batch["loss_mask"]).sum(-1) / jnp.maximum(batch["loss_mask"].sum(-1), 1)
+    return per_row.mean()
+
+
+def _stage(start, end, devices, gpu, **axes):
+    shape = tuple(axes.items()) or (("data", len(devices)),)
+    return Stage(start, end, tuple(devices), gpu, shape)
+
+
+def _plan(model, pipelines, batch=8, seq=16, attention="reference"):
+    return Plan(model, Cluster.load(CLUSTER).to_dict(), batch, seq, tuple(pipelines),
+                attention=attention)
+
+
+def _batches(model, n=2, batch=8, seq=16):
+    rng = np.random.default_rng(0)
+    if model.startswith("llava"):
+        config = models.resolve(model)
+        return [data.mllm_batch(rng, batch, config, seq_len=seq) for _ in range(n)]
+    return [data.text_batch(rng, batch, seq, 256) for _ in range(n)]
+
+
+def _train(model_name, loss_fn, batches, steps, tx, plan=None):
+    model = models.build(model_name, rngs=0)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if plan is None:
+        @nnx.jit
+        def step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+    else:
+        @hetshard.jit(cluster=CLUSTER, plan=plan)
+        def step(model, optimizer, batch):
+            loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+    losses = [float(step(model, opt, batches[i % len(batches)])) for i in range(steps)]
+    return losses, model, opt, step
+
+
+def _assert_matches_one_device(model_name, plan, loss_fn=lm_loss, steps=3, batch=8, seq=16):
+    # SGD: parameters are compared too (AdamW turns reduction-order noise in near-zero
+    # gradients into full +-lr steps; see tests/test_runtime.py).
+    batches = _batches(model_name, batch=batch, seq=seq)
+    want, ref_model, _, _ = _train(model_name, loss_fn, batches, steps, optax.sgd(0.1))
+    got, model, opt, step = _train(model_name, loss_fn, batches, steps, optax.sgd(0.1), plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(ref_model, nnx.Param)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(opt.step[...]) == steps  # NNX objects updated in place
+    return step
+
+
+# ---- the split itself ------------------------------------------------------------------
+
+def _flat_loss(model_name, loss_fn, batch):
+    model = models.build(model_name, rngs=0)
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    b_leaves, b_tree = jax.tree.flatten(batch)
+
+    def loss(sl, bl):
+        return loss_fn(nnx.merge(graphdef, jax.tree.unflatten(tree, sl)),
+                       jax.tree.unflatten(b_tree, bl))
+    return loss, leaves, [jnp.asarray(x) for x in b_leaves]
+
+
+@pytest.mark.parametrize("model_name,loss_fn,ranges", [
+    ("gpt-tiny", lm_loss, [(0, 1), (1, 3), (3, 4)]),
+    ("llava-tiny", mllm_loss, [(0, 5), (5, 9)]),
+])
+def test_stages_chained_reproduce_loss_and_gradient(model_name, loss_fn, ranges):
+    batch = _batches(model_name, n=1, batch=2)[0]
+    loss, leaves, b = _flat_loss(model_name, loss_fn, batch)
+    split = split_stages(loss, leaves, b, ranges, list(range(len(leaves))))
+    assert len(split.stages) == len(ranges) and split.num_layers == ranges[-1][1]
+    assert all(st.recvs for st in split.stages[1:])  # activations really cross
+    np.testing.assert_allclose(jax.jit(run_sequential, static_argnums=0)(split, leaves, b)[0],
+                               jax.jit(loss)(leaves, b), rtol=1e-6)
+    # Backward stage by stage, last to first, as the runtime does.
+    values, vjps = {}, []
+    for st in split.stages:
+        fo, oo, vjp = jax.jit(st.forward)(
+            [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
+            [b[i] for i in st.batch], [values[v] for v in st.recvs])
+        others = iter(oo)
+        floats = dict(zip(st.diff_sends, fo, strict=True))
+        for j, v in enumerate(st.sends):
+            values[v] = floats[j] if j in floats else next(others)
+        vjps.append(vjp)
+    grads = [jnp.zeros_like(x) for x in leaves]
+    cts: dict = {}
+    for st, vjp in zip(reversed(split.stages), reversed(vjps), strict=True):
+        seed = [jnp.ones(()) if st.outputs.get(j) == 0 else
+                cts.get(st.sends[j], jnp.zeros(st.sends[j].aval.shape)) for j in st.diff_sends]
+        pct, rct = jax.jit(lambda f, s: f(s))(vjp, seed)
+        for i, g in zip(st.params, pct, strict=True):
+            grads[i] = grads[i] + g
+        for i, c in zip(st.diff_recvs, rct, strict=True):
+            cts[st.recvs[i]] = cts.get(st.recvs[i], 0) + c
+    want = jax.jit(jax.grad(loss))(leaves, b)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_split_rejects_ranges_that_do_not_cover_the_layers():
+    batch = _batches("gpt-tiny", n=1, batch=2)[0]
+    loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
+    with pytest.raises(StageSplitError, match="4 layers"):
+        split_stages(loss, leaves, b, [(0, 2), (2, 3)], [])
+    with pytest.raises(StageSplitError, match="no layer scopes"):
+        split_stages(lambda s, bl: (s[0] ** 2).sum(), leaves, b, [(0, 1)], [])
+
+
+# ---- end to end: pipelines equal single-device training ---------------------------------
+
+def test_two_stages_on_uneven_submeshes_3_plus_5():
+    plan = _plan("gpt-tiny", [Pipeline((
+        _stage(0, 2, (4, 5, 6), V, data=1, tensor=3),
+        _stage(2, 4, (0, 1, 2, 3, 7), H, data=1, tensor=5)), 8, 2, 4)])
+    step = _assert_matches_one_device("gpt-tiny", plan)
+    runner = next(iter(step._compiled.values()))[1]
+    # Residuals travel inside the returned vjp pytree: one compile per stage function
+    # (backward: the first micro-batch starts the accumulator), not one per micro-batch.
+    for run in (r for row in runner.runs for r in row):
+        assert (run.fwd._cache_size(), run.bwd._cache_size()) == (1, 2)
+    assert len({d for r in runner.runs[0] for d in r.mesh.devices.flat}) == 8
+
+
+def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():
+    plan = _plan("gpt-tiny", [Pipeline((
+        _stage(0, 1, (0,), H), _stage(1, 2, (2, 3), A, data=2),
+        Stage(2, 3, (4, 5), V, (("data", 2),), remat="full"),
+        Stage(3, 4, (6, 7), V, (("data", 2),), remat="selective")), 8, 2, 4)])
+    _assert_matches_one_device("gpt-tiny", plan)
+
+
+def test_gpipe_schedule_and_flash_attention_in_stages():
+    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),
+                                       8, 2, 2, schedule="gpipe")], attention="flash")
+    _assert_matches_one_device("gpt-tiny", plan, steps=2)
+
+
+def test_two_pipelines_with_shares_5_3_and_different_layer_splits():
+    fast = Pipeline((_stage(0, 1, (0,), H), _stage(1, 4, (1,), H)), 5, 1, 5)
+    slow = Pipeline((_stage(0, 3, (4, 5, 6), V, data=1, tensor=3), _stage(3, 4, (7,), V)),
+                    3, 1, 3)
+    step = _assert_matches_one_device("gpt-tiny", _plan("gpt-tiny", [fast, slow]))
+    runner = next(iter(step._compiled.values()))[1]
+    # The tied embedding is read by the first and the last stage of each pipeline; its
+    # gradient and update live with its owner, the first stage.
+    emb = runner.paths.index("0/embed/embedding")
+    assert [o[emb] for o in runner.owner] == [0, 0]
+
+
+def test_congruent_pipelines_sum_gradients_with_a_shard_map_collective(monkeypatch):
+    calls = []
+    import hetshard.runtime.pipeline as rt
+
+    def spy(copies):
+        calls.append(len(copies[0]))
+        return sum_across_collective(copies)
+    monkeypatch.setattr(rt, "sum_across_collective", spy)
+    a = Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (2,), A)), 4, 2, 2)
+    b = Pipeline((_stage(0, 2, (4,), V), _stage(2, 4, (5,), V)), 4, 2, 2)
+    _assert_matches_one_device("gpt-tiny", _plan("gpt-tiny", [a, b]), steps=2)
+    assert calls and sum(calls) > 0
+
+
+def test_mllm_with_the_vision_encoder_on_its_own_stage():
+    vision = _stage(0, 5, (4, 5, 6, 7), V, data=2, tensor=2)  # ViT + projector
+    text = _stage(5, 9, (0, 1), H, data=2)
+    plan = _plan("llava-tiny", [Pipeline((vision, text), 8, 2, 2)], seq=64)
+    step = _assert_matches_one_device("llava-tiny", plan, loss_fn=mllm_loss, steps=2, seq=64)
+    runner = next(iter(step._compiled.values()))[1]
+    first = runner.splits[0].stages[0]
+    assert {runner.paths[i].split("/")[1] for i in first.params} == {"vision", "projector"}
+
+
+def test_collectives_sum_copies_on_other_submeshes():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    d = jax.devices()
+    m1, m2 = Mesh(np.array(d[:2]), ("data",)), Mesh(np.array(d[2:4]), ("data",))
+    m3 = Mesh(np.array(d[4:7]), ("data",))
+    x = np.arange(8.0).reshape(4, 2)
+    a = [jax.device_put(x, NamedSharding(m1, P("data")))]
+    b = [jax.device_put(10 * x, NamedSharding(m2, P("data")))]
+    c = [jax.device_put(100 * x, NamedSharding(m3, P()))]
+    assert congruent([a[0].sharding, b[0].sharding])
+    assert not congruent([a[0].sharding, c[0].sharding])
+    out = sum_across_collective([a, b])
+    for got, src in zip(out, (a, b), strict=True):
+        np.testing.assert_array_equal(got[0], 11 * x)
+        assert got[0].sharding == src[0].sharding
+    out = sum_across([a, b, c])
+    for got, src in zip(out, (a, b, c), strict=True):
+        np.testing.assert_array_equal(got[0], 111 * x)
+        assert got[0].sharding == src[0].sharding
+
+
+# ---- what cannot run gets a clear error -------------------------------------------------
+
+def test_optimizer_coupling_stages_is_refused_with_the_fix():
+    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
+                                       8, 4, 2)])
+    batches = _batches("gpt-tiny")
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(PipelineSetupError, match="global-norm clip"):
+        _train("gpt-tiny", lm_loss, batches, 1, tx, plan)
+
+
+def test_loss_arguments_computed_in_the_step_are_refused():
+    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
+                                       8, 4, 2)])
+    model = models.build("gpt-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=CLUSTER, plan=plan)
+    def step(model, optimizer, batch):
+        shifted = {"tokens": batch["tokens"] + 1, "targets": batch["targets"]}
+        loss, grads = hetshard.value_and_grad(lm_loss)(model, shifted)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(PipelineSetupError, match="computed inside the step"):
+        step(model, opt, _batches("gpt-tiny")[0])
+
+
+def test_pipeline_plan_needs_hetshard_value_and_grad():
+    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
+                                       8, 4, 2)])
+    model = models.build("gpt-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=CLUSTER, plan=plan)
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(hetshard.PlanNotExecutableError, match="hetshard.value_and_grad"):
+        step(model, opt, _batches("gpt-tiny")[0])
