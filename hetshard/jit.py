@@ -66,9 +66,14 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
             full.insert(argnums, nnx.merge(graphdef, params, rest))
             return fn(*full)
 
-        from hetshard.rewrite import swap_attention
-        return jax.value_and_grad(swap_attention(loss_of, impl), has_aux=has_aux)(params,
-                                                                                 *others)
+        spmd = getattr(_MARK, "spmd", None)
+        if spmd is not None:
+            from hetshard.rewrite.spmd import constrain_layers
+            rewritten = constrain_layers(loss_of, *spmd, attention=impl or "reference")
+        else:
+            from hetshard.rewrite import swap_attention
+            rewritten = swap_attention(loss_of, impl)
+        return jax.value_and_grad(rewritten, has_aux=has_aux)(params, *others)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -79,7 +84,8 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         if mode == "provide":
             return _MARK.provided
         impl = getattr(_MARK, "attention", None)
-        if impl in (None, "reference") or kwargs or not isinstance(argnums, int):
+        plain = impl in (None, "reference") and getattr(_MARK, "spmd", None) is None
+        if plain or kwargs or not isinstance(argnums, int):
             out = inner(*args, **kwargs)
         else:
             out = swapped(impl, args)
@@ -149,17 +155,20 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
                        planner_options)
 
 
-def _with_attention(fn, plan: Plan):
-    """``fn`` traced with the plan's attention choice, which ``value_and_grad`` applies to
-    the loss before differentiating (the rewrite must precede autodiff)."""
+def _with_attention(fn, plan: Plan, mesh=None):
+    """``fn`` traced with the plan's attention choice and, given the stage ``mesh`` of a
+    single-stage plan, its layer-boundary layouts (``hetshard.rewrite.spmd``), which
+    ``value_and_grad`` applies to the loss before differentiating (rewrites precede
+    autodiff)."""
     @functools.wraps(fn)
     def wrapped(*args):
-        previous = getattr(_MARK, "attention", None)
+        previous = getattr(_MARK, "attention", None), getattr(_MARK, "spmd", None)
         _MARK.attention = plan.attention
+        _MARK.spmd = None if mesh is None else (mesh, plan.pipelines[0].stages[0])
         try:
             return fn(*args)
         finally:
-            _MARK.attention = previous
+            _MARK.attention, _MARK.spmd = previous
     return wrapped
 
 
@@ -412,7 +421,7 @@ class HetshardJit:
                 new = nnx.state(tuple(objs))
                 return (out, jax.lax.with_sharding_constraint(new, s_shard),
                         jnp.asarray(bool(_MARK.used)))
-            jitted = jax.jit(_with_attention(pure, plan), in_shardings=(s_shard, b_shard))
+            jitted = jax.jit(_with_attention(pure, plan, mesh), in_shardings=(s_shard, b_shard))
             return ("nnx", jitted, s_shard, b_shard, idx)
         s_shard = tuple(state_shardings(a, plan, mesh) for a in others)
 

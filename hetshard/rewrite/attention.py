@@ -196,11 +196,12 @@ def _patterns_of(jaxpr):
     return {p["end"]: p for p in _softmax_patterns(jaxpr)}
 
 
-def eval_equations(jaxpr, env: dict, run, indices=None) -> None:
+def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
-    equations this way."""
+    equations this way. ``constrain`` (var -> Sharding) puts a sharding constraint on
+    those variables as they are computed (the SPMD rewrite's layer boundaries)."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
@@ -236,6 +237,8 @@ def eval_equations(jaxpr, env: dict, run, indices=None) -> None:
                     outs = [outs]
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
+                if constrain and var in constrain:
+                    val = jax.lax.with_sharding_constraint(val, constrain[var])
                 env[var] = val
 
 
