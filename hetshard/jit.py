@@ -230,6 +230,7 @@ class HetshardJit:
                 raise SpecError("batch", f"leading dimension {batch_size}",
                                 f"the pinned plan's global batch {self.pinned.global_batch} "
                                 f"(split {shares})", where="hetshard.jit")
+            self._check_pinned(args, batch)
             return self.pinned
         from hetshard.solver import make_plan
         options = self.options
@@ -252,6 +253,24 @@ class HetshardJit:
                          options=options)
         cache.store(key, plan)
         return plan
+
+    def _check_pinned(self, args, batch):
+        """A pinned plan made for another model or sequence length is an error."""
+        import models
+        plan = self.pinned
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        if tokens is not None and np.ndim(tokens) == 2 and np.shape(tokens)[1] != plan.seq_len:
+            raise SpecError("batch['tokens']", f"sequence length {np.shape(tokens)[1]}",
+                            f"the pinned plan's seq_len {plan.seq_len}", where="hetshard.jit")
+        try:
+            planned = models.resolve(plan.model)
+            config = self._model_config([a for a in args if _is_graph(a)])
+        except HetshardError:
+            return  # a plan for a model outside the zoo: nothing to compare
+        if planned != config:
+            raise SpecError("plan.model", plan.model,
+                            f"a plan made for the step's model {config.name!r}",
+                            where="hetshard.jit")
 
     # ---- execution -------------------------------------------------------------------
     def __call__(self, *args):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import warnings
 
@@ -229,3 +230,21 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
     rewritten = jax.jit(constrain_layers(loss, mesh, plan.pipelines[0].stages[0]))
     np.testing.assert_allclose(rewritten(state, batches[0]), jax.jit(loss)(state, batches[0]),
                                rtol=1e-6)
+
+
+def test_pinned_plan_for_another_model_or_sequence_is_refused():
+    plan = _plan("dp=8,tp=1,pp=1")
+    model = models.build(MODEL, rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step_fn(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    longer = data.text_batch(np.random.default_rng(0), 8, 32, 256)
+    with pytest.raises(hetshard.SpecError, match="seq_len 16"):
+        hetshard.jit(step_fn, cluster=CLUSTER, plan=plan)(model, opt, longer)
+    other = dataclasses.replace(plan, model="gpt-1.3b")
+    batch = data.text_batch(np.random.default_rng(0), 8, 16, 256)
+    with pytest.raises(hetshard.SpecError, match="plan.model"):
+        hetshard.jit(step_fn, cluster=CLUSTER, plan=other)(model, opt, batch)
