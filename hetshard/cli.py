@@ -302,7 +302,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="calibration.json")
     sp.add_argument("--quick", action="store_true", help="small shapes (tests)")
     sp.set_defaults(func=cmd_profile)
+
+    sp = sub.add_parser("launch", help="run a script as N local jax.distributed processes "
+                                       "with K fake CPU devices each")
+    sp.add_argument("--nprocs", type=int, required=True)
+    sp.add_argument("--devices-per-proc", type=int, default=1)
+    sp.add_argument("--cluster", default=None,
+                    help="cluster spec passed to the processes as $HETSHARD_CLUSTER")
+    sp.add_argument("command", nargs=argparse.REMAINDER,
+                    help="-- python train.py ... (the command every process runs)")
+    sp.set_defaults(func=cmd_launch)
     return p
+
+
+def cmd_launch(args) -> int:
+    from hetshard.distributed import launch
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.cluster:
+        from hetshard.cluster import Cluster
+        Cluster.load(args.cluster)  # a bad spec fails here, before any process starts
+    return launch(args.nprocs, args.devices_per_proc, command, cluster=args.cluster)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -295,6 +295,9 @@ class HetshardJit:
         if entry is None:
             call = self._record(others, batch, idx)
             plan = self._plan_for(others, batch, size, sig, call)
+            if jax.process_count() > 1:  # every process must run the same plan
+                from hetshard.distributed import agree
+                agree(plan.to_json(), "plan")
             if self._bound is None:
                 self._bound = self.cluster.bind()
             multi_stage = any(len(p.stages) != 1 for p in plan.pipelines)

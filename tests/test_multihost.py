@@ -1,0 +1,89 @@
+"""2 processes x 4 fake CPU devices under ``hetshard launch`` (jax.distributed + gloo)."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetshard.distributed import DistributedError, launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "multihost", "worker.py")
+
+
+def _launch(mode, timeout="20"):
+    out = io.StringIO()
+    env = dict(os.environ, HETSHARD_TIMEOUT_S=timeout)
+    old = os.environ.copy()
+    os.environ.update(env)
+    try:
+        t0 = time.monotonic()
+        rc = launch(2, 4, [sys.executable, WORKER, mode], out=out, grace_s=60)
+        return rc, out.getvalue(), time.monotonic() - t0
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def _lines(text, tag):
+    return {line.split("]")[0] + "]": json.loads(line.split(tag, 1)[1])
+            for line in text.splitlines() if f"] {tag} " in line}
+
+
+@pytest.mark.slow
+def test_data_parallel_across_processes_matches_one_device():
+    rc, text, _ = _launch("dp")
+    assert rc == 0, text[-3000:]
+    losses, ref = _lines(text, "LOSSES"), _lines(text, "REF")
+    assert set(losses) == {"[0]", "[1]"}
+    for rank in losses:
+        assert losses[rank] == pytest.approx(ref[rank], rel=1e-5)
+    # Discovery: one group of CPU "GPUs", one node per process.
+    clusters = _lines(text, "CLUSTER")
+    assert clusters["[0]"] == clusters["[1]"] == [["cpu", 2, 4, [0, 1]]]
+
+
+def test_processes_that_disagree_get_an_error_on_every_process():
+    rc, text, _ = _launch("fingerprint")
+    assert rc == 0, text[-3000:]
+    mismatch = [line for line in text.splitlines() if "MISMATCH" in line]
+    assert {line[:3] for line in mismatch} == {"[0]", "[1]"}
+    assert all("disagree on the test value" in line for line in mismatch)
+
+
+def test_a_dead_process_stops_the_survivor_within_the_timeout():
+    rc, text, elapsed = _launch("die", timeout="5")
+    assert rc == 3  # the first failure's exit code
+    assert "process 1 exited with 3" in text
+    assert "unhealthy" in text and "[0]" in text  # the survivor names the missing task
+    assert elapsed < 5 + 30  # heartbeat timeout plus start-up, never a hang
+
+
+def test_launch_cli_prefixes_output_and_returns_the_first_failure():
+    cmd = [sys.executable, "-m", "hetshard", "launch", "--nprocs", "2", "--", sys.executable,
+           "-c", "import os,sys; r=int(os.environ['HETSHARD_PROCESS_ID']); print('hi', r); "
+           "sys.exit(5 if r == 1 else 0)"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 5
+    assert "[0] hi 0" in res.stdout and "[1] hi 1" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "hetshard", "launch", "--nprocs", "0", "--",
+                          "true"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nprocs=0" in bad.stderr
+
+
+def test_init_distributed_is_a_no_op_in_one_process_and_checks_its_environment(monkeypatch):
+    from hetshard import distributed as hd
+    for var in ("HETSHARD_COORDINATOR", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    assert hd.init_distributed() is False
+    monkeypatch.setenv("HETSHARD_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("HETSHARD_NUM_PROCESSES", "two")
+    with pytest.raises(DistributedError, match="HETSHARD_NUM_PROCESSES"):
+        hd.init_distributed()
+    monkeypatch.setenv("HETSHARD_TIMEOUT_S", "-3")
+    with pytest.raises(DistributedError, match="HETSHARD_TIMEOUT_S"):
+        hd.timeout_s()
