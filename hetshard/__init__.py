@@ -6,6 +6,7 @@ but not promised.
 
 from hetshard import nn
 from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group
+from hetshard.distributed import init_distributed
 from hetshard.errors import (
     DeviceBindingError,
     HetshardError,
@@ -33,6 +34,7 @@ __all__ = [
     "SpecParseError",
     "UnknownNameError",
     "__version__",
+    "init_distributed",
     "jit",
     "nn",
     "value_and_grad",
