@@ -40,9 +40,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hetshard.collectives import congruent, sum_across, sum_across_collective
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.dependencies import output_dependencies
-from hetshard.plan import Plan, Stage
+from hetshard.plan import Plan
 from hetshard.rewrite.pipeline import StageSplitError, split_stages
-from hetshard.runtime.spmd import leaf_spec, path_string
+from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
 from hetshard.sim.simulator import schedule_order
 
 
@@ -62,12 +62,6 @@ class LossCall:
     argnums: int
     has_aux: bool
     args: tuple
-
-
-def stage_mesh_of(stage: Stage, devices) -> Mesh:
-    shape = [n for _, n in stage.mesh_shape]
-    names = [a for a, _ in stage.mesh_shape]
-    return Mesh(np.array([devices[i] for i in stage.devices]).reshape(shape), names)
 
 
 def _batch_axes(mesh: Mesh) -> tuple:
@@ -133,7 +127,7 @@ class PipelineRunner:
         self.grad_index = self._param_leaves(state)
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
-        self.meshes = [[stage_mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
+        self.meshes = [[mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
         self.loss_out_avals = None
         self._ownership()
         self.runs = [[self._stage_run(pi, si) for si in range(len(p.stages))]

@@ -16,11 +16,16 @@ from hetshard.errors import SpecError
 from hetshard.plan import Plan
 
 
-def stage_mesh(plan: Plan, devices) -> Mesh:
-    (stage,) = plan.pipelines[0].stages
+def mesh_of(stage, devices) -> Mesh:
+    """The stage's devices (``devices[i]`` for each cluster id) as a Mesh of its shape."""
     shape = [n for _, n in stage.mesh_shape]
     names = [a for a, _ in stage.mesh_shape]
     return Mesh(np.array([devices[i] for i in stage.devices]).reshape(shape), names)
+
+
+def stage_mesh(plan: Plan, devices) -> Mesh:
+    (stage,) = plan.pipelines[0].stages
+    return mesh_of(stage, devices)
 
 
 def path_string(path) -> str:
