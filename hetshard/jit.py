@@ -36,8 +36,9 @@ _MARK = threading.local()
 NAN_POLICIES = ("skip", "apply", "raise")
 
 
-class PlanNotExecutableError(HetshardError, NotImplementedError):
-    """The plan needs the pipeline runtime, which this version does not have yet."""
+class PlanNotExecutableError(HetshardError, ValueError):
+    """The plan needs something the step does not provide: pipeline plans and several
+    pipelines need an NNX step that calls ``hetshard.value_and_grad``."""
 
 
 class NonFiniteLossError(HetshardError, FloatingPointError):
