@@ -7,7 +7,9 @@ Every plan kind runs:
 * several single-stage pipelines with uneven batch shares: each computes its share's
   value and gradients on its submesh, combined weighted by share, the update applied once;
 * pipelines of several stages (MPMD): ``hetshard.runtime.pipeline`` -- stage programs on
-  their own submeshes under 1F1B, per-stage optimizer updates.
+  their own submeshes under 1F1B, per-stage optimizer updates; in a multi-process job
+  (``jax.distributed``) several pipelines always take this route, each process running
+  the programs of the stages on its devices.
 
 Pipeline plans need the step to call ``hetshard.value_and_grad``; for a step that does
 not, the planner is restricted to single-stage plans (a warning says so once).
@@ -301,7 +303,10 @@ class HetshardJit:
                 agree(plan.to_json(), "plan")
             if self._bound is None:
                 self._bound = self.cluster.bind()
-            multi_stage = any(len(p.stages) != 1 for p in plan.pipelines)
+            # Across processes every multi-pipeline plan runs as MPMD: each process runs
+            # only its own pipelines' programs.
+            multi_stage = any(len(p.stages) != 1 for p in plan.pipelines) or (
+                jax.process_count() > 1 and len(plan.pipelines) > 1)
             if multi_stage and call is None:
                 raise PlanNotExecutableError(
                     f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "

@@ -46,6 +46,62 @@ def test_data_parallel_across_processes_matches_one_device():
     assert clusters["[0]"] == clusters["[1]"] == [["cpu", 2, 4, [0, 1]]]
 
 
+@pytest.fixture(scope="module")
+def pipelines_run():
+    """One launch runs every pipeline scenario of tests/multihost/worker.py."""
+    rc, text, _ = _launch("pipelines", timeout="60")
+    assert rc == 0, text[-4000:]
+    got = {}
+    for line in text.splitlines():
+        for tag in ("LOSSES", "REF"):
+            if f"] {tag} " in line:
+                rank = line.split("]")[0] + "]"
+                name, payload = line.split(f"{tag} ", 1)[1].split(" ", 1)
+                got[tag, name, rank] = json.loads(payload)
+    return got, text
+
+
+def _check_scenario(got, name):
+    want = got["REF", name, "[0]"]
+    for rank in ("[0]", "[1]"):
+        info = got["LOSSES", name, rank]
+        assert info["losses"] == pytest.approx(want, rel=1e-5), (name, rank)
+        # Each process compiled and ran only the stages on its own devices.
+        assert info["mine"] and info["own_compiled"] >= 1
+        assert info["foreign_compiled"] == 0
+        me = int(rank[1])
+        for pi, si in info["mine"]:
+            assert me in info["procs"][pi][si]
+    return got["LOSSES", name, "[0]"]["procs"]
+
+
+@pytest.mark.slow
+def test_two_stage_pipeline_with_one_stage_per_process(pipelines_run):
+    got, _ = pipelines_run
+    assert _check_scenario(got, "pp2") == [[[0], [1]]]
+
+
+@pytest.mark.slow
+def test_uneven_pipelines_5_3_in_different_processes(pipelines_run):
+    got, _ = pipelines_run
+    assert _check_scenario(got, "pipes") == [[[0], [0]], [[1], [1]]]
+    # Congruent single-stage pipelines: the gradient psum spans the two processes.
+    assert _check_scenario(got, "pipes_eq") == [[[0]], [[1]]]
+
+
+@pytest.mark.slow
+def test_mllm_vision_encoder_in_the_other_process_on_a_spec_pinned_binding(pipelines_run):
+    got, text = pipelines_run
+    # The spec pins its "h100" group (ids 0-3) to process 1 and "v100" (4-7) to process 0.
+    assert _lines(text, "BOUND") == {"[0]": [1, 1, 1, 1, 0, 0, 0, 0],
+                                     "[1]": [1, 1, 1, 1, 0, 0, 0, 0]}
+    # Vision encoder (stage 0) on process 0, the language model and loss on process 1.
+    assert _check_scenario(got, "mllm") == [[[0], [1]]]
+    errors = [line for line in text.splitlines() if "] BINDERR " in line]
+    assert len(errors) == 2
+    assert all("pinned to process 0, which has 0 free devices" in e for e in errors)
+
+
 def test_processes_that_disagree_get_an_error_on_every_process():
     rc, text, _ = _launch("fingerprint")
     assert rc == 0, text[-3000:]

@@ -191,9 +191,9 @@ def test_congruent_pipelines_sum_gradients_with_a_shard_map_collective(monkeypat
     calls = []
     import hetshard.runtime.pipeline as rt
 
-    def spy(copies):
+    def spy(copies, *layouts):
         calls.append(len(copies[0]))
-        return sum_across_collective(copies)
+        return sum_across_collective(copies, *layouts)
     monkeypatch.setattr(rt, "sum_across_collective", spy)
     a = Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (2,), A)), 4, 2, 2)
     b = Pipeline((_stage(0, 2, (4,), V), _stage(2, 4, (5,), V)), 4, 2, 2)

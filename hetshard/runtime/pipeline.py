@@ -37,7 +37,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetshard.collectives import congruent, sum_across, sum_across_collective
+from hetshard.collectives import (
+    congruent,
+    empty,
+    here,
+    sum_across,
+    sum_across_collective,
+    takes_part,
+    transfer,
+)
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
@@ -103,6 +111,7 @@ class _StageRun:
     owned: list[int]  # state leaves it updates
     local: list[int]  # state leaves it holds: owned + shared + read copies
     shardings: dict  # state leaf -> NamedSharding on this mesh
+    here: bool = True  # this process holds a device of the mesh (runs its tasks)
     fwd: Callable = None
     bwd: Callable = None
     apply: Callable = None
@@ -132,6 +141,14 @@ class PipelineRunner:
         self._ownership()
         self.runs = [[self._stage_run(pi, si) for si in range(len(p.stages))]
                      for pi, p in enumerate(plan.pipelines)]
+        if not any(r.here for row in self.runs for r in row):
+            raise PipelineSetupError(
+                f"process {jax.process_index()} holds no device of the plan's stages; in a "
+                f"multi-process job every process must run at least one stage (plan for "
+                f"Cluster.from_jax_devices() or bind the spec's groups to every process)")
+        # The stage computing the loss, per pipeline (the outputs' home).
+        self.loss_stage = [max(st.index for st in split.stages if st.outputs)
+                           for split in self.splits]
         self.views = None  # per (pipeline, stage): leaf -> array
         self.published: list | None = None
 
@@ -310,7 +327,8 @@ class PipelineRunner:
         shardings = {i: NamedSharding(mesh, leaf_spec(self.paths[i],
                                                       self.state_avals[i].shape, specs, mesh))
                      for i in local}
-        run = _StageRun(program, mesh, stage.remat, owned, local, shardings)
+        run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
+                        here=here(NamedSharding(mesh, PartitionSpec())))
         run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.apply = jax.jit(self._stage_apply(run, pi))
@@ -342,13 +360,38 @@ class PipelineRunner:
     def _distribute(self, leaves):
         self.views = []
         for stages in self.runs:
-            row = []
-            for run in stages:
-                row.append({i: jax.device_put(leaves[i], run.shardings[i]) for i in run.local})
-            self.views.append(row)
+            self.views.append([
+                {i: jax.device_put(leaves[i], run.shardings[i]) for i in run.local}
+                if run.here else None for run in stages])
+
+    def _publish(self, views) -> list:
+        """Per state leaf, the array this process hands back to the caller: the owning
+        stage's copy from the first pipeline that runs it here, else a copy another
+        stage here holds (kept equal to the owner's), else a view without local data of
+        the owner's copy in another process."""
+        published = []
+        for i, aval in enumerate(self.state_avals):
+            found = None
+            for pi, stages in enumerate(self.runs):
+                o = self.owner[pi].get(i)
+                if o is not None and stages[o].here:
+                    found = views[pi][o][i]
+                    break
+            if found is None:
+                found = next((views[pi][si][i] for pi, stages in enumerate(self.runs)
+                              for si, run in enumerate(stages)
+                              if run.here and i in run.local), None)
+            if found is None:
+                o = self.owner[0].get(i, 0)
+                found = empty(aval, self.runs[0][o].shardings[i])
+            published.append(found)
+        return published
 
     # ---- one step --------------------------------------------------------------------
     def step(self, state, batch, check_loss) -> object:
+        """One step on every process (each runs the tasks of its own stages and joins
+        the transfers that touch them); returns (the step's output, the new state or
+        None when ``check_loss`` refused the update)."""
         leaves = jax.tree.leaves(state)
         if self.published is None or len(leaves) != len(self.published) or any(
                 a is not b for a, b in zip(leaves, self.published, strict=True)):
@@ -367,8 +410,11 @@ class PipelineRunner:
         for pi, stages in enumerate(self.runs):
             row = []
             for si, run in enumerate(stages):
+                lv = self._loss_to(loss, run.mesh)
+                if not run.here:
+                    row.append(None)
+                    continue
                 view = self.views[pi][si]
-                lv = jax.device_put(loss, NamedSharding(run.mesh, PartitionSpec()))
                 o, owned, shared = run.apply([view[i] for i in run.owned],
                                              [view[i] for i in self.shared],
                                              [grads[pi][si][i] for i in run.owned_params], lv)
@@ -384,20 +430,28 @@ class PipelineRunner:
         # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
         for pi, stages in enumerate(self.runs):
             for si, run in enumerate(stages):
+                moves: dict[int, list[int]] = {}
                 for i in run.local:
                     o = self.owner[pi].get(i)
                     if o is not None and o != si:
-                        new_views[pi][si][i] = jax.device_put(new_views[pi][o][i],
-                                                              run.shardings[i])
+                        moves.setdefault(o, []).append(i)
+                for o, idx in moves.items():
+                    home = stages[o]
+                    srcs = [home.shardings[i] for i in idx]
+                    dsts = [run.shardings[i] for i in idx]
+                    if not takes_part(srcs[0], dsts[0]):
+                        continue
+                    got = transfer([new_views[pi][o][i] for i in idx] if home.here else None,
+                                   [self.state_avals[i] for i in idx], srcs, dsts)
+                    if got is not None:
+                        new_views[pi][si].update(zip(idx, got, strict=True))
         self.views = new_views
-        published = []
-        for i in range(len(self.state_avals)):
-            o = self.owner[0].get(i, 0)
-            published.append(new_views[0][o][i])
-        self.published = published
-        return out, jax.tree.unflatten(self.state_tree, published)
+        self.published = self._publish(new_views)
+        return out, jax.tree.unflatten(self.state_tree, self.published)
 
     def _run_pipeline(self, pi, pipeline, batch_leaves, start):
+        """Every process walks the same schedule; it runs its own stages' tasks and joins
+        the transfers into or out of them."""
         runs = self.runs[pi]
         n, m = len(runs), pipeline.num_micro_batches
         mbs = _samples_per_micro_batch(pipeline)
@@ -415,13 +469,32 @@ class PipelineRunner:
         ptr = [0] * n
         done: set = set()
 
-        def ready(s, kind, mb):
-            if kind == "F":
-                return all(("F", j, mb) in done for j in range(s))
-            return ("F", s, mb) in done and all(("B", j, mb) in done for j in range(s + 1, n))
+        def act(v, mesh):
+            return activation_sharding(v.aval.shape, mesh, mbs)
+
+        def move(variables, src, dst, have):
+            """Moves activations (or cotangents) of ``variables`` from stage ``src`` to
+            stage ``dst``; ``have`` gives the source values (read only where src runs)."""
+            a, b = runs[src], runs[dst]
+            srcs = [act(v, a.mesh) for v in variables]
+            dsts = [act(v, b.mesh) for v in variables]
+            if not variables or not takes_part(srcs[0], dsts[0]):
+                return None
+            return transfer(have() if a.here else None,
+                            [v.aval for v in variables], srcs, dsts)
 
         def forward(s, mb):
             run, st = runs[s], runs[s].program
+            by_producer: dict[int, list] = {}
+            for v in st.recvs:
+                by_producer.setdefault(producer[v], []).append(v)
+            recvd = {}
+            for p, vs in by_producer.items():
+                got = move(vs, p, s, lambda vs=vs: [values[mb][v] for v in vs])
+                if got is not None:
+                    recvd.update(zip(vs, got, strict=True))
+            if not run.here:
+                return
             lo = start + mb * mbs
             view = self.views[pi][s]
             batch = [jax.device_put(np.asarray(batch_leaves[i][lo:lo + mbs])
@@ -429,15 +502,12 @@ class PipelineRunner:
                                     else batch_leaves[i][lo:lo + mbs],
                                     activation_sharding((mbs,), run.mesh, mbs))
                      for i in st.batch]
-            recvs = [jax.device_put(values[mb][v],
-                                    activation_sharding(v.aval.shape, run.mesh, mbs))
-                     for v in st.recvs]
             fo, oo, vjp = run.fwd([view[i] for i in st.params],
-                                  [view[i] for i in st.frozen], batch, recvs)
+                                  [view[i] for i in st.frozen], batch,
+                                  [recvd[v] for v in st.recvs])
             vjps[s, mb] = vjp
-            d_out = st.diff_sends
             outs = [None] * len(st.sends)
-            for j, x in zip(d_out, fo, strict=True):
+            for j, x in zip(st.diff_sends, fo, strict=True):
                 outs[j] = x
             rest = iter(oo)
             for j in range(len(st.sends)):
@@ -451,17 +521,23 @@ class PipelineRunner:
 
         def backward(s, mb):
             run, st = runs[s], runs[s].program
-            incoming = []
-            for j in st.diff_sends:
-                parts = cts[mb].pop(st.sends[j], [])
-                incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-            seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
-            acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
-            for i, c in zip(st.diff_recvs, rc, strict=True):
-                v = st.recvs[i]
-                home = self.runs[pi][producer[v]].mesh
-                cts[mb].setdefault(v, []).append(
-                    jax.device_put(c, activation_sharding(v.aval.shape, home, mbs)))
+            rc = None
+            if run.here:
+                incoming = []
+                for j in st.diff_sends:
+                    parts = cts[mb].pop(st.sends[j], [])
+                    incoming.append(functools.reduce(jnp.add, parts) if parts else None)
+                seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
+                acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
+                rc = dict(zip((st.recvs[i] for i in st.diff_recvs), rc, strict=True))
+            by_producer: dict[int, list] = {}
+            for i in st.diff_recvs:
+                by_producer.setdefault(producer[st.recvs[i]], []).append(st.recvs[i])
+            for p, vs in by_producer.items():
+                got = move(vs, s, p, lambda vs=vs: [rc[v] for v in vs])
+                if got is not None:
+                    for v, c in zip(vs, got, strict=True):
+                        cts[mb].setdefault(v, []).append(c)
 
         remaining = sum(len(o) for o in orders)
         while remaining:
@@ -469,7 +545,7 @@ class PipelineRunner:
             for s in range(n):
                 while ptr[s] < len(orders[s]):
                     kind, mb = orders[s][ptr[s]]
-                    if not ready(s, kind, mb):
+                    if not ready(s, kind, mb, done, n):
                         break
                     (forward if kind == "F" else backward)(s, mb)
                     done.add((kind, s, mb))
@@ -479,15 +555,37 @@ class PipelineRunner:
             if not progressed:  # a schedule bug, never user input
                 raise RuntimeError(f"pipeline {pi}: schedule deadlock at {ptr}")
         # Tied parameters: gradients of read copies go to the owning stage.
-        grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) for s in range(n)]
+        grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here
+                 else dict.fromkeys(runs[s].program.params) for s in range(n)]
         owner = self.owner[pi]
         for s in range(n):
-            for i in list(grads[s]):
+            for i in list(runs[s].program.params):
                 o = owner.get(i, s)
-                if o != s:
-                    moved = jax.device_put(grads[s].pop(i), runs[o].shardings[i])
-                    grads[o][i] = _add(grads[o][i], moved) if i in grads[o] else moved
-        return grads, [loss_acc[k] for k in sorted(loss_acc)]
+                if o == s:
+                    continue
+                g = grads[s].pop(i)
+                src, dst = runs[s].shardings[i], runs[o].shardings[i]
+                moved = (transfer([g] if runs[s].here else None, [self.state_avals[i]],
+                                  [src], [dst]) if takes_part(src, dst) else None)
+                if runs[o].here:
+                    held = grads[o].get(i)
+                    grads[o][i] = moved[0] if held is None else _add(held, moved[0])
+                else:
+                    grads[o].setdefault(i, None)
+        outputs = [loss_acc.get(k) for k in range(len(self.loss_out_avals))]
+        home = NamedSharding(runs[self.loss_stage[pi]].mesh, PartitionSpec())
+        for st in self.splits[pi].stages:  # outputs computed before the loss stage
+            if st.index == self.loss_stage[pi] or not st.outputs:
+                continue
+            pos = sorted(st.outputs.values())
+            src = NamedSharding(runs[st.index].mesh, PartitionSpec())
+            if takes_part(src, home):
+                got = transfer([outputs[k] for k in pos] if here(src) else None,
+                               [self.loss_out_avals[k] for k in pos],
+                               [src] * len(pos), [home] * len(pos))
+                for k, x in zip(pos, got or [None] * len(pos), strict=True):
+                    outputs[k] = x
+        return grads, outputs
 
     def _sync(self, grads):
         """Sums each parameter's gradient over the pipelines (module docstring, 3)."""
@@ -499,26 +597,59 @@ class PipelineRunner:
             if all(i in grads[pi][s] for pi, s in enumerate(holders)):
                 groups.setdefault(holders, []).append(i)
         for holders, leaves in groups.items():
-            copies = [[grads[pi][s][i] for i in leaves] for pi, s in enumerate(holders)]
-            fast = [j for j in range(len(leaves))
-                    if congruent([c[j].sharding for c in copies])]
+            runs = [self.runs[pi][s] for pi, s in enumerate(holders)]
+            if not any(r.here for r in runs):
+                continue
+            copies = [[grads[pi][s][i] for i in leaves] if runs[pi].here else None
+                      for pi, s in enumerate(holders)]
+            layouts = [[r.shardings[i] for i in leaves] for r in runs]
+            avals = [self.state_avals[i] for i in leaves]
+            fast = [j for j in range(len(leaves)) if congruent([lay[j] for lay in layouts])]
             slow = [j for j in range(len(leaves)) if j not in set(fast)]
             for idx, fn in ((fast, sum_across_collective), (slow, sum_across)):
                 if not idx:
                     continue
-                summed = fn([[c[j] for j in idx] for c in copies])
+                summed = fn([None if c is None else [c[j] for j in idx] for c in copies],
+                            [[lay[j] for j in idx] for lay in layouts], [avals[j] for j in idx])
                 for pi, s in enumerate(holders):
-                    for j, x in zip(idx, summed[pi], strict=True):
-                        grads[pi][s][leaves[j]] = x
+                    if summed[pi] is not None:
+                        for j, x in zip(idx, summed[pi], strict=True):
+                            grads[pi][s][leaves[j]] = x
         return grads
 
+    def _loss_home(self, pi: int) -> NamedSharding:
+        return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
+
     def _combine_losses(self, losses):
-        home = losses[0][0].sharding
-        total = list(losses[0])
-        for other in losses[1:]:
-            total = [_add(a, jax.device_put(b, home)) for a, b in zip(total, other,
-                                                                     strict=True)]
+        """The loss outputs summed over pipelines, on pipeline 0's loss stage (None in a
+        process without it)."""
+        avals, home = self.loss_out_avals, self._loss_home(0)
+        total = list(losses[0]) if here(home) else None
+        for pi in range(1, len(losses)):
+            src = self._loss_home(pi)
+            if not takes_part(src, home):
+                continue
+            moved = transfer(list(losses[pi]) if here(src) else None, avals,
+                             [src] * len(avals), [home] * len(avals))
+            if total is not None:
+                total = [_add(a, b) for a, b in zip(total, moved, strict=True)]
         return total
+
+    def _loss_to(self, loss, mesh):
+        """The combined loss replicated on ``mesh`` (None where this process lacks it)."""
+        home, dst = self._loss_home(0), NamedSharding(mesh, PartitionSpec())
+        if not takes_part(home, dst):
+            return None
+        k = len(self.loss_out_avals)
+        return transfer(loss, self.loss_out_avals, [home] * k, [dst] * k)
+
+
+def ready(s, kind, mb, done, n) -> bool:
+    """Whether task (kind, s, mb) may run: its forward inputs or backward cotangents are
+    done (the same answer in every process: it reads the global schedule only)."""
+    if kind == "F":
+        return all(("F", j, mb) in done for j in range(s))
+    return ("F", s, mb) in done and all(("B", j, mb) in done for j in range(s + 1, n))
 
 
 def _samples_per_micro_batch(pipeline) -> int:

@@ -1,7 +1,8 @@
 """A multi-process check run by tests/test_multihost.py under ``hetshard launch``.
 
-Usage: python worker.py MODE  (MODE: dp | fingerprint | die)
-Prints ``LOSSES <json>`` and ``REF <json>`` lines that the test compares.
+Usage: python worker.py MODE  (MODE: dp | pipelines | fingerprint | die)
+Prints ``LOSSES <json>`` and ``REF <json>`` lines that the test compares (``pipelines``:
+``LOSSES <scenario> <json>`` per scenario, ``REF`` lines from process 0 only).
 """
 
 import json
@@ -13,6 +14,7 @@ import hetshard.distributed as hd
 hd.init_distributed()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -20,6 +22,8 @@ from flax import nnx  # noqa: E402
 import hetshard  # noqa: E402
 import models  # noqa: E402
 from hetshard.cost.profile import profile_model  # noqa: E402
+from hetshard.errors import DeviceBindingError  # noqa: E402
+from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
 from models import data  # noqa: E402
 
@@ -29,6 +33,110 @@ MODEL = "gpt-tiny"
 def loss_fn(model, batch):
     logits = model(batch["tokens"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def mllm_loss(model, batch):
+    logits = model(batch["tokens"], batch["images"], batch["image_index"],
+                   positions_bs=batch["positions"], segment_ids_bs=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    per_row = (ce * batch["loss_mask"]).sum(-1) / jnp.maximum(batch["loss_mask"].sum(-1), 1)
+    return per_row.mean()
+
+
+# Groups pinned to processes in reverse order: spec ids 0-3 (the "H100s") are process 1's
+# devices, ids 4-7 (the "V100s") process 0's.
+SPLIT_SPEC = {"name": "two-hosts", "inter_group_gbs": 25.0, "groups": [
+    {"name": "h100", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4, "processes": [1]},
+    {"name": "v100", "gpu": "V100-32GB", "nodes": 1, "gpus_per_node": 4, "processes": [0]}]}
+
+
+def _stage(start, end, devices, gpu="cpu", **axes):
+    shape = tuple(axes.items()) or (("data", len(devices)),)
+    return Stage(start, end, tuple(devices), gpu, shape)
+
+
+def _train(name, loss, cluster, plan, batches, steps):
+    model = models.build(name, rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    if plan is None:
+        @nnx.jit
+        def step(model, optimizer, batch):
+            loss_value, grads = nnx.value_and_grad(loss)(model, batch)
+            optimizer.update(model, grads)
+            return loss_value
+        with jax.default_device(jax.local_devices()[0]):
+            return [float(step(model, opt, batches[i % 2])) for i in range(steps)], None
+
+    @hetshard.jit(cluster=cluster, plan=plan)
+    def step(model, optimizer, batch):
+        loss_value, grads = hetshard.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss_value
+    losses = [float(step(model, opt, batches[i % 2])) for i in range(steps)]
+    runner = next(iter(step._compiled.values()))[1]
+    return losses, runner
+
+
+def pipelines() -> None:
+    """Pipelines spread over the two processes; each scenario's losses vs one device."""
+    rank = jax.process_index()
+    local = hetshard.Cluster.from_jax_devices()
+    rng = np.random.default_rng(0)
+    text = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    cpu = local.groups[0].gpu.name
+    scenarios = {
+        # One stage per process; different layouts (2x2 tensor-split vs 4-way data), so
+        # activations take the gathered route; the tied embedding's gradient and copy
+        # cross processes too.
+        "pp2": (MODEL, loss_fn, local, [Pipeline((
+            _stage(0, 2, (0, 1, 2, 3), cpu, data=2, tensor=2),
+            _stage(2, 4, (4, 5, 6, 7), cpu, data=4)), 8, 1, 4)], text, 16),
+        # Two pipelines with shares 5:3 and different layer splits, one per process:
+        # gradients summed across processes through transfers.
+        "pipes": (MODEL, loss_fn, local, [
+            Pipeline((_stage(0, 1, (0,), cpu), _stage(1, 4, (1, 2, 3), cpu, data=1, tensor=3)),
+                     5, 1, 5),
+            Pipeline((_stage(0, 3, (4, 5, 6), cpu, data=1, tensor=3), _stage(3, 4, (7,), cpu)),
+                     3, 1, 3)], text, 16),
+        # Two congruent single-stage pipelines, one per process: one psum across them.
+        "pipes_eq": (MODEL, loss_fn, local, [
+            Pipeline((_stage(0, 4, (0, 1, 2, 3), cpu),), 4, 1, 1),
+            Pipeline((_stage(0, 4, (4, 5, 6, 7), cpu),), 4, 1, 1)], text, 16),
+    }
+    config = models.resolve("llava-tiny")
+    mllm = [data.mllm_batch(rng, 8, config, seq_len=64) for _ in range(2)]
+    split = hetshard.Cluster.load(SPLIT_SPEC)
+    # ViT + projector on the "V100s" (process 0), the language model on the "H100s"
+    # (process 1); same 2x2 layouts, so activations go shard to shard.
+    scenarios["mllm"] = ("llava-tiny", mllm_loss, split, [Pipeline((
+        _stage(0, 5, (4, 5, 6, 7), "V100-32GB", data=2, tensor=2),
+        _stage(5, 9, (0, 1, 2, 3), "H100-80GB", data=2, tensor=2)), 8, 2, 2)], mllm, 64)
+    bound = split.bind()
+    print("BOUND", json.dumps([d.process_index for d in bound.devices]), flush=True)
+    # Both groups pinned to process 0, which has 4 devices, not 8: a clear error.
+    bad = dict(SPLIT_SPEC, groups=[dict(g, processes=[0]) for g in SPLIT_SPEC["groups"]])
+    try:
+        hetshard.Cluster.load(bad).bind()
+    except DeviceBindingError as e:
+        print("BINDERR", str(e), flush=True)
+    for name, (model_name, loss, cluster, pipes, batches, seq) in scenarios.items():
+        plan = Plan(model_name, cluster.to_dict(), 8, seq, tuple(pipes))
+        losses, runner = _train(model_name, loss, cluster, plan, batches, 3)
+        runs = [r for row in runner.runs for r in row]
+        info = {"losses": losses,
+                # (pipeline, stage) pairs this process runs, and the processes of each
+                "mine": [[pi, si] for pi, row in enumerate(runner.runs)
+                         for si, r in enumerate(row) if r.here],
+                "procs": [[sorted({d.process_index for d in r.mesh.devices.flat})
+                           for r in row] for row in runner.runs],
+                # programs compiled here for stages on the other process's devices
+                "foreign_compiled": sum(r.fwd._cache_size() + r.bwd._cache_size() +
+                                        r.apply._cache_size() for r in runs if not r.here),
+                "own_compiled": sum(r.fwd._cache_size() for r in runs if r.here)}
+        print("LOSSES", name, json.dumps(info), flush=True)
+        if rank == 0:
+            want, _ = _train(model_name, loss, None, None, batches, 3)
+            print("REF", name, json.dumps(want), flush=True)
 
 
 def main(mode: str) -> int:
@@ -41,6 +149,9 @@ def main(mode: str) -> int:
         # The survivor blocks in a collective that process 1 never joins.
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("never completes")
+        return 0
+    if mode == "pipelines":
+        pipelines()
         return 0
     if mode == "fingerprint":
         hd.agree("same", "test value")

@@ -1,0 +1,239 @@
+"""Moving values between submeshes, within one process or across ``jax.distributed``
+processes.
+
+``transfer(xs, avals, srcs, dsts)`` moves arrays laid out by ``srcs`` (all on one source
+mesh) to the layouts ``dsts`` (all on one destination mesh). Every process that holds a
+device of either mesh calls it, in the same order as its peers (the runtime walks one
+global schedule in every process); a process without source devices passes ``None``
+for ``xs`` and one without destination devices gets ``None`` back.
+
+* Both meshes in this process: ``jax.device_put``.
+* Across processes, congruent layouts (same mesh shape, axis names and spec, as for
+  equal stages): the two meshes are stacked into one with a leading ``hop`` axis, the
+  value viewed as one half of a global array (the other half is a cached zero buffer on
+  the receiver) without copying, and moved by ``jax.lax.ppermute`` inside
+  ``jax.shard_map``: every device sends its own shard to its counterpart.
+* Across processes, other layouts: the value is gathered on the source mesh, sent from
+  the source mesh's first device to the destination's first device by the same
+  ``ppermute`` over a two-device mesh, and laid out on the destination (a local
+  ``device_put``, or a ``psum`` broadcast when the destination spans processes).
+
+Why collectives rather than JAX's cross-host ``device_put``
+(``jax_cross_host_transfer_socket_address``): on loopback both move 1 MiB in about
+1.4 ms (``experiments/multihost_bench.py``), but a cross-host ``device_put`` returns on
+the sender before the bytes leave, and a sender that then enters a collective with the
+receiver deadlocks (seen with a 16 MiB transfer followed by a ``ppermute``). With every
+cross-process move a collective, all of a step's cross-process traffic is one ordered
+sequence that each pair of processes issues identically.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+HOP = "hop"
+
+
+def processes(sharding: NamedSharding) -> frozenset[int]:
+    """Process indices holding a device of ``sharding``'s mesh."""
+    return frozenset(int(d.process_index) for d in sharding.mesh.devices.flat)
+
+
+def here(sharding: NamedSharding) -> bool:
+    """Whether this process holds a device of ``sharding``'s mesh."""
+    return jax.process_index() in processes(sharding)
+
+
+def takes_part(*shardings: NamedSharding) -> bool:
+    """Whether this process must join a transfer between these shardings."""
+    return any(here(s) for s in shardings)
+
+
+def empty(aval, sharding: NamedSharding) -> jax.Array:
+    """A global array of ``aval`` laid out by ``sharding`` with no data in this process
+    (the view other processes' values have here)."""
+    return jax.make_array_from_single_device_arrays(tuple(aval.shape), sharding, [],
+                                                     dtype=aval.dtype)
+
+
+def same_layout(a: NamedSharding, b: NamedSharding) -> bool:
+    """Congruent shardings on disjoint devices: one shard per device maps to one."""
+    if not (isinstance(a, NamedSharding) and isinstance(b, NamedSharding)):
+        return False
+    if set(a.mesh.devices.flat) & set(b.mesh.devices.flat):
+        return False
+    return (a.mesh.axis_names == b.mesh.axis_names and
+            a.mesh.devices.shape == b.mesh.devices.shape and a.spec == b.spec)
+
+
+def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[NamedSharding],
+             dsts: Sequence[NamedSharding]) -> list[jax.Array] | None:
+    """See the module docstring. ``avals[j]`` gives leaf j's shape and dtype (known to
+    every process, with or without the data)."""
+    if not srcs:
+        return []
+    me = jax.process_index()
+    src_procs, dst_procs = processes(srcs[0]), processes(dsts[0])
+    if me not in src_procs | dst_procs:
+        raise ValueError("transfer called by a process holding neither mesh")
+    if src_procs | dst_procs == {me}:
+        return jax.device_put(list(xs), list(dsts))
+    if me in src_procs:
+        xs = [x if x.sharding == s else jax.device_put(x, s)
+              for x, s in zip(xs, srcs, strict=True)]
+    out: list = [None] * len(srcs)
+    fast = [j for j in range(len(srcs)) if same_layout(srcs[j], dsts[j])]
+    slow = [j for j in range(len(srcs)) if j not in set(fast)]
+    for idx, move in ((fast, _hop_congruent), (slow, _hop_gathered)):
+        if not idx:
+            continue
+        moved = move(None if xs is None or me not in src_procs else [xs[j] for j in idx],
+                     [avals[j] for j in idx], [srcs[j] for j in idx], [dsts[j] for j in idx])
+        for j, y in zip(idx, moved, strict=True):
+            out[j] = y
+    return out if me in dst_procs else None
+
+
+# ---- congruent layouts: shard to shard ----------------------------------------------------
+
+@functools.cache
+def _shift(mesh: Mesh, specs: tuple):
+    in_specs = [PartitionSpec(HOP, *spec) for spec in specs]
+
+    def body(xs):
+        return [jax.lax.ppermute(x, HOP, [(0, 1)]) for x in xs]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs))
+
+
+@functools.cache
+def _expand(shardings: tuple):
+    out = [NamedSharding(s.mesh, PartitionSpec(None, *s.spec)) for s in shardings]
+    return jax.jit(lambda xs: [x[None] for x in xs], out_shardings=out)
+
+
+@functools.cache
+def _squeeze(shardings: tuple):
+    return jax.jit(lambda xs: [x[0] for x in xs], out_shardings=list(shardings))
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple, dtype, device) -> jax.Array:
+    return jax.device_put(np.zeros(shape, dtype), device)
+
+
+def _local(sharding: NamedSharding) -> list:
+    me = jax.process_index()
+    return [d for d in sharding.mesh.devices.flat if d.process_index == me]
+
+
+def _hop_congruent(xs, avals, srcs, dsts):
+    me = jax.process_index()
+    src_mesh, dst_mesh = srcs[0].mesh, dsts[0].mesh
+    big = Mesh(np.stack([src_mesh.devices, dst_mesh.devices]), (HOP, *src_mesh.axis_names))
+    stacked = []
+    sent = _expand(tuple(srcs))(list(xs)) if xs is not None else None
+    for j, (aval, s, d) in enumerate(zip(avals, srcs, dsts, strict=True)):
+        shards = [] if sent is None else [sh.data for sh in sent[j].addressable_shards]
+        if me in processes(d):
+            shape = (1, *d.shard_shape(tuple(aval.shape)))
+            shards += [_zeros(shape, np.dtype(aval.dtype), dev) for dev in _local(d)]
+        stacked.append(jax.make_array_from_single_device_arrays(
+            (2, *aval.shape), NamedSharding(big, PartitionSpec(HOP, *s.spec)), shards))
+    moved = _shift(big, tuple(tuple(s.spec) for s in srcs))(stacked)
+    if me not in processes(dsts[0]):
+        return [None] * len(srcs)
+    mine = set(_local(dsts[0]))
+    parts = [jax.make_array_from_single_device_arrays(
+        (1, *aval.shape), NamedSharding(dst_mesh, PartitionSpec(None, *d.spec)),
+        [sh.data for sh in m.addressable_shards if sh.device in mine])
+        for m, aval, d in zip(moved, avals, dsts, strict=True)]
+    return _squeeze(tuple(dsts))(parts)
+
+
+# ---- other layouts: through one device of each side --------------------------------------
+
+@functools.cache
+def _replicate(mesh: Mesh, n: int):
+    return jax.jit(lambda xs: list(xs), out_shardings=[NamedSharding(mesh, PartitionSpec())] * n)
+
+
+@functools.cache
+def _pair_shift(a, b, n: int):
+    mesh = Mesh(np.array([a, b]), (HOP,))
+    specs = [PartitionSpec(HOP)] * n
+
+    def body(xs):
+        return [jax.lax.ppermute(x, HOP, [(0, 1)]) for x in xs]
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs))
+
+
+@functools.cache
+def _broadcast(mesh: Mesh, n: int):
+    """Over a flat mesh of a destination's devices: slot 0 holds the value, the rest
+    zeros; the psum leaves every device with the value."""
+    specs = [PartitionSpec(HOP)] * n
+
+    def body(xs):
+        return [jax.lax.psum(x[0], HOP) for x in xs]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,),
+                                 out_specs=[PartitionSpec()] * n))
+
+
+@functools.cache
+def _relayout(shardings: tuple):
+    return jax.jit(lambda xs: list(xs), out_shardings=list(shardings))
+
+
+def _hop_gathered(xs, avals, srcs, dsts):
+    me = jax.process_index()
+    n = len(srcs)
+    first_src = srcs[0].mesh.devices.flat[0]
+    first_dst = dsts[0].mesh.devices.flat[0]
+    full = None
+    if xs is not None:
+        full = _replicate(srcs[0].mesh, n)(list(xs))
+        full = [next(sh.data for sh in f.addressable_shards if sh.device == first_src)
+                if first_src.process_index == me else None for f in full]
+    # The value on the destination's first device (None elsewhere).
+    at_dst = None
+    if first_src.process_index == first_dst.process_index == me:
+        at_dst = jax.device_put(full, first_dst)
+    elif me in (first_src.process_index, first_dst.process_index):
+        mesh, shift = _pair_shift(first_src, first_dst, n)
+        stacked = []
+        for j, aval in enumerate(avals):
+            shape = (1, *aval.shape)
+            shard = (full[j].reshape(shape) if me == first_src.process_index
+                     else _zeros(shape, np.dtype(aval.dtype), first_dst))
+            stacked.append(jax.make_array_from_single_device_arrays(
+                (2, *aval.shape), NamedSharding(mesh, PartitionSpec(HOP)), [shard]))
+        moved = shift(stacked)
+        if me == first_dst.process_index:
+            at_dst = [next(sh.data for sh in m.addressable_shards
+                           if sh.device == first_dst).reshape(aval.shape)
+                      for m, aval in zip(moved, avals, strict=True)]
+    if me not in processes(dsts[0]):
+        return [None] * n
+    dst_mesh = dsts[0].mesh
+    if processes(dsts[0]) == {me}:
+        return jax.device_put(at_dst, list(dsts))
+    flat = Mesh(dst_mesh.devices.reshape(-1), (HOP,))
+    stacked = []
+    for j, aval in enumerate(avals):
+        shape = (1, *aval.shape)
+        shards = [at_dst[j].reshape(shape) if dev == first_dst else
+                  _zeros(shape, np.dtype(aval.dtype), dev) for dev in _local(dsts[0])]
+        stacked.append(jax.make_array_from_single_device_arrays(
+            (flat.size, *aval.shape), NamedSharding(flat, PartitionSpec(HOP)), shards))
+    everywhere = _broadcast(flat, n)(stacked)
+    replicated = [jax.make_array_from_single_device_arrays(
+        tuple(aval.shape), NamedSharding(dst_mesh, PartitionSpec()),
+        [sh.data for sh in e.addressable_shards])
+        for e, aval in zip(everywhere, avals, strict=True)]
+    return _relayout(tuple(dsts))(replicated)
+
