@@ -82,6 +82,12 @@ def test_two_stage_pipeline_with_one_stage_per_process(pipelines_run):
 
 
 @pytest.mark.slow
+def test_pipeline_stage_whose_mesh_spans_both_processes(pipelines_run):
+    got, _ = pipelines_run
+    assert _check_scenario(got, "span") == [[[0], [0, 1], [1]]]
+
+
+@pytest.mark.slow
 def test_uneven_pipelines_5_3_in_different_processes(pipelines_run):
     got, _ = pipelines_run
     assert _check_scenario(got, "pipes") == [[[0], [0]], [[1], [1]]]

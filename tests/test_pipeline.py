@@ -233,6 +233,42 @@ def test_collectives_sum_copies_on_other_submeshes():
         assert got[0].sharding == src[0].sharding
 
 
+def test_stacked_copies_and_shard_to_shard_hop():
+    """The cross-process paths' building blocks, run within one process: congruent
+    copies concatenate into one array on the stacked mesh without copies; the hop moves
+    every shard to its counterpart; a scalar travels as shape (1,)."""
+    import sys
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    moves = sys.modules["hetshard.collectives.transfer"]
+    assert moves.stacked("hop", P("data", "tensor")) == P(("hop", "data"), "tensor")
+    assert moves.stacked("hop", P(None, "tensor")) == P("hop", "tensor")
+    assert moves.stacked("hop", P(("data", "fsdp"))) == P(("hop", "data", "fsdp"))
+    assert moves.stacked("hop", P()) == P("hop")
+    d = jax.devices()
+    a = Mesh(np.array(d[:4]).reshape(2, 2), ("data", "tensor"))
+    b = Mesh(np.array(d[4:]).reshape(2, 2), ("data", "tensor"))
+    x = np.arange(48.0).reshape(4, 12)
+    src, dst = NamedSharding(a, P("data", "tensor")), NamedSharding(b, P("data", "tensor"))
+    assert moves.same_layout(src, dst) and not moves.same_layout(src, src)
+    got = moves._hop_congruent([jax.device_put(x, src)], [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                               [src], [dst])[0]
+    np.testing.assert_array_equal(got, x)
+    assert got.sharding == dst
+    # Different layouts go through one device of each side (within one process the
+    # device-to-device leg is a device_put).
+    other = NamedSharding(Mesh(np.array(d[4:7]), ("tensor",)), P(None, "tensor"))
+    got = moves._hop_gathered([jax.device_put(x, src)], [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                              [src], [other])[0]
+    np.testing.assert_array_equal(got, x)
+    assert got.sharding == other
+    scalar = moves.transfer([jax.device_put(np.float32(3.5), NamedSharding(a, P()))],
+                            [jax.ShapeDtypeStruct((), np.float32)], [NamedSharding(a, P())],
+                            [NamedSharding(b, P())])[0]
+    assert scalar.shape == () and float(scalar) == 3.5
+
+
 # ---- what cannot run gets a clear error -------------------------------------------------
 
 def test_optimizer_coupling_stages_is_refused_with_the_fix():

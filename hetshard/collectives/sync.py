@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from hetshard.collectives.transfer import processes, same_layout, transfer
+from hetshard.collectives.transfer import processes, same_layout, stacked, transfer
 
 AXIS = "pipelines"
 
@@ -45,22 +45,11 @@ def congruent(shardings: Sequence[NamedSharding]) -> bool:
 
 @functools.cache
 def _psum(mesh: Mesh, specs: tuple):
-    in_specs = [PartitionSpec(AXIS, *spec) for spec in specs]
+    in_specs = [stacked(AXIS, spec) for spec in specs]
 
     def body(xs):
         return [jax.lax.psum(x, AXIS) for x in xs]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs))
-
-
-@functools.cache
-def _expand(shardings: tuple):
-    out = [NamedSharding(s.mesh, PartitionSpec(None, *s.spec)) for s in shardings]
-    return jax.jit(lambda xs: [x[None] for x in xs], out_shardings=out)
-
-
-@functools.cache
-def _squeeze(shardings: tuple):
-    return jax.jit(lambda xs: [x[0] for x in xs], out_shardings=list(shardings))
 
 
 def _layouts(copies, shardings, avals):
@@ -82,14 +71,22 @@ def sum_across_collective(copies: Sequence[Sequence[jax.Array] | None], sharding
     me = jax.process_index()
     meshes = [s[0].mesh for s in shardings]
     big = Mesh(np.stack([m.devices for m in meshes]), (AXIS, *meshes[0].axis_names))
-    expanded = [None if c is None else _expand(tuple(shardings[i]))(list(c))
-                for i, c in enumerate(copies)]
-    stacked = []
+    # Scalars are carried as shape (1,) so copies concatenate along dimension 0.
+    flat = []
+    for i, c in enumerate(copies):
+        if c is None:
+            flat.append(None)
+            continue
+        c = [x if x.sharding == s else jax.device_put(x, s)
+             for x, s in zip(c, shardings[i], strict=True)]
+        flat.append([x.reshape(1) if not len(avals[j].shape) else x for j, x in enumerate(c)])
+    together = []
     for j, s in enumerate(shardings[0]):
-        shards = [sh.data for e in expanded if e is not None for sh in e[j].addressable_shards]
-        stacked.append(jax.make_array_from_single_device_arrays(
-            (n, *avals[j].shape), NamedSharding(big, PartitionSpec(AXIS, *s.spec)), shards))
-    summed = _psum(big, tuple(tuple(s.spec) for s in shardings[0]))(stacked)
+        shape = tuple(avals[j].shape) or (1,)
+        shards = [sh.data for c in flat if c is not None for sh in c[j].addressable_shards]
+        together.append(jax.make_array_from_single_device_arrays(
+            (n * shape[0], *shape[1:]), NamedSharding(big, stacked(AXIS, s.spec)), shards))
+    summed = _psum(big, tuple(s.spec for s in shardings[0]))(together)
     out = []
     for i, m in enumerate(meshes):
         if me not in processes(shardings[i][0]):
@@ -98,10 +95,11 @@ def sum_across_collective(copies: Sequence[Sequence[jax.Array] | None], sharding
         mine = set(m.devices.flat)
         parts = []
         for j, s in enumerate(shardings[i]):
-            shards = [sh.data for sh in summed[j].addressable_shards if sh.device in mine]
-            parts.append(jax.make_array_from_single_device_arrays(
-                (1, *avals[j].shape), NamedSharding(m, PartitionSpec(None, *s.spec)), shards))
-        out.append(_squeeze(tuple(shardings[i]))(parts))
+            shape = tuple(avals[j].shape) or (1,)
+            part = jax.make_array_from_single_device_arrays(
+                shape, s, [sh.data for sh in summed[j].addressable_shards if sh.device in mine])
+            parts.append(part.reshape(()) if not len(avals[j].shape) else part)
+        out.append(parts)
     return out
 
 

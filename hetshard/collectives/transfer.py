@@ -9,22 +9,26 @@ for ``xs`` and one without destination devices gets ``None`` back.
 
 * Both meshes in this process: ``jax.device_put``.
 * Across processes, congruent layouts (same mesh shape, axis names and spec, as for
-  equal stages): the two meshes are stacked into one with a leading ``hop`` axis, the
-  value viewed as one half of a global array (the other half is a cached zero buffer on
-  the receiver) without copying, and moved by ``jax.lax.ppermute`` inside
-  ``jax.shard_map``: every device sends its own shard to its counterpart.
+  equal stages): the two meshes are stacked into one with a leading ``hop`` axis and
+  the value and a cached zero buffer on the receiver viewed as one global array,
+  concatenated along dimension 0 (``stacked``: every device's shard is the value's own
+  shard, nothing is copied to build it); ``jax.lax.ppermute`` inside ``jax.shard_map``
+  sends each shard to its counterpart.
 * Across processes, other layouts: the value is gathered on the source mesh, sent from
   the source mesh's first device to the destination's first device by the same
   ``ppermute`` over a two-device mesh, and laid out on the destination (a local
   ``device_put``, or a ``psum`` broadcast when the destination spans processes).
+* Scalars travel as shape ``(1,)``.
 
 Why collectives rather than JAX's cross-host ``device_put``
-(``jax_cross_host_transfer_socket_address``): on loopback both move 1 MiB in about
-1.4 ms (``experiments/multihost_bench.py``), but a cross-host ``device_put`` returns on
-the sender before the bytes leave, and a sender that then enters a collective with the
-receiver deadlocks (seen with a 16 MiB transfer followed by a ``ppermute``). With every
-cross-process move a collective, all of a step's cross-process traffic is one ordered
-sequence that each pair of processes issues identically.
+(``jax_cross_host_transfer_socket_address``), measured on loopback by
+``experiments/multihost_bench.py`` (4 devices to 4 devices): the collective moves 1 MiB
+in 1.3 ms and 16 MiB in 6.8 ms, the cross-host ``device_put`` in 1.3 ms and 12.2 ms;
+and a cross-host ``device_put`` returns on the sender before the bytes leave, so a
+sender that then enters a collective with the receiver can deadlock (seen: a 16 MiB
+transfer followed by a ``ppermute``). With every cross-process move a collective, a
+step's cross-process traffic is one ordered sequence that every pair of processes
+issues identically, and needs no extra sockets or ports.
 """
 
 from __future__ import annotations
@@ -71,6 +75,21 @@ def same_layout(a: NamedSharding, b: NamedSharding) -> bool:
             a.mesh.devices.shape == b.mesh.devices.shape and a.spec == b.spec)
 
 
+def stacked(axis: str, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with its first dimension also split over a new leading mesh ``axis``:
+    copies laid out by ``spec`` on congruent submeshes, concatenated along dimension 0,
+    form one array on the stacked mesh whose per-device shards are the copies' own
+    shards (no data moves to build it)."""
+    first = spec[0] if len(spec) else None
+    if first is None:
+        lead = axis
+    elif isinstance(first, tuple):
+        lead = (axis, *first)
+    else:
+        lead = (axis, first)
+    return PartitionSpec(lead, *spec[1:])
+
+
 def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[NamedSharding],
              dsts: Sequence[NamedSharding]) -> list[jax.Array] | None:
     """See the module docstring. ``avals[j]`` gives leaf j's shape and dtype (known to
@@ -83,9 +102,14 @@ def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[Nam
         raise ValueError("transfer called by a process holding neither mesh")
     if src_procs | dst_procs == {me}:
         return jax.device_put(list(xs), list(dsts))
+    scalars = [j for j, a in enumerate(avals) if not len(a.shape)]
+    if scalars:  # carried as shape (1,)
+        avals = [jax.ShapeDtypeStruct((1,), a.dtype) if j in scalars else a
+                 for j, a in enumerate(avals)]
     if me in src_procs:
         xs = [x if x.sharding == s else jax.device_put(x, s)
               for x, s in zip(xs, srcs, strict=True)]
+        xs = [x.reshape(1) if j in scalars else x for j, x in enumerate(xs)]
     out: list = [None] * len(srcs)
     fast = [j for j in range(len(srcs)) if same_layout(srcs[j], dsts[j])]
     slow = [j for j in range(len(srcs)) if j not in set(fast)]
@@ -96,29 +120,20 @@ def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[Nam
                      [avals[j] for j in idx], [srcs[j] for j in idx], [dsts[j] for j in idx])
         for j, y in zip(idx, moved, strict=True):
             out[j] = y
-    return out if me in dst_procs else None
+    if me not in dst_procs:
+        return None
+    return [y.reshape(()) if j in scalars else y for j, y in enumerate(out)]
 
 
 # ---- congruent layouts: shard to shard ----------------------------------------------------
 
 @functools.cache
 def _shift(mesh: Mesh, specs: tuple):
-    in_specs = [PartitionSpec(HOP, *spec) for spec in specs]
+    in_specs = [stacked(HOP, spec) for spec in specs]
 
     def body(xs):
         return [jax.lax.ppermute(x, HOP, [(0, 1)]) for x in xs]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=in_specs))
-
-
-@functools.cache
-def _expand(shardings: tuple):
-    out = [NamedSharding(s.mesh, PartitionSpec(None, *s.spec)) for s in shardings]
-    return jax.jit(lambda xs: [x[None] for x in xs], out_shardings=out)
-
-
-@functools.cache
-def _squeeze(shardings: tuple):
-    return jax.jit(lambda xs: [x[0] for x in xs], out_shardings=list(shardings))
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,28 +146,29 @@ def _local(sharding: NamedSharding) -> list:
     return [d for d in sharding.mesh.devices.flat if d.process_index == me]
 
 
+def _concatenated(aval, copies: int) -> tuple:
+    return (copies * aval.shape[0], *aval.shape[1:])
+
+
 def _hop_congruent(xs, avals, srcs, dsts):
     me = jax.process_index()
     src_mesh, dst_mesh = srcs[0].mesh, dsts[0].mesh
     big = Mesh(np.stack([src_mesh.devices, dst_mesh.devices]), (HOP, *src_mesh.axis_names))
-    stacked = []
-    sent = _expand(tuple(srcs))(list(xs)) if xs is not None else None
+    halves = []
     for j, (aval, s, d) in enumerate(zip(avals, srcs, dsts, strict=True)):
-        shards = [] if sent is None else [sh.data for sh in sent[j].addressable_shards]
+        shards = [] if xs is None else [sh.data for sh in xs[j].addressable_shards]
         if me in processes(d):
-            shape = (1, *d.shard_shape(tuple(aval.shape)))
+            shape = d.shard_shape(tuple(aval.shape))
             shards += [_zeros(shape, np.dtype(aval.dtype), dev) for dev in _local(d)]
-        stacked.append(jax.make_array_from_single_device_arrays(
-            (2, *aval.shape), NamedSharding(big, PartitionSpec(HOP, *s.spec)), shards))
-    moved = _shift(big, tuple(tuple(s.spec) for s in srcs))(stacked)
+        halves.append(jax.make_array_from_single_device_arrays(
+            _concatenated(aval, 2), NamedSharding(big, stacked(HOP, s.spec)), shards))
+    moved = _shift(big, tuple(s.spec for s in srcs))(halves)
     if me not in processes(dsts[0]):
         return [None] * len(srcs)
     mine = set(_local(dsts[0]))
-    parts = [jax.make_array_from_single_device_arrays(
-        (1, *aval.shape), NamedSharding(dst_mesh, PartitionSpec(None, *d.spec)),
-        [sh.data for sh in m.addressable_shards if sh.device in mine])
+    return [jax.make_array_from_single_device_arrays(
+        tuple(aval.shape), d, [sh.data for sh in m.addressable_shards if sh.device in mine])
         for m, aval, d in zip(moved, avals, dsts, strict=True)]
-    return _squeeze(tuple(dsts))(parts)
 
 
 # ---- other layouts: through one device of each side --------------------------------------
@@ -174,12 +190,12 @@ def _pair_shift(a, b, n: int):
 
 @functools.cache
 def _broadcast(mesh: Mesh, n: int):
-    """Over a flat mesh of a destination's devices: slot 0 holds the value, the rest
-    zeros; the psum leaves every device with the value."""
+    """Over a flat mesh of a destination's devices: the first device's block holds the
+    value, the others zeros; the psum leaves every device with the value."""
     specs = [PartitionSpec(HOP)] * n
 
     def body(xs):
-        return [jax.lax.psum(x[0], HOP) for x in xs]
+        return [jax.lax.psum(x, HOP) for x in xs]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,),
                                  out_specs=[PartitionSpec()] * n))
 
@@ -205,35 +221,32 @@ def _hop_gathered(xs, avals, srcs, dsts):
         at_dst = jax.device_put(full, first_dst)
     elif me in (first_src.process_index, first_dst.process_index):
         mesh, shift = _pair_shift(first_src, first_dst, n)
-        stacked = []
+        halves = []
         for j, aval in enumerate(avals):
-            shape = (1, *aval.shape)
-            shard = (full[j].reshape(shape) if me == first_src.process_index
-                     else _zeros(shape, np.dtype(aval.dtype), first_dst))
-            stacked.append(jax.make_array_from_single_device_arrays(
-                (2, *aval.shape), NamedSharding(mesh, PartitionSpec(HOP)), [shard]))
-        moved = shift(stacked)
+            shard = (full[j] if me == first_src.process_index
+                     else _zeros(tuple(aval.shape), np.dtype(aval.dtype), first_dst))
+            halves.append(jax.make_array_from_single_device_arrays(
+                _concatenated(aval, 2), NamedSharding(mesh, PartitionSpec(HOP)), [shard]))
+        moved = shift(halves)
         if me == first_dst.process_index:
-            at_dst = [next(sh.data for sh in m.addressable_shards
-                           if sh.device == first_dst).reshape(aval.shape)
-                      for m, aval in zip(moved, avals, strict=True)]
+            at_dst = [next(sh.data for sh in m.addressable_shards if sh.device == first_dst)
+                      for m in moved]
     if me not in processes(dsts[0]):
         return [None] * n
     dst_mesh = dsts[0].mesh
     if processes(dsts[0]) == {me}:
         return jax.device_put(at_dst, list(dsts))
     flat = Mesh(dst_mesh.devices.reshape(-1), (HOP,))
-    stacked = []
+    blocks = []
     for j, aval in enumerate(avals):
-        shape = (1, *aval.shape)
-        shards = [at_dst[j].reshape(shape) if dev == first_dst else
-                  _zeros(shape, np.dtype(aval.dtype), dev) for dev in _local(dsts[0])]
-        stacked.append(jax.make_array_from_single_device_arrays(
-            (flat.size, *aval.shape), NamedSharding(flat, PartitionSpec(HOP)), shards))
-    everywhere = _broadcast(flat, n)(stacked)
+        shards = [at_dst[j] if dev == first_dst else
+                  _zeros(tuple(aval.shape), np.dtype(aval.dtype), dev)
+                  for dev in _local(dsts[0])]
+        blocks.append(jax.make_array_from_single_device_arrays(
+            _concatenated(aval, flat.size), NamedSharding(flat, PartitionSpec(HOP)), shards))
+    everywhere = _broadcast(flat, n)(blocks)
     replicated = [jax.make_array_from_single_device_arrays(
         tuple(aval.shape), NamedSharding(dst_mesh, PartitionSpec()),
         [sh.data for sh in e.addressable_shards])
         for e, aval in zip(everywhere, avals, strict=True)]
     return _relayout(tuple(dsts))(replicated)
-

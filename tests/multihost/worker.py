@@ -91,6 +91,12 @@ def pipelines() -> None:
         "pp2": (MODEL, loss_fn, local, [Pipeline((
             _stage(0, 2, (0, 1, 2, 3), cpu, data=2, tensor=2),
             _stage(2, 4, (4, 5, 6, 7), cpu, data=4)), 8, 1, 4)], text, 16),
+        # A middle stage whose 2x2 mesh spans both processes: its program runs on both,
+        # activations into and out of it are broadcast/gathered across processes.
+        "span": (MODEL, loss_fn, local, [Pipeline((
+            _stage(0, 1, (0, 1), cpu, data=2),
+            _stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
+            _stage(3, 4, (6, 7), cpu, data=1, tensor=2)), 8, 2, 2)], text, 16),
         # Two pipelines with shares 5:3 and different layer splits, one per process:
         # gradients summed across processes through transfers.
         "pipes": (MODEL, loss_fn, local, [
