@@ -300,7 +300,7 @@ class HetshardJit:
             plan = self._plan_for(others, batch, size, sig, call)
             if jax.process_count() > 1:  # every process must run the same plan
                 from hetshard.distributed import agree
-                agree(plan.to_json(), "plan")
+                agree(plan.what_runs(), "plan")
             if self._bound is None:
                 self._bound = self.cluster.bind()
             # Across processes every multi-pipeline plan runs as MPMD: each process runs

@@ -124,6 +124,13 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
+    def what_runs(self) -> str:
+        """The plan's JSON without the solver's statistics (its wall time differs from
+        run to run): what processes must agree on before running it."""
+        d = self.to_dict()
+        d.pop("solver")
+        return json.dumps(d, sort_keys=True)
+
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "plan") -> Plan:
         if not isinstance(d, dict):

@@ -42,6 +42,11 @@ def test_data_parallel_across_processes_matches_one_device():
     for rank in losses:
         assert losses[rank] == pytest.approx(ref[rank], rel=1e-5)
     # Discovery: one group of CPU "GPUs", one node per process.
+    # Without plan=: both processes plan (same fingerprint), run the plan, same losses.
+    planned = _lines(text, "PLANNED")
+    assert planned["[0]"]["plan"] == planned["[1]"]["plan"]
+    for rank in planned:
+        assert planned[rank]["losses"] == pytest.approx(ref[rank], rel=1e-5)
     clusters = _lines(text, "CLUSTER")
     assert clusters["[0]"] == clusters["[1]"] == [["cpu", 2, 4, [0, 1]]]
 

@@ -163,6 +163,15 @@ def test_plan_json_round_trip(plan):
     assert Plan.from_json(plan.to_json()) == plan
 
 
+@settings(max_examples=20, deadline=None)
+@given(plans())
+def test_what_processes_agree_on_ignores_solver_timing_only(plan):
+    timed = dataclasses.replace(plan, solver=SolverStats(99.0, "feasible", 0.25))
+    assert timed.what_runs() == plan.what_runs()
+    other = dataclasses.replace(plan, fsdp=not plan.fsdp)
+    assert other.what_runs() != plan.what_runs()
+
+
 def test_plan_validation_and_load_errors(tmp_path):
     stage = Stage(0, 4, (0, 1), "A100-80GB", (("data", 2),))
     pipe = Pipeline((stage,), 8, 2, 2)

@@ -55,10 +55,13 @@ def _stage(start, end, devices, gpu="cpu", **axes):
     return Stage(start, end, tuple(devices), gpu, shape)
 
 
-def _train(name, loss, cluster, plan, batches, steps):
+def _train(name, loss, cluster, plan, batches, steps, planned=False):
+    """Losses of ``steps`` SGD steps: on one local device (no cluster), or under
+    ``hetshard.jit`` with ``plan`` (or the planner's plan when ``planned``); also returns
+    the pipeline runner (the plan when ``planned``)."""
     model = models.build(name, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    if plan is None:
+    if plan is None and not planned:
         @nnx.jit
         def step(model, optimizer, batch):
             loss_value, grads = nnx.value_and_grad(loss)(model, batch)
@@ -73,6 +76,8 @@ def _train(name, loss, cluster, plan, batches, steps):
         optimizer.update(model, grads)
         return loss_value
     losses = [float(step(model, opt, batches[i % 2])) for i in range(steps)]
+    if planned:
+        return losses, step.plan
     runner = next(iter(step._compiled.values()))[1]
     return losses, runner
 
@@ -196,6 +201,11 @@ def main(mode: str) -> int:
         want = [float(ref(ref_model, ref_opt, batches[i % 2])) for i in range(3)]
     print("LOSSES", json.dumps(losses), flush=True)
     print("REF", json.dumps(want), flush=True)
+    # No plan given: every process plans the same way (checked by fingerprint) and runs it.
+    planned, step_plan = _train(MODEL, loss_fn, cluster, None, batches, 3, planned=True)
+    print("PLANNED", json.dumps({"losses": planned, "plan": [
+        [[list(st.devices), list(st.mesh_shape)] for st in p.stages]
+        for p in step_plan.pipelines]}), flush=True)
     return 0
 
 
