@@ -123,4 +123,25 @@ def test_profile_command_writes_a_loadable_calibration(tmp_path):
     cal = Calibration.load(out)
     (name, eff), = cal.per_type
     assert name == "CPU" and eff.matmul_eff > 0 and eff.memory_eff > 0 and eff.comm_eff > 0
+    assert eff.attention_eff is not None and eff.attention_eff > 0  # timed, not assumed
     assert "cpu" in cal.source.lower()
+
+
+def test_attention_efficiency_prices_attention_equations_only(prof):
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    layer = prof.layers[1]
+    assert layer.fwd_attention.any() and layer.bwd_attention.any()
+    assert not layer.fwd_attention.all() and not layer.bwd_attention.all()
+
+    def cost(attention_eff, **kw):
+        eff = dataclasses.replace(DEFAULT.default, attention_eff=attention_eff)
+        return stage_cost(prof, 0, prof.num_layers, gpu, mbs=8, cal=DEFAULT.with_type(
+            gpu.name, eff), attention="reference", **kw)
+    base, same = cost(None), cost(DEFAULT.default.matmul_eff)
+    assert (base.fwd_s, base.bwd_s) == (same.fwd_s, same.bwd_s)
+    slow = cost(DEFAULT.default.matmul_eff / 4)
+    assert slow.fwd_s > base.fwd_s and slow.bwd_s > base.bwd_s
+    assert slow.model_flops == base.model_flops  # only time changes
+    assert slow.memory_static_bytes == base.memory_static_bytes
+    with pytest.raises(SpecError, match="attention_eff"):
+        dataclasses.replace(DEFAULT.default, attention_eff=0.0)

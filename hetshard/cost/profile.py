@@ -37,6 +37,7 @@ class LayerProfile:
     fwd_matmul: np.ndarray  # bool per forward equation: dot_general / convolution
     bwd_matmul: np.ndarray
     fwd_attention: np.ndarray  # bool per forward equation: inside hetshard_attention
+    bwd_attention: np.ndarray  # bool per backward equation: attention's backward
     residual_bytes_per_sample: float
     attention_residual_bytes_per_sample: float
     weight_copy_bytes: float  # batch-independent saved values (compute-dtype weights)
@@ -137,8 +138,9 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
                 a2 = np.array([getattr(o, q) for o in o2])
                 arrays[f"{phase}_{q}"] = _linear(a1, a2)
             arrays[f"{phase}_matmul"] = np.array([o.primitive in MATMULS for o in o1], bool)
-        arrays["fwd_attention"] = np.array(
-            [o.region == "hetshard_attention" for o in p1[name]["fwd"]], bool)
+        for phase in ("fwd", "bwd"):
+            arrays[f"{phase}_attention"] = np.array(
+                [o.region == "hetshard_attention" for o in p1[name][phase]], bool)
         res = _linear(t1[name].get("residual_bytes", 0.0), t2[name].get("residual_bytes", 0.0))
         attn = _linear(t1[name].get("attention_residual_bytes", 0.0),
                        t2[name].get("attention_residual_bytes", 0.0))

@@ -1,9 +1,12 @@
 """``hetshard profile``: measure this backend and write a calibration.
 
-Times jitted matmuls of several shapes, an elementwise op streaming a large
-buffer, and (when there are several local devices) an all-reduce over them;
-the achieved rates divided by the catalog's peaks for the local device type
-become that type's ``matmul_eff``, ``memory_eff`` and ``comm_eff``. On CPU this
+Times jitted matmuls of several shapes, causal attention (forward and backward:
+the Pallas flash kernel the runtime swaps in on a GPU, XLA's reference on other
+backends, where the kernel would only run interpreted), an elementwise op
+streaming a large buffer, and (when there are several local devices) an
+all-reduce over them; the achieved rates divided by the catalog's peaks for the
+local device type become that type's ``matmul_eff``, ``attention_eff``,
+``memory_eff`` and ``comm_eff``. On CPU this
 calibrates the ``CPU`` type (whose catalog peaks are nominal), on a GPU its type.
 """
 
@@ -29,6 +32,25 @@ def _best_time(fn, *args, reps: int = 5) -> float:
     return best
 
 
+def attention_rate(dtype, quick: bool = False, platform: str | None = None) -> float:
+    """Flop/s of causal attention forward + backward, counting the flops the cost model
+    counts for it (the traced reference: 4*B*H*S*S*D forward, twice that backward)."""
+    platform = platform or jax.devices()[0].platform
+    b, s, h, d = (1, 256, 2, 64) if quick else ((4, 2048, 16, 128) if platform == "gpu"
+                                                else (2, 1024, 8, 64))
+    if platform == "gpu":
+        from hetshard.kernels import flash_attention as attend
+    else:
+        from hetshard.kernels import attention_reference as attend
+    q = jnp.ones((b, s, h, d), dtype) * 0.01
+
+    def loss(q, k, v):
+        return attend(q, k, v, causal=True).astype(jnp.float32).sum()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    t = _best_time(step, q, q, q)
+    return 12 * b * h * s * s * d / t
+
+
 def profile_backend(quick: bool = False, base: Calibration = DEFAULT) -> Calibration:
     dev = jax.devices()[0]
     gpu = device_type_for_kind(dev.device_kind)
@@ -41,6 +63,7 @@ def profile_backend(quick: bool = False, base: Calibration = DEFAULT) -> Calibra
         rates.append(2 * n ** 3 / t)
     peak = gpu.peak_flops("bfloat16" if dtype == jnp.bfloat16 else "float32")
     matmul_eff = max(rates) / peak
+    attention_eff = attention_rate(dtype, quick, dev.platform) / peak
     n = 1 << (20 if quick else 26)
     x = jnp.ones((n,), jnp.float32)
     t = _best_time(jax.jit(lambda v: v * 2.0 + 1.0), x)
@@ -58,7 +81,8 @@ def profile_backend(quick: bool = False, base: Calibration = DEFAULT) -> Calibra
         t = _best_time(f, arr)
         bus = 2 * (len(devs) - 1) / len(devs) * m * 4 / t
         comm_eff = bus / (gpu.intra_node_gbs * 1e9)
-    eff = Efficiency(matmul_eff=float(matmul_eff), memory_eff=float(memory_eff),
+    eff = Efficiency(matmul_eff=float(matmul_eff), attention_eff=float(attention_eff),
+                     memory_eff=float(memory_eff),
                      fusion=base.default.fusion, comm_eff=float(np.clip(comm_eff, 1e-6, 10)))
     return Calibration(default=base.default, per_type=((gpu.name, eff),),
                        source=f"hetshard profile on {dev.device_kind} ({dev.platform})")

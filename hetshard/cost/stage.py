@@ -1,7 +1,8 @@
 """Time and memory of one pipeline stage: a layer range on a (tp x cp) submesh of one
 GPU type, replicated ``dp`` ways, running micro-batches of ``mbs`` samples.
 
-Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``;
+Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``
+(attention's equations use ``attention_eff`` when the calibration measured it);
 non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
 chains). Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's
 four activation all-reduces per layer (two forward, two backward; Shoeybi et al.
@@ -56,8 +57,8 @@ class StageCost:
                 self.memory_working_bytes)
 
 
-def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray, peak: float,
-              bw: float, fusion: float) -> float:
+def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
+              peak: float | np.ndarray, bw: float, fusion: float) -> float:
     eff_bytes = np.where(matmul, nbytes, nbytes * fusion)
     return float(np.maximum(flops / peak, eff_bytes / bw).sum())
 
@@ -76,6 +77,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
     peak = gpu.peak_flops(profile.dtype) * e.matmul_eff
+    peak_attn = gpu.peak_flops(profile.dtype) * e.attention
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
     fwd = bwd = recompute = 0.0
@@ -87,8 +89,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
         bb = layer.bwd_bytes[0] / tp + layer.bwd_bytes[1] * mbs / shard
-        t_f = _ops_time(ff, fb, layer.fwd_matmul, peak, bw, e.fusion)
-        t_b = _ops_time(bf, bb, layer.bwd_matmul, peak, bw, e.fusion)
+        pf = np.where(layer.fwd_attention, peak_attn, peak)
+        pb = np.where(layer.bwd_attention, peak_attn, peak)
+        t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
+        t_b = _ops_time(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
         if tp > 1 and tp_topo is not None:
             ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
@@ -100,7 +104,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             ring = collective_time("all_gather", 2 * act_bytes * cp / tp, cp_topo, cal,
                                    gpu.name)
             t_attn = _ops_time(ff[layer.fwd_attention], fb[layer.fwd_attention],
-                               layer.fwd_matmul[layer.fwd_attention], peak, bw, e.fusion)
+                               layer.fwd_matmul[layer.fwd_attention], peak_attn, bw, e.fusion)
             t_f += max(0.0, ring - t_attn)
             t_b += 2 * max(0.0, ring - t_attn)
         if fsdp and dp > 1 and dp_topo is not None:
@@ -113,7 +117,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             # The flash kernel's backward recomputes the attention scores from q, k and v
             # (Dao 2023), which costs what selective recomputation of attention costs.
             mask = layer.fwd_attention
-            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak, bw,
+            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn, bw,
                                    e.fusion)
         fwd += t_f
         bwd += t_b
