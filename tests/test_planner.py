@@ -18,7 +18,13 @@ from hetshard.ir.trace import trace
 from hetshard.ir.train_step import trace_train_step, with_layers
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
 from hetshard.solver.baselines import BASELINES, run_baseline
-from hetshard.solver.inter_op import _Tables, plan
+from hetshard.solver.inter_op import (
+    _Tables,
+    pareto_splits,
+    plan,
+    split_layers,
+    split_layers_mixed,
+)
 from hetshard.solver.intra_op import solve, spec_of
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
@@ -93,24 +99,25 @@ def _brute_force(profile, cluster, global_batch, opts):
         options = []
         for fam in fams.values():
             opts_f = []
-            for r, tp, mbs, remat in itertools.product((1, 2), opts.tp_options, opts.mbs_options,
-                                                       opts.remat_options):
+            for r, tp, mbs in itertools.product((1, 2), opts.tp_options, opts.mbs_options):
                 if any(g.num_devices % (r * tp) for g in fam) or 4 % tp:
                     continue
-                stages = []
-                for g in fam:
-                    stages += [(g, tables.get(g, tp, mbs, remat, r))] * (g.num_devices // (r * tp))
-                p = len(stages)
-                for cuts in itertools.combinations(range(1, n_layers), p - 1):
-                    b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
-                    ok, times = True, []
-                    for s, ((g, (ct, cs, ca, w)), (lo, hi)) in enumerate(zip(stages, b,
-                                                                              strict=True)):
-                        mem = cs[hi] - cs[lo] + (p - s) * (ca[hi] - ca[lo]) + w[lo:hi].max()
-                        ok &= mem <= g.gpu.memory_bytes * (1 - opts.memory_margin)
-                        times.append(ct[hi] - ct[lo])
-                    if ok:
-                        opts_f.append((mbs * r, sum(times), max(times)))
+                groups_of = [g for g in fam for _ in range(g.num_devices // (r * tp))]
+                p = len(groups_of)
+                # Every split and every remat of every stage (per-stage remat).
+                for remats in itertools.product(opts.remat_options, repeat=p):
+                    stages = [(g, tables.get(g, tp, mbs, rm, r))
+                              for g, rm in zip(groups_of, remats, strict=True)]
+                    for cuts in itertools.combinations(range(1, n_layers), p - 1):
+                        b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
+                        ok, times = True, []
+                        for s, ((g, (ct, cs, ca, w)), (lo, hi)) in enumerate(
+                                zip(stages, b, strict=True)):
+                            mem = cs[hi] - cs[lo] + (p - s) * (ca[hi] - ca[lo]) + w[lo:hi].max()
+                            ok &= mem <= g.gpu.memory_bytes * (1 - opts.memory_margin)
+                            times.append(ct[hi] - ct[lo])
+                        if ok:
+                            opts_f.append((mbs * r, sum(times), max(times)))
             options.append(opts_f)
         for combo in itertools.product(*options):
             spm = [c[0] for c in combo]
@@ -120,6 +127,30 @@ def _brute_force(profile, cluster, global_batch, opts):
                 t = max(f + (m - 1) * mx for m, (_, f, mx) in zip(ms, combo, strict=True))
                 best = min(best, t)
     return best
+
+
+def _table(per_layer_s, per_microbatch_bytes, layers=5):
+    import numpy as np
+    t = np.concatenate([[0.0], np.cumsum([per_layer_s] * layers)])
+    a = np.concatenate([[0.0], np.cumsum([per_microbatch_bytes] * layers)])
+    return t, np.zeros(layers + 1), a, np.zeros(layers)
+
+
+def test_remat_per_stage_lets_a_fast_memory_short_stage_take_more_layers():
+    # Stage 0: fast but short of memory (1 layer fits without remat, 3 with full remat);
+    # stage 1: slow, ample memory. 5 layers, 2 micro-batches in flight on stage 0.
+    fast = [("none", _table(1.0, 1.0)), ("full", _table(1.3, 0.3))]
+    slow = [("none", _table(2.0, 1.0)), ("full", _table(2.6, 0.3))]
+    caps = [2.0, 100.0]
+    none = split_layers([fast[0][1], slow[0][1]], 5, caps)
+    full = split_layers([fast[1][1], slow[1][1]], 5, caps)
+    assert max(none[1]) == pytest.approx(8.0) and max(full[1]) == pytest.approx(5.2)
+    bounds, times, remats = split_layers_mixed([fast, slow], 5, caps)
+    assert bounds == [(0, 3), (3, 5)] and remats == ["full", "none"]
+    assert max(times) == pytest.approx(4.0)  # better than any single remat
+    front = pareto_splits([fast, slow], 5, caps)
+    assert min(max(t) for _, t, _ in front) == pytest.approx(4.0)
+    assert (bounds, remats) in [(b, r) for b, _, r in front]
 
 
 @pytest.mark.slow

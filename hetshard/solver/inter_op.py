@@ -4,8 +4,10 @@ Search space. A plan is a set of pipelines ("families"). A family spans an order
 subset of the cluster's GPU groups (fastest first) and uses each of them whole: group
 g contributes ``k_g`` consecutive stages of ``R x tp`` devices (``R`` data ways inside
 every stage of the family, ``tp`` tensor ways), so ``R * tp * k_g = n_g``. Groups may be
-left idle. Every family has its own micro-batch count; all share the micro-batch size
-and a remat choice is made per family.
+left idle. Every family has its own micro-batch count; all share the micro-batch size.
+Remat is chosen per family (one for every stage) and also per stage: a fast GPU short
+of memory can recompute to take more layers while slower stages keep their
+activations.
 
 Algorithm.
 1. Per-layer cost tables for every (GPU type, tp, micro-batch size, remat): time of one
@@ -85,6 +87,10 @@ class Family:
     fill_s: float  # sum of stage times (one micro-batch through the pipeline)
     bottleneck_s: float
     cp: int = 1
+    stage_remats: tuple[str, ...] = ()  # per stage when they differ (else ``remat``)
+
+    def remat_of(self, stage: int) -> str:
+        return self.stage_remats[stage] if self.stage_remats else self.remat
 
     @property
     def stage_devices(self) -> int:
@@ -174,6 +180,58 @@ def split_layers(stages, n_layers: int, caps):
     return bounds, times
 
 
+def _pack_mixed(t_max: float, options, n_layers: int, caps):
+    """``_pack`` where each stage picks its remat: among the options (remat, table) the
+    one reaching furthest within ``t_max`` and memory (the fastest of those). Reach is
+    monotone in the start for every option, so the greedy stays exact for the
+    bottleneck. Returns (bounds, remats) or None."""
+    p = len(options)
+    bounds, remats, start = [], [], 0
+    for s, row in enumerate(options):
+        left, inflight = p - s - 1, p - s
+        best = None  # (end, -time, remat)
+        for remat, (ct, cs, ca, work) in row:
+            end, reach = start, None
+            while end < n_layers - left:
+                end += 1
+                mem = (cs[end] - cs[start] + inflight * (ca[end] - ca[start]) +
+                       work[start:end].max())
+                if ct[end] - ct[start] > t_max or mem > caps[s]:
+                    break
+                reach = end
+            if reach is None:
+                continue
+            key = (reach, -(ct[reach] - ct[start]))
+            if best is None or key > best[:2]:
+                best = (*key, remat)
+        if best is None or (s == p - 1 and best[0] != n_layers):
+            return None
+        bounds.append((start, best[0]))
+        remats.append(best[2])
+        start = best[0]
+    return bounds, remats
+
+
+def split_layers_mixed(options, n_layers: int, caps):
+    """Minimum bottleneck split with a remat per stage: (bounds, times, remats) or None."""
+    if len(options) > n_layers:
+        return None
+    total = max(tab[0][-1] for row in options for _, tab in row)
+    lo, hi = 0.0, total * 1.0001
+    if _pack_mixed(hi, options, n_layers, caps) is None:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if _pack_mixed(mid, options, n_layers, caps) is None:
+            lo = mid
+        else:
+            hi = mid
+    bounds, remats = _pack_mixed(hi, options, n_layers, caps)
+    tables = [dict(row)[r] for row, r in zip(options, remats, strict=True)]
+    times = [tab[0][b] - tab[0][a] for tab, (a, b) in zip(tables, bounds, strict=True)]
+    return bounds, times, remats
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -185,7 +243,8 @@ def _heads(model: str) -> int:
 
 def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelProfile,
                    opts: PlannerOptions, heads: int, deadline: float):
-    """Best split for every (R, cp, tp, mbs, remat) of a family spanning ``groups``."""
+    """Best splits for every (R, cp, tp, mbs) of a family spanning ``groups``, with one
+    remat for all its stages or one per stage."""
     out = []
     n_layers = profile.num_layers
     gcd = math.gcd(*[g.num_devices for g in groups])
@@ -199,24 +258,36 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
         ks = [g.num_devices // (r * tp * cp) for g in groups]
         if sum(ks) > n_layers or (opts.max_stages is not None and sum(ks) > opts.max_stages):
             continue
-        for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+        exhaustive = math.comb(n_layers - 1, sum(ks) - 1) <= opts.exhaustive_splits
+        for mbs in opts.mbs_options:
             if time.perf_counter() > deadline:
                 return out
-            stages, caps, names = [], [], []
+            options, caps, names = [], [], []
             for g, k in zip(groups, ks, strict=True):
-                tab = tables.get(g, tp, mbs, remat, r, cp)
-                stages += [tab] * k
+                row = [(remat, tables.get(g, tp, mbs, remat, r, cp))
+                       for remat in opts.remat_options]
+                options += [row] * k
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
-            if math.comb(n_layers - 1, len(stages) - 1) <= opts.exhaustive_splits:
-                splits = pareto_splits(stages, n_layers, caps)
+            if exhaustive:
+                # Every split, each stage with its fastest remat that fits: the Pareto
+                # set of (sum, max) covers every per-family and per-stage remat choice.
+                splits = pareto_splits(options, n_layers, caps)
             else:
-                res = split_layers(stages, n_layers, caps)
-                splits = [] if res is None else [res]
-            for bounds, times in splits:
-                out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remat,
+                # Bottleneck splits: one remat for all stages, and one per stage.
+                splits = []
+                for remat, _ in options[0]:
+                    res = split_layers([dict(row)[remat] for row in options], n_layers, caps)
+                    if res is not None:
+                        splits.append((*res, [remat] * len(options)))
+                res = split_layers_mixed(options, n_layers, caps)
+                if res is not None and len(set(res[2])) > 1:
+                    splits.append(res)
+            for bounds, times, remats in splits:
+                mixed = tuple(remats) if len(set(remats)) > 1 else ()
+                out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remats[0],
                                   tuple(bounds), tuple(names), float(sum(times)),
-                                  float(max(times)), cp))
+                                  float(max(times)), cp, mixed))
     return out
 
 
@@ -225,23 +296,31 @@ def stage_fits(stage, a: int, b: int, inflight: int, cap: float) -> bool:
     return cs[b] - cs[a] + inflight * (ca[b] - ca[a]) + work[a:b].max() <= cap
 
 
-def pareto_splits(stages, n_layers: int, caps):
-    """Every contiguous split that fits, reduced to the Pareto set of (sum, max) stage time:
-    for any micro-batch count the best split (fill + (m - 1) * max) is among them."""
-    p = len(stages)
+def pareto_splits(options, n_layers: int, caps):
+    """Every contiguous split that fits, each stage with the fastest of its (remat, table)
+    options that fits, reduced to the Pareto set of (sum, max) stage time: for any
+    micro-batch count the best split (fill + (m - 1) * max) is among them. Returns
+    (bounds, times, remats) per point."""
+    p = len(options)
     points = []
     for cuts in itertools.combinations(range(1, n_layers), p - 1):
         bounds = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
-        if not all(stage_fits(st, a, b, p - s, caps[s])
-                   for s, (st, (a, b)) in enumerate(zip(stages, bounds, strict=True))):
-            continue
-        times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
-        points.append((sum(times), max(times), bounds, times))
+        times, remats = [], []
+        for s, (row, (a, b)) in enumerate(zip(options, bounds, strict=True)):
+            fitting = [(tab[0][b] - tab[0][a], remat) for remat, tab in row
+                       if stage_fits(tab, a, b, p - s, caps[s])]
+            if not fitting:
+                break
+            t, remat = min(fitting, key=lambda x: x[0])
+            times.append(t)
+            remats.append(remat)
+        else:
+            points.append((sum(times), max(times), bounds, times, remats))
     points.sort(key=lambda t: (t[0], t[1]))
     front, best_max = [], float("inf")
-    for _total, mx, bounds, times in points:
+    for _total, mx, bounds, times, remats in points:
         if mx < best_max - 1e-15:
-            front.append((bounds, times))
+            front.append((bounds, times, remats))
             best_max = mx
     return front
 
@@ -284,7 +363,8 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
             devices = tuple(range(first, first + f.stage_devices))
             mesh = (("data", f.r),) + ((("context", f.cp),) if f.cp > 1 else ()) + \
                 (("tensor", f.tp),)
-            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh, f.remat))
+            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
+                                f.remat_of(len(stages))))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
                               opts.schedule))
     sync = grad_sync_for(pipes, global_batch)
