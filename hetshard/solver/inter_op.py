@@ -135,26 +135,30 @@ class _Tables:
         return out
 
 
+def _reach(table, start: int, limit: int, t_max: float, inflight: int, cap: float):
+    """The furthest end <= ``limit`` of a stage starting at layer ``start`` with time
+    <= ``t_max`` and memory <= ``cap`` (both grow with the end), or None. A plain loop:
+    stages usually end after a few layers, where it beats whole-array arithmetic."""
+    ct, cs, ca, work = table
+    end, best, peak = start, None, -np.inf
+    while end < limit:
+        peak = max(peak, work[end])
+        end += 1
+        mem = cs[end] - cs[start] + inflight * (ca[end] - ca[start]) + peak
+        if ct[end] - ct[start] > t_max or mem > cap:
+            break
+        best = end
+    return best
+
+
 def _pack(t_max: float, stages, n_layers: int, caps):
     """Greedy contiguous packing of the layers into ``stages`` (tables per stage) with every
     stage time <= t_max and memory <= cap; returns the bounds or None."""
     p = len(stages)
     bounds, start = [], 0
-    for s, (ct, cs, ca, work) in enumerate(stages):
-        left = p - s - 1
-        inflight = p - s
-        end = start
-        best = None
-        while end < n_layers - left:
-            end += 1
-            t = ct[end] - ct[start]
-            mem = cs[end] - cs[start] + inflight * (ca[end] - ca[start]) + work[start:end].max()
-            if t > t_max or mem > caps[s]:
-                break
-            best = end
-        if best is None:
-            return None
-        if s == p - 1 and best != n_layers:
+    for s, table in enumerate(stages):
+        best = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s])
+        if best is None or (s == p - 1 and best != n_layers):
             return None
         bounds.append((start, best))
         start = best
@@ -188,20 +192,12 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps):
     p = len(options)
     bounds, remats, start = [], [], 0
     for s, row in enumerate(options):
-        left, inflight = p - s - 1, p - s
         best = None  # (end, -time, remat)
-        for remat, (ct, cs, ca, work) in row:
-            end, reach = start, None
-            while end < n_layers - left:
-                end += 1
-                mem = (cs[end] - cs[start] + inflight * (ca[end] - ca[start]) +
-                       work[start:end].max())
-                if ct[end] - ct[start] > t_max or mem > caps[s]:
-                    break
-                reach = end
+        for remat, table in row:
+            reach = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s])
             if reach is None:
                 continue
-            key = (reach, -(ct[reach] - ct[start]))
+            key = (reach, -(table[0][reach] - table[0][start]))
             if best is None or key > best[:2]:
                 best = (*key, remat)
         if best is None or (s == p - 1 and best[0] != n_layers):
@@ -212,15 +208,21 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps):
     return bounds, remats
 
 
-def split_layers_mixed(options, n_layers: int, caps):
-    """Minimum bottleneck split with a remat per stage: (bounds, times, remats) or None."""
+def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
+    """Minimum bottleneck split with a remat per stage: (bounds, times, remats) or None.
+    ``hi``: a bottleneck known to be reachable (the best one-remat split's), which
+    narrows the search to 1e-4 of it."""
     if len(options) > n_layers:
         return None
     total = max(tab[0][-1] for row in options for _, tab in row)
-    lo, hi = 0.0, total * 1.0001
+    iterations = 40
+    if hi is None:
+        lo, hi = 0.0, total * 1.0001
+    else:
+        lo, hi, iterations = 0.0, hi * 1.0001, 14
     if _pack_mixed(hi, options, n_layers, caps) is None:
         return None
-    for _ in range(40):
+    for _ in range(iterations):
         mid = (lo + hi) / 2
         if _pack_mixed(mid, options, n_layers, caps) is None:
             lo = mid
@@ -267,6 +269,13 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
                 row = [(remat, tables.get(g, tp, mbs, remat, r, cp))
                        for remat in opts.remat_options]
                 options += [row] * k
+            # A remat that prices every stage exactly like an earlier one (selective with
+            # the flash kernel, which never keeps attention's scores, is none) adds no plan.
+            keep = [j for j in range(len(options[0])) if not any(
+                all(_same(options[s][j][1], options[s][i][1]) for s in range(len(options)))
+                for i in range(j))]
+            options = [[row[j] for j in keep] for row in options]
+            for g, k in zip(groups, ks, strict=True):
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
             if exhaustive:
@@ -274,21 +283,41 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
                 # set of (sum, max) covers every per-family and per-stage remat choice.
                 splits = pareto_splits(options, n_layers, caps)
             else:
-                # Bottleneck splits: one remat for all stages, and one per stage.
+                # Bottleneck splits: one remat for all stages, and one per stage where
+                # memory, not time, stops a stage of the fastest remat's split.
                 splits = []
                 for remat, _ in options[0]:
                     res = split_layers([dict(row)[remat] for row in options], n_layers, caps)
                     if res is not None:
                         splits.append((*res, [remat] * len(options)))
-                res = split_layers_mixed(options, n_layers, caps)
-                if res is not None and len(set(res[2])) > 1:
-                    splits.append(res)
+                if _memory_bound(options, splits, n_layers, caps):
+                    best = min((max(t) for _, t, _ in splits), default=None)
+                    res = split_layers_mixed(options, n_layers, caps, best)
+                    if res is not None and len(set(res[2])) > 1:
+                        splits.append(res)
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
                 out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remats[0],
                                   tuple(bounds), tuple(names), float(sum(times)),
                                   float(max(times)), cp, mixed))
     return out
+
+
+def _same(a, b) -> bool:
+    return a is b or all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _memory_bound(options, splits, n_layers: int, caps) -> bool:
+    """Whether remat per stage could beat the uniform splits: the fastest option's split
+    is missing or one of its stages could not take one more layer for lack of memory."""
+    fastest = options[0][0][0]
+    found = next((b for b, _, r in splits if r[0] == fastest), None)
+    if found is None:
+        return True
+    p = len(options)
+    return any(b < n_layers and not stage_fits(dict(options[s])[fastest], a, b + 1, p - s,
+                                               caps[s])
+               for s, (a, b) in enumerate(found))
 
 
 def stage_fits(stage, a: int, b: int, inflight: int, cap: float) -> bool:
@@ -460,7 +489,9 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             per_family.append(cands)
         else:
             if math.prod(len(c) for c in per_family) > opts.exhaustive_combos:
-                per_family = [c[:8] for c in per_family]
+                # Per family the eight best with one remat for all stages and the best
+                # with remat per stage (ranked apart, see below).
+                per_family = [_prune(c, 8) for c in per_family]
             for combo in itertools.product(*per_family):
                 if time.perf_counter() > deadline:
                     timed_out = True
@@ -479,11 +510,16 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # The estimate ignores transfers and gradient sync, so besides the global top-N the
     # best candidate of every group assignment (which groups, in which families) is
     # simulated: the simulator, not the estimate, decides between structures.
-    chosen_idx, seen = [], set()
+    # Plans with remat per stage are ranked apart from the others: their estimates
+    # favour recomputing stages whose cost the simulation then finds higher, and they
+    # must not push the others out of the simulated set.
+    chosen_idx, seen, ranks = [], set(), {False: 0, True: 0}
     for i, (_t, combo, _c) in enumerate(estimates):
-        key = tuple(f.groups for f in combo)
-        if i < opts.simulate_top or key not in seen:
+        mixed = any(f.stage_remats for f in combo)
+        key = (tuple(f.groups for f in combo), mixed)
+        if ranks[mixed] < opts.simulate_top or key not in seen:
             chosen_idx.append(i)
+        ranks[mixed] += 1
         seen.add(key)
     candidates = []
     for i in chosen_idx:
@@ -528,6 +564,12 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                       f"gap to the compute bound {gap:.1%}", stacklevel=2)
     chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
     return annotate(chosen, result, upper)
+
+
+def _prune(cands: list[Family], n: int) -> list[Family]:
+    mixed = [f for f in cands if f.stage_remats][:1]
+    uniform = [f for f in cands if not f.stage_remats][:n]
+    return sorted(uniform + mixed, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
 
 
 def single_type_stages(plan: Plan, cluster: Cluster) -> bool:
