@@ -54,7 +54,7 @@ def worker(mode: str) -> None:
     import models
     from hetshard.cost.profile import profile_model
     from hetshard.solver.uniform import parse_fix, uniform_plan
-    from models import data
+    from models import data, losses
     out = {}
     devs = jax.devices()
     if mode in ("transfer", "xhost_transfer"):
@@ -119,14 +119,9 @@ def worker(mode: str) -> None:
         model = models.build("gpt-tiny", rngs=0)
         opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-        def loss_fn(model, batch):
-            logits = model(batch["tokens"])
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["targets"]).mean()
-
         @hetshard.jit(cluster=cluster, plan=plan)
         def step(model, optimizer, batch):
-            loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+            loss, grads = hetshard.value_and_grad(losses.text_loss)(model, batch)
             optimizer.update(model, grads)
             return loss
         batch = data.text_batch(np.random.default_rng(0), 8, 16, 256)

@@ -37,15 +37,13 @@ import models  # noqa: E402
 from hetshard.cluster import Cluster  # noqa: E402
 from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
-from models import data  # noqa: E402
+from models import data, losses  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128"
 BATCH, SEQ = 16, 128
 
 
-def loss_fn(model, batch):
-    logits = model(batch["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+loss_fn = losses.text_loss
 
 
 def timed(step, args_fn, steps):

@@ -14,24 +14,13 @@ from hetshard.collectives import congruent, sum_across, sum_across_collective
 from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.rewrite.pipeline import StageSplitError, run_sequential, split_stages
 from hetshard.runtime.pipeline import PipelineSetupError
-from models import data
+from models import data, losses
 
 CLUSTER = "h100-a100-v100-x8"  # devices 0-1 H100, 2-3 A100, 4-7 V100
 H, A, V = "H100-80GB", "A100-80GB", "V100-32GB"
 
 
-def lm_loss(model, batch):
-    logits = model(batch["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-
-def mllm_loss(model, batch):
-    logits = model(batch["tokens"], batch["images"], batch["image_index"],
-                   positions_bs=batch["positions"], segment_ids_bs=batch["segment_ids"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    # A per-sample mean, so micro-batches weigh by their sample count (see the README).
-    per_row = (ce * batch["loss_mask"]).sum(-1) / jnp.maximum(batch["loss_mask"].sum(-1), 1)
-    return per_row.mean()
+lm_loss, mllm_loss = losses.text_loss, losses.mllm_loss
 
 
 def _stage(start, end, devices, gpu, **axes):

@@ -15,15 +15,13 @@ from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_model
 from hetshard.solver.shardings import attach_shardings
 from hetshard.solver.uniform import parse_fix, uniform_plan
-from models import data
+from models import data, losses
 
 MODEL = "gpt-tiny"
 CLUSTER = "dgx-a100-80gb-x8"
 
 
-def loss_fn(model, batch):
-    logits = model(batch["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+loss_fn = losses.text_loss
 
 
 # Parameter equality is checked with SGD: AdamW turns float32 reduction-order noise in a

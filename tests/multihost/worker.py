@@ -14,7 +14,6 @@ import hetshard.distributed as hd
 hd.init_distributed()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -25,22 +24,12 @@ from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.errors import DeviceBindingError  # noqa: E402
 from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
-from models import data  # noqa: E402
+from models import data, losses  # noqa: E402
 
 MODEL = "gpt-tiny"
 
 
-def loss_fn(model, batch):
-    logits = model(batch["tokens"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-
-def mllm_loss(model, batch):
-    logits = model(batch["tokens"], batch["images"], batch["image_index"],
-                   positions_bs=batch["positions"], segment_ids_bs=batch["segment_ids"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    per_row = (ce * batch["loss_mask"]).sum(-1) / jnp.maximum(batch["loss_mask"].sum(-1), 1)
-    return per_row.mean()
+loss_fn, mllm_loss = losses.text_loss, losses.mllm_loss
 
 
 # Groups pinned to processes in reverse order: spec ids 0-3 (the "H100s") are process 1's
