@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import models
 from hetshard.cli import main
 from hetshard.cluster import Cluster
-from hetshard.cost.comm import topology
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.comm import p2p_time, topology
 from hetshard.cost.profile import profile_model
 from hetshard.errors import SpecError
 from hetshard.ir.trace import trace
@@ -84,8 +85,7 @@ OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_opt
 
 def _brute_force(profile, cluster, global_batch, opts):
     """Independent enumeration of the planner's space; returns the best estimated time."""
-    tables = _Tables(profile, cluster, __import__("hetshard").cost.calibration.DEFAULT,
-                     opts.attention)
+    tables = _Tables(profile, cluster, DEFAULT, opts.attention)
     groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
     n_layers = profile.num_layers
     best = float("inf")
@@ -116,8 +116,23 @@ def _brute_force(profile, cluster, global_batch, opts):
                             mem = cs[hi] - cs[lo] + (p - s) * (ca[hi] - ca[lo]) + w[lo:hi].max()
                             ok &= mem <= g.gpu.memory_bytes * (1 - opts.memory_margin)
                             times.append(ct[hi] - ct[lo])
-                        if ok:
-                            opts_f.append((mbs * r, sum(times), max(times)))
+                        if not ok:
+                            continue
+                        # Transfers: the pipeline's sends priced like the simulator's,
+                        # and 1F1B's loop bound (stage s: p - s micro-batches in flight).
+                        used, links = {}, []
+                        devs = []
+                        for g in groups_of:
+                            first = cluster.group_device_ids(g.name).start + used.get(g.name, 0)
+                            used[g.name] = used.get(g.name, 0) + r * tp
+                            devs.append(range(first, first + r * tp))
+                        for s in range(p - 1):
+                            nbytes = profile.layers[b[s][1] - 1].boundary_bytes_per_sample * \
+                                mbs * r
+                            links.append(p2p_time(nbytes, cluster, devs[s], devs[s + 1], DEFAULT))
+                        period = max([max(times)] + [
+                            (sum(times[s:]) + 2 * sum(links[s:])) / (p - s) for s in range(p)])
+                        opts_f.append((mbs * r, sum(times) + 2 * sum(links), period))
             options.append(opts_f)
         for combo in itertools.product(*options):
             spm = [c[0] for c in combo]
@@ -151,6 +166,26 @@ def test_remat_per_stage_lets_a_fast_memory_short_stage_take_more_layers():
     front = pareto_splits([fast, slow], 5, caps)
     assert min(max(t) for _, t, _ in front) == pytest.approx(4.0)
     assert (bounds, remats) in [(b, r) for b, _, r in front]
+
+
+def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
+    from hetshard.solver.inter_op import pipeline_estimate
+    cluster = Cluster.load(TINY_CLUSTER)
+    profile = profile_model(TINY, 64, "float16")
+    tables = _Tables(profile, cluster, DEFAULT, "flash")
+    n = profile.num_layers
+    bounds, times = [(0, 2), (2, n)], [1e-3, 1e-3]
+    # One stage per group: the send crosses groups (12.5 GB/s between them).
+    link = p2p_time(profile.layers[1].boundary_bytes_per_sample * 4, cluster, range(0, 2),
+                    range(2, 4), DEFAULT)
+    assert link > 0
+    fill, period = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times, "1f1b")
+    assert fill == pytest.approx(2e-3 + 2 * link)
+    # Stage 0 keeps 2 micro-batches in flight around a loop of both stages and 2 sends.
+    assert period == pytest.approx(max(1e-3, (2e-3 + 2 * link) / 2))
+    fill_g, period_g = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times,
+                                         "gpipe")
+    assert fill_g == pytest.approx(fill) and period_g == pytest.approx(1e-3)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from ortools.sat.python import cp_model
 import models
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import topology
+from hetshard.cost.comm import p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import HetshardError, SpecError
@@ -297,10 +297,38 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
                         splits.append(res)
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
+                fill, bottleneck = pipeline_estimate(
+                    tables, names, r * cp * tp, mbs * r, bounds, times, opts.schedule)
                 out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remats[0],
-                                  tuple(bounds), tuple(names), float(sum(times)),
-                                  float(max(times)), cp, mixed))
+                                  tuple(bounds), tuple(names), fill, bottleneck, cp, mixed))
     return out
+
+
+def pipeline_estimate(tables: _Tables, stage_groups, stage_devices: int, samples: int,
+                      bounds, times, schedule: str) -> tuple[float, float]:
+    """(fill, period) of a pipeline: one micro-batch's time through all stages and back,
+    transfers included, and the steady-state time per micro-batch. Under 1F1B stage s
+    keeps ``p - s`` micro-batches in flight, each of which must travel the rest of the
+    pipeline and back (compute and both transfers of every later boundary) before the
+    stage can take another: the period is at least that loop over ``p - s``, besides the
+    slowest stage. Transfers are priced like the simulator's (``p2p_time``)."""
+    cluster, profile = tables.cluster, tables.profile
+    p = len(times)
+    starts: dict[str, int] = {}
+    devices = []
+    for g in stage_groups:
+        first = cluster.group_device_ids(g).start + starts.get(g, 0)
+        starts[g] = starts.get(g, 0) + stage_devices
+        devices.append(range(first, first + stage_devices))
+    links = [p2p_time(profile.layers[bounds[s][1] - 1].boundary_bytes_per_sample * samples,
+                      cluster, devices[s], devices[s + 1], tables.cal) for s in range(p - 1)]
+    fill = float(sum(times) + 2 * sum(links))
+    period = float(max(times))
+    if schedule == "1f1b":
+        for s in range(p):
+            loop = sum(times[s:]) + 2 * sum(links[s:])
+            period = max(period, loop / (p - s))
+    return fill, period
 
 
 def _same(a, b) -> bool:
