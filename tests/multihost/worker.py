@@ -168,26 +168,8 @@ def main(mode: str) -> int:
                         fix=parse_fix("dp=8,tp=1,pp=1"), dtype="float32")
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
-    model = models.build(MODEL, rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-
-    @hetshard.jit(cluster=cluster, plan=plan)
-    def step(model, optimizer, batch):
-        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-    losses = [float(step(model, opt, batches[i % 2])) for i in range(3)]
-    ref_model = models.build(MODEL, rngs=0)
-    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
-
-    @nnx.jit
-    def ref(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-    local = jax.local_devices()[0]
-    with jax.default_device(local):
-        want = [float(ref(ref_model, ref_opt, batches[i % 2])) for i in range(3)]
+    losses, _ = _train(MODEL, loss_fn, cluster, plan, batches, 3)
+    want, _ = _train(MODEL, loss_fn, None, None, batches, 3)
     print("LOSSES", json.dumps(losses), flush=True)
     print("REF", json.dumps(want), flush=True)
     # No plan given: every process plans the same way (checked by fingerprint) and runs it.
