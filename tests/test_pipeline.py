@@ -226,11 +226,10 @@ def test_stacked_copies_and_shard_to_shard_hop():
     """The cross-process paths' building blocks, run within one process: congruent
     copies concatenate into one array on the stacked mesh without copies; the hop moves
     every shard to its counterpart; a scalar travels as shape (1,)."""
-    import sys
-
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    moves = sys.modules["hetshard.collectives.transfer"]
+
+    from hetshard.collectives import moves
     assert moves.stacked("hop", P("data", "tensor")) == P(("hop", "data"), "tensor")
     assert moves.stacked("hop", P(None, "tensor")) == P("hop", "tensor")
     assert moves.stacked("hop", P(("data", "fsdp"))) == P(("hop", "data", "fsdp"))

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from hetshard.collectives.transfer import processes, same_layout, stacked, transfer
+from hetshard.collectives.moves import processes, same_layout, stacked, transfer
 
 AXIS = "pipelines"
 
