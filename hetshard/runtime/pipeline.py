@@ -5,8 +5,8 @@ What one step does (``PipelineRunner.step``):
 1. Each pipeline takes its batch share, cut into micro-batches.
 2. Stage programs (``hetshard.rewrite.pipeline``) run forward and backward per
    micro-batch under the pipeline's schedule (1F1B or GPipe), each jitted on its
-   stage's mesh; activations go forward and cotangents back with ``jax.device_put`` to
-   the receiving stage's sharding; each backward is seeded with ``mbs / global_batch``
+   stage's mesh; activations go forward and cotangents back to the receiving stage's
+   sharding (``hetshard.collectives.transfer``); each backward is seeded with ``mbs / global_batch``
    so the summed gradients are the global-batch mean gradient (the loss must be a mean
    over samples); gradients accumulate per stage over micro-batches.
 3. A parameter read by several stages of a pipeline (tied embeddings) has its
@@ -23,6 +23,13 @@ What one step does (``PipelineRunner.step``):
 
 Dispatch is asynchronous: the host enqueues every task of the step in schedule order
 and only the caller's loss check waits for the result.
+
+Across ``jax.distributed`` processes every process walks the same schedule: it runs the
+tasks of the stages on its devices (a stage whose mesh spans processes runs on each of
+them) and joins each transfer into or out of them, so every pair of processes issues
+its cross-process collectives in the same order. The state handed back holds real
+arrays for the leaves this process's stages own and data-less global arrays for the
+others.
 """
 
 from __future__ import annotations
