@@ -268,7 +268,9 @@ def test_optimizer_coupling_stages_is_refused_with_the_fix():
         _train("gpt-tiny", lm_loss, batches, 1, tx, plan)
 
 
-def test_loss_arguments_computed_in_the_step_are_refused():
+def _two_stage_call(value_and_grad, shift=0):
+    """One call of a step under a 2-stage plan, its loss taken with ``value_and_grad`` on
+    the batch (tokens shifted by ``shift`` inside the step when nonzero)."""
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
                                        8, 4, 2)])
     model = models.build("gpt-tiny", rngs=0)
@@ -276,26 +278,20 @@ def test_loss_arguments_computed_in_the_step_are_refused():
 
     @hetshard.jit(cluster=CLUSTER, plan=plan)
     def step(model, optimizer, batch):
-        shifted = {"tokens": batch["tokens"] + 1, "targets": batch["targets"]}
-        loss, grads = hetshard.value_and_grad(lm_loss)(model, shifted)
+        if shift:
+            batch = {"tokens": batch["tokens"] + shift, "targets": batch["targets"]}
+        loss, grads = value_and_grad(lm_loss)(model, batch)
         optimizer.update(model, grads)
         return loss
 
+    return step(model, opt, _batches("gpt-tiny")[0])
+
+
+def test_loss_arguments_computed_in_the_step_are_refused():
     with pytest.raises(PipelineSetupError, match="computed inside the step"):
-        step(model, opt, _batches("gpt-tiny")[0])
+        _two_stage_call(hetshard.value_and_grad, shift=1)
 
 
 def test_pipeline_plan_needs_hetshard_value_and_grad():
-    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
-                                       8, 4, 2)])
-    model = models.build("gpt-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-
-    @hetshard.jit(cluster=CLUSTER, plan=plan)
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
     with pytest.raises(hetshard.PlanNotExecutableError, match="hetshard.value_and_grad"):
-        step(model, opt, _batches("gpt-tiny")[0])
+        _two_stage_call(nnx.value_and_grad)

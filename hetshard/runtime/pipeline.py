@@ -58,7 +58,7 @@ from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
 from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
-from hetshard.sim.simulator import schedule_order
+from hetshard.sim.simulator import schedule_walk
 
 
 class PipelineSetupError(HetshardError, ValueError):
@@ -472,9 +472,6 @@ class PipelineRunner:
         vjps: dict = {}
         acc: list = [None] * n
         loss_acc: dict = {}
-        orders = [schedule_order(pipeline.schedule, n, s, m) for s in range(n)]
-        ptr = [0] * n
-        done: set = set()
 
         def act(v, mesh):
             return activation_sharding(v.aval.shape, mesh, mbs)
@@ -546,21 +543,8 @@ class PipelineRunner:
                     for v, c in zip(vs, got, strict=True):
                         cts[mb].setdefault(v, []).append(c)
 
-        remaining = sum(len(o) for o in orders)
-        while remaining:
-            progressed = False
-            for s in range(n):
-                while ptr[s] < len(orders[s]):
-                    kind, mb = orders[s][ptr[s]]
-                    if not ready(s, kind, mb, done, n):
-                        break
-                    (forward if kind == "F" else backward)(s, mb)
-                    done.add((kind, s, mb))
-                    ptr[s] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:  # a schedule bug, never user input
-                raise RuntimeError(f"pipeline {pi}: schedule deadlock at {ptr}")
+        for s, kind, mb in schedule_walk(pipeline.schedule, n, m):
+            (forward if kind == "F" else backward)(s, mb)
         # Tied parameters: gradients of read copies go to the owning stage.
         grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here
                  else dict.fromkeys(runs[s].program.params) for s in range(n)]
@@ -649,14 +633,6 @@ class PipelineRunner:
             return None
         k = len(self.loss_out_avals)
         return transfer(loss, self.loss_out_avals, [home] * k, [dst] * k)
-
-
-def ready(s, kind, mb, done, n) -> bool:
-    """Whether task (kind, s, mb) may run: its forward inputs or backward cotangents are
-    done (the same answer in every process: it reads the global schedule only)."""
-    if kind == "F":
-        return all(("F", j, mb) in done for j in range(s))
-    return ("F", s, mb) in done and all(("B", j, mb) in done for j in range(s + 1, n))
 
 
 def _samples_per_micro_batch(pipeline) -> int:

@@ -76,6 +76,33 @@ def inflight(schedule: str, p: int, s: int, m: int) -> int:
     return m if schedule == "gpipe" else min(p - s, m)
 
 
+def schedule_walk(schedule: str, p: int, m: int):
+    """Yields ``(stage, "F"|"B", micro_batch)`` for every task of one pipeline, each stage in
+    its ``schedule_order`` and every task after those it depends on (its forward input, or
+    the next stage's backward). The simulator prices tasks in this order and the runtime
+    dispatches them in it (every process the same)."""
+    orders = [schedule_order(schedule, p, s, m) for s in range(p)]
+    ptr, done = [0] * p, set()
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while ptr[s] < len(orders[s]):
+                kind, i = orders[s][ptr[s]]
+                if kind == "F":
+                    if s and ("F", s - 1, i) not in done:
+                        break
+                elif ("F", s, i) not in done or (s < p - 1 and ("B", s + 1, i) not in done):
+                    break
+                yield s, kind, i
+                done.add((kind, s, i))
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the schedules above
+            raise RuntimeError(f"pipeline schedule deadlocked at {ptr}")
+
+
 def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str):
     """Runs one pipeline's micro-batches; returns (events, per-stage finish times).
 
@@ -85,34 +112,18 @@ def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str):
     """
     p = len(fwd_s)
     done: dict[tuple[str, int, int], float] = {}
-    orders = [schedule_order(schedule, p, s, m) for s in range(p)]
-    ptr, free, events = [0] * p, [0.0] * p, []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            while ptr[s] < len(orders[s]):
-                kind, i = orders[s][ptr[s]]
-                if kind == "F":
-                    dep = 0.0 if s == 0 else done.get(("F", s - 1, i))
-                    if dep is None:
-                        break
-                    ready, dur = dep + (sends_s[s - 1] if s else 0.0), fwd_s[s]
-                else:
-                    own = done.get(("F", s, i))
-                    nxt = own if s == p - 1 else done.get(("B", s + 1, i))
-                    if own is None or nxt is None:
-                        break
-                    ready = max(own, nxt + (sends_s[s] if s < p - 1 else 0.0))
-                    dur = bwd_s[s]
-                start = max(free[s], ready)
-                done[(kind, s, i)] = free[s] = start + dur
-                events.append((s, kind, i, start, start + dur))
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the schedules above
-            raise RuntimeError("pipeline schedule deadlocked")
+    free, events = [0.0] * p, []
+    for s, kind, i in schedule_walk(schedule, p, m):
+        if kind == "F":
+            dep = 0.0 if s == 0 else done[("F", s - 1, i)]
+            ready, dur = dep + (sends_s[s - 1] if s else 0.0), fwd_s[s]
+        else:
+            own = done[("F", s, i)]
+            nxt = own if s == p - 1 else done[("B", s + 1, i)]
+            ready, dur = max(own, nxt + (sends_s[s] if s < p - 1 else 0.0)), bwd_s[s]
+        start = max(free[s], ready)
+        done[(kind, s, i)] = free[s] = start + dur
+        events.append((s, kind, i, start, start + dur))
     return events, free
 
 
