@@ -4,9 +4,12 @@ A plan for one step of global batch ``B`` (see DESIGN.md, "The plan model"):
 ``pipelines`` are data-parallel replicas, possibly different from each other,
 each with a ``batch_share`` (shares sum to B), micro-batch size and count, and
 ``stages``: contiguous layer ranges on submeshes of one GPU type with a named
-mesh shape. ``grad_sync`` says which devices sum which layers' gradients;
-``context`` gives per-device sequence chunks; ``predicted`` and ``solver`` record
-what the simulator and solver said. Plans serialise to versioned JSON.
+mesh shape. With ``virtual_stages = v > 1`` a pipeline's ``p * v`` stages run on
+``p`` submeshes, stage ``j`` on the submesh of stage ``j mod p`` (interleaved
+pipelining, as Megatron-LM's virtual pipeline stages). ``grad_sync`` says which
+devices sum which layers' gradients; ``context`` gives per-device sequence chunks;
+``predicted`` and ``solver`` record what the simulator and solver said. Plans
+serialise to versioned JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1).
+READS_VERSIONS = (1, 2)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -54,10 +59,19 @@ class Pipeline:
     micro_batch_size: int
     num_micro_batches: int
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per submesh (interleaved when > 1)
+
+    @property
+    def num_workers(self) -> int:
+        """Submeshes the pipeline runs on (``len(stages) / virtual_stages``)."""
+        return len(self.stages) // max(1, self.virtual_stages)
+
+    def worker_of(self, stage: int) -> int:
+        return stage % self.num_workers
 
     @property
     def devices(self) -> tuple[int, ...]:
-        return tuple(d for s in self.stages for d in s.devices)
+        return tuple(d for s in self.stages[:self.num_workers] for d in s.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +149,13 @@ class Plan:
     def from_dict(cls, d: dict, *, source: str = "plan") -> Plan:
         if not isinstance(d, dict):
             raise SpecError("plan", type(d).__name__, "a JSON object", where=source)
-        if d.get("version") != SCHEMA_VERSION:
+        if d.get("version") not in READS_VERSIONS:
             raise SpecError("version", d.get("version"),
-                            f"{SCHEMA_VERSION} (this hetshard's plan schema)", where=source)
+                            f"one of {READS_VERSIONS} (this hetshard's plan schemas)",
+                            where=source)
         try:
-            return _from(cls, d)
+            # Version 1 had no virtual stages: its plans read unchanged (v = 1).
+            return _from(cls, {**d, "version": SCHEMA_VERSION})
         except (TypeError, KeyError) as e:
             raise SpecError("plan", "malformed", f"a plan of schema {SCHEMA_VERSION} ({e})",
                             where=source) from None
@@ -169,8 +185,10 @@ class Plan:
                f"{'devices':>16} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} {'mem GB':>7}")
         lines.append(hdr)
         for i, p in enumerate(self.pipelines):
+            inter = (f", interleaved: {p.virtual_stages} stages per submesh"
+                     if p.virtual_stages > 1 else "")
             lines.append(f"  pipeline {i}: batch share {p.batch_share}, {p.num_micro_batches} "
-                         f"micro-batches of {p.micro_batch_size}, {p.schedule}")
+                         f"micro-batches of {p.micro_batch_size}, {p.schedule}{inter}")
             for j, s in enumerate(p.stages):
                 mesh = "x".join(f"{a}={n}" for a, n in s.mesh_shape)
                 devs = _ranges(s.devices)
@@ -221,6 +239,7 @@ def validate(plan: Plan) -> None:
         if not p.stages or p.stages[0].start != 0:
             raise SpecError(f"pipelines[{i}].stages[0].start",
                             p.stages[0].start if p.stages else None, "0")
+        _check_virtual(p, i)
         for j, s in enumerate(p.stages):
             if j and s.start != p.stages[j - 1].end:
                 raise SpecError(f"pipelines[{i}].stages[{j}].start", s.start,
@@ -236,6 +255,8 @@ def validate(plan: Plan) -> None:
             if size != len(s.devices):
                 raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
                                 f"a shape whose product is its {len(s.devices)} devices")
+            if j >= p.num_workers:
+                continue  # a later virtual stage on stage j mod p's submesh (checked above)
             dup = seen.intersection(s.devices)
             if dup:
                 raise SpecError(f"pipelines[{i}].stages[{j}].devices", sorted(dup)[:4],
@@ -245,6 +266,30 @@ def validate(plan: Plan) -> None:
     if len(ends) != 1:
         raise SpecError("pipelines[*].stages[-1].end", sorted(ends),
                         "every pipeline covering the same layers")
+
+
+def _check_virtual(p: Pipeline, i: int) -> None:
+    """Interleaved pipelines: ``p * v`` stages, stage j on stage (j mod p)'s submesh."""
+    v = p.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise SpecError(f"pipelines[{i}].virtual_stages", v, "a positive integer")
+    if v == 1:
+        return
+    n = len(p.stages)
+    if n % v or n // v < 2:
+        raise SpecError(f"pipelines[{i}].virtual_stages", v,
+                        f"a divisor of the pipeline's {n} stages leaving at least 2 submeshes")
+    w = n // v
+    if p.num_micro_batches % w:
+        raise SpecError(f"pipelines[{i}].num_micro_batches", p.num_micro_batches,
+                        f"a multiple of the {w} submeshes (interleaved schedules run "
+                        f"micro-batches in groups of one per submesh)")
+    for j in range(w, n):
+        a, b = p.stages[j % w], p.stages[j]
+        if (a.devices, a.mesh_shape, a.gpu) != (b.devices, b.mesh_shape, b.gpu):
+            raise SpecError(f"pipelines[{i}].stages[{j}].devices", list(b.devices),
+                            f"stage {j % w}'s devices {list(a.devices)}, mesh and GPU "
+                            f"(virtual stage {j // w} of submesh {j % w})")
 
 
 def _data_ways(p: Pipeline) -> int:

@@ -164,6 +164,19 @@ def test_gpipe_schedule_and_flash_attention_in_stages():
     _assert_matches_one_device("gpt-tiny", plan, steps=2)
 
 
+def test_interleaved_schedule_two_stages_per_submesh():
+    # Megatron-style virtual stages: stages 0 and 2 on the A100s, 1 and 3 on the V100s;
+    # the tied embedding's head copy sits on the other submesh's second stage.
+    a, v = ((2, 3), A), ((4, 5), V)
+    plan = _plan("gpt-tiny", [Pipeline(tuple(
+        _stage(j, j + 1, *(a if j % 2 == 0 else v)) for j in range(4)), 8, 1, 4,
+        virtual_stages=2)])
+    step = _assert_matches_one_device("gpt-tiny", plan)
+    runner = next(iter(step._compiled.values()))[1]
+    assert [sorted(d.id for d in r.mesh.devices.flat) for r in runner.runs[0]] == \
+        [[2, 3], [4, 5], [2, 3], [4, 5]]
+
+
 def test_two_pipelines_with_shares_5_3_and_different_layer_splits():
     fast = Pipeline((_stage(0, 1, (0,), H), _stage(1, 4, (1,), H)), 5, 1, 5)
     slow = Pipeline((_stage(0, 3, (4, 5, 6), V, data=1, tensor=3), _stage(3, 4, (7,), V)),

@@ -13,6 +13,7 @@ import models
 from hetshard import cache
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_model
+from hetshard.plan import SCHEMA_VERSION
 from hetshard.solver.shardings import attach_shardings
 from hetshard.solver.uniform import parse_fix, uniform_plan
 from models import data, losses
@@ -104,7 +105,7 @@ def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     cache.clear_memory()
     with pytest.warns(UserWarning, match="corrupted"):
         _run(time_limit_s=10, dtype="float32", steps=1, tx="adamw")
-    assert json.loads(files[0].read_text())["plan"]["version"] == 1
+    assert json.loads(files[0].read_text())["plan"]["version"] == SCHEMA_VERSION
 
 
 def test_pinned_plan_from_json_and_bad_batches(tmp_path):

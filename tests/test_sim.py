@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,15 @@ from hetshard.cost.profile import profile_model
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverStats, Stage
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
-from hetshard.sim.simulator import annotate, inflight, run_pipeline, schedule_order
+from hetshard.sim.simulator import (
+    annotate,
+    inflight,
+    run_pipeline,
+    schedule_order,
+    schedule_walk,
+    worker_memory,
+    worker_order,
+)
 from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
@@ -28,6 +37,49 @@ def test_equal_stages_take_m_plus_p_minus_1_slots(schedule, p, m):
     for s in range(p):
         spans = sorted((a, b) for st_, _, _, a, b in events if st_ == s)
         assert all(b1 <= a2 + 1e-12 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6),
+                                   (4, 3, 12), (4, 2, 16)])
+def test_interleaved_stages_cut_the_bubble_by_v(schedule, p, v, m):
+    # Megatron-LM (Narayanan et al. 2021, sec. 2.2): v stages per submesh, each 1/v of the
+    # work, shrink the bubble from (p - 1) to (p - 1) / v slots of (tf + tb).
+    tf, tb, n = 1.0 / v, 2.0 / v, p * v
+    events, free = run_pipeline([tf] * n, [tb] * n, [0.0] * (n - 1), m, schedule, v)
+    assert max(free) == pytest.approx((m + (p - 1) / v) * 3.0)
+    assert len(events) == 2 * n * m
+    for w in range(p):  # a submesh runs one task at a time, across its stages
+        spans = sorted((a, b) for st_, _, _, a, b in events if st_ % p == w)
+        assert all(b1 <= a2 + 1e-12 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False))
+    # Every task runs after its inputs: the walk is a topological order.
+    seen = set()
+    for s_, kind, i in schedule_walk(schedule, n, m, v):
+        if kind == "F" and s_:
+            assert ("F", s_ - 1, i) in seen
+        if kind == "B":
+            assert ("F", s_, i) in seen and (s_ == n - 1 or ("B", s_ + 1, i) in seen)
+        seen.add((kind, s_, i))
+
+
+def test_interleaved_order_and_memory_in_flight():
+    # Submesh 0 of 2 with 2 stages each (stages 0 and 2), 4 micro-batches: groups of p=2
+    # micro-batches per stage, 2 (p - 1) + (v - 1) p = 4 warm-up forwards.
+    order = worker_order("1f1b", 2, 0, 4, 2)
+    assert order[:5] == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2)]
+    assert order[5] == ("B", 2, 0)  # backwards start from the submesh's last stage
+    assert sorted(order) == sorted((k, s, i) for k in "FB" for s in (0, 2) for i in range(4))
+
+    @dataclasses.dataclass
+    class Cost:  # static 10 per stage, 1 per micro-batch in flight, working set 0.5
+        memory_static_bytes: float = 10.0
+        memory_per_microbatch_bytes: float = 1.0
+        memory_working_bytes: float = 0.5
+    costs = [Cost()] * 4
+    assert worker_memory("1f1b", 2, 0, 4, 2, costs) == 20 + 5 + 0.5  # 4 warm-up + 1
+    assert worker_memory("gpipe", 2, 0, 4, 2, costs) == 20 + 8 + 0.5  # everything
+    # One stage per submesh: the classic 1F1B count p - s.
+    assert worker_memory("1f1b", 4, 1, 8, 1, [Cost()] * 4) == 10 + 3 + 0.5
 
 
 def test_transfers_delay_the_pipeline():
@@ -123,6 +175,28 @@ def test_simulate_cli_json(capsys, tmp_path):
     assert "dp*tp*pp*cp=3" in capsys.readouterr().err
 
 
+def test_simulate_interleaved_fix(capsys):
+    # 8 blocks on 2 submeshes x 2 virtual stages, 8 micro-batches: a smaller bubble
+    # (a model big enough for compute, not transfer latency, to fill the step).
+    def run(fix):
+        assert main(["simulate", "--model", "gpt:layers=8,hidden=2048,heads=16,vocab=1024,seq=1024",
+                     "--cluster", "dgx-a100-80gb-x8", "--global-batch", "32", "--seq-len",
+                     "1024", "--fix", fix,
+                     "--json", "-"]) == 0
+        return json.loads(capsys.readouterr().out)
+    plain, inter = run("dp=4,tp=1,pp=2,mbs=1"), run("dp=4,tp=1,pp=2,mbs=1,vpp=2")
+    pipe = Plan.from_dict(inter["plan"]).pipelines[0]
+    assert (pipe.virtual_stages, len(pipe.stages)) == (2, 4)
+    assert pipe.stages[0].devices == pipe.stages[2].devices != pipe.stages[1].devices
+    assert inter["bubble_fraction"] < plain["bubble_fraction"]
+    for fix, match in (("dp=4,pp=2,mbs=4,vpp=2", "vpp=2.*the 1 micro-batches"),
+                       ("dp=8,pp=1,vpp=2", "vpp=2.*pp > 1"),
+                       ("dp=2,pp=4,mbs=1,vpp=2", "pp\\*vpp=8.*4 blocks")):
+        assert main(["simulate", "--model", SPEC, "--cluster", "dgx-a100-80gb-x8",
+                     "--global-batch", "16", "--fix", fix]) == 2
+        assert re.search(match, capsys.readouterr().err), fix
+
+
 # ---- Plan schema ----------------------------------------------------------------------
 
 @st.composite
@@ -131,23 +205,28 @@ def plans(draw):
     layers = draw(st.integers(2, 12))
     pipes, next_dev = [], 0
     for _ in range(n_pipes):
-        n_stages = draw(st.integers(1, min(4, layers)))
-        cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=n_stages - 1,
-                                   max_size=n_stages - 1)))
+        # v = 2: interleaved, the submeshes of the first k stages again for k more.
+        v = draw(st.sampled_from([1, 2])) if layers >= 4 else 1
+        k = draw(st.integers(2 if v == 2 else 1, min(4, layers // v)))
+        cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=k * v - 1,
+                                   max_size=k * v - 1)))
         bounds = list(zip([0] + cuts, cuts + [layers], strict=True))
         dp = draw(st.integers(1, 2))
         tp = draw(st.sampled_from([1, 2]))
         stages = []
-        for a, b in bounds:
-            devs = tuple(range(next_dev, next_dev + dp * tp))
-            next_dev += dp * tp
-            stages.append(Stage(a, b, devs, draw(st.sampled_from(["A100-80GB", "V100-16GB"])),
-                                (("data", dp), ("tensor", tp)),
+        for j, (a, b) in enumerate(bounds):
+            if j < k:
+                devs = tuple(range(next_dev, next_dev + dp * tp))
+                next_dev += dp * tp
+                gpu = draw(st.sampled_from(["A100-80GB", "V100-16GB"]))
+            else:
+                devs, gpu = stages[j - k].devices, stages[j - k].gpu
+            stages.append(Stage(a, b, devs, gpu, (("data", dp), ("tensor", tp)),
                                 draw(st.sampled_from(["none", "selective", "full"])),
                                 predicted_fwd_s=draw(st.floats(0, 10))))
-        mbs, m = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+        mbs, m = draw(st.integers(1, 4)), draw(st.integers(1, 8)) * (k if v > 1 else 1)
         pipes.append(Pipeline(tuple(stages), mbs * m * dp, mbs, m,
-                              draw(st.sampled_from(["1f1b", "gpipe"]))))
+                              draw(st.sampled_from(["1f1b", "gpipe"])), v))
     gb = sum(p.batch_share for p in pipes)
     return Plan(model="gpt-tiny", cluster={"name": "x"}, global_batch=gb, seq_len=64,
                 pipelines=tuple(pipes),
@@ -191,6 +270,26 @@ def test_plan_validation_and_load_errors(tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(SpecError, match="version=99"):
         Plan.load(path)
+    # Schema 1 (no virtual stages) still reads, as one stage per submesh.
+    old = plan.to_dict()
+    old["version"] = 1
+    del old["pipelines"][0]["virtual_stages"]
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == plan
+    two = (Stage(0, 1, (0,), "A100-80GB", (("data", 1),)),
+           Stage(1, 2, (1,), "A100-80GB", (("data", 1),)))
+    inter = Pipeline(two + (dataclasses.replace(two[0], start=2, end=3),
+                            dataclasses.replace(two[1], start=3, end=4)), 4, 1, 4,
+                     virtual_stages=2)
+    assert Plan("gpt-tiny", {}, 4, 64, (inter,)).num_devices == 2
+    with pytest.raises(SpecError, match=r"stages\[3\].devices.*stage 1's devices"):
+        Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, stages=inter.stages[:3] + (
+            dataclasses.replace(inter.stages[3], devices=(2,)),)),))
+    with pytest.raises(SpecError, match="num_micro_batches=3.*multiple of the 2"):
+        Plan("gpt-tiny", {}, 3, 64, (dataclasses.replace(inter, batch_share=3,
+                                                         num_micro_batches=3),))
+    with pytest.raises(SpecError, match="virtual_stages=3"):
+        Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, virtual_stages=3),))
     path.write_text("{bad json")
     with pytest.raises(SpecParseError, match="line 1"):
         Plan.load(path)

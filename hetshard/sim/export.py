@@ -11,21 +11,24 @@ _COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "opt": "#8172b3"}
 
 
 def chrome_trace(result: SimResult) -> dict:
-    """Trace Event Format: one process per pipeline, one thread per stage, times in us."""
+    """Trace Event Format: one process per pipeline, one thread per submesh (its stages'
+    tasks; one stage per submesh unless interleaved), times in us."""
     events = []
     for t in result.tasks:
         name = t.kind if t.micro_batch < 0 else f"{t.kind}{t.micro_batch}"
+        if t.stage != t.worker:
+            name += f" s{t.stage}"
         events.append({"name": name, "cat": t.kind, "ph": "X", "pid": t.pipeline,
-                       "tid": t.stage, "ts": t.start_s * 1e6,
+                       "tid": t.worker, "ts": t.start_s * 1e6,
                        "dur": max(t.end_s - t.start_s, 0.0) * 1e6,
-                       "args": {"micro_batch": t.micro_batch}})
+                       "args": {"micro_batch": t.micro_batch, "stage": t.stage}})
     pipes = sorted({t.pipeline for t in result.tasks})
     for p in pipes:
         events.append({"name": "process_name", "ph": "M", "pid": p,
                        "args": {"name": f"pipeline {p}"}})
-        for s in sorted({t.stage for t in result.tasks if t.pipeline == p}):
-            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": s,
-                           "args": {"name": f"stage {s}"}})
+        for w in sorted({t.worker for t in result.tasks if t.pipeline == p}):
+            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": w,
+                           "args": {"name": f"submesh {w}"}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -38,14 +41,14 @@ def write_timeline_png(result: SimResult, path: str | os.PathLike, title: str = 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = sorted({(t.pipeline, t.stage) for t in result.tasks})
+    rows = sorted({(t.pipeline, t.worker) for t in result.tasks})
     index = {r: i for i, r in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
     for t in result.tasks:
-        y = index[(t.pipeline, t.stage)]
+        y = index[(t.pipeline, t.worker)]
         ax.barh(y, (t.end_s - t.start_s) * 1e3, left=t.start_s * 1e3, height=0.8,
                 color=_COLORS[t.kind], edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(rows)), [f"p{p} s{s}" for p, s in rows])
+    ax.set_yticks(range(len(rows)), [f"p{p} w{w}" for p, w in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title or f"step {result.step_time_s * 1e3:.1f} ms, "

@@ -1,8 +1,9 @@
 """Event-driven simulation of one training step of a :class:`~hetshard.plan.Plan`.
 
-Each pipeline stage is a worker that runs forward (F) and backward (B)
-micro-batch tasks in its schedule's order (GPipe: all F then all B; 1F1B:
-``p - s - 1`` warm-up forwards, then one F / one B, then the cool-down Bs).
+Each pipeline submesh is a worker that runs forward (F) and backward (B)
+micro-batch tasks of its stages in its schedule's order (GPipe: all F then all B;
+1F1B: ``p - s - 1`` warm-up forwards, then one F / one B, then the cool-down Bs;
+interleaved 1F1B when a submesh holds several stages, see ``worker_order``).
 A task starts when its worker is free and its input has arrived: F(s, i) needs
 F(s-1, i) plus the activation's point-to-point transfer; B(s, i) needs
 B(s+1, i) plus the cotangent's transfer, and F(s, i). Transfers are delays on
@@ -33,6 +34,7 @@ class Task:
     micro_batch: int
     start_s: float
     end_s: float
+    worker: int = 0  # the pipeline's submesh running it (== stage unless interleaved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,75 +58,126 @@ class SimResult:
                 "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
 
 
-def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
-    """The order in which stage ``s`` of ``p`` runs its ``m`` micro-batches."""
+def worker_order(schedule: str, p: int, w: int, m: int,
+                 v: int = 1) -> list[tuple[str, int, int]]:
+    """``(kind, stage, micro_batch)`` in the order submesh ``w`` of ``p`` runs its tasks
+    when each submesh holds ``v`` stages (stage ``c * p + w`` is its c-th).
+
+    GPipe: every forward, then every backward. 1F1B with ``v = 1``: ``p - w - 1``
+    warm-up forwards, then one forward / one backward, then the cool-down backwards.
+    Interleaved 1F1B (``v > 1``, Megatron-LM's schedule; ``m`` a multiple of ``p``):
+    forwards go through the submesh's stages in groups of ``p`` micro-batches (stage
+    ``w`` for micro-batches 0..p-1, then stage ``p + w`` for the same ones, ...),
+    backwards likewise from the last stage down, with ``2 (p - w - 1) + (v - 1) p``
+    warm-up forwards.
+    """
+    n_tasks = m * v
+
+    def task(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk * p + w, group * p + within % p
+
+    if v == 1:
+        fwds = [(w, i) for i in range(m)]
+        bwds = fwds
+        warm = min(p - w - 1, m)
+    else:
+        fwds = [task(k, False) for k in range(n_tasks)]
+        bwds = [task(k, True) for k in range(n_tasks)]
+        warm = min(2 * (p - w - 1) + (v - 1) * p, n_tasks)
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(p - s - 1, m)
-    order = [("F", i) for i in range(warm)]
+        return [("F", *t) for t in fwds] + [("B", *t) for t in bwds]
+    order = [("F", *t) for t in fwds[:warm]]
     f, b = warm, 0
-    while f < m:
-        order += [("F", f), ("B", b)]
+    while f < n_tasks:
+        order += [("F", *fwds[f]), ("B", *bwds[b])]
         f += 1
         b += 1
-    order += [("B", i) for i in range(b, m)]
+    order += [("B", *t) for t in bwds[b:]]
     return order
 
 
+def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
+    """The order in which stage ``s`` of ``p`` (one stage per submesh) runs its ``m``
+    micro-batches."""
+    return [(kind, i) for kind, _, i in worker_order(schedule, p, s, m)]
+
+
 def inflight(schedule: str, p: int, s: int, m: int) -> int:
-    """Micro-batches whose activations stage ``s`` holds at once."""
+    """Micro-batches whose activations stage ``s`` holds at once (one stage per submesh)."""
     return m if schedule == "gpipe" else min(p - s, m)
 
 
-def schedule_walk(schedule: str, p: int, m: int):
-    """Yields ``(stage, "F"|"B", micro_batch)`` for every task of one pipeline, each stage in
-    its ``schedule_order`` and every task after those it depends on (its forward input, or
-    the next stage's backward). The simulator prices tasks in this order and the runtime
-    dispatches them in it (every process the same)."""
-    orders = [schedule_order(schedule, p, s, m) for s in range(p)]
+def schedule_walk(schedule: str, n: int, m: int, v: int = 1):
+    """Yields ``(stage, "F"|"B", micro_batch)`` for every task of one pipeline of ``n``
+    stages on ``n / v`` submeshes, each submesh in its ``worker_order`` and every task after
+    those it depends on (its forward input, or the next stage's backward). The simulator
+    prices tasks in this order and the runtime dispatches them in it (every process the
+    same)."""
+    p = n // v
+    orders = [worker_order(schedule, p, w, m, v) for w in range(p)]
     ptr, done = [0] * p, set()
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for s in range(p):
-            while ptr[s] < len(orders[s]):
-                kind, i = orders[s][ptr[s]]
+        for w in range(p):
+            while ptr[w] < len(orders[w]):
+                kind, s, i = orders[w][ptr[w]]
                 if kind == "F":
                     if s and ("F", s - 1, i) not in done:
                         break
-                elif ("F", s, i) not in done or (s < p - 1 and ("B", s + 1, i) not in done):
+                elif ("F", s, i) not in done or (s < n - 1 and ("B", s + 1, i) not in done):
                     break
                 yield s, kind, i
                 done.add((kind, s, i))
-                ptr[s] += 1
+                ptr[w] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for the schedules above
             raise RuntimeError(f"pipeline schedule deadlocked at {ptr}")
 
 
-def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str):
-    """Runs one pipeline's micro-batches; returns (events, per-stage finish times).
+def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1):
+    """Runs one pipeline's micro-batches; returns (events, per-submesh finish times).
 
     ``fwd_s[s]``/``bwd_s[s]``: one micro-batch's forward/backward time on stage s;
-    ``sends_s[s]``: transfer time between stage s and s+1 (both directions).
+    ``sends_s[s]``: transfer time between stage s and s+1 (both directions); stage s runs
+    on submesh ``s mod (len(fwd_s) / v)``, one task at a time.
     Events are ``(stage, "F"|"B", micro_batch, start_s, end_s)``.
     """
-    p = len(fwd_s)
+    n = len(fwd_s)
+    p = n // v
     done: dict[tuple[str, int, int], float] = {}
     free, events = [0.0] * p, []
-    for s, kind, i in schedule_walk(schedule, p, m):
+    for s, kind, i in schedule_walk(schedule, n, m, v):
         if kind == "F":
             dep = 0.0 if s == 0 else done[("F", s - 1, i)]
             ready, dur = dep + (sends_s[s - 1] if s else 0.0), fwd_s[s]
         else:
             own = done[("F", s, i)]
-            nxt = own if s == p - 1 else done[("B", s + 1, i)]
-            ready, dur = max(own, nxt + (sends_s[s] if s < p - 1 else 0.0)), bwd_s[s]
-        start = max(free[s], ready)
-        done[(kind, s, i)] = free[s] = start + dur
+            nxt = own if s == n - 1 else done[("B", s + 1, i)]
+            ready, dur = max(own, nxt + (sends_s[s] if s < n - 1 else 0.0)), bwd_s[s]
+        w = s % p
+        start = max(free[w], ready)
+        done[(kind, s, i)] = free[w] = start + dur
         events.append((s, kind, i, start, start + dur))
     return events, free
+
+
+def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs) -> float:
+    """Peak bytes per device of submesh ``w``: its stages' static memory, the activations
+    its schedule keeps in flight at the worst moment, and the largest working set.
+    ``costs[s]`` is stage s's StageCost."""
+    live = peak = 0.0
+    for kind, s, _ in worker_order(schedule, p, w, m, v):
+        live += costs[s].memory_per_microbatch_bytes * (1 if kind == "F" else -1)
+        peak = max(peak, live)
+    mine = costs[w::p]
+    return (sum(c.memory_static_bytes for c in mine) + peak +
+            max(c.memory_working_bytes for c in mine))
 
 
 def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
@@ -163,35 +216,45 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     tasks: list[Task] = []
     stage_end: dict[tuple[int, int], float] = {}
     last_b_start: dict[tuple[int, int], float] = {}
+    last_b_end: dict[tuple[int, int], float] = {}
     busy: dict[int, float] = {}
     mem: dict[int, float] = {}
     for pi, pipe in enumerate(plan.pipelines):
-        p, m = len(pipe.stages), pipe.num_micro_batches
-        act = [c for c in costs[pi]]
+        n, m, v = len(pipe.stages), pipe.num_micro_batches, pipe.virtual_stages
+        p = n // v
+        act = costs[pi]
         sends = []
-        for s in range(p - 1):
+        for s in range(n - 1):
             a, b = pipe.stages[s], pipe.stages[s + 1]
             nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
                 pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
             sends.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
         events, free = run_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
-                                    pipe.schedule)
+                                    pipe.schedule, v)
         for s_, kind, i, start, end in events:
-            tasks.append(Task(pi, s_, kind, i, start, end))
+            tasks.append(Task(pi, s_, kind, i, start, end, s_ % p))
             if kind == "B":
-                last_b_start[(pi, s_)] = start
-        for s in range(p):
-            stage_end[(pi, s)] = free[s]
-            st = pipe.stages[s]
-            n_inf = inflight(pipe.schedule, p, s, m)
-            for d in st.devices:
-                busy[d] = m * (act[s].fwd_s + act[s].bwd_s)
-                mem[d] = act[s].peak_memory(n_inf)
-    # Gradient synchronisation and optimizer step per stage.
+                last_b_start[(pi, s_)] = max(start, last_b_start.get((pi, s_), 0.0))
+                last_b_end[(pi, s_)] = max(end, last_b_end.get((pi, s_), 0.0))
+        for w in range(p):
+            peak = worker_memory(pipe.schedule, p, w, m, v, act)
+            work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
+            for d in pipe.stages[w].devices:
+                busy[d] = work
+                mem[d] = peak
+            for s in range(w, n, p):
+                stage_end[(pi, s)] = last_b_end[(pi, s)]
+    # Gradient synchronisation and optimizer step per stage. Stages sharing a submesh
+    # (interleaved) take its network one synchronisation at a time and its GPUs for the
+    # optimizer once their compute is done.
     step_end = 0.0
     for pi, pipe in enumerate(plan.pipelines):
+        p = pipe.num_workers
+        net_free = [0.0] * p
+        gpu_free = [max(stage_end[(pi, s)] for s in range(w, len(pipe.stages), p))
+                    for w in range(p)]
         for s, st in enumerate(pipe.stages):
-            c = costs[pi][s]
+            c, w = costs[pi][s], s % p
             partners = _sync_partners(plan, pi, st)
             if partners:
                 devices, holders, overlap = partners
@@ -203,13 +266,15 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 # with overlap, buckets start streaming when the last backward starts.
                 ends = [stage_end[k] for k in holders]
                 starts = [last_b_start.get(k, 0.0) for k in holders]
-                sync_ready = max(starts) if overlap else max(ends)
+                sync_ready = max(max(starts) if overlap else max(ends), net_free[w])
                 sync_end = max(sync_ready + t_sync, stage_end[(pi, s)])
-                tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end))
+                net_free[w] = sync_end
+                tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
             else:
                 sync_end = stage_end[(pi, s)]
-            opt_end = sync_end + c.optimizer_s
-            tasks.append(Task(pi, s, "opt", -1, sync_end, opt_end))
+            opt_start = max(sync_end, gpu_free[w])
+            gpu_free[w] = opt_end = opt_start + c.optimizer_s
+            tasks.append(Task(pi, s, "opt", -1, opt_start, opt_end, w))
             step_end = max(step_end, opt_end)
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch

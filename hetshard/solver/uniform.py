@@ -5,7 +5,9 @@ build on. Devices are laid out pipeline-stage-major, then data, context and
 tensor (innermost, so tensor-parallel groups stay inside a node when they fit),
 as Megatron-LM orders its ranks. Blocks are split evenly across stages; the
 embedding joins the first stage and the head the last. A stage whose devices mix
-GPU types runs at the slowest type's pace (one SPMD program).
+GPU types runs at the slowest type's pace (one SPMD program). With ``vpp = v > 1``
+the blocks are split into ``pp * v`` stages, stage ``j`` on submesh ``j mod pp``
+(Megatron-LM's interleaved schedule; micro-batches a multiple of ``pp``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hetshard.errors import SpecError
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
-            "remat": str, "schedule": str}
+            "remat": str, "schedule": str, "vpp": int}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -33,6 +35,7 @@ class Fix:
     mbs: int = 1
     remat: str = "none"
     schedule: str = "1f1b"
+    vpp: int = 1  # virtual stages per pipeline submesh (interleaved schedule when > 1)
 
 
 def parse_fix(text: str) -> Fix:
@@ -104,19 +107,30 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
     heads = config.text.heads if isinstance(config, models.MLLMConfig) else config.heads
     if heads % fix.tp:
         raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
-    bounds = stage_bounds(profile, fix.pp)
+    m = global_batch // (fix.dp * fix.mbs)
+    if fix.vpp > 1 and (fix.pp == 1 or m % fix.pp):
+        raise SpecError("--fix vpp", fix.vpp,
+                        f"1 unless pp > 1 and the {m} micro-batches (global batch / (dp*mbs)) "
+                        f"are a multiple of pp={fix.pp} (interleaved schedules take "
+                        f"micro-batches in groups of pp)")
+    try:
+        bounds = stage_bounds(profile, fix.pp * fix.vpp)
+    except SpecError:
+        blocks = sum(1 for layer in profile.layers if layer.kind.endswith("/block"))
+        raise SpecError("--fix pp" if fix.vpp == 1 else "--fix pp*vpp", fix.pp * fix.vpp,
+                        f"a divisor of the model's {blocks} blocks") from None
     per_stage = fix.dp * fix.cp * fix.tp
     stages = []
     for s, (a, b) in enumerate(bounds):
-        devices = tuple(range(s * per_stage, (s + 1) * per_stage))
+        w = s % fix.pp
+        devices = tuple(range(w * per_stage, (w + 1) * per_stage))
         gpus = sorted({cluster.gpu_of(d).name for d in devices})
         mesh = (("fsdp" if fix.fsdp else "data", fix.dp), ("context", fix.cp),
                 ("tensor", fix.tp))
         stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
                             mesh_shape=mesh, remat=fix.remat))
-    m = global_batch // (fix.dp * fix.mbs)
     pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,
-                    num_micro_batches=m, schedule=fix.schedule)
+                    num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
                 attention=attention)
