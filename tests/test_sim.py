@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_model
+from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverStats, Stage
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
@@ -70,16 +71,14 @@ def test_interleaved_order_and_memory_in_flight():
     assert order[5] == ("B", 2, 0)  # backwards start from the submesh's last stage
     assert sorted(order) == sorted((k, s, i) for k in "FB" for s in (0, 2) for i in range(4))
 
-    @dataclasses.dataclass
-    class Cost:  # static 10 per stage, 1 per micro-batch in flight, working set 0.5
-        memory_static_bytes: float = 10.0
-        memory_per_microbatch_bytes: float = 1.0
-        memory_working_bytes: float = 0.5
-    costs = [Cost()] * 4
+    # Static 10 per stage, 1 per micro-batch in flight, working set 0.5.
+    cost = StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, memory_static_bytes=10.0,
+                     memory_per_microbatch_bytes=1.0, memory_working_bytes=0.5)
+    costs = [cost] * 4
     assert worker_memory("1f1b", 2, 0, 4, 2, costs) == 20 + 5 + 0.5  # 4 warm-up + 1
     assert worker_memory("gpipe", 2, 0, 4, 2, costs) == 20 + 8 + 0.5  # everything
     # One stage per submesh: the classic 1F1B count p - s.
-    assert worker_memory("1f1b", 4, 1, 8, 1, [Cost()] * 4) == 10 + 3 + 0.5
+    assert worker_memory("1f1b", 4, 1, 8, 1, costs) == 10 + 3 + 0.5
 
 
 def test_transfers_delay_the_pipeline():

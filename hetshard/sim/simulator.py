@@ -17,6 +17,7 @@ bucketing does. Step time is the latest finish over all stages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
@@ -117,27 +118,38 @@ def schedule_walk(schedule: str, n: int, m: int, v: int = 1):
     those it depends on (its forward input, or the next stage's backward). The simulator
     prices tasks in this order and the runtime dispatches them in it (every process the
     same)."""
+    yield from _walk(schedule, n, m, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _walk(schedule: str, n: int, m: int, v: int) -> tuple[tuple[int, str, int], ...]:
     p = n // v
     orders = [worker_order(schedule, p, w, m, v) for w in range(p)]
-    ptr, done = [0] * p, set()
+    ptr, out = [0] * p, []
+    f_done = [[False] * m for _ in range(n)]
+    b_done = [[False] * m for _ in range(n)]
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for w in range(p):
-            while ptr[w] < len(orders[w]):
-                kind, s, i = orders[w][ptr[w]]
+            order = orders[w]
+            while ptr[w] < len(order):
+                kind, s, i = order[ptr[w]]
                 if kind == "F":
-                    if s and ("F", s - 1, i) not in done:
+                    if s and not f_done[s - 1][i]:
                         break
-                elif ("F", s, i) not in done or (s < n - 1 and ("B", s + 1, i) not in done):
-                    break
-                yield s, kind, i
-                done.add((kind, s, i))
+                    f_done[s][i] = True
+                else:
+                    if not f_done[s][i] or (s < n - 1 and not b_done[s + 1][i]):
+                        break
+                    b_done[s][i] = True
+                out.append((s, kind, i))
                 ptr[w] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for the schedules above
             raise RuntimeError(f"pipeline schedule deadlocked at {ptr}")
+    return tuple(out)
 
 
 def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1):
@@ -148,29 +160,42 @@ def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1):
     on submesh ``s mod (len(fwd_s) / v)``, one task at a time.
     Events are ``(stage, "F"|"B", micro_batch, start_s, end_s)``.
     """
+    events, free, _ = _run(fwd_s, bwd_s, sends_s, m, schedule, v, True)
+    return events, free
+
+
+def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool):
+    """``run_pipeline`` plus each stage's last backward (start, end); events only when
+    ``record`` (the planner prices thousands of plans and needs only the times)."""
     n = len(fwd_s)
     p = n // v
-    done: dict[tuple[str, int, int], float] = {}
+    f_end = [[0.0] * m for _ in range(n)]
+    b_end = [[0.0] * m for _ in range(n)]
+    last_b = [(0.0, 0.0)] * n
     free, events = [0.0] * p, []
-    for s, kind, i in schedule_walk(schedule, n, m, v):
-        if kind == "F":
-            dep = 0.0 if s == 0 else done[("F", s - 1, i)]
-            ready, dur = dep + (sends_s[s - 1] if s else 0.0), fwd_s[s]
-        else:
-            own = done[("F", s, i)]
-            nxt = own if s == n - 1 else done[("B", s + 1, i)]
-            ready, dur = max(own, nxt + (sends_s[s] if s < n - 1 else 0.0)), bwd_s[s]
+    for s, kind, i in _walk(schedule, n, m, v):
         w = s % p
-        start = max(free[w], ready)
-        done[(kind, s, i)] = free[w] = start + dur
-        events.append((s, kind, i, start, start + dur))
-    return events, free
+        if kind == "F":
+            ready = f_end[s - 1][i] + sends_s[s - 1] if s else 0.0
+            start = free[w] if free[w] > ready else ready
+            end = f_end[s][i] = free[w] = start + fwd_s[s]
+        else:
+            own = f_end[s][i]
+            ready = own if s == n - 1 else max(own, b_end[s + 1][i] + sends_s[s])
+            start = free[w] if free[w] > ready else ready
+            end = b_end[s][i] = free[w] = start + bwd_s[s]
+            last_b[s] = (start, end)
+        if record:
+            events.append((s, kind, i, start, end))
+    return events, free, last_b
 
 
 def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs) -> float:
     """Peak bytes per device of submesh ``w``: its stages' static memory, the activations
     its schedule keeps in flight at the worst moment, and the largest working set.
     ``costs[s]`` is stage s's StageCost."""
+    if v == 1:
+        return costs[w].peak_memory(inflight(schedule, p, w, m))
     live = peak = 0.0
     for kind, s, _ in worker_order(schedule, p, w, m, v):
         live += costs[s].memory_per_microbatch_bytes * (1 if kind == "F" else -1)
@@ -210,8 +235,9 @@ def _slowest(cluster: Cluster, devices) -> object:
 
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
-             cal: Calibration = DEFAULT) -> SimResult:
-    """Simulates one step of ``plan``; see the module docstring for the model."""
+             cal: Calibration = DEFAULT, *, trace: bool = True) -> SimResult:
+    """Simulates one step of ``plan``; see the module docstring for the model. With
+    ``trace=False`` the result's ``tasks`` are left empty (faster: the planner's use)."""
     costs = stage_costs_for(plan, profile, cluster, cal)
     tasks: list[Task] = []
     stage_end: dict[tuple[int, int], float] = {}
@@ -229,13 +255,12 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
                 pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
             sends.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
-        events, free = run_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
-                                    pipe.schedule, v)
-        for s_, kind, i, start, end in events:
-            tasks.append(Task(pi, s_, kind, i, start, end, s_ % p))
-            if kind == "B":
-                last_b_start[(pi, s_)] = max(start, last_b_start.get((pi, s_), 0.0))
-                last_b_end[(pi, s_)] = max(end, last_b_end.get((pi, s_), 0.0))
+        events, free, last_b = _run([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
+                                    pipe.schedule, v, trace)
+        tasks += [Task(pi, s_, kind, i, start, end, s_ % p)
+                  for s_, kind, i, start, end in events]
+        for s_, (start, end) in enumerate(last_b):
+            last_b_start[(pi, s_)], last_b_end[(pi, s_)] = start, end
         for w in range(p):
             peak = worker_memory(pipe.schedule, p, w, m, v, act)
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
@@ -269,12 +294,14 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 sync_ready = max(max(starts) if overlap else max(ends), net_free[w])
                 sync_end = max(sync_ready + t_sync, stage_end[(pi, s)])
                 net_free[w] = sync_end
-                tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
+                if trace:
+                    tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
             else:
                 sync_end = stage_end[(pi, s)]
             opt_start = max(sync_end, gpu_free[w])
             gpu_free[w] = opt_end = opt_start + c.optimizer_s
-            tasks.append(Task(pi, s, "opt", -1, opt_start, opt_end, w))
+            if trace:
+                tasks.append(Task(pi, s, "opt", -1, opt_start, opt_end, w))
             step_end = max(step_end, opt_end)
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch

@@ -58,7 +58,7 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None):
     for p in plans:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
-        r = simulate(p, profile, cluster, cal)
+        r = simulate(p, profile, cluster, cal, trace=False)
         key = (not r.fits, r.step_time_s)
         if best is None or key < best[0]:
             best = (key, p, r)

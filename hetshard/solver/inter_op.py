@@ -20,9 +20,12 @@ Algorithm.
 3. For each assignment of groups to families, the micro-batch counts by CP-SAT:
    sum_f m_f * mbs * R_f = B, minimising max_f (fill_f + (m_f - 1) * bottleneck_f).
 4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
-   are part of the space), are simulated in full; the fastest simulated plan that fits
-   wins. Its gap is reported against a lower bound on the step time: the cluster's
-   compute-only upper bound on throughput (no communication, no bubble).
+   are part of the space), are simulated in full. The best few are also tried
+   interleaved (each submesh's layers cut into ``v`` stages, Megatron-LM's virtual
+   stages: a ``v`` times smaller bubble for ``v`` times the transfers and more
+   activations in flight), then improved by local search; the fastest simulated plan
+   that fits wins. Its gap is reported against a lower bound on the step time: the
+   cluster's compute-only upper bound on throughput (no communication, no bubble).
 
 On tiny instances the search is exhaustive over this space (tests compare it with
 brute force over layer splits and batch shares).
@@ -68,6 +71,7 @@ class PlannerOptions:
     attention: str = "flash"
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
+    virtual_options: tuple[int, ...] = (1, 2, 3, 4)  # stages per submesh (interleaving)
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
@@ -568,10 +572,29 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
     for cand in candidates:
-        r = simulate(cand, profile, cluster, cal)
+        r = simulate(cand, profile, cluster, cal, trace=False)
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
     refine_deadline = t0 + opts.time_limit_s * 0.7
+    # Interleaved variants of the best few (the simulator prices their extra transfers
+    # and activations); with ``virtual_options`` lacking 1 only those may win.
+    variants = []
+    for key, cand, _ in scored[:opts.refine_top]:
+        for v in opts.virtual_options:
+            if v == 1 or key[0] or time.perf_counter() > refine_deadline:
+                continue
+            inter = interleave(cand, v)
+            if inter is not None:
+                r = simulate(inter, profile, cluster, cal, trace=False)
+                variants.append(((not r.fits, r.step_time_s), inter, r))
+    scored = sorted(scored + variants, key=lambda x: x[0])
+    if 1 not in opts.virtual_options:
+        scored = [x for x in scored if _interleaved_as(x[1], opts.virtual_options)]
+        if not scored:
+            raise SpecError("vpp", opts.virtual_options,
+                            "1, or a value the best plans can take: every pipeline of "
+                            "several submeshes needs at least vpp layers per submesh and "
+                            "micro-batches in multiples of its submeshes")
     best = scored[0]
     for key, cand, r in scored[:opts.refine_top]:
         if key[0]:
@@ -592,6 +615,39 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                       f"gap to the compute bound {gap:.1%}", stacklevel=2)
     chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
     return annotate(chosen, result, upper)
+
+
+def interleave(plan: Plan, v: int) -> Plan | None:
+    """``plan`` with each pipeline's submeshes holding ``v`` stages instead of one: the
+    layers of submesh w split into ``v`` near-equal parts, laid out in model order as
+    stage ``c * p + w`` (part c of every submesh, then part c + 1). None when no pipeline
+    can: it needs 2+ submeshes, ``v`` layers on each and micro-batches a multiple of them.
+    """
+    pipes, changed = [], False
+    for pipe in plan.pipelines:
+        p = len(pipe.stages)
+        if (pipe.virtual_stages != 1 or p < 2 or pipe.num_micro_batches % p or
+                any(st.num_layers < v for st in pipe.stages)):
+            pipes.append(pipe)
+            continue
+        sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
+                 for st in pipe.stages]
+        stages, start = [], 0
+        for c in range(v):
+            for w, st in enumerate(pipe.stages):
+                stages.append(dataclasses.replace(st, start=start, end=start + sizes[w][c]))
+                start += sizes[w][c]
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v))
+        changed = True
+    if not changed:
+        return None
+    return dataclasses.replace(plan, pipelines=tuple(pipes),
+                               grad_sync=grad_sync_for(pipes, plan.global_batch))
+
+
+def _interleaved_as(plan: Plan, options) -> bool:
+    """Every pipeline of several submeshes runs one of ``options`` stages per submesh."""
+    return all(p.virtual_stages in options for p in plan.pipelines if p.num_workers > 1)
 
 
 def _prune(cands: list[Family], n: int) -> list[Family]:
@@ -627,7 +683,8 @@ def _neighbours(plan: Plan):
         p, q = pipes[pi], pipes[qi]
         unit_p = p.micro_batch_size * p.stages[0].axis("data")
         unit_q = q.micro_batch_size * q.stages[0].axis("data")
-        if unit_p != unit_q or p.num_micro_batches <= 1:
+        if unit_p != unit_q or p.num_micro_batches <= 1 or \
+                p.virtual_stages > 1 or q.virtual_stages > 1:  # counts stay multiples
             continue
         new = list(pipes)
         new[pi] = dataclasses.replace(p, num_micro_batches=p.num_micro_batches - 1,
@@ -648,7 +705,7 @@ def local_search(plan: Plan, result, profile, cluster, cal, deadline: float):
             if time.perf_counter() > deadline:
                 break
             try:
-                r = simulate(cand, profile, cluster, cal)
+                r = simulate(cand, profile, cluster, cal, trace=False)
             except HetshardError:
                 continue
             if r.fits and r.step_time_s < best_r.step_time_s * (1 - 1e-9):
