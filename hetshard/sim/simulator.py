@@ -206,11 +206,20 @@ def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs) -> float
 
 
 def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
-                    cal: Calibration) -> list[list[StageCost]]:
+                    cal: Calibration, cache: dict | None = None) -> list[list[StageCost]]:
+    """Every stage's cost; ``cache`` (a dict the caller keeps for one profile, cluster and
+    calibration) reuses stages priced before, as a planner's neighbouring plans share
+    most of theirs."""
     out = []
     for pipe in plan.pipelines:
         costs = []
         for st in pipe.stages:
+            fsdp = plan.fsdp or st.axis("fsdp") > 1
+            key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, fsdp,
+                   pipe.micro_batch_size, plan.attention)
+            if cache is not None and key in cache:
+                costs.append(cache[key])
+                continue
             gpu = _slowest(cluster, st.devices)
             tp, cp = st.axis("tensor"), st.axis("context")
             dp = st.axis("data") * st.axis("fsdp")
@@ -219,11 +228,13 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
             cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
             dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
-            costs.append(stage_cost(profile, st.start, st.end, gpu, tp=tp, cp=cp, dp=dp,
-                                    fsdp=plan.fsdp or st.axis("fsdp") > 1,
-                                    mbs=pipe.micro_batch_size, remat=st.remat,
-                                    attention=plan.attention, cal=cal,
-                                    tp_topo=tp_topo, cp_topo=cp_topo, dp_topo=dp_topo))
+            cost = stage_cost(profile, st.start, st.end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
+                              mbs=pipe.micro_batch_size, remat=st.remat,
+                              attention=plan.attention, cal=cal, tp_topo=tp_topo,
+                              cp_topo=cp_topo, dp_topo=dp_topo)
+            if cache is not None:
+                cache[key] = cost
+            costs.append(cost)
         out.append(costs)
     return out
 
@@ -235,10 +246,12 @@ def _slowest(cluster: Cluster, devices) -> object:
 
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
-             cal: Calibration = DEFAULT, *, trace: bool = True) -> SimResult:
+             cal: Calibration = DEFAULT, *, trace: bool = True,
+             cache: dict | None = None) -> SimResult:
     """Simulates one step of ``plan``; see the module docstring for the model. With
-    ``trace=False`` the result's ``tasks`` are left empty (faster: the planner's use)."""
-    costs = stage_costs_for(plan, profile, cluster, cal)
+    ``trace=False`` the result's ``tasks`` are left empty, and ``cache`` keeps stage costs
+    between calls on the same profile, cluster and calibration (the planner's use)."""
+    costs = stage_costs_for(plan, profile, cluster, cal, cache)
     tasks: list[Task] = []
     stage_end: dict[tuple[int, int], float] = {}
     last_b_start: dict[tuple[int, int], float] = {}

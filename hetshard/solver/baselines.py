@@ -53,12 +53,13 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
     return out
 
 
-def _best(plans, profile, cluster, cal, deadline: float | None = None):
+def _best(plans, profile, cluster, cal, deadline: float | None = None,
+          cache: dict | None = None):
     best = None
     for p in plans:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
-        r = simulate(p, profile, cluster, cal, trace=False)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
         key = (not r.fits, r.step_time_s)
         if best is None or key < best[0]:
             best = (key, p, r)
@@ -103,7 +104,7 @@ def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAU
 
 
 def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
-               deadline: float | None = None):
+               deadline: float | None = None, cache: dict | None = None):
     """Metis (Um et al., ATC'24), simplified: one pipeline family over all groups with
     per-group stage counts, a common TP degree and data ways searched; layers split in
     proportion to each stage's peak throughput (not balanced on the cost model); one
@@ -141,11 +142,11 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
                 plans.append(build_plan(model, profile, cluster, [fam],
                                         [global_batch // (r * mbs)], global_batch, seq_len,
                                         opts))
-    return _best(plans, profile, cluster, cal, deadline)
+    return _best(plans, profile, cluster, cal, deadline, cache)
 
 
 def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
-             deadline: float | None = None):
+             deadline: float | None = None, cache: dict | None = None):
     """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
@@ -169,7 +170,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
         new = tuple(dataclasses.replace(st, start=a, end=b)
                     for st, (a, b) in zip(pipe.stages, bounds, strict=True))
         out.append(dataclasses.replace(p, pipelines=(dataclasses.replace(pipe, stages=new),)))
-    return _best(out, profile, cluster, cal, deadline)
+    return _best(out, profile, cluster, cal, deadline, cache)
 
 
 def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):

@@ -34,6 +34,7 @@ brute force over layer splits and batch shares).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -68,6 +69,8 @@ class PlannerOptions:
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
     refine_top: int = 3  # best simulated candidates improved by local search
+    refine_evals: int = 300  # simulations per local search (deterministic effort)
+    exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
@@ -387,7 +390,11 @@ def pareto_splits(options, n_layers: int, caps):
 
 
 def assign_batch(families: list[Family], global_batch: int):
-    """Micro-batch counts per family minimising the slowest family's time (CP-SAT)."""
+    """Micro-batch counts per family minimising the slowest family's time: greedy (exact)
+    when every family takes the same samples per micro-batch, else CP-SAT."""
+    units = {f.samples_per_microbatch for f in families}
+    if len(units) == 1:
+        return _assign_equal_units(families, global_batch, units.pop())
     m = cp_model.CpModel()
     hi = global_batch
     # Integer time units relative to the problem (1e-9 of the slowest bound), so tiny
@@ -409,6 +416,34 @@ def assign_batch(families: list[Family], global_batch: int):
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return [solver.Value(v) for v in ms], solver.Value(t) / scale
+
+
+def relaxed_time(families, global_batch: int) -> float:
+    """The step estimate of ``assign_batch`` with fractional micro-batch counts (each at
+    least 1): a lower bound on it, in closed form. Family f with m micro-batches takes
+    fill_f + (m - 1) bottleneck_f; at time T it fits 1 + (T - fill_f) / bottleneck_f."""
+    floor = max(f.fill_s for f in families)
+    rate = sum(f.samples_per_microbatch / f.bottleneck_s for f in families)
+    base = sum(f.samples_per_microbatch * (1 - f.fill_s / f.bottleneck_s) for f in families)
+    return max(floor, (global_batch - base) / rate)
+
+
+def _assign_equal_units(families: list[Family], global_batch: int, unit: int):
+    """Every family has ``unit`` samples per micro-batch: give each one micro-batch, then
+    each further one to the family that would finish it soonest. Exact for minimising the
+    maximum of times increasing in the count (an exchange argument)."""
+    if global_batch % unit or global_batch // unit < len(families):
+        return None
+    counts = [1] * len(families)
+    heap = [(f.fill_s + f.bottleneck_s, k) for k, f in enumerate(families)]
+    heapq.heapify(heap)
+    for _ in range(global_batch // unit - len(families)):
+        _, k = heapq.heappop(heap)
+        counts[k] += 1
+        f = families[k]
+        heapq.heappush(heap, (f.fill_s + counts[k] * f.bottleneck_s, k))
+    t = max(f.fill_s + (c - 1) * f.bottleneck_s for f, c in zip(families, counts, strict=True))
+    return counts, t
 
 
 def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, counts,
@@ -479,31 +514,41 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
-    # Budget: heuristic seeds up to 20%, search to 50%, refinement to 70%; the rest is
-    # left for simulating candidates and the intra-op shardings make_plan attaches.
-    deadline = t0 + opts.time_limit_s * 0.5
+    # The search is deterministic: its effort is fixed by the options (every family
+    # configuration, every group assignment, local search of at most ``refine_evals``
+    # simulations per start), not by the clock. ``time_limit_s`` is a safety net: past
+    # 25% of it no more heuristic seeds, past 60% no more combinations, past 85% no
+    # more refinement; a plan cut short says so (status "time_limit", a warning).
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
     tables = _Tables(profile, cluster, cal, opts.attention)
     heads = _heads(model)
-    # Fast heuristic plans (AMP-, then Metis-style) as extra starting points, while they
-    # are cheap: they lie in this search space, and local search starts from the best.
+    cache: dict = {}  # stage costs shared by every simulation of this search
+    timed_out = False
+
+    def late(fraction: float) -> bool:
+        nonlocal timed_out
+        if time.perf_counter() - t0 > opts.time_limit_s * fraction:
+            timed_out = True
+        return timed_out
+
+    # Fast heuristic plans (AMP-, then Metis-style) as extra starting points: they lie in
+    # this search space, and local search starts from the best.
     seeds = []
     if not return_estimates:
         from hetshard.solver.baselines import amp_like, metis_like
-        seed_deadline = t0 + opts.time_limit_s * 0.2
         for heuristic in (amp_like, metis_like):
-            if time.perf_counter() > seed_deadline:
+            if late(0.25):
                 break
             seed = heuristic(model, profile, cluster, global_batch, seq_len, opts, cal,
-                             deadline=seed_deadline)
+                             cache=cache)
             if seed is not None:
                 seeds.append(dataclasses.replace(
                     seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))
     groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
     fam_cache: dict[tuple, list[Family]] = {}
-    estimates = []
-    timed_out = False
+    combos = []
+    deadline = t0 + opts.time_limit_s * 0.6
     for assignment in _assignments(groups):
         if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
             continue
@@ -524,19 +569,23 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                 # Per family the eight best with one remat for all stages and the best
                 # with remat per stage (ranked apart, see below).
                 per_family = [_prune(c, 8) for c in per_family]
-            for combo in itertools.product(*per_family):
-                if time.perf_counter() > deadline:
-                    timed_out = True
-                    break
-                if global_batch < sum(f.samples_per_microbatch for f in combo):
-                    continue
-                res = assign_batch(list(combo), global_batch)
-                if res is None:
-                    continue
-                counts, t_est = res
-                estimates.append((t_est, combo, counts))
-    timed_out = timed_out or time.perf_counter() > deadline
-    estimates.sort(key=lambda e: (e[0], str(e[1]), e[2]))
+            combos += [c for c in itertools.product(*per_family)
+                       if global_batch >= sum(f.samples_per_microbatch for f in c)]
+        if late(0.6):
+            break
+    # Each combination's step estimate: exact micro-batch counts (assign_batch) when there
+    # are few, else the continuous relaxation (a lower bound, microseconds instead of a
+    # CP-SAT solve each) ranks them and the chosen ones get exact counts.
+    exact = len(combos) <= opts.exact_combos
+    estimates = []
+    for k, combo in enumerate(combos):
+        res = assign_batch(list(combo), global_batch) if exact else \
+            (None, relaxed_time(combo, global_batch))
+        if res is not None:
+            estimates.append((res[1], k, combo, res[0]))
+    # Ties keep the enumeration order (deterministic).
+    estimates = [(t, combo, counts) for t, _, combo, counts in sorted(
+        estimates, key=lambda e: e[:2])]
     if return_estimates:
         return estimates
     # The estimate ignores transfers and gradient sync, so besides the global top-N the
@@ -556,6 +605,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     candidates = []
     for i in chosen_idx:
         _t_est, combo, counts = estimates[i]
+        if counts is None:
+            res = assign_batch(list(combo), global_batch)
+            if res is None:
+                continue
+            counts = res[0]
         candidates.append(build_plan(model, profile, cluster, list(combo), counts,
                                      global_batch, seq_len, opts))
     if opts.include_uniform:
@@ -572,36 +626,41 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
     for cand in candidates:
-        r = simulate(cand, profile, cluster, cal, trace=False)
+        r = simulate(cand, profile, cluster, cal, trace=False, cache=cache)
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
-    refine_deadline = t0 + opts.time_limit_s * 0.7
+    refine_deadline = t0 + opts.time_limit_s * 0.85
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []
     for key, cand, _ in scored[:opts.refine_top]:
         for v in opts.virtual_options:
-            if v == 1 or key[0] or time.perf_counter() > refine_deadline:
+            if v == 1 or key[0] or late(0.85):
                 continue
             inter = interleave(cand, v)
             if inter is not None:
-                r = simulate(inter, profile, cluster, cal, trace=False)
+                r = simulate(inter, profile, cluster, cal, trace=False, cache=cache)
                 variants.append(((not r.fits, r.step_time_s), inter, r))
-    scored = sorted(scored + variants, key=lambda x: x[0])
+    variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
         scored = [x for x in scored if _interleaved_as(x[1], opts.virtual_options)]
-        if not scored:
+        if not scored and not variants:
             raise SpecError("vpp", opts.virtual_options,
                             "1, or a value the best plans can take: every pipeline of "
-                            "several submeshes needs at least vpp layers per submesh and "
-                            "micro-batches in multiples of its submeshes")
-    best = scored[0]
-    for key, cand, r in scored[:opts.refine_top]:
+                            "several submeshes needs at least vpp layers per submesh")
+    # Local search from the best few plans as they are and the best few interleaved.
+    starts = scored[:opts.refine_top] + variants[:opts.refine_top]
+    best = min(starts, key=lambda x: x[0])
+    for key, cand, r in sorted(starts, key=lambda x: x[0]):
         if key[0]:
             continue
-        improved = local_search(cand, r, profile, cluster, cal, refine_deadline)
-        if (not improved[1].fits, improved[1].step_time_s) < best[0]:
-            best = ((not improved[1].fits, improved[1].step_time_s), *improved)
+        if late(0.85):
+            break
+        better, better_r, cut = local_search(cand, r, profile, cluster, cal, refine_deadline,
+                                             opts.refine_evals, cache)
+        timed_out = timed_out or cut
+        if (not better_r.fits, better_r.step_time_s) < best[0]:
+            best = ((not better_r.fits, better_r.step_time_s), better, better_r)
     (_, _), chosen, result = best
     if not result.fits:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
@@ -620,29 +679,76 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
 def interleave(plan: Plan, v: int) -> Plan | None:
     """``plan`` with each pipeline's submeshes holding ``v`` stages instead of one: the
     layers of submesh w split into ``v`` near-equal parts, laid out in model order as
-    stage ``c * p + w`` (part c of every submesh, then part c + 1). None when no pipeline
-    can: it needs 2+ submeshes, ``v`` layers on each and micro-batches a multiple of them.
-    """
-    pipes, changed = [], False
-    for pipe in plan.pipelines:
-        p = len(pipe.stages)
-        if (pipe.virtual_stages != 1 or p < 2 or pipe.num_micro_batches % p or
-                any(st.num_layers < v for st in pipe.stages)):
-            pipes.append(pipe)
-            continue
-        sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
-                 for st in pipe.stages]
-        stages, start = [], 0
-        for c in range(v):
-            for w, st in enumerate(pipe.stages):
-                stages.append(dataclasses.replace(st, start=start, end=start + sizes[w][c]))
-                start += sizes[w][c]
-        pipes.append(dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v))
-        changed = True
-    if not changed:
+    stage ``c * p + w`` (part c of every submesh, then part c + 1). A pipeline can when it
+    has 2+ submeshes and ``v`` layers on each; its micro-batch count must be a multiple
+    of its submeshes, so counts are rounded to one, the difference taken from or given
+    to pipelines of the same micro-batch samples (the smallest change). None when no
+    pipeline can."""
+    pipes = list(plan.pipelines)
+    able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
+            and all(st.num_layers >= v for st in q.stages)]
+    counts = _rounded_counts(pipes, able)
+    if counts is None:
         return None
+    for i, m in counts.items():
+        pipe = pipes[i]
+        unit = pipe.batch_share // pipe.num_micro_batches
+        pipe = dataclasses.replace(pipe, num_micro_batches=m, batch_share=m * unit)
+        if i in able:
+            sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
+                     for st in pipe.stages]
+            stages, start = [], 0
+            for c in range(v):
+                for w, st in enumerate(pipe.stages):
+                    stages.append(dataclasses.replace(st, start=start,
+                                                      end=start + sizes[w][c]))
+                    start += sizes[w][c]
+            pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v)
+        pipes[i] = pipe
     return dataclasses.replace(plan, pipelines=tuple(pipes),
                                grad_sync=grad_sync_for(pipes, plan.global_batch))
+
+
+def _rounded_counts(pipes, able) -> dict[int, int] | None:
+    """Micro-batch counts with every pipeline in ``able`` at a multiple of its stages and
+    each group of equal micro-batch samples keeping its total; the smallest total change
+    (ties: the first found). Pipelines that cannot take a multiple keep theirs."""
+    units: dict[int, list[int]] = {}
+    for i, q in enumerate(pipes):
+        units.setdefault(q.batch_share // q.num_micro_batches, []).append(i)
+    out: dict[int, int] = {}
+    for members in units.values():
+        inter = [i for i in members if i in able]
+        rest = [i for i in members if i not in able]
+        if not inter:
+            continue
+        options = []
+        for i in inter:
+            m, p = pipes[i].num_micro_batches, len(pipes[i].stages)
+            down = m - m % p
+            options.append([x for x in dict.fromkeys((down, down + p)) if x >= p] if m % p
+                           else [m])
+        best = None
+        for choice in itertools.product(*options):
+            delta = sum(c - pipes[i].num_micro_batches for c, i in zip(choice, inter,
+                                                                       strict=True))
+            absorb = {}
+            if delta:
+                if not rest:
+                    continue
+                j = max(rest, key=lambda k: pipes[k].num_micro_batches)
+                if pipes[j].num_micro_batches - delta < 1:
+                    continue
+                absorb = {j: pipes[j].num_micro_batches - delta}
+            cost = sum(abs(c - pipes[i].num_micro_batches)
+                       for c, i in zip(choice, inter, strict=True)) + abs(delta)
+            if best is None or cost < best[0]:
+                best = (cost, dict(zip(inter, choice, strict=True)) | absorb)
+        if best is not None:
+            out.update(best[1])
+    if not any(i in out for i in able):
+        return None
+    return out
 
 
 def _interleaved_as(plan: Plan, options) -> bool:
@@ -695,17 +801,23 @@ def _neighbours(plan: Plan):
                                   grad_sync=grad_sync_for(new, plan.global_batch))
 
 
-def local_search(plan: Plan, result, profile, cluster, cal, deadline: float):
-    """First-improvement hill climbing on the simulated step time (memory must fit)."""
+def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
+                 evals: int = 1 << 30, cache: dict | None = None):
+    """First-improvement hill climbing on the simulated step time (memory must fit), for
+    at most ``evals`` simulations. Returns (plan, result, whether the clock cut it)."""
     best, best_r = plan, result
-    improved = True
-    while improved and time.perf_counter() < deadline:
+    improved, cut = True, False
+    while improved and evals > 0 and not cut:
         improved = False
         for cand in _neighbours(best):
-            if time.perf_counter() > deadline:
+            if evals <= 0:
                 break
+            if time.perf_counter() > deadline:
+                cut = True
+                break
+            evals -= 1
             try:
-                r = simulate(cand, profile, cluster, cal, trace=False)
+                r = simulate(cand, profile, cluster, cal, trace=False, cache=cache)
             except HetshardError:
                 continue
             if r.fits and r.step_time_s < best_r.step_time_s * (1 - 1e-9):
@@ -714,7 +826,7 @@ def local_search(plan: Plan, result, profile, cluster, cal, deadline: float):
     if best is not plan:
         best = dataclasses.replace(best, grad_sync=grad_sync_for(best.pipelines,
                                                                  best.global_batch))
-    return best, best_r
+    return best, best_r, cut
 
 
 def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
