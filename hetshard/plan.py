@@ -60,6 +60,8 @@ class Pipeline:
     num_micro_batches: int
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per submesh (interleaved when > 1)
+    # 1F1B: per submesh, forwards it runs ahead beyond the schedule's warm-up (empty: none)
+    extra_warmup: tuple[int, ...] = ()
 
     @property
     def num_workers(self) -> int:
@@ -187,6 +189,8 @@ class Plan:
         for i, p in enumerate(self.pipelines):
             inter = (f", interleaved: {p.virtual_stages} stages per submesh"
                      if p.virtual_stages > 1 else "")
+            if any(p.extra_warmup):
+                inter += f", extra warm-up {list(p.extra_warmup)}"
             lines.append(f"  pipeline {i}: batch share {p.batch_share}, {p.num_micro_batches} "
                          f"micro-batches of {p.micro_batch_size}, {p.schedule}{inter}")
             for j, s in enumerate(p.stages):
@@ -269,8 +273,20 @@ def validate(plan: Plan) -> None:
 
 
 def _check_virtual(p: Pipeline, i: int) -> None:
-    """Interleaved pipelines: ``p * v`` stages, stage j on stage (j mod p)'s submesh."""
-    v = p.virtual_stages
+    """Interleaved pipelines: ``p * v`` stages, stage j on stage (j mod p)'s submesh; extra
+    warm-up forwards only under 1F1B."""
+    v, k = p.virtual_stages, p.extra_warmup
+    if k:
+        w = len(p.stages) // v if isinstance(v, int) and v >= 1 else len(p.stages)
+        warm = [w - j - 1 + e for j, e in enumerate(k)] if len(k) == w and all(
+            isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in k) else None
+        if (warm is None or p.schedule != "1f1b" or v != 1 or
+                any(a < b for a, b in zip(warm, warm[1:], strict=False))):
+            raise SpecError(f"pipelines[{i}].extra_warmup", list(k),
+                            f"empty, or (1f1b without virtual stages) one non-negative count "
+                            f"per submesh ({w}) "
+                            f"keeping the warm-up forwards (p - w - 1 + extra[w]) from "
+                            f"growing along the pipeline (that would deadlock)")
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise SpecError(f"pipelines[{i}].virtual_stages", v, "a positive integer")
     if v == 1:

@@ -177,6 +177,15 @@ def test_interleaved_schedule_two_stages_per_submesh():
         [[2, 3], [4, 5], [2, 3], [4, 5]]
 
 
+def test_extra_warmup_runs_forwards_ahead():
+    # Stage 0 forwards all 4 micro-batches before its first backward (1F1B's 2 plus 2).
+    plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),
+                                       8, 1, 4, extra_warmup=(2, 0))])
+    from hetshard.sim.simulator import worker_order
+    assert [k for k, _, _ in worker_order("1f1b", 2, 0, 4, 1, (2, 0))][:5] == list("FFFFB")
+    _assert_matches_one_device("gpt-tiny", plan, steps=2)
+
+
 def test_two_pipelines_with_shares_5_3_and_different_layer_splits():
     fast = Pipeline((_stage(0, 1, (0,), H), _stage(1, 4, (1,), H)), 5, 1, 5)
     slow = Pipeline((_stage(0, 3, (4, 5, 6), V, data=1, tensor=3), _stage(3, 4, (7,), V)),

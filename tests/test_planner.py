@@ -130,8 +130,23 @@ def _brute_force(profile, cluster, global_batch, opts):
                             nbytes = profile.layers[b[s][1] - 1].boundary_bytes_per_sample * \
                                 mbs * r
                             links.append(p2p_time(nbytes, cluster, devs[s], devs[s + 1], DEFAULT))
-                        period = max([max(times)] + [
-                            (sum(times[s:]) + 2 * sum(links[s:])) / (p - s) for s in range(p)])
+                        # Extra 1F1B warm-up e_s per stage (up to 5): memory for p - s + e_s
+                        # micro-batches in flight, warm-up p - s - 1 + e_s never growing.
+                        period = float("inf")
+                        for extra in itertools.product(range(6), repeat=p):
+                            if any(extra[s + 1] > extra[s] + 1 for s in range(p - 1)):
+                                continue
+                            if any(cs[hi] - cs[lo] + (p - s + extra[s]) * (ca[hi] - ca[lo]) +
+                                   w[lo:hi].max() > g.gpu.memory_bytes * (1 - opts.memory_margin)
+                                   for s, ((g, (_, cs, ca, w)), (lo, hi)) in enumerate(
+                                       zip(stages, b, strict=True))):
+                                continue
+                            # Every cycle: forwards from s down to q, back up the
+                            # backwards; it spans q - s + 1 + e_s - e_q micro-batches.
+                            period = min(period, max(
+                                (sum(times[s:q + 1]) + 2 * sum(links[s:q])) /
+                                (q - s + 1 + extra[s] - extra[q])
+                                for s in range(p) for q in range(s, p)))
                         opts_f.append((mbs * r, sum(times) + 2 * sum(links), period))
             options.append(opts_f)
         for combo in itertools.product(*options):
@@ -179,12 +194,27 @@ def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
     link = p2p_time(profile.layers[1].boundary_bytes_per_sample * 4, cluster, range(0, 2),
                     range(2, 4), DEFAULT)
     assert link > 0
-    fill, period = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times, "1f1b")
+    fill, period, extra = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times,
+                                            "1f1b")
     assert fill == pytest.approx(2e-3 + 2 * link)
     # Stage 0 keeps 2 micro-batches in flight around a loop of both stages and 2 sends.
     assert period == pytest.approx(max(1e-3, (2e-3 + 2 * link) / 2))
-    fill_g, period_g = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times,
-                                         "gpipe")
+    assert extra == ()  # without memory figures, no extra warm-up
+    # Transfers 10x a stage's compute: stage 0's loop (2 stages, 2 sends) binds. With
+    # memory for 3 micro-batches in flight on stage 0 (one more than 1F1B's 2) the loop
+    # carries a third one: extra warm-up (1, 0), period loop / 3.
+    t = [link / 10, link / 10]
+    _, period_1, _ = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, t, "1f1b")
+    assert period_1 == pytest.approx(2.2 * link / 2)
+    _, period_x, extra_x = pipeline_estimate(
+        tables, ("fast", "slow"), 2, 4, bounds, t, "1f1b", [(3.5, 1.0), (9.0, 1.0)])
+    assert extra_x == (1, 0) and period_x == pytest.approx(2.2 * link / 3)
+    # Room for 9 on stage 1 but not stage 0 lifts nothing: warm-up may not grow.
+    _, _, extra_y = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, t, "1f1b",
+                                      [(2.0, 1.0), (9.0, 1.0)])
+    assert extra_y == ()
+    fill_g, period_g, _ = pipeline_estimate(tables, ("fast", "slow"), 2, 4, bounds, times,
+                                            "gpipe")
     assert fill_g == pytest.approx(fill) and period_g == pytest.approx(1e-3)
 
 

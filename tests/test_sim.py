@@ -1,7 +1,9 @@
 import dataclasses
+import itertools
 import json
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,10 +17,12 @@ from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverSt
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.simulator import (
     annotate,
+    best_warmup,
     inflight,
     run_pipeline,
     schedule_order,
     schedule_walk,
+    steady_period,
     worker_memory,
     worker_order,
 )
@@ -79,6 +83,58 @@ def test_interleaved_order_and_memory_in_flight():
     assert worker_memory("gpipe", 2, 0, 4, 2, costs) == 20 + 8 + 0.5  # everything
     # One stage per submesh: the classic 1F1B count p - s.
     assert worker_memory("1f1b", 4, 1, 8, 1, costs) == 10 + 3 + 0.5
+
+
+def test_extra_warmup_hides_a_slow_link():
+    # Two stages of 2 time units per micro-batch, a 2-unit transfer each way: 1F1B's loop
+    # (2 micro-batches in flight on stage 0) takes 8 units per 2 micro-batches; one or two
+    # extra warm-up forwards on stage 0 let the stages run at their own pace.
+    steps = [max(run_pipeline([1.0, 1.0], [1.0, 1.0], [2.0], 20, "1f1b", 1, (k, 0))[1])
+             for k in range(4)]
+    assert steps[0] == pytest.approx(82.0)
+    assert steps[2] == pytest.approx(20 * 2.0 + 6.0) and steps[3] == steps[2]
+    assert steps[0] > steps[1] > steps[2]
+    # Warm-up on the last stage as well only delays the loop's backward: no gain.
+    assert max(run_pipeline([1.0, 1.0], [1.0, 1.0], [2.0], 20, "1f1b", 1, (2, 1))[1]) > \
+        steps[2]
+    assert inflight("1f1b", 2, 0, 20, (2, 0)) == 4
+
+
+@pytest.mark.parametrize("times,sends,extra", [
+    ([3.0, 3.0, 3.0, 3.0], [0.1, 0.1, 0.1], ()),  # compute bound
+    ([1.0, 2.0, 3.0, 3.0], [0.1, 4.0, 0.1], ()),  # a slow middle link binds on its own
+    ([1.0, 2.0, 3.0, 3.0], [0.1, 4.0, 0.1], (2, 2, 0, 0)),
+    ([2.0, 1.0, 2.5], [1.5, 1.5], (1, 1, 0)),
+    ([3.0, 1.0, 1.0, 1.0, 2.0], [0.0, 3.0, 0.0, 2.0], (3, 2, 1, 1, 0)),
+])
+def test_steady_period_is_the_simulated_slope(times, sends, extra):
+    # The max cycle mean of the schedule's event graph is the time each further
+    # micro-batch adds once the pipeline is in steady state.
+    def step(m):
+        f = [t / 3 for t in times]
+        return max(run_pipeline(f, [t - x for t, x in zip(times, f, strict=True)], sends, m,
+                                 "1f1b", 1, extra)[1])
+    assert (step(150) - step(90)) / 60 == pytest.approx(steady_period(times, sends, extra),
+                                                       rel=1e-6)
+
+
+def test_best_warmup_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        p = int(rng.integers(1, 5))
+        times = rng.uniform(1, 4, p)
+        sends = rng.uniform(0, 4, p - 1) * (rng.random(p - 1) < 0.7)
+        rooms = [int(x) for x in rng.integers(0, 4, p)]
+        period, extra = best_warmup(times, sends, rooms)
+        extra = extra or (0,) * p
+        assert all(0 <= e <= r for e, r in zip(extra, rooms, strict=True))
+        assert all(b <= a + 1 for a, b in zip(extra, extra[1:], strict=False))
+        assert period == pytest.approx(steady_period(times, sends, extra))
+        brute = min(steady_period(times, sends, ex)
+                    for ex in itertools.product(range(5), repeat=p)
+                    if all(e <= r for e, r in zip(ex, rooms, strict=True)) and
+                    all(b <= a + 1 for a, b in zip(ex, ex[1:], strict=False)))
+        assert period == pytest.approx(brute, rel=1e-5)
 
 
 def test_transfers_delay_the_pipeline():
@@ -224,8 +280,11 @@ def plans(draw):
                                 draw(st.sampled_from(["none", "selective", "full"])),
                                 predicted_fwd_s=draw(st.floats(0, 10))))
         mbs, m = draw(st.integers(1, 4)), draw(st.integers(1, 8)) * (k if v > 1 else 1)
-        pipes.append(Pipeline(tuple(stages), mbs * m * dp, mbs, m,
-                              draw(st.sampled_from(["1f1b", "gpipe"])), v))
+        schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
+        extra = ()
+        if schedule == "1f1b" and v == 1 and draw(st.booleans()):
+            extra = tuple(max(0, 2 - j) for j in range(k))  # (2, 1, 0, ...)
+        pipes.append(Pipeline(tuple(stages), mbs * m * dp, mbs, m, schedule, v, extra))
     gb = sum(p.batch_share for p in pipes)
     return Plan(model="gpt-tiny", cluster={"name": "x"}, global_batch=gb, seq_len=64,
                 pipelines=tuple(pipes),
@@ -289,6 +348,15 @@ def test_plan_validation_and_load_errors(tmp_path):
                                                          num_micro_batches=3),))
     with pytest.raises(SpecError, match="virtual_stages=3"):
         Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, virtual_stages=3),))
+    # Extra warm-up: one count per submesh, 1F1B without virtual stages, never growing.
+    plain = Pipeline(two, 4, 1, 4)
+    assert Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(plain, extra_warmup=(2, 1)),))
+    for bad in ((1,), (0, 2), (-1, 0)):
+        with pytest.raises(SpecError, match="extra_warmup"):
+            Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(plain, extra_warmup=bad),))
+    with pytest.raises(SpecError, match="extra_warmup"):
+        Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(plain, extra_warmup=(1, 0),
+                                                         schedule="gpipe"),))
     path.write_text("{bad json")
     with pytest.raises(SpecParseError, match="line 1"):
         Plan.load(path)

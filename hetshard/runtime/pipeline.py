@@ -543,7 +543,8 @@ class PipelineRunner:
                     for v, c in zip(vs, got, strict=True):
                         cts[mb].setdefault(v, []).append(c)
 
-        for s, kind, mb in schedule_walk(pipeline.schedule, n, m, pipeline.virtual_stages):
+        for s, kind, mb in schedule_walk(pipeline.schedule, n, m, pipeline.virtual_stages,
+                                         pipeline.extra_warmup):
             (forward if kind == "F" else backward)(s, mb)
         # Tied parameters: gradients of read copies go to the owning stage.
         grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
@@ -59,8 +61,8 @@ class SimResult:
                 "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
 
 
-def worker_order(schedule: str, p: int, w: int, m: int,
-                 v: int = 1) -> list[tuple[str, int, int]]:
+def worker_order(schedule: str, p: int, w: int, m: int, v: int = 1,
+                 extra: tuple[int, ...] = ()) -> list[tuple[str, int, int]]:
     """``(kind, stage, micro_batch)`` in the order submesh ``w`` of ``p`` runs its tasks
     when each submesh holds ``v`` stages (stage ``c * p + w`` is its c-th).
 
@@ -70,7 +72,10 @@ def worker_order(schedule: str, p: int, w: int, m: int,
     forwards go through the submesh's stages in groups of ``p`` micro-batches (stage
     ``w`` for micro-batches 0..p-1, then stage ``p + w`` for the same ones, ...),
     backwards likewise from the last stage down, with ``2 (p - w - 1) + (v - 1) p``
-    warm-up forwards.
+    warm-up forwards. Under 1F1B ``extra[w]`` more warm-up forwards on submesh w keep
+    more micro-batches in flight, so that transfers slower than compute no longer stall
+    the loop each micro-batch makes from w to the last stage and back, for their
+    activations' memory (warm-up counts must not grow along the pipeline).
     """
     n_tasks = m * v
 
@@ -84,11 +89,11 @@ def worker_order(schedule: str, p: int, w: int, m: int,
     if v == 1:
         fwds = [(w, i) for i in range(m)]
         bwds = fwds
-        warm = min(p - w - 1, m)
+        warm = min(p - w - 1 + (extra[w] if extra else 0), m)
     else:
         fwds = [task(k, False) for k in range(n_tasks)]
         bwds = [task(k, True) for k in range(n_tasks)]
-        warm = min(2 * (p - w - 1) + (v - 1) * p, n_tasks)
+        warm = min(2 * (p - w - 1) + (v - 1) * p + (extra[w] if extra else 0), n_tasks)
     if schedule == "gpipe":
         return [("F", *t) for t in fwds] + [("B", *t) for t in bwds]
     order = [("F", *t) for t in fwds[:warm]]
@@ -107,24 +112,25 @@ def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int
     return [(kind, i) for kind, _, i in worker_order(schedule, p, s, m)]
 
 
-def inflight(schedule: str, p: int, s: int, m: int) -> int:
+def inflight(schedule: str, p: int, s: int, m: int, extra: tuple[int, ...] = ()) -> int:
     """Micro-batches whose activations stage ``s`` holds at once (one stage per submesh)."""
-    return m if schedule == "gpipe" else min(p - s, m)
+    return m if schedule == "gpipe" else min(p - s + (extra[s] if extra else 0), m)
 
 
-def schedule_walk(schedule: str, n: int, m: int, v: int = 1):
+def schedule_walk(schedule: str, n: int, m: int, v: int = 1, extra: tuple[int, ...] = ()):
     """Yields ``(stage, "F"|"B", micro_batch)`` for every task of one pipeline of ``n``
     stages on ``n / v`` submeshes, each submesh in its ``worker_order`` and every task after
     those it depends on (its forward input, or the next stage's backward). The simulator
     prices tasks in this order and the runtime dispatches them in it (every process the
     same)."""
-    yield from _walk(schedule, n, m, v)
+    yield from _walk(schedule, n, m, v, extra)
 
 
 @functools.lru_cache(maxsize=64)
-def _walk(schedule: str, n: int, m: int, v: int) -> tuple[tuple[int, str, int], ...]:
+def _walk(schedule: str, n: int, m: int, v: int,
+          extra: tuple[int, ...] = ()) -> tuple[tuple[int, str, int], ...]:
     p = n // v
-    orders = [worker_order(schedule, p, w, m, v) for w in range(p)]
+    orders = [worker_order(schedule, p, w, m, v, extra) for w in range(p)]
     ptr, out = [0] * p, []
     f_done = [[False] * m for _ in range(n)]
     b_done = [[False] * m for _ in range(n)]
@@ -152,7 +158,8 @@ def _walk(schedule: str, n: int, m: int, v: int) -> tuple[tuple[int, str, int], 
     return tuple(out)
 
 
-def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1):
+def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,
+                 extra: tuple[int, ...] = ()):
     """Runs one pipeline's micro-batches; returns (events, per-submesh finish times).
 
     ``fwd_s[s]``/``bwd_s[s]``: one micro-batch's forward/backward time on stage s;
@@ -160,11 +167,12 @@ def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1):
     on submesh ``s mod (len(fwd_s) / v)``, one task at a time.
     Events are ``(stage, "F"|"B", micro_batch, start_s, end_s)``.
     """
-    events, free, _ = _run(fwd_s, bwd_s, sends_s, m, schedule, v, True)
+    events, free, _ = _run(fwd_s, bwd_s, sends_s, m, schedule, v, True, extra)
     return events, free
 
 
-def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool):
+def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool,
+         extra: tuple[int, ...] = ()):
     """``run_pipeline`` plus each stage's last backward (start, end); events only when
     ``record`` (the planner prices thousands of plans and needs only the times)."""
     n = len(fwd_s)
@@ -173,7 +181,7 @@ def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool):
     b_end = [[0.0] * m for _ in range(n)]
     last_b = [(0.0, 0.0)] * n
     free, events = [0.0] * p, []
-    for s, kind, i in _walk(schedule, n, m, v):
+    for s, kind, i in _walk(schedule, n, m, v, extra):
         w = s % p
         if kind == "F":
             ready = f_end[s - 1][i] + sends_s[s - 1] if s else 0.0
@@ -190,14 +198,80 @@ def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool):
     return events, free, last_b
 
 
-def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs) -> float:
+def steady_period(times, sends, extra=()) -> float:
+    """The steady-state time per micro-batch of a 1F1B pipeline (one stage per submesh):
+    ``times[s]`` a micro-batch's forward + backward on stage s, ``sends[s]`` the transfer
+    between s and s+1, ``extra[s]`` its extra warm-up forwards.
+
+    The schedule is a timed event graph whose period is its maximum cycle mean. Its
+    cycles run from a stage s down the forwards to a stage q, turn back through q's
+    backward and up the backwards to s, where the next forward of s waits for that
+    backward: weight ``sum(times[s..q]) + 2 sum(sends[s..q-1])``, spanning ``q - s + 1 +
+    e_s - e_q`` micro-batches (the warm-up difference). With q = s it is the stage's own
+    time; with q the last stage, 1F1B's familiar round-trip bound. A slow link between
+    two stages can bind on its own: only a larger warm-up before it than after it helps.
+    """
+    t = np.asarray(times, dtype=float)
+    p = len(t)
+    if p == 1:
+        return float(t[0])
+    e = np.asarray(extra if len(extra) else np.zeros(p), dtype=float)
+    ct = np.concatenate([[0.0], np.cumsum(t)])
+    cs = np.concatenate([[0.0], np.cumsum(np.asarray(sends, dtype=float))])
+    s, q = np.triu_indices(p)
+    weight = ct[q + 1] - ct[s] + 2 * (cs[q] - cs[s])
+    span = q - s + 1 + e[s] - e[q]
+    return float(np.max(weight / span))
+
+
+def best_warmup(times, sends, rooms) -> tuple[float, tuple[int, ...]]:
+    """(period, extra warm-up per stage) minimising ``steady_period`` with at most
+    ``rooms[s]`` extra micro-batches in flight on stage s and warm-up forwards
+    (``p - s - 1 + e_s``) never growing along the pipeline. For a target period the
+    least warm-ups follow from the last stage back (every cycle is a difference
+    constraint ``e_s - e_q >= weight / period - (q - s + 1)``); the period is bisected."""
+    t = np.asarray(times, dtype=float)
+    p = len(t)
+    if p == 1:
+        return float(t[0]), ()
+    ct = np.concatenate([[0.0], np.cumsum(t)])
+    cs = np.concatenate([[0.0], np.cumsum(np.asarray(sends, dtype=float))])
+    idx = np.arange(p)
+
+    def least(period: float):
+        e = np.zeros(p)
+        for s in range(p - 2, -1, -1):
+            q = idx[s + 1:]
+            w = ct[q + 1] - ct[s] + 2 * (cs[q] - cs[s])
+            need = np.ceil(w / period - (q - s + 1) - 1e-9) + e[q]
+            e[s] = max(0.0, e[s + 1] - 1, need.max())
+            if e[s] > rooms[s]:
+                return None
+        return e
+
+    # e = 0 reaches steady_period(t, sends); the slowest stage's time bounds from below.
+    lo, hi = float(t.max()), steady_period(t, sends)
+    e = least(lo)
+    if e is None:
+        while hi - lo > 1e-6 * hi:  # least(lo) infeasible, least(hi) feasible
+            mid = (lo + hi) / 2
+            if least(mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        e = least(hi)
+    return steady_period(t, sends, e), tuple(int(x) for x in e) if e.any() else ()
+
+
+def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
+                  extra: tuple[int, ...] = ()) -> float:
     """Peak bytes per device of submesh ``w``: its stages' static memory, the activations
     its schedule keeps in flight at the worst moment, and the largest working set.
     ``costs[s]`` is stage s's StageCost."""
     if v == 1:
-        return costs[w].peak_memory(inflight(schedule, p, w, m))
+        return costs[w].peak_memory(inflight(schedule, p, w, m, extra))
     live = peak = 0.0
-    for kind, s, _ in worker_order(schedule, p, w, m, v):
+    for kind, s, _ in worker_order(schedule, p, w, m, v, extra):
         live += costs[s].memory_per_microbatch_bytes * (1 if kind == "F" else -1)
         peak = max(peak, live)
     mine = costs[w::p]
@@ -239,6 +313,44 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
     return out
 
 
+def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> list[float]:
+    """Transfer time of one micro-batch's activations between each stage and the next."""
+    out = []
+    for a, b in zip(pipe.stages, pipe.stages[1:], strict=False):
+        nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
+            pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
+        out.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
+    return out
+
+
+def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                cal: Calibration = DEFAULT, *, margin: float = 0.0,
+                cache: dict | None = None) -> Plan:
+    """``plan`` with every 1F1B pipeline of one stage per submesh given the extra warm-up
+    that minimises its steady-state period (``best_warmup``) within each GPU's memory
+    (less ``margin``); other pipelines unchanged."""
+    costs = stage_costs_for(plan, profile, cluster, cal, cache)
+    pipes = []
+    for pipe, cs in zip(plan.pipelines, costs, strict=True):
+        p = len(pipe.stages)
+        if pipe.schedule != "1f1b" or pipe.virtual_stages != 1 or p < 2:
+            pipes.append(pipe)
+            continue
+        rooms = []
+        for s, (st, c) in enumerate(zip(pipe.stages, cs, strict=True)):
+            cap = min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
+            free = cap - c.memory_static_bytes - c.memory_working_bytes
+            per = c.memory_per_microbatch_bytes
+            rooms.append(max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20)
+        _, extra = best_warmup([c.fwd_s + c.bwd_s for c in cs],
+                               _sends(pipe, profile, cluster, cal), rooms)
+        # More warm-up than micro-batches changes nothing: keep the plan canonical.
+        extra = tuple(min(e, max(0, pipe.num_micro_batches - (p - s)))
+                      for s, e in enumerate(extra))
+        pipes.append(dataclasses.replace(pipe, extra_warmup=extra if any(extra) else ()))
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
+
+
 def _slowest(cluster: Cluster, devices) -> object:
     """The GPU type that paces an SPMD program over ``devices`` (the slowest one)."""
     types = {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in devices}
@@ -262,20 +374,15 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         n, m, v = len(pipe.stages), pipe.num_micro_batches, pipe.virtual_stages
         p = n // v
         act = costs[pi]
-        sends = []
-        for s in range(n - 1):
-            a, b = pipe.stages[s], pipe.stages[s + 1]
-            nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
-                pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
-            sends.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
+        sends = _sends(pipe, profile, cluster, cal)
         events, free, last_b = _run([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
-                                    pipe.schedule, v, trace)
+                                    pipe.schedule, v, trace, pipe.extra_warmup)
         tasks += [Task(pi, s_, kind, i, start, end, s_ % p)
                   for s_, kind, i, start, end in events]
         for s_, (start, end) in enumerate(last_b):
             last_b_start[(pi, s_)], last_b_end[(pi, s_)] = start, end
         for w in range(p):
-            peak = worker_memory(pipe.schedule, p, w, m, v, act)
+            peak = worker_memory(pipe.schedule, p, w, m, v, act, pipe.extra_warmup)
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
             for d in pipe.stages[w].devices:
                 busy[d] = work

@@ -51,7 +51,14 @@ from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Context, GradSync, Pipeline, Plan, SolverStats, Stage
-from hetshard.sim.simulator import annotate, simulate, upper_bound_tokens_per_s
+from hetshard.sim.simulator import (
+    annotate,
+    best_warmup,
+    simulate,
+    steady_period,
+    tune_warmup,
+    upper_bound_tokens_per_s,
+)
 
 
 class NoFeasiblePlanError(HetshardError, ValueError):
@@ -95,6 +102,7 @@ class Family:
     bottleneck_s: float
     cp: int = 1
     stage_remats: tuple[str, ...] = ()  # per stage when they differ (else ``remat``)
+    warmup: tuple[int, ...] = ()  # extra 1F1B warm-up forwards per stage (empty: none)
 
     def remat_of(self, stage: int) -> str:
         return self.stage_remats[stage] if self.stage_remats else self.remat
@@ -304,21 +312,26 @@ def family_configs(groups: tuple[Group, ...], tables: _Tables, profile: ModelPro
                         splits.append(res)
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
-                fill, bottleneck = pipeline_estimate(
-                    tables, names, r * cp * tp, mbs * r, bounds, times, opts.schedule)
+                fill, bottleneck, warmup = pipeline_estimate(
+                    tables, names, r * cp * tp, mbs * r, bounds, times, opts.schedule,
+                    _activation_room(options, bounds, remats, caps))
                 out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remats[0],
-                                  tuple(bounds), tuple(names), fill, bottleneck, cp, mixed))
+                                  tuple(bounds), tuple(names), fill, bottleneck, cp, mixed,
+                                  warmup))
     return out
 
 
 def pipeline_estimate(tables: _Tables, stage_groups, stage_devices: int, samples: int,
-                      bounds, times, schedule: str) -> tuple[float, float]:
-    """(fill, period) of a pipeline: one micro-batch's time through all stages and back,
-    transfers included, and the steady-state time per micro-batch. Under 1F1B stage s
-    keeps ``p - s`` micro-batches in flight, each of which must travel the rest of the
-    pipeline and back (compute and both transfers of every later boundary) before the
-    stage can take another: the period is at least that loop over ``p - s``, besides the
-    slowest stage. Transfers are priced like the simulator's (``p2p_time``)."""
+                      bounds, times, schedule: str, memory=None
+                      ) -> tuple[float, float, tuple[int, ...]]:
+    """(fill, period, extra warm-up) of a pipeline: one micro-batch's time through all
+    stages and back, transfers included, the steady-state time per micro-batch, and the
+    1F1B warm-up forwards to add per stage. Under 1F1B the period is the schedule's
+    maximum cycle mean (``sim.steady_period``: the slowest stage, or a loop through
+    slow transfers with too few micro-batches in flight); with ``memory`` (per stage:
+    bytes free for activations, bytes per micro-batch in flight) the extra warm-up that
+    minimises it as memory allows (``sim.best_warmup``). Transfers are priced like the
+    simulator's (``p2p_time``)."""
     cluster, profile = tables.cluster, tables.profile
     p = len(times)
     starts: dict[str, int] = {}
@@ -330,12 +343,23 @@ def pipeline_estimate(tables: _Tables, stage_groups, stage_devices: int, samples
     links = [p2p_time(profile.layers[bounds[s][1] - 1].boundary_bytes_per_sample * samples,
                       cluster, devices[s], devices[s + 1], tables.cal) for s in range(p - 1)]
     fill = float(sum(times) + 2 * sum(links))
-    period = float(max(times))
-    if schedule == "1f1b":
-        for s in range(p):
-            loop = sum(times[s:]) + 2 * sum(links[s:])
-            period = max(period, loop / (p - s))
-    return fill, period
+    if schedule != "1f1b":
+        return fill, float(max(times)), ()
+    if memory is None:
+        return fill, steady_period(times, links), ()
+    rooms = [max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20
+             for s, (free, per) in enumerate(memory)]
+    period, extra = best_warmup(times, links, rooms)
+    return fill, period, extra
+
+
+def _activation_room(options, bounds, remats, caps):
+    """Per stage: (bytes left for activations in flight, bytes per micro-batch)."""
+    out = []
+    for s, (a, b) in enumerate(bounds):
+        _, cs, ca, work = dict(options[s])[remats[s]]
+        out.append((caps[s] - (cs[b] - cs[a]) - work[a:b].max(), ca[b] - ca[a]))
+    return out
 
 
 def _same(a, b) -> bool:
@@ -462,7 +486,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
             stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
                                 f.remat_of(len(stages))))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
-                              opts.schedule))
+                              opts.schedule, extra_warmup=f.warmup))
     sync = grad_sync_for(pipes, global_batch)
     cp = max(f.cp for f in families)
     # Stages are single-type, so equal chunks balance a stage's context axis; the kernels
@@ -634,13 +658,15 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []
     for key, cand, _ in scored[:opts.refine_top]:
-        for v in opts.virtual_options:
-            if v == 1 or key[0] or late(0.85):
-                continue
-            inter = interleave(cand, v)
-            if inter is not None:
-                r = simulate(inter, profile, cluster, cal, trace=False, cache=cache)
-                variants.append(((not r.fits, r.step_time_s), inter, r))
+        if key[0] or late(0.85):
+            continue
+        tuned = tune_warmup(cand, profile, cluster, cal, margin=opts.memory_margin,
+                            cache=cache)
+        others = [interleave(cand, v) for v in opts.virtual_options if v != 1]
+        for other in [tuned if tuned != cand else None] + others:
+            if other is not None:
+                r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
+                variants.append(((not r.fits, r.step_time_s), other, r))
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
         scored = [x for x in scored if _interleaved_as(x[1], opts.virtual_options)]
@@ -657,7 +683,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         if late(0.85):
             break
         better, better_r, cut = local_search(cand, r, profile, cluster, cal, refine_deadline,
-                                             opts.refine_evals, cache)
+                                             opts.refine_evals, cache, opts.memory_margin)
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
@@ -703,7 +729,8 @@ def interleave(plan: Plan, v: int) -> Plan | None:
                     stages.append(dataclasses.replace(st, start=start,
                                                       end=start + sizes[w][c]))
                     start += sizes[w][c]
-            pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v)
+            pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v,
+                                       extra_warmup=())
         pipes[i] = pipe
     return dataclasses.replace(plan, pipelines=tuple(pipes),
                                grad_sync=grad_sync_for(pipes, plan.global_batch))
@@ -802,9 +829,12 @@ def _neighbours(plan: Plan):
 
 
 def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
-                 evals: int = 1 << 30, cache: dict | None = None):
+                 evals: int = 1 << 30, cache: dict | None = None,
+                 margin: float | None = None):
     """First-improvement hill climbing on the simulated step time (memory must fit), for
-    at most ``evals`` simulations. Returns (plan, result, whether the clock cut it)."""
+    at most ``evals`` simulations; with ``margin``, each neighbour's 1F1B warm-up is
+    re-tuned to its layer split (``tune_warmup``). Returns (plan, result, whether the
+    clock cut it)."""
     best, best_r = plan, result
     improved, cut = True, False
     while improved and evals > 0 and not cut:
@@ -817,6 +847,8 @@ def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
                 break
             evals -= 1
             try:
+                if margin is not None:
+                    cand = tune_warmup(cand, profile, cluster, cal, margin=margin, cache=cache)
                 r = simulate(cand, profile, cluster, cal, trace=False, cache=cache)
             except HetshardError:
                 continue
