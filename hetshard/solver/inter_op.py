@@ -76,6 +76,7 @@ class PlannerOptions:
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
     refine_top: int = 3  # best simulated candidates improved by local search
+    variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
@@ -657,7 +658,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []
-    for key, cand, _ in scored[:opts.refine_top]:
+    for key, cand, _ in scored[:opts.variant_top]:
         if key[0] or late(0.85):
             continue
         tuned = tune_warmup(cand, profile, cluster, cal, margin=opts.memory_margin,
