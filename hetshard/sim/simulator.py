@@ -323,6 +323,14 @@ def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> l
     return out
 
 
+def capped_warmup(extra, m: int) -> tuple[int, ...]:
+    """``extra`` warm-up with no stage warming up beyond its ``m`` micro-batches (more
+    changes nothing), () when none is left: one canonical plan per schedule."""
+    p = len(extra)
+    out = tuple(min(e, max(0, m - (p - s))) for s, e in enumerate(extra))
+    return out if any(out) else ()
+
+
 def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 cal: Calibration = DEFAULT, *, margin: float = 0.0,
                 cache: dict | None = None) -> Plan:
@@ -344,10 +352,8 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
             rooms.append(max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20)
         _, extra = best_warmup([c.fwd_s + c.bwd_s for c in cs],
                                _sends(pipe, profile, cluster, cal), rooms)
-        # More warm-up than micro-batches changes nothing: keep the plan canonical.
-        extra = tuple(min(e, max(0, pipe.num_micro_batches - (p - s)))
-                      for s, e in enumerate(extra))
-        pipes.append(dataclasses.replace(pipe, extra_warmup=extra if any(extra) else ()))
+        pipes.append(dataclasses.replace(
+            pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
     return dataclasses.replace(plan, pipelines=tuple(pipes))
 
 

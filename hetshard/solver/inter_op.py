@@ -54,6 +54,7 @@ from hetshard.plan import Context, GradSync, Pipeline, Plan, SolverStats, Stage
 from hetshard.sim.simulator import (
     annotate,
     best_warmup,
+    capped_warmup,
     simulate,
     steady_period,
     tune_warmup,
@@ -487,7 +488,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
             stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
                                 f.remat_of(len(stages))))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
-                              opts.schedule, extra_warmup=f.warmup))
+                              opts.schedule, extra_warmup=capped_warmup(f.warmup, mcount)))
     sync = grad_sync_for(pipes, global_batch)
     cp = max(f.cp for f in families)
     # Stages are single-type, so equal chunks balance a stage's context axis; the kernels
@@ -619,17 +620,14 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # Plans with remat per stage are ranked apart from the others: their estimates
     # favour recomputing stages whose cost the simulation then finds higher, and they
     # must not push the others out of the simulated set.
-    chosen_idx, seen, ranks = [], set(), {False: 0, True: 0}
-    for i, (_t, combo, _c) in enumerate(estimates):
+    # Exact counts are computed as candidates are chosen; a combination whose units
+    # cannot add up to the batch exactly (the relaxation cannot tell) is passed over.
+    candidates, seen, ranks = [], set(), {False: 0, True: 0}
+    for _t, combo, counts in estimates:
         mixed = any(f.stage_remats for f in combo)
         key = (tuple(f.groups for f in combo), mixed)
-        if ranks[mixed] < opts.simulate_top or key not in seen:
-            chosen_idx.append(i)
-        ranks[mixed] += 1
-        seen.add(key)
-    candidates = []
-    for i in chosen_idx:
-        _t_est, combo, counts = estimates[i]
+        if ranks[mixed] >= opts.simulate_top and key in seen:
+            continue
         if counts is None:
             res = assign_batch(list(combo), global_batch)
             if res is None:
@@ -637,6 +635,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             counts = res[0]
         candidates.append(build_plan(model, profile, cluster, list(combo), counts,
                                      global_batch, seq_len, opts))
+        ranks[mixed] += 1
+        seen.add(key)
     if opts.include_uniform:
         from hetshard.solver.baselines import uniform_candidates
         # Uniform plans are part of the space when each stage stays on one GPU type
