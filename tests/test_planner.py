@@ -294,6 +294,18 @@ def test_bad_constraints_and_batches():
         make_plan(TINY, Cluster.load(TINY_CLUSTER), global_batch=0, seq_len=64)
 
 
+@pytest.mark.slow
+def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
+    # The search's effort is fixed by the options (every combination, local search of at
+    # most refine_evals simulations), not by the clock: a looser limit changes nothing.
+    cluster = Cluster.load("a100-v100-x16")
+    plans = [make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
+                       options=PlannerOptions(time_limit_s=limit, dtype="float16"))
+             for limit in (30, 300)]
+    assert [p.solver.status for p in plans] == ["searched", "searched"]
+    assert plans[0].what_runs() == plans[1].what_runs()
+
+
 def test_time_limit_returns_best_found_with_a_warning():
     cluster = Cluster.load("a100-v100")
     with warnings.catch_warnings(record=True) as caught:

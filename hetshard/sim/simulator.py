@@ -294,23 +294,29 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
-            gpu = _slowest(cluster, st.devices)
-            tp, cp = st.axis("tensor"), st.axis("context")
-            dp = st.axis("data") * st.axis("fsdp")
-            devs = list(st.devices)
-            # Device order inside a stage: data-major, then context, then tensor (innermost).
-            tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
-            cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
-            dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
-            cost = stage_cost(profile, st.start, st.end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
-                              mbs=pipe.micro_batch_size, remat=st.remat,
-                              attention=plan.attention, cal=cal, tp_topo=tp_topo,
-                              cp_topo=cp_topo, dp_topo=dp_topo)
+            cost = layers_cost(st, st.start, st.end, pipe.micro_batch_size, fsdp,
+                               plan.attention, profile, cluster, cal)
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
         out.append(costs)
     return out
+
+
+def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
+                profile: ModelProfile, cluster: Cluster, cal: Calibration) -> StageCost:
+    """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat)."""
+    gpu = _slowest(cluster, st.devices)
+    tp, cp = st.axis("tensor"), st.axis("context")
+    dp = st.axis("data") * st.axis("fsdp")
+    devs = list(st.devices)
+    # Device order inside a stage: data-major, then context, then tensor (innermost).
+    tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
+    cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
+    dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
+    return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp, mbs=mbs,
+                      remat=st.remat, attention=attention, cal=cal, tp_topo=tp_topo,
+                      cp_topo=cp_topo, dp_topo=dp_topo)
 
 
 def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> list[float]:

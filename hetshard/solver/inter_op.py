@@ -55,6 +55,7 @@ from hetshard.sim.simulator import (
     annotate,
     best_warmup,
     capped_warmup,
+    layers_cost,
     simulate,
     steady_period,
     tune_warmup,
@@ -663,7 +664,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             continue
         tuned = tune_warmup(cand, profile, cluster, cal, margin=opts.memory_margin,
                             cache=cache)
-        others = [interleave(cand, v) for v in opts.virtual_options if v != 1]
+        layer_times = _layer_times(cand, profile, cluster, cal, cache)
+        others = [interleave(cand, v, layer_times) for v in opts.virtual_options if v != 1]
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
@@ -703,14 +705,17 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     return annotate(chosen, result, upper)
 
 
-def interleave(plan: Plan, v: int) -> Plan | None:
-    """``plan`` with each pipeline's submeshes holding ``v`` stages instead of one: the
-    layers of submesh w split into ``v`` near-equal parts, laid out in model order as
-    stage ``c * p + w`` (part c of every submesh, then part c + 1). A pipeline can when it
-    has 2+ submeshes and ``v`` layers on each; its micro-batch count must be a multiple
-    of its submeshes, so counts are rounded to one, the difference taken from or given
-    to pipelines of the same micro-batch samples (the smallest change). None when no
-    pipeline can."""
+def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
+    """``plan`` with each pipeline's submeshes holding ``v`` stages instead of one, laid
+    out in model order as stage ``c * p + w`` (submesh w's c-th). Without
+    ``layer_times`` each submesh's layer count is split into ``v`` near-equal parts; with
+    ``layer_times(pipeline, w)`` (per-layer forward + backward seconds on submesh w)
+    the stages are cut walking the model so that each takes about a ``v``-th of its
+    submesh's former time (layers differ: embeddings, heads, vision blocks). A pipeline
+    can when it has 2+ submeshes and ``v`` layers on each; its micro-batch count must be
+    a multiple of its submeshes, so counts are rounded to one, the difference taken from
+    or given to pipelines of the same micro-batch samples (the smallest change). None
+    when no pipeline can."""
     pipes = list(plan.pipelines)
     able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
             and all(st.num_layers >= v for st in q.stages)]
@@ -722,19 +727,62 @@ def interleave(plan: Plan, v: int) -> Plan | None:
         unit = pipe.batch_share // pipe.num_micro_batches
         pipe = dataclasses.replace(pipe, num_micro_batches=m, batch_share=m * unit)
         if i in able:
-            sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
-                     for st in pipe.stages]
-            stages, start = [], 0
-            for c in range(v):
-                for w, st in enumerate(pipe.stages):
-                    stages.append(dataclasses.replace(st, start=start,
-                                                      end=start + sizes[w][c]))
-                    start += sizes[w][c]
+            cuts = (_time_cuts(pipe, v, [layer_times(i, w) for w in range(len(pipe.stages))])
+                    if layer_times is not None else _count_cuts(pipe, v))
+            stages = [dataclasses.replace(pipe.stages[j % len(pipe.stages)], start=a, end=b)
+                      for j, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
             pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v,
                                        extra_warmup=())
         pipes[i] = pipe
     return dataclasses.replace(plan, pipelines=tuple(pipes),
                                grad_sync=grad_sync_for(pipes, plan.global_batch))
+
+
+def _layer_times(plan: Plan, profile, cluster, cal, cache: dict):
+    """``f(pipeline, w)``: per-layer forward + backward seconds on submesh w of that
+    pipeline (its devices, mesh, remat and micro-batch size), priced once per layer kind."""
+    def times(i: int, w: int):
+        pipe = plan.pipelines[i]
+        st = pipe.stages[w]
+        out = []
+        for layer in range(profile.num_layers):
+            key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
+                   pipe.micro_batch_size, plan.fsdp, plan.attention)
+            if key not in cache:
+                c = layers_cost(st, layer, layer + 1, pipe.micro_batch_size,
+                                plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
+                                cluster, cal)
+                cache[key] = c.fwd_s + c.bwd_s
+            out.append(cache[key])
+        return out
+    return times
+
+
+def _count_cuts(pipe, v: int) -> list[int]:
+    """Stage boundaries: submesh w's layer count split into v near-equal parts."""
+    sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
+             for st in pipe.stages]
+    cuts = [0]
+    for c in range(v):
+        for w in range(len(pipe.stages)):
+            cuts.append(cuts[-1] + sizes[w][c])
+    return cuts
+
+
+def _time_cuts(pipe, v: int, times) -> list[int]:
+    """Stage boundaries walking the model: stage j (submesh w = j mod p) ends at the layer
+    nearest a v-th of w's former time, leaving a layer for every later stage."""
+    p, n = len(pipe.stages), pipe.stages[-1].end
+    target = [sum(times[w][st.start:st.end]) / v for w, st in enumerate(pipe.stages)]
+    cuts = [0]
+    for j in range(p * v - 1):
+        w, start = j % p, cuts[-1]
+        end, acc = start + 1, times[w][start]
+        while end < n - (p * v - j - 1) and acc + times[w][end] / 2 <= target[w]:
+            acc += times[w][end]
+            end += 1
+        cuts.append(end)
+    return cuts + [n]
 
 
 def _rounded_counts(pipes, able) -> dict[int, int] | None:
