@@ -664,8 +664,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             continue
         tuned = tune_warmup(cand, profile, cluster, cal, margin=opts.memory_margin,
                             cache=cache)
+        # Interleaved with stages cut by time and by layer count (local search starts
+        # from the best; either can be better once transfers and memory are priced).
         layer_times = _layer_times(cand, profile, cluster, cal, cache)
-        others = [interleave(cand, v, layer_times) for v in opts.virtual_options if v != 1]
+        others = [interleave(cand, v, times) for v in opts.virtual_options if v != 1
+                  for times in (layer_times, None)]
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
