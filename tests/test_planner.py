@@ -306,6 +306,21 @@ def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
     assert plans[0].what_runs() == plans[1].what_runs()
 
 
+def test_fix_vpp_asks_for_interleaving_or_forbids_it():
+    cluster = Cluster.load("a100-v100-x16")
+    base = PlannerOptions(time_limit_s=30, dtype="float16")
+    inter = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
+                      options=options_from_fix("vpp=2", base))
+    multi = [q for q in inter.pipelines if q.num_workers > 1]
+    assert multi and all(q.virtual_stages == 2 for q in multi)
+    plain = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
+                      options=options_from_fix("vpp=1", base))
+    assert all(q.virtual_stages == 1 for q in plain.pipelines)
+    with pytest.raises(SpecError, match="vpp"):  # 26 layers cannot give 8 submeshes 30 each
+        make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
+                  options=options_from_fix("vpp=30", base))
+
+
 def test_time_limit_returns_best_found_with_a_warning():
     cluster = Cluster.load("a100-v100")
     with warnings.catch_warnings(record=True) as caught:

@@ -676,10 +676,12 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
         scored = [x for x in scored if _interleaved_as(x[1], opts.virtual_options)]
+        variants = [x for x in variants if _interleaved_as(x[1], opts.virtual_options)]
         if not scored and not variants:
-            raise SpecError("vpp", opts.virtual_options,
-                            "1, or a value the best plans can take: every pipeline of "
-                            "several submeshes needs at least vpp layers per submesh")
+            vpp = opts.virtual_options
+            raise SpecError("--fix vpp", vpp[0] if len(vpp) == 1 else list(vpp),
+                            "1, or a value the best pipelined plans can take: at least vpp "
+                            "layers on each of a pipeline's submeshes")
     # Local search from the best few plans as they are and the best few interleaved.
     starts = scored[:opts.refine_top] + variants[:opts.refine_top]
     best = min(starts, key=lambda x: x[0])
@@ -831,8 +833,10 @@ def _rounded_counts(pipes, able) -> dict[int, int] | None:
 
 
 def _interleaved_as(plan: Plan, options) -> bool:
-    """Every pipeline of several submeshes runs one of ``options`` stages per submesh."""
-    return all(p.virtual_stages in options for p in plan.pipelines if p.num_workers > 1)
+    """Every pipeline of several submeshes runs one of ``options`` stages per submesh, and
+    when 1 is not among them at least one pipeline is interleaved (it was asked for)."""
+    pipes = [p for p in plan.pipelines if p.num_workers > 1]
+    return all(p.virtual_stages in options for p in pipes) and (1 in options or bool(pipes))
 
 
 def _prune(cands: list[Family], n: int) -> list[Family]:
