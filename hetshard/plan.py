@@ -213,6 +213,22 @@ class Plan:
         return "\n".join(lines)
 
 
+def grad_sync_for(pipes, global_batch: int) -> tuple[GradSync, ...]:
+    """For each layer interval, the devices holding it and each pipeline's batch weight."""
+    cuts = sorted({b for p in pipes for s in p.stages for b in (s.start, s.end)})
+    out = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        devices, weights = [], []
+        for p in pipes:
+            for s in p.stages:
+                if s.start <= a and s.end >= b:
+                    devices += list(s.devices)
+                    weights.append(p.batch_share / global_batch)
+        if len(devices) > 1:
+            out.append(GradSync(a, b, tuple(devices), tuple(weights)))
+    return tuple(out)
+
+
 def _ranges(ids) -> str:
     ids = list(ids)
     if not ids:

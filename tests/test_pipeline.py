@@ -181,7 +181,7 @@ def test_extra_warmup_runs_forwards_ahead():
     # Stage 0 forwards all 4 micro-batches before its first backward (1F1B's 2 plus 2).
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),
                                        8, 1, 4, extra_warmup=(2, 0))])
-    from hetshard.sim.simulator import worker_order
+    from hetshard.sim.schedule import worker_order
     assert [k for k, _, _ in worker_order("1f1b", 2, 0, 4, 1, (2, 0))][:5] == list("FFFFB")
     _assert_matches_one_device("gpt-tiny", plan, steps=2)
 

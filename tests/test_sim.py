@@ -15,17 +15,16 @@ from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverStats, Stage
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
-from hetshard.sim.simulator import (
-    annotate,
+from hetshard.sim.schedule import (
     best_warmup,
     inflight,
     run_pipeline,
     schedule_order,
     schedule_walk,
     steady_period,
-    worker_memory,
     worker_order,
 )
+from hetshard.sim.simulator import annotate, worker_memory
 from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"

@@ -58,7 +58,7 @@ from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
 from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
-from hetshard.sim.simulator import schedule_walk
+from hetshard.sim.schedule import schedule_walk
 
 
 class PipelineSetupError(HetshardError, ValueError):

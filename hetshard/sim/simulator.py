@@ -17,9 +17,6 @@ bucketing does. Step time is the latest finish over all stages.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
-import numpy as np
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
@@ -27,6 +24,7 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.plan import Plan, Predicted
+from hetshard.sim.schedule import best_warmup, capped_warmup, inflight, time_pipeline, worker_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,208 +57,6 @@ class SimResult:
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
                 "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
-
-
-def worker_order(schedule: str, p: int, w: int, m: int, v: int = 1,
-                 extra: tuple[int, ...] = ()) -> list[tuple[str, int, int]]:
-    """``(kind, stage, micro_batch)`` in the order submesh ``w`` of ``p`` runs its tasks
-    when each submesh holds ``v`` stages (stage ``c * p + w`` is its c-th).
-
-    GPipe: every forward, then every backward. 1F1B with ``v = 1``: ``p - w - 1``
-    warm-up forwards, then one forward / one backward, then the cool-down backwards.
-    Interleaved 1F1B (``v > 1``, Megatron-LM's schedule; ``m`` a multiple of ``p``):
-    forwards go through the submesh's stages in groups of ``p`` micro-batches (stage
-    ``w`` for micro-batches 0..p-1, then stage ``p + w`` for the same ones, ...),
-    backwards likewise from the last stage down, with ``2 (p - w - 1) + (v - 1) p``
-    warm-up forwards. Under 1F1B ``extra[w]`` more warm-up forwards on submesh w keep
-    more micro-batches in flight, so that transfers slower than compute no longer stall
-    the loop each micro-batch makes from w to the last stage and back, for their
-    activations' memory (warm-up counts must not grow along the pipeline).
-    """
-    n_tasks = m * v
-
-    def task(k: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk * p + w, group * p + within % p
-
-    if v == 1:
-        fwds = [(w, i) for i in range(m)]
-        bwds = fwds
-        warm = min(p - w - 1 + (extra[w] if extra else 0), m)
-    else:
-        fwds = [task(k, False) for k in range(n_tasks)]
-        bwds = [task(k, True) for k in range(n_tasks)]
-        warm = min(2 * (p - w - 1) + (v - 1) * p + (extra[w] if extra else 0), n_tasks)
-    if schedule == "gpipe":
-        return [("F", *t) for t in fwds] + [("B", *t) for t in bwds]
-    order = [("F", *t) for t in fwds[:warm]]
-    f, b = warm, 0
-    while f < n_tasks:
-        order += [("F", *fwds[f]), ("B", *bwds[b])]
-        f += 1
-        b += 1
-    order += [("B", *t) for t in bwds[b:]]
-    return order
-
-
-def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
-    """The order in which stage ``s`` of ``p`` (one stage per submesh) runs its ``m``
-    micro-batches."""
-    return [(kind, i) for kind, _, i in worker_order(schedule, p, s, m)]
-
-
-def inflight(schedule: str, p: int, s: int, m: int, extra: tuple[int, ...] = ()) -> int:
-    """Micro-batches whose activations stage ``s`` holds at once (one stage per submesh)."""
-    return m if schedule == "gpipe" else min(p - s + (extra[s] if extra else 0), m)
-
-
-def schedule_walk(schedule: str, n: int, m: int, v: int = 1, extra: tuple[int, ...] = ()):
-    """Yields ``(stage, "F"|"B", micro_batch)`` for every task of one pipeline of ``n``
-    stages on ``n / v`` submeshes, each submesh in its ``worker_order`` and every task after
-    those it depends on (its forward input, or the next stage's backward). The simulator
-    prices tasks in this order and the runtime dispatches them in it (every process the
-    same)."""
-    yield from _walk(schedule, n, m, v, extra)
-
-
-@functools.lru_cache(maxsize=64)
-def _walk(schedule: str, n: int, m: int, v: int,
-          extra: tuple[int, ...] = ()) -> tuple[tuple[int, str, int], ...]:
-    p = n // v
-    orders = [worker_order(schedule, p, w, m, v, extra) for w in range(p)]
-    ptr, out = [0] * p, []
-    f_done = [[False] * m for _ in range(n)]
-    b_done = [[False] * m for _ in range(n)]
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for w in range(p):
-            order = orders[w]
-            while ptr[w] < len(order):
-                kind, s, i = order[ptr[w]]
-                if kind == "F":
-                    if s and not f_done[s - 1][i]:
-                        break
-                    f_done[s][i] = True
-                else:
-                    if not f_done[s][i] or (s < n - 1 and not b_done[s + 1][i]):
-                        break
-                    b_done[s][i] = True
-                out.append((s, kind, i))
-                ptr[w] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the schedules above
-            raise RuntimeError(f"pipeline schedule deadlocked at {ptr}")
-    return tuple(out)
-
-
-def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,
-                 extra: tuple[int, ...] = ()):
-    """Runs one pipeline's micro-batches; returns (events, per-submesh finish times).
-
-    ``fwd_s[s]``/``bwd_s[s]``: one micro-batch's forward/backward time on stage s;
-    ``sends_s[s]``: transfer time between stage s and s+1 (both directions); stage s runs
-    on submesh ``s mod (len(fwd_s) / v)``, one task at a time.
-    Events are ``(stage, "F"|"B", micro_batch, start_s, end_s)``.
-    """
-    events, free, _ = _run(fwd_s, bwd_s, sends_s, m, schedule, v, True, extra)
-    return events, free
-
-
-def _run(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int, record: bool,
-         extra: tuple[int, ...] = ()):
-    """``run_pipeline`` plus each stage's last backward (start, end); events only when
-    ``record`` (the planner prices thousands of plans and needs only the times)."""
-    n = len(fwd_s)
-    p = n // v
-    f_end = [[0.0] * m for _ in range(n)]
-    b_end = [[0.0] * m for _ in range(n)]
-    last_b = [(0.0, 0.0)] * n
-    free, events = [0.0] * p, []
-    for s, kind, i in _walk(schedule, n, m, v, extra):
-        w = s % p
-        if kind == "F":
-            ready = f_end[s - 1][i] + sends_s[s - 1] if s else 0.0
-            start = free[w] if free[w] > ready else ready
-            end = f_end[s][i] = free[w] = start + fwd_s[s]
-        else:
-            own = f_end[s][i]
-            ready = own if s == n - 1 else max(own, b_end[s + 1][i] + sends_s[s])
-            start = free[w] if free[w] > ready else ready
-            end = b_end[s][i] = free[w] = start + bwd_s[s]
-            last_b[s] = (start, end)
-        if record:
-            events.append((s, kind, i, start, end))
-    return events, free, last_b
-
-
-def steady_period(times, sends, extra=()) -> float:
-    """The steady-state time per micro-batch of a 1F1B pipeline (one stage per submesh):
-    ``times[s]`` a micro-batch's forward + backward on stage s, ``sends[s]`` the transfer
-    between s and s+1, ``extra[s]`` its extra warm-up forwards.
-
-    The schedule is a timed event graph whose period is its maximum cycle mean. Its
-    cycles run from a stage s down the forwards to a stage q, turn back through q's
-    backward and up the backwards to s, where the next forward of s waits for that
-    backward: weight ``sum(times[s..q]) + 2 sum(sends[s..q-1])``, spanning ``q - s + 1 +
-    e_s - e_q`` micro-batches (the warm-up difference). With q = s it is the stage's own
-    time; with q the last stage, 1F1B's familiar round-trip bound. A slow link between
-    two stages can bind on its own: only a larger warm-up before it than after it helps.
-    """
-    t = np.asarray(times, dtype=float)
-    p = len(t)
-    if p == 1:
-        return float(t[0])
-    e = np.asarray(extra if len(extra) else np.zeros(p), dtype=float)
-    ct = np.concatenate([[0.0], np.cumsum(t)])
-    cs = np.concatenate([[0.0], np.cumsum(np.asarray(sends, dtype=float))])
-    s, q = np.triu_indices(p)
-    weight = ct[q + 1] - ct[s] + 2 * (cs[q] - cs[s])
-    span = q - s + 1 + e[s] - e[q]
-    return float(np.max(weight / span))
-
-
-def best_warmup(times, sends, rooms) -> tuple[float, tuple[int, ...]]:
-    """(period, extra warm-up per stage) minimising ``steady_period`` with at most
-    ``rooms[s]`` extra micro-batches in flight on stage s and warm-up forwards
-    (``p - s - 1 + e_s``) never growing along the pipeline. For a target period the
-    least warm-ups follow from the last stage back (every cycle is a difference
-    constraint ``e_s - e_q >= weight / period - (q - s + 1)``); the period is bisected."""
-    t = np.asarray(times, dtype=float)
-    p = len(t)
-    if p == 1:
-        return float(t[0]), ()
-    ct = np.concatenate([[0.0], np.cumsum(t)])
-    cs = np.concatenate([[0.0], np.cumsum(np.asarray(sends, dtype=float))])
-    idx = np.arange(p)
-
-    def least(period: float):
-        e = np.zeros(p)
-        for s in range(p - 2, -1, -1):
-            q = idx[s + 1:]
-            w = ct[q + 1] - ct[s] + 2 * (cs[q] - cs[s])
-            need = np.ceil(w / period - (q - s + 1) - 1e-9) + e[q]
-            e[s] = max(0.0, e[s + 1] - 1, need.max())
-            if e[s] > rooms[s]:
-                return None
-        return e
-
-    # e = 0 reaches steady_period(t, sends); the slowest stage's time bounds from below.
-    lo, hi = float(t.max()), steady_period(t, sends)
-    e = least(lo)
-    if e is None:
-        while hi - lo > 1e-6 * hi:  # least(lo) infeasible, least(hi) feasible
-            mid = (lo + hi) / 2
-            if least(mid) is None:
-                lo = mid
-            else:
-                hi = mid
-        e = least(hi)
-    return steady_period(t, sends, e), tuple(int(x) for x in e) if e.any() else ()
 
 
 def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
@@ -329,14 +125,6 @@ def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> l
     return out
 
 
-def capped_warmup(extra, m: int) -> tuple[int, ...]:
-    """``extra`` warm-up with no stage warming up beyond its ``m`` micro-batches (more
-    changes nothing), () when none is left: one canonical plan per schedule."""
-    p = len(extra)
-    out = tuple(min(e, max(0, m - (p - s))) for s, e in enumerate(extra))
-    return out if any(out) else ()
-
-
 def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 cal: Calibration = DEFAULT, *, margin: float = 0.0,
                 cache: dict | None = None) -> Plan:
@@ -387,8 +175,9 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         p = n // v
         act = costs[pi]
         sends = _sends(pipe, profile, cluster, cal)
-        events, free, last_b = _run([c.fwd_s for c in act], [c.bwd_s for c in act], sends, m,
-                                    pipe.schedule, v, trace, pipe.extra_warmup)
+        events, free, last_b = time_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act],
+                                             sends, m, pipe.schedule, v, pipe.extra_warmup,
+                                             trace)
         tasks += [Task(pi, s_, kind, i, start, end, s_ % p)
                   for s_, kind, i, start, end in events]
         for s_, (start, end) in enumerate(last_b):

@@ -50,17 +50,10 @@ from hetshard.cost.comm import p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import HetshardError, SpecError
-from hetshard.plan import Context, GradSync, Pipeline, Plan, SolverStats, Stage
-from hetshard.sim.simulator import (
-    annotate,
-    best_warmup,
-    capped_warmup,
-    layers_cost,
-    simulate,
-    steady_period,
-    tune_warmup,
-    upper_bound_tokens_per_s,
-)
+from hetshard.plan import Context, Pipeline, Plan, SolverStats, Stage, grad_sync_for
+from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period
+from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_tokens_per_s
+from hetshard.solver.variants import interleave, interleaved_as, layer_times
 
 
 class NoFeasiblePlanError(HetshardError, ValueError):
@@ -500,22 +493,6 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
                 dtype=opts.dtype, attention=opts.attention)
 
 
-def grad_sync_for(pipes, global_batch: int) -> tuple[GradSync, ...]:
-    """For each layer interval, the devices holding it and each pipeline's batch weight."""
-    cuts = sorted({b for p in pipes for s in p.stages for b in (s.start, s.end)})
-    out = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        devices, weights = [], []
-        for p in pipes:
-            for s in p.stages:
-                if s.start <= a and s.end >= b:
-                    devices += list(s.devices)
-                    weights.append(p.batch_share / global_batch)
-        if len(devices) > 1:
-            out.append(GradSync(a, b, tuple(devices), tuple(weights)))
-    return tuple(out)
-
-
 def _assignments(groups: tuple[Group, ...]):
     """Every way to split the groups into families (ordered fastest first) or leave idle."""
     names = list(range(len(groups)))
@@ -666,17 +643,17 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                             cache=cache)
         # Interleaved with stages cut by time and by layer count (local search starts
         # from the best; either can be better once transfers and memory are priced).
-        layer_times = _layer_times(cand, profile, cluster, cal, cache)
+        by_time = layer_times(cand, profile, cluster, cal, cache)
         others = [interleave(cand, v, times) for v in opts.virtual_options if v != 1
-                  for times in (layer_times, None)]
+                  for times in (by_time, None)]
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
                 variants.append(((not r.fits, r.step_time_s), other, r))
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
-        scored = [x for x in scored if _interleaved_as(x[1], opts.virtual_options)]
-        variants = [x for x in variants if _interleaved_as(x[1], opts.virtual_options)]
+        scored = [x for x in scored if interleaved_as(x[1], opts.virtual_options)]
+        variants = [x for x in variants if interleaved_as(x[1], opts.virtual_options)]
         if not scored and not variants:
             vpp = opts.virtual_options
             raise SpecError("--fix vpp", vpp[0] if len(vpp) == 1 else list(vpp),
@@ -708,135 +685,6 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                       f"gap to the compute bound {gap:.1%}", stacklevel=2)
     chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
     return annotate(chosen, result, upper)
-
-
-def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
-    """``plan`` with each pipeline's submeshes holding ``v`` stages instead of one, laid
-    out in model order as stage ``c * p + w`` (submesh w's c-th). Without
-    ``layer_times`` each submesh's layer count is split into ``v`` near-equal parts; with
-    ``layer_times(pipeline, w)`` (per-layer forward + backward seconds on submesh w)
-    the stages are cut walking the model so that each takes about a ``v``-th of its
-    submesh's former time (layers differ: embeddings, heads, vision blocks). A pipeline
-    can when it has 2+ submeshes and ``v`` layers on each; its micro-batch count must be
-    a multiple of its submeshes, so counts are rounded to one, the difference taken from
-    or given to pipelines of the same micro-batch samples (the smallest change). None
-    when no pipeline can."""
-    pipes = list(plan.pipelines)
-    able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
-            and all(st.num_layers >= v for st in q.stages)]
-    counts = _rounded_counts(pipes, able)
-    if counts is None:
-        return None
-    for i, m in counts.items():
-        pipe = pipes[i]
-        unit = pipe.batch_share // pipe.num_micro_batches
-        pipe = dataclasses.replace(pipe, num_micro_batches=m, batch_share=m * unit)
-        if i in able:
-            cuts = (_time_cuts(pipe, v, [layer_times(i, w) for w in range(len(pipe.stages))])
-                    if layer_times is not None else _count_cuts(pipe, v))
-            stages = [dataclasses.replace(pipe.stages[j % len(pipe.stages)], start=a, end=b)
-                      for j, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
-            pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v,
-                                       extra_warmup=())
-        pipes[i] = pipe
-    return dataclasses.replace(plan, pipelines=tuple(pipes),
-                               grad_sync=grad_sync_for(pipes, plan.global_batch))
-
-
-def _layer_times(plan: Plan, profile, cluster, cal, cache: dict):
-    """``f(pipeline, w)``: per-layer forward + backward seconds on submesh w of that
-    pipeline (its devices, mesh, remat and micro-batch size), priced once per layer kind."""
-    def times(i: int, w: int):
-        pipe = plan.pipelines[i]
-        st = pipe.stages[w]
-        out = []
-        for layer in range(profile.num_layers):
-            key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
-                   pipe.micro_batch_size, plan.fsdp, plan.attention)
-            if key not in cache:
-                c = layers_cost(st, layer, layer + 1, pipe.micro_batch_size,
-                                plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
-                                cluster, cal)
-                cache[key] = c.fwd_s + c.bwd_s
-            out.append(cache[key])
-        return out
-    return times
-
-
-def _count_cuts(pipe, v: int) -> list[int]:
-    """Stage boundaries: submesh w's layer count split into v near-equal parts."""
-    sizes = [[st.num_layers // v + (c < st.num_layers % v) for c in range(v)]
-             for st in pipe.stages]
-    cuts = [0]
-    for c in range(v):
-        for w in range(len(pipe.stages)):
-            cuts.append(cuts[-1] + sizes[w][c])
-    return cuts
-
-
-def _time_cuts(pipe, v: int, times) -> list[int]:
-    """Stage boundaries walking the model: stage j (submesh w = j mod p) ends at the layer
-    nearest a v-th of w's former time, leaving a layer for every later stage."""
-    p, n = len(pipe.stages), pipe.stages[-1].end
-    target = [sum(times[w][st.start:st.end]) / v for w, st in enumerate(pipe.stages)]
-    cuts = [0]
-    for j in range(p * v - 1):
-        w, start = j % p, cuts[-1]
-        end, acc = start + 1, times[w][start]
-        while end < n - (p * v - j - 1) and acc + times[w][end] / 2 <= target[w]:
-            acc += times[w][end]
-            end += 1
-        cuts.append(end)
-    return cuts + [n]
-
-
-def _rounded_counts(pipes, able) -> dict[int, int] | None:
-    """Micro-batch counts with every pipeline in ``able`` at a multiple of its stages and
-    each group of equal micro-batch samples keeping its total; the smallest total change
-    (ties: the first found). Pipelines that cannot take a multiple keep theirs."""
-    units: dict[int, list[int]] = {}
-    for i, q in enumerate(pipes):
-        units.setdefault(q.batch_share // q.num_micro_batches, []).append(i)
-    out: dict[int, int] = {}
-    for members in units.values():
-        inter = [i for i in members if i in able]
-        rest = [i for i in members if i not in able]
-        if not inter:
-            continue
-        options = []
-        for i in inter:
-            m, p = pipes[i].num_micro_batches, len(pipes[i].stages)
-            down = m - m % p
-            options.append([x for x in dict.fromkeys((down, down + p)) if x >= p] if m % p
-                           else [m])
-        best = None
-        for choice in itertools.product(*options):
-            delta = sum(c - pipes[i].num_micro_batches for c, i in zip(choice, inter,
-                                                                       strict=True))
-            absorb = {}
-            if delta:
-                if not rest:
-                    continue
-                j = max(rest, key=lambda k: pipes[k].num_micro_batches)
-                if pipes[j].num_micro_batches - delta < 1:
-                    continue
-                absorb = {j: pipes[j].num_micro_batches - delta}
-            cost = sum(abs(c - pipes[i].num_micro_batches)
-                       for c, i in zip(choice, inter, strict=True)) + abs(delta)
-            if best is None or cost < best[0]:
-                best = (cost, dict(zip(inter, choice, strict=True)) | absorb)
-        if best is not None:
-            out.update(best[1])
-    if not any(i in out for i in able):
-        return None
-    return out
-
-
-def _interleaved_as(plan: Plan, options) -> bool:
-    """Every pipeline of several submeshes runs one of ``options`` stages per submesh, and
-    when 1 is not among them at least one pipeline is interleaved (it was asked for)."""
-    pipes = [p for p in plan.pipelines if p.num_workers > 1]
-    return all(p.virtual_stages in options for p in pipes) and (1 in options or bool(pipes))
 
 
 def _prune(cands: list[Family], n: int) -> list[Family]:
