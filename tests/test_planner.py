@@ -306,6 +306,31 @@ def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
     assert plans[0].what_runs() == plans[1].what_runs()
 
 
+def test_interleave_cuts_by_count_or_time_and_rounds_micro_batches():
+    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard.solver.variants import interleave
+
+    def stage(a, b, device):
+        return Stage(a, b, (device,), "A100-80GB", (("data", 1),))
+    # Two pipelines of 2 submeshes with 5 and 3 micro-batches: interleaving needs even
+    # counts; (4, 4) keeps the batch of 8 with the least change.
+    plan = Plan("gpt-tiny", {}, 8, 64, (Pipeline((stage(0, 4, 0), stage(4, 8, 1)), 5, 1, 5),
+                                        Pipeline((stage(0, 4, 2), stage(4, 8, 3)), 3, 1, 3)))
+    by_count = interleave(plan, 2)
+    assert [q.num_micro_batches for q in by_count.pipelines] == [4, 4]
+    assert [q.batch_share for q in by_count.pipelines] == [4, 4]
+    pipe = by_count.pipelines[0]
+    assert pipe.virtual_stages == 2
+    assert [(s.start, s.end, s.devices) for s in pipe.stages] == [
+        (0, 2, (0,)), (2, 4, (1,)), (4, 6, (0,)), (6, 8, (1,))]
+    # Layer 0 (an embedding, say) costs 3 units, the others 1: submesh 0 had 6 units, so
+    # each of its stages takes about 3; submesh 1 had 4, so about 2 each.
+    by_time = interleave(plan, 2, lambda i, w: [3.0] + [1.0] * 7)
+    assert [(s.start, s.end) for s in by_time.pipelines[0].stages] == [
+        (0, 1), (1, 3), (3, 6), (6, 8)]
+    assert interleave(plan, 5) is None  # 4 layers per submesh cannot make 5 stages
+
+
 def test_fix_vpp_asks_for_interleaving_or_forbids_it():
     cluster = Cluster.load("a100-v100-x16")
     base = PlannerOptions(time_limit_s=30, dtype="float16")
