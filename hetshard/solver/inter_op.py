@@ -17,18 +17,27 @@ Algorithm.
    (exact for a bottleneck objective with costs monotone in the layers, and every stage's
    memory under 1F1B in-flight counts checked). Alpa's DP enumerates the same bottleneck;
    here stages of one type are interchangeable, which makes the greedy test exact.
-3. For each assignment of groups to families, the micro-batch counts by CP-SAT:
-   sum_f m_f * mbs * R_f = B, minimising max_f (fill_f + (m_f - 1) * bottleneck_f).
+   Each family's step estimate is fill + (m - 1) x period, the period being 1F1B's
+   exact steady state (``sim.schedule.steady_period``) with the extra warm-up that
+   minimises it within memory (``best_warmup``: hides slow transfers).
+3. For each assignment of groups to families, the micro-batch counts:
+   sum_f m_f * mbs * R_f = B, minimising max_f (fill_f + (m_f - 1) * period_f) (greedy,
+   exact, when every family takes equal micro-batches, else CP-SAT). With many
+   combinations they are ranked by the closed-form relaxation (fractional counts, a
+   lower bound) and only the simulated ones get exact counts.
 4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
-   are part of the space), are simulated in full. The best few are also tried
-   interleaved (each submesh's layers cut into ``v`` stages, Megatron-LM's virtual
-   stages: a ``v`` times smaller bubble for ``v`` times the transfers and more
-   activations in flight), then improved by local search; the fastest simulated plan
-   that fits wins. Its gap is reported against a lower bound on the step time: the
-   cluster's compute-only upper bound on throughput (no communication, no bubble).
+   are part of the space), are simulated in full. The best few are also tried with
+   re-tuned warm-up and interleaved (``variants``: each submesh's layers cut into
+   ``v`` stages, Megatron-LM's virtual stages: a ``v`` times smaller bubble for ``v``
+   times the transfers and more activations in flight), then improved by local search
+   (at most ``refine_evals`` simulations each); the fastest simulated plan that fits
+   wins. Its gap is reported against a lower bound on the step time: the cluster's
+   compute-only upper bound on throughput (no communication, no bubble).
 
+The effort is set by the options, not the clock, so the same inputs give the same plan
+on any machine; ``time_limit_s`` only cuts a search that would overrun it (and says so).
 On tiny instances the search is exhaustive over this space (tests compare it with
-brute force over layer splits and batch shares).
+brute force over layer splits, warm-ups and batch shares).
 """
 
 from __future__ import annotations
