@@ -289,39 +289,48 @@ def validate(plan: Plan) -> None:
 
 
 def _check_virtual(p: Pipeline, i: int) -> None:
-    """Interleaved pipelines: ``p * v`` stages, stage j on stage (j mod p)'s submesh; extra
-    warm-up forwards only under 1F1B."""
-    v, k = p.virtual_stages, p.extra_warmup
-    if k:
-        w = len(p.stages) // v if isinstance(v, int) and v >= 1 else len(p.stages)
-        warm = [w - j - 1 + e for j, e in enumerate(k)] if len(k) == w and all(
-            isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in k) else None
-        if (warm is None or p.schedule != "1f1b" or v != 1 or
-                any(a < b for a, b in zip(warm, warm[1:], strict=False))):
-            raise SpecError(f"pipelines[{i}].extra_warmup", list(k),
-                            f"empty, or (1f1b without virtual stages) one non-negative count "
-                            f"per submesh ({w}) "
-                            f"keeping the warm-up forwards (p - w - 1 + extra[w]) from "
-                            f"growing along the pipeline (that would deadlock)")
+    """Interleaved pipelines: ``p * v`` stages, stage j on stage (j mod p)'s submesh."""
+    v = p.virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise SpecError(f"pipelines[{i}].virtual_stages", v, "a positive integer")
-    if v == 1:
+    if v > 1:
+        n = len(p.stages)
+        if n % v or n // v < 2:
+            raise SpecError(f"pipelines[{i}].virtual_stages", v,
+                            f"a divisor of the pipeline's {n} stages leaving at least 2 "
+                            f"submeshes")
+        w = n // v
+        if p.num_micro_batches % w:
+            raise SpecError(f"pipelines[{i}].num_micro_batches", p.num_micro_batches,
+                            f"a multiple of the {w} submeshes (interleaved schedules run "
+                            f"micro-batches in groups of one per submesh)")
+        for j in range(w, n):
+            a, b = p.stages[j % w], p.stages[j]
+            if (a.devices, a.mesh_shape, a.gpu) != (b.devices, b.mesh_shape, b.gpu):
+                raise SpecError(f"pipelines[{i}].stages[{j}].devices", list(b.devices),
+                                f"stage {j % w}'s devices {list(a.devices)}, mesh and GPU "
+                                f"(virtual stage {j // w} of submesh {j % w})")
+    _check_warmup(p, i)
+
+
+def _check_warmup(p: Pipeline, i: int) -> None:
+    """Extra warm-up: 1F1B without virtual stages, one count per submesh, and warm-up
+    forwards (``p - w - 1 + extra[w]``) that never grow along the pipeline (else the
+    schedule could deadlock)."""
+    k = p.extra_warmup
+    if not k:
         return
     n = len(p.stages)
-    if n % v or n // v < 2:
-        raise SpecError(f"pipelines[{i}].virtual_stages", v,
-                        f"a divisor of the pipeline's {n} stages leaving at least 2 submeshes")
-    w = n // v
-    if p.num_micro_batches % w:
-        raise SpecError(f"pipelines[{i}].num_micro_batches", p.num_micro_batches,
-                        f"a multiple of the {w} submeshes (interleaved schedules run "
-                        f"micro-batches in groups of one per submesh)")
-    for j in range(w, n):
-        a, b = p.stages[j % w], p.stages[j]
-        if (a.devices, a.mesh_shape, a.gpu) != (b.devices, b.mesh_shape, b.gpu):
-            raise SpecError(f"pipelines[{i}].stages[{j}].devices", list(b.devices),
-                            f"stage {j % w}'s devices {list(a.devices)}, mesh and GPU "
-                            f"(virtual stage {j // w} of submesh {j % w})")
+    ok = (p.schedule == "1f1b" and p.virtual_stages == 1 and len(k) == n and
+          all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in k))
+    if ok:
+        warm = [n - w - 1 + e for w, e in enumerate(k)]
+        ok = all(a >= b for a, b in zip(warm, warm[1:], strict=False))
+    if not ok:
+        raise SpecError(f"pipelines[{i}].extra_warmup", list(k),
+                        f"empty, or (1f1b without virtual stages) one non-negative count per "
+                        f"submesh ({n}) keeping the warm-up forwards (p - w - 1 + extra[w]) "
+                        f"from growing along the pipeline (that would deadlock)")
 
 
 def _data_ways(p: Pipeline) -> int:

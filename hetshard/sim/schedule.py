@@ -218,6 +218,14 @@ def best_warmup(times, sends, rooms) -> tuple[float, tuple[int, ...]]:
     return steady_period(t, sends, e), tuple(int(x) for x in e) if e.any() else ()
 
 
+def warmup_rooms(memory, p: int) -> list[int]:
+    """Extra micro-batches each stage of a 1F1B pipeline of ``p`` stages can hold beyond
+    its ``p - s`` in flight: ``memory[s]`` is (bytes free for activations, bytes per
+    micro-batch in flight); a stage keeping none is unbounded."""
+    return [max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20
+            for s, (free, per) in enumerate(memory)]
+
+
 def capped_warmup(extra, m: int) -> tuple[int, ...]:
     """``extra`` warm-up with no stage warming up beyond its ``m`` micro-batches (more
     changes nothing), () when none is left: one canonical plan per schedule."""

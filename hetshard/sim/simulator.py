@@ -24,7 +24,14 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.plan import Plan, Predicted
-from hetshard.sim.schedule import best_warmup, capped_warmup, inflight, time_pipeline, worker_order
+from hetshard.sim.schedule import (
+    best_warmup,
+    capped_warmup,
+    inflight,
+    time_pipeline,
+    warmup_rooms,
+    worker_order,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +145,12 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
         if pipe.schedule != "1f1b" or pipe.virtual_stages != 1 or p < 2:
             pipes.append(pipe)
             continue
-        rooms = []
-        for s, (st, c) in enumerate(zip(pipe.stages, cs, strict=True)):
-            cap = min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
-            free = cap - c.memory_static_bytes - c.memory_working_bytes
-            per = c.memory_per_microbatch_bytes
-            rooms.append(max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20)
+        memory = [(min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
+                   - c.memory_static_bytes - c.memory_working_bytes,
+                   c.memory_per_microbatch_bytes)
+                  for st, c in zip(pipe.stages, cs, strict=True)]
         _, extra = best_warmup([c.fwd_s + c.bwd_s for c in cs],
-                               _sends(pipe, profile, cluster, cal), rooms)
+                               _sends(pipe, profile, cluster, cal), warmup_rooms(memory, p))
         pipes.append(dataclasses.replace(
             pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
     return dataclasses.replace(plan, pipelines=tuple(pipes))

@@ -60,7 +60,7 @@ from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Context, Pipeline, Plan, SolverStats, Stage, grad_sync_for
-from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period
+from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
 from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_tokens_per_s
 from hetshard.solver.variants import interleave, interleaved_as, layer_times
 
@@ -332,10 +332,10 @@ def pipeline_estimate(tables: _Tables, stage_groups, stage_devices: int, samples
     """(fill, period, extra warm-up) of a pipeline: one micro-batch's time through all
     stages and back, transfers included, the steady-state time per micro-batch, and the
     1F1B warm-up forwards to add per stage. Under 1F1B the period is the schedule's
-    maximum cycle mean (``sim.steady_period``: the slowest stage, or a loop through
+    maximum cycle mean (``sim.schedule.steady_period``: the slowest stage, or a loop through
     slow transfers with too few micro-batches in flight); with ``memory`` (per stage:
     bytes free for activations, bytes per micro-batch in flight) the extra warm-up that
-    minimises it as memory allows (``sim.best_warmup``). Transfers are priced like the
+    minimises it as memory allows (``sim.schedule.best_warmup``). Transfers are priced like the
     simulator's (``p2p_time``)."""
     cluster, profile = tables.cluster, tables.profile
     p = len(times)
@@ -352,9 +352,7 @@ def pipeline_estimate(tables: _Tables, stage_groups, stage_devices: int, samples
         return fill, float(max(times)), ()
     if memory is None:
         return fill, steady_period(times, links), ()
-    rooms = [max(0, int(free // per) - (p - s)) if per > 0 else 1 << 20
-             for s, (free, per) in enumerate(memory)]
-    period, extra = best_warmup(times, links, rooms)
+    period, extra = best_warmup(times, links, warmup_rooms(memory, p))
     return fill, period, extra
 
 
