@@ -244,6 +244,10 @@ class HetshardJit:
                               "restricts itself to single-stage plans for it", stacklevel=4)
             options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
         objs = [a for a in args if _is_graph(a)]
+        if not objs and options.distributed_optimizer:
+            # Without NNX variables the optimizer's state cannot be told from the
+            # parameters: plan (and price) full optimizer state per data way.
+            options = dataclasses.replace(options, distributed_optimizer=False)
         config = self._model_config(objs)
         tokens = batch.get("tokens") if isinstance(batch, dict) else None
         seq_len = tokens.shape[1] if tokens is not None else None
@@ -451,6 +455,11 @@ class HetshardJit:
                         jnp.asarray(bool(_MARK.used)))
             jitted = jax.jit(_with_attention(pure, plan, mesh), in_shardings=(s_shard, b_shard))
             return ("nnx", jitted, s_shard, b_shard, idx)
+        if plan.distributed_optimizer:
+            raise PlanNotExecutableError(
+                "plan.distributed_optimizer is true but the step takes plain pytrees, whose "
+                "optimizer state cannot be told from the parameters; pass NNX objects "
+                "(nnx.Optimizer) or a plan with distributed_optimizer false")
         s_shard = tuple(state_shardings(a, plan, mesh) for a in others)
 
         def pure_tree(state, batch):

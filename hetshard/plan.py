@@ -22,9 +22,10 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 2
-# Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1).
-READS_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+# Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
+# lack ``Plan.distributed_optimizer`` (read as False).
+READS_VERSIONS = (1, 2, 3)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -125,6 +126,10 @@ class Plan:
     context: Context = Context()
     dtype: str = "bfloat16"
     fsdp: bool = False
+    # ZeRO-1 (Megatron-LM's distributed optimizer): every stage's optimizer state is
+    # sharded over its data axis; gradients are reduce-scattered, each data way updates
+    # its shard, and the updated parameters are all-gathered.
+    distributed_optimizer: bool = False
     attention: str = "flash"  # "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory)
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
@@ -156,7 +161,8 @@ class Plan:
                             f"one of {READS_VERSIONS} (this hetshard's plan schemas)",
                             where=source)
         try:
-            # Version 1 had no virtual stages: its plans read unchanged (v = 1).
+            # Versions 1 and 2 read unchanged: the fields they lack take their defaults
+            # (one virtual stage, no distributed optimizer).
             return _from(cls, {**d, "version": SCHEMA_VERSION})
         except (TypeError, KeyError) as e:
             raise SpecError("plan", "malformed", f"a plan of schema {SCHEMA_VERSION} ({e})",
@@ -182,7 +188,8 @@ class Plan:
         """A readable table of the plan."""
         lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
                  f"{self.num_devices} devices, dtype {self.dtype}, {self.attention} attention"
-                 + (", FSDP" if self.fsdp else "")]
+                 + (", FSDP" if self.fsdp else "")
+                 + (", distributed optimizer" if self.distributed_optimizer else "")]
         hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
                f"{'devices':>16} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} {'mem GB':>7}")
         lines.append(hdr)
@@ -244,6 +251,9 @@ def validate(plan: Plan) -> None:
         raise SpecError("pipelines", [], "at least one pipeline")
     if plan.attention not in ("flash", "reference"):
         raise SpecError("attention", plan.attention, "flash or reference")
+    for name in ("fsdp", "distributed_optimizer"):
+        if not isinstance(getattr(plan, name), bool):
+            raise SpecError(name, getattr(plan, name), "true or false")
     shares = sum(p.batch_share for p in plan.pipelines)
     if shares != plan.global_batch:
         raise SpecError("pipelines[*].batch_share", shares,

@@ -79,6 +79,14 @@ def test_memory_model_matches_hand_computed_totals(prof):
     fsdp = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, dp=4, fsdp=True, cal=DEFAULT,
                       attention="reference")
     assert fsdp.memory_static_bytes == pytest.approx(base.memory_static_bytes / 4)
+    # ZeRO-1: the optimizer's moments (and their update) split 4 ways, nothing else.
+    zero1 = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, dp=4, shard_optimizer=True,
+                       cal=DEFAULT, attention="reference")
+    assert base.memory_static_bytes - zero1.memory_static_bytes == \
+        pytest.approx(opt_bytes * 3 / 4, rel=1e-9)
+    assert zero1.optimizer_s == pytest.approx(base.optimizer_s / 4)
+    assert (zero1.fwd_s, zero1.bwd_s, zero1.memory_per_microbatch_bytes) == \
+        (base.fwd_s, base.bwd_s, base.memory_per_microbatch_bytes)
     full = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="full", cal=DEFAULT)
     # Full remat keeps each layer's input: [seq=32, hidden=64] float32 per sample per block.
     blocks = [layer for layer in prof.layers if layer.kind.endswith("block")]

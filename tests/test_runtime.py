@@ -29,7 +29,8 @@ loss_fn = losses.text_loss
 # near-zero gradient into a full +-lr step, so its parameters differ by ~lr between any
 # two summation orders (one device vs eight) while the losses still agree.
 def _tx(name):
-    return optax.sgd(0.1) if name == "sgd" else optax.adamw(1e-3)
+    return {"sgd": optax.sgd(0.1), "momentum": optax.sgd(0.1, momentum=0.9)}.get(
+        name) or optax.adamw(1e-3)
 
 
 def _reference(batches, steps, tx="sgd"):
@@ -106,6 +107,32 @@ def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="corrupted"):
         _run(time_limit_s=10, dtype="float32", steps=1, tx="adamw")
     assert json.loads(files[0].read_text())["plan"]["version"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("fix", ["dp=4,tp=2,pp=1,zero1=true", "dp=2,tp=2,pp=2,zero1=true"])
+def test_distributed_optimizer_shards_optimizer_state_and_matches_one_device(fix):
+    # ZeRO-1 on one stage (SPMD) and on a 2-stage pipeline (MPMD): same training as one
+    # device, momentum buffers split over the data axis, parameters whole on every way.
+    plan = _plan(fix, shardings=True)
+    assert plan.distributed_optimizer
+    data_ways = plan.pipelines[0].stages[0].axis("data")
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    want_losses, want_params = _reference(batches, 3, tx="momentum")
+    losses, params, _, _, (model, opt) = _run(plan, tx="momentum")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    ratios = set()
+    for p, x in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(opt, nnx.OptVariable)), strict=True):
+        assert x.shape == p.shape  # the momentum buffer of that parameter
+        shard = x.addressable_shards[0].data.size
+        ratios.add(p.addressable_shards[0].data.size // shard)
+        if any(n % data_ways == 0 for n in x.shape):
+            assert "data" in jax.tree.leaves(tuple(x.sharding.spec))
+        assert "data" not in jax.tree.leaves(tuple(p.sharding.spec))
+    assert data_ways in ratios  # each data way keeps 1/data of the buffers
 
 
 def test_pinned_plan_from_json_and_bad_batches(tmp_path):

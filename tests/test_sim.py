@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from hetshard.cli import main
 from hetshard.cluster import Cluster
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.comm import collective_time, topology
 from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
@@ -24,7 +26,7 @@ from hetshard.sim.schedule import (
     steady_period,
     worker_order,
 )
-from hetshard.sim.simulator import annotate, worker_memory
+from hetshard.sim.simulator import _slowest, annotate, worker_memory
 from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
@@ -186,6 +188,33 @@ def test_slow_gpus_pace_a_uniform_plan(prof):
     assert fast.step_time_s < r.step_time_s
 
 
+def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
+    c = Cluster.load("h100-a100-v100-x8")
+    base = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"), dtype="float32")
+    zero1 = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                         fix=parse_fix("dp=4,tp=1,pp=2,mbs=2,zero1=true"), dtype="float32")
+    assert zero1.distributed_optimizer and not base.distributed_optimizer
+    a, b = simulate(base, prof, c), simulate(zero1, prof, c)
+    for s, (ca, cb) in enumerate(zip(a.stage_costs[0], b.stage_costs[0], strict=True)):
+        # Three quarters of the optimizer state leave every device; the update is 1/4.
+        st = base.pipelines[0].stages[s]
+        opt = ca.grad_sync_bytes * prof.opt_bytes_per_param_byte
+        assert ca.memory_static_bytes - cb.memory_static_bytes == pytest.approx(opt * 3 / 4)
+        assert cb.optimizer_s == pytest.approx(ca.optimizer_s / 4)
+        assert all(b.memory_per_device[d] < a.memory_per_device[d] for d in st.devices)
+        tasks = {t.kind: t for t in b.tasks if t.stage == s and t.micro_batch < 0}
+        assert set(tasks) == {"sync", "opt", "gather"}
+        topo = topology(c, st.devices)
+        gpu = _slowest(c, st.devices).name
+        assert tasks["sync"].end_s - tasks["sync"].start_s == pytest.approx(
+            collective_time("reduce_scatter", cb.grad_sync_bytes, topo, DEFAULT, gpu))
+        assert tasks["gather"].start_s >= tasks["opt"].end_s
+        assert tasks["gather"].end_s - tasks["gather"].start_s == pytest.approx(
+            collective_time("all_gather", cb.grad_sync_bytes, topo, DEFAULT, gpu))
+    assert b.step_time_s == pytest.approx(max(t.end_s for t in b.tasks))
+
+
 @pytest.mark.parametrize("fix,match", [
     ("dp=3,tp=1,pp=1", "product equal"),
     ("dp=8,tp=1,pp=1,mbs=3", "multiple of dp"),
@@ -201,7 +230,7 @@ def test_fix_that_does_not_divide_is_an_error(prof, fix, match):
 @pytest.mark.parametrize("text,match", [
     ("dp=2,depth=3", "depth"), ("dp=two", "positive integer"), ("dp=0", "positive integer"),
     ("dp=2,dp=4", "contradictory"), ("remat=some", "remat"), ("fsdp=perhaps", "true or false"),
-    ("schedule=zb", "schedule")])
+    ("schedule=zb", "schedule"), ("dp=2,zero1=true,fsdp=true", "zero1=True.*with fsdp")])
 def test_parse_fix_errors(text, match):
     with pytest.raises(SpecError, match=match):
         parse_fix(text)
@@ -289,6 +318,7 @@ def plans(draw):
                 pipelines=tuple(pipes),
                 grad_sync=(GradSync(0, layers, tuple(range(next_dev)), (1.0,)),),
                 context=Context(2, (40, 24)), fsdp=draw(st.booleans()),
+                distributed_optimizer=draw(st.booleans()),
                 predicted=Predicted(step_time_s=draw(st.floats(0, 100))),
                 solver=SolverStats(1.5, "optimal", 0.0))
 
@@ -327,12 +357,22 @@ def test_plan_validation_and_load_errors(tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(SpecError, match="version=99"):
         Plan.load(path)
-    # Schema 1 (no virtual stages) still reads, as one stage per submesh.
+    # Schema 1 (no virtual stages) and 2 (no distributed optimizer) still read, as one
+    # stage per submesh and a full optimizer state per data way.
     old = plan.to_dict()
+    old["version"] = 2
+    del old["distributed_optimizer"]
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == plan
     old["version"] = 1
     del old["pipelines"][0]["virtual_stages"]
     path.write_text(json.dumps(old))
     assert Plan.load(path) == plan
+    zero1 = dataclasses.replace(plan, distributed_optimizer=True)
+    zero1.save(path)
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 3
+    with pytest.raises(SpecError, match="distributed_optimizer='yes'.*true or false"):
+        dataclasses.replace(plan, distributed_optimizer="yes")
     two = (Stage(0, 1, (0,), "A100-80GB", (("data", 1),)),
            Stage(1, 2, (1,), "A100-80GB", (("data", 1),)))
     inter = Pipeline(two + (dataclasses.replace(two[0], start=2, end=3),

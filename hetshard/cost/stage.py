@@ -11,10 +11,14 @@ Korthikanti et al. 2022). Context parallelism divides activations by ``cp`` and 
 the K/V ring exchange, hidden behind compute where it is shorter (Liu et al. 2023).
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
 overlapped with the layer's compute, and turns the gradient all-reduce into a
-reduce-scatter.
+reduce-scatter. The distributed optimizer (ZeRO-1, ``shard_optimizer``) divides the
+optimizer state and the update's work by ``dp`` (the gradient all-reduce becomes a
+reduce-scatter before the update and a parameter all-gather after it: the simulator
+prices both).
 
 Memory per device (Korthikanti et al. 2022, §4): parameters, gradients and
-optimizer state (divided by tp, and by dp under FSDP), the compute-dtype weight
+optimizer state (divided by tp, by dp under FSDP, the optimizer state alone by dp under
+ZeRO-1), the compute-dtype weight
 copies autodiff keeps, and activations: the traced residuals per sample times the
 micro-batch size times the micro-batches in flight (1F1B: p - stage; GPipe: all),
 reduced by remat: ``selective`` drops attention's residuals (recomputed), ``full``
@@ -64,7 +68,8 @@ def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
 
 
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
-               cp: int = 1, dp: int = 1, fsdp: bool = False, mbs: int = 1,
+               cp: int = 1, dp: int = 1, fsdp: bool = False, shard_optimizer: bool = False,
+               mbs: int = 1,
                remat: str = "none", attention: str = "flash", cal: Calibration,
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None) -> StageCost:
@@ -144,9 +149,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
                         for layer in profile.layers[start:end])
     shard_dp = dp if fsdp else 1
-    static = (param_bytes * (2.0 + profile.opt_bytes_per_param_byte)) / shard_dp + \
-        (static_copy / shard_dp if fsdp else static_copy)
-    optimizer_s = param_bytes / shard_dp * profile.opt_update_bytes_per_param_byte / bw
+    opt_dp = dp if (fsdp or shard_optimizer) else 1
+    static = (param_bytes * 2.0 / shard_dp + param_bytes * profile.opt_bytes_per_param_byte /
+              opt_dp + (static_copy / shard_dp if fsdp else static_copy))
+    optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,

@@ -331,9 +331,12 @@ class PipelineRunner:
                        set(program.frozen))
         specs = {name: tuple(spec) for name, spec in stage.shardings
                  if not name.startswith("activation:")}
-        shardings = {i: NamedSharding(mesh, leaf_spec(self.paths[i],
-                                                      self.state_avals[i].shape, specs, mesh))
-                     for i in local}
+        # ZeRO-1: leaves that are not parameters (the optimizer's state) split over data.
+        zero1 = self.plan.distributed_optimizer
+        params = set(self.grad_index)
+        shardings = {i: NamedSharding(mesh, leaf_spec(
+            self.paths[i], self.state_avals[i].shape, specs, mesh,
+            shard_data=zero1 and i not in params)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
         run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
@@ -359,7 +362,11 @@ class PipelineRunner:
                 grads[grad_pos[i]] = g
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
             out, new = apply(leaves, grads, loss_leaves, batch)
-            return out, [new[i] for i in owned], [new[i] for i in shared]
+            # The state keeps its layout across steps (under ZeRO-1 the update runs on
+            # each data way's optimizer shard and the parameters are all-gathered).
+            keep = [jax.lax.with_sharding_constraint(new[i], run.shardings[i])
+                    for i in owned + shared]
+            return out, keep[:len(owned)], keep[len(owned):]
         run.owned_params = owned_params
         return fn
 

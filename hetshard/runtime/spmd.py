@@ -4,7 +4,12 @@ The stage's devices form a ``Mesh`` with the plan's named axes. Every state leaf
 parameters, optimizer moments, or a pure pytree) gets a ``NamedSharding``: the plan's
 per-parameter spec when it names one (optimizer moments follow their parameter),
 otherwise the largest dimension divisible by the ``fsdp`` axis under FSDP, otherwise
-replicated. The batch's leading dimension is split over the ``data`` and ``fsdp`` axes.
+replicated. With the plan's distributed optimizer (ZeRO-1) every state leaf that is not
+an ``nnx.Param`` (the optimizer's moments, its step count) is further split over the
+``data`` axis along its largest dimension the spec leaves free and ``data`` divides:
+each data way keeps and updates one shard, XLA reduces the gradients into it and
+all-gathers the updated parameters. The batch's leading dimension is split over the
+``data`` and ``fsdp`` axes.
 """
 
 from __future__ import annotations
@@ -37,8 +42,23 @@ def path_string(path) -> str:
     return "/".join(parts)
 
 
-def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> PartitionSpec:
-    """The PartitionSpec of one state leaf (see the module docstring)."""
+def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
+              shard_data: bool = False) -> PartitionSpec:
+    """The PartitionSpec of one state leaf (see the module docstring); ``shard_data``:
+    a leaf of the optimizer's state under the distributed optimizer."""
+    spec = _base_spec(path, shape, specs, mesh)
+    data = mesh.shape.get("data", 1)
+    if not shard_data or data == 1 or not shape:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % data == 0]
+    if not free:
+        return spec
+    entries[max(free, key=lambda d: (shape[d], -d))] = "data"
+    return PartitionSpec(*entries)
+
+
+def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> PartitionSpec:
     best = None
     for name, spec in specs.items():
         if (path == name or path.endswith("/" + name)) and len(spec) == len(shape):
@@ -62,9 +82,21 @@ def state_shardings(tree, plan: Plan, mesh: Mesh):
     (stage,) = plan.pipelines[0].stages
     specs = {name: tuple(spec) for name, spec in stage.shardings
              if not name.startswith("activation:")}
+    params = param_paths(tree) if plan.distributed_optimizer else None
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(path_string(p), np.shape(x), specs, mesh)),
+        lambda p, x: NamedSharding(mesh, leaf_spec(
+            path_string(p), np.shape(x), specs, mesh,
+            shard_data=params is not None and path_string(p) not in params)),
         tree)
+
+
+def param_paths(tree) -> set[str]:
+    """Paths (``path_string``) of the ``nnx.Param`` leaves of an NNX state."""
+    import jax
+    from flax import nnx
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {path_string(p) for p, x in flat if isinstance(x, nnx.Param)}
 
 
 def batch_sharding(batch, plan: Plan, mesh: Mesh):

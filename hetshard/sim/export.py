@@ -7,7 +7,8 @@ import os
 
 from hetshard.sim.simulator import SimResult
 
-_COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "opt": "#8172b3"}
+_COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "opt": "#8172b3",
+           "gather": "#937860"}
 
 
 def chrome_trace(result: SimResult) -> dict:
@@ -54,7 +55,8 @@ def write_timeline_png(result: SimResult, path: str | os.PathLike, title: str = 
     ax.set_title(title or f"step {result.step_time_s * 1e3:.1f} ms, "
                           f"bubble {result.bubble_fraction:.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "grad sync", "optimizer"], loc="upper right",
+    ax.legend(handles, ["forward", "backward", "grad sync", "optimizer",
+                                 "parameter all-gather (ZeRO-1)"], loc="upper right",
               fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

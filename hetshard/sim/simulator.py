@@ -11,7 +11,10 @@ the link between the two stages (links are not modelled as contended).
 After its last backward, a stage synchronises gradients with the stages that
 hold the same layers (``plan.grad_sync``), then runs the optimizer update; with
 ``overlap``, synchronisation starts as the last backward starts, as DDP-style
-bucketing does. Step time is the latest finish over all stages.
+bucketing does. With the distributed optimizer (ZeRO-1) that synchronisation is a
+reduce-scatter, the update runs on the stage's shard, and an all-gather of the
+updated parameters follows it (not overlapped). Step time is the latest finish over
+all stages.
 """
 
 from __future__ import annotations
@@ -93,12 +96,13 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for st in pipe.stages:
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, fsdp,
-                   pipe.micro_batch_size, plan.attention)
+                   pipe.micro_batch_size, plan.attention, plan.distributed_optimizer)
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, pipe.micro_batch_size, fsdp,
-                               plan.attention, profile, cluster, cal)
+                               plan.attention, profile, cluster, cal,
+                               plan.distributed_optimizer)
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -107,8 +111,10 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
-                profile: ModelProfile, cluster: Cluster, cal: Calibration) -> StageCost:
-    """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat)."""
+                profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                shard_optimizer: bool = False) -> StageCost:
+    """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat);
+    ``shard_optimizer``: ZeRO-1 over the stage's data ways."""
     gpu = _slowest(cluster, st.devices)
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
@@ -117,9 +123,10 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
     tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
     cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
     dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
-    return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp, mbs=mbs,
-                      remat=st.remat, attention=attention, cal=cal, tp_topo=tp_topo,
-                      cp_topo=cp_topo, dp_topo=dp_topo)
+    return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
+                      shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
+                      attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
+                      dp_topo=dp_topo)
 
 
 def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> list[float]:
@@ -210,9 +217,13 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             if partners:
                 devices, holders, overlap = partners
                 topo = topology(cluster, devices)
-                kind = "reduce_scatter" if (plan.fsdp or st.axis("fsdp") > 1) else "all_reduce"
-                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal,
-                                         _slowest(cluster, devices).name)
+                fsdp = plan.fsdp or st.axis("fsdp") > 1
+                zero1 = plan.distributed_optimizer and not fsdp
+                kind = "reduce_scatter" if (fsdp or zero1) else "all_reduce"
+                slowest = _slowest(cluster, devices).name
+                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest)
+                t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
+                                           slowest) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
                 # with overlap, buckets start streaming when the last backward starts.
                 ends = [stage_end[k] for k in holders]
@@ -223,11 +234,17 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 if trace:
                     tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
             else:
-                sync_end = stage_end[(pi, s)]
+                sync_end, t_gather = stage_end[(pi, s)], 0.0
             opt_start = max(sync_end, gpu_free[w])
             gpu_free[w] = opt_end = opt_start + c.optimizer_s
             if trace:
                 tasks.append(Task(pi, s, "opt", -1, opt_start, opt_end, w))
+            if t_gather:
+                # ZeRO-1: the updated shards are all-gathered (the submesh's network).
+                gather_start = max(opt_end, net_free[w])
+                net_free[w] = opt_end = gather_start + t_gather
+                if trace:
+                    tasks.append(Task(pi, s, "gather", -1, gather_start, opt_end, w))
             step_end = max(step_end, opt_end)
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch

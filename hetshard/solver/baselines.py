@@ -45,8 +45,10 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
                     continue
                 try:
                     out.append(uniform_plan(model, profile, cluster, global_batch=global_batch,
-                                            seq_len=seq_len, fix=Fix(dp, tp, pp, 1, False, mbs,
-                                                                     remat, opts.schedule),
+                                            seq_len=seq_len,
+                                            fix=Fix(dp, tp, pp, 1, False, mbs, remat,
+                                                    opts.schedule,
+                                                    zero1=opts.distributed_optimizer),
                                             dtype=opts.dtype, attention=opts.attention))
                 except HetshardError:
                     continue
@@ -151,7 +153,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
     from hetshard.solver.inter_op import _Tables, split_layers
-    tables = _Tables(profile, cluster, cal, opts.attention)
+    tables = _Tables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
     out = []
     for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
         pipe = p.pipelines[0]
@@ -189,7 +191,7 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     homo = dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, gpu=common)
                                                      for g in cluster.groups))
     import time
-    tables = _Tables(profile, homo, cal, opts.attention)
+    tables = _Tables(profile, homo, cal, opts.attention, opts.distributed_optimizer)
     fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
                           time.perf_counter() + opts.time_limit_s)
     plans = []
@@ -209,6 +211,10 @@ def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts
     fn = {"megatron-uniform": megatron_uniform, "fastest-only": fastest_only,
           "metis-like": metis_like, "amp-like": amp_like,
           "alpa-homogeneous": alpa_homogeneous}[name]
+    if name not in ("megatron-uniform", "fastest-only"):
+        # Megatron-LM has the distributed optimizer (ZeRO-1); Metis, AMP and Alpa keep a
+        # full optimizer state per data-parallel replica, as published.
+        opts = dataclasses.replace(opts, distributed_optimizer=False)
     return fn(model, profile, cluster, global_batch, seq_len, opts, cal)
 
 

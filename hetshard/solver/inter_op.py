@@ -87,6 +87,9 @@ class PlannerOptions:
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
     virtual_options: tuple[int, ...] = (1, 2, 3, 4)  # stages per submesh (interleaving)
+    # ZeRO-1 (Megatron-LM's distributed optimizer): optimizer state sharded over each
+    # stage's data ways, for the same traffic as the gradient all-reduce it replaces
+    distributed_optimizer: bool = True
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
@@ -125,8 +128,9 @@ class _Tables:
     """Per-layer costs for (gpu type, tp, mbs, remat), computed once per layer kind."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                 attention: str):
+                 attention: str, shard_optimizer: bool = False):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
+        self.shard_optimizer = shard_optimizer  # ZeRO-1 over the r data ways
         self._cache: dict = {}
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
@@ -142,6 +146,7 @@ class _Tables:
             k = layer.kind
             if k not in per_kind:
                 per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
+                                         dp=r, shard_optimizer=self.shard_optimizer,
                                          mbs=mbs, remat=remat, attention=self.attention,
                                          cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo)
             c = per_kind[k]
@@ -497,7 +502,8 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     context = Context(cp, (seq_len // cp,) * cp if cp > 1 else (), True)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
-                dtype=opts.dtype, attention=opts.attention)
+                dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer,
+                attention=opts.attention)
 
 
 def _assignments(groups: tuple[Group, ...]):
@@ -532,7 +538,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # more refinement; a plan cut short says so (status "time_limit", a warning).
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
-    tables = _Tables(profile, cluster, cal, opts.attention)
+    tables = _Tables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
     heads = _heads(model)
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False

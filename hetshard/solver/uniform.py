@@ -21,7 +21,7 @@ from hetshard.errors import SpecError
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
-            "remat": str, "schedule": str, "vpp": int}
+            "remat": str, "schedule": str, "vpp": int, "zero1": bool}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -36,6 +36,7 @@ class Fix:
     remat: str = "none"
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per pipeline submesh (interleaved schedule when > 1)
+    zero1: bool = False  # the distributed optimizer: optimizer state sharded over dp
 
 
 def parse_fix(text: str) -> Fix:
@@ -70,6 +71,9 @@ def parse_fix(text: str) -> Fix:
         raise SpecError("--fix remat", fix.remat, "none, selective or full")
     if fix.schedule not in SCHEDULES:
         raise SpecError("--fix schedule", fix.schedule, f"one of {SCHEDULES}")
+    if fix.zero1 and fix.fsdp:
+        raise SpecError("--fix zero1", True, "false with fsdp=true (FSDP already shards the "
+                        "optimizer state, and the parameters)")
     return fix
 
 
@@ -133,4 +137,4 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                     num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
-                attention=attention)
+                distributed_optimizer=fix.zero1, attention=attention)
