@@ -55,6 +55,11 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
+    """Stages in order; ``micro_batch_size`` counts samples per data way of the first
+    stage, so a micro-batch holds ``micro_batch_size * data_ways(stages[0])`` samples;
+    any stage may have other data ways dividing that (Metis-style: a slow GPU type can
+    run more data ways of fewer samples each)."""
+
     stages: tuple[Stage, ...]
     batch_share: int
     micro_batch_size: int
@@ -63,6 +68,14 @@ class Pipeline:
     virtual_stages: int = 1  # stages per submesh (interleaved when > 1)
     # 1F1B: per submesh, forwards it runs ahead beyond the schedule's warm-up (empty: none)
     extra_warmup: tuple[int, ...] = ()
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        return self.micro_batch_size * data_ways(self.stages[0])
+
+    def stage_micro_batch(self, j: int) -> int:
+        """Samples per data way of stage ``j`` (its per-device micro-batch)."""
+        return self.samples_per_micro_batch // data_ways(self.stages[j])
 
     @property
     def num_workers(self) -> int:
@@ -191,7 +204,8 @@ class Plan:
                  + (", FSDP" if self.fsdp else "")
                  + (", distributed optimizer" if self.distributed_optimizer else "")]
         hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
-               f"{'devices':>16} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} {'mem GB':>7}")
+               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} "
+               f"{'mem GB':>7}")
         lines.append(hdr)
         for i, p in enumerate(self.pipelines):
             inter = (f", interleaved: {p.virtual_stages} stages per submesh"
@@ -199,12 +213,14 @@ class Plan:
             if any(p.extra_warmup):
                 inter += f", extra warm-up {list(p.extra_warmup)}"
             lines.append(f"  pipeline {i}: batch share {p.batch_share}, {p.num_micro_batches} "
-                         f"micro-batches of {p.micro_batch_size}, {p.schedule}{inter}")
+                         f"micro-batches of {p.samples_per_micro_batch} samples, "
+                         f"{p.schedule}{inter}")
             for j, s in enumerate(p.stages):
                 mesh = "x".join(f"{a}={n}" for a, n in s.mesh_shape)
                 devs = _ranges(s.devices)
                 lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
-                             f"{mesh:>22} {devs:>16} {s.remat:>9} "
+                             f"{mesh:>22} {devs:>16} {p.stage_micro_batch(j):>4} "
+                             f"{s.remat:>9} "
                              f"{s.predicted_fwd_s * 1e3:>8.2f} {s.predicted_bwd_s * 1e3:>8.2f} "
                              f"{s.predicted_memory_bytes / 1e9:>7.2f}")
         pr = self.predicted
@@ -262,13 +278,14 @@ def validate(plan: Plan) -> None:
     for i, p in enumerate(plan.pipelines):
         if p.schedule not in SCHEDULES:
             raise SpecError(f"pipelines[{i}].schedule", p.schedule, f"one of {SCHEDULES}")
-        if p.micro_batch_size * p.num_micro_batches * _data_ways(p) != p.batch_share:
-            raise SpecError(f"pipelines[{i}].batch_share", p.batch_share,
-                            f"micro_batch_size*num_micro_batches*data = "
-                            f"{p.micro_batch_size}*{p.num_micro_batches}*{_data_ways(p)}")
         if not p.stages or p.stages[0].start != 0:
             raise SpecError(f"pipelines[{i}].stages[0].start",
                             p.stages[0].start if p.stages else None, "0")
+        if p.samples_per_micro_batch * p.num_micro_batches != p.batch_share:
+            raise SpecError(f"pipelines[{i}].batch_share", p.batch_share,
+                            f"micro_batch_size*num_micro_batches*data = "
+                            f"{p.micro_batch_size}*{p.num_micro_batches}*"
+                            f"{data_ways(p.stages[0])}")
         _check_virtual(p, i)
         for j, s in enumerate(p.stages):
             if j and s.start != p.stages[j - 1].end:
@@ -285,6 +302,10 @@ def validate(plan: Plan) -> None:
             if size != len(s.devices):
                 raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
                                 f"a shape whose product is its {len(s.devices)} devices")
+            if p.samples_per_micro_batch % data_ways(s):
+                raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
+                                f"data ways (data x fsdp) dividing the pipeline's "
+                                f"{p.samples_per_micro_batch} samples per micro-batch")
             if j >= p.num_workers:
                 continue  # a later virtual stage on stage j mod p's submesh (checked above)
             dup = seen.intersection(s.devices)
@@ -343,9 +364,8 @@ def _check_warmup(p: Pipeline, i: int) -> None:
                         f"from growing along the pipeline (that would deadlock)")
 
 
-def _data_ways(p: Pipeline) -> int:
-    """Data-parallel ways inside a stage (``data`` and ``fsdp`` axes) -- equal in all stages."""
-    s = p.stages[0]
+def data_ways(s: Stage) -> int:
+    """Data-parallel ways inside a stage (its ``data`` and ``fsdp`` axes)."""
     return s.axis("data") * s.axis("fsdp")
 
 

@@ -158,6 +158,20 @@ def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():
     _assert_matches_one_device("gpt-tiny", plan)
 
 
+def test_stages_with_different_data_ways_share_the_micro_batch():
+    # Micro-batches of 4 samples: 2 per H100 (data=2), 1 per V100 (data=4), and the
+    # A100 stage splits them 2 ways again; activations re-shard between the layouts.
+    plan = _plan("gpt-tiny", [Pipeline((
+        _stage(0, 1, (0, 1), H, data=2), _stage(1, 3, (4, 5, 6, 7), V, data=4),
+        _stage(3, 4, (2, 3), A, data=1, tensor=2)), 8, 2, 2)])
+    assert [plan.pipelines[0].stage_micro_batch(j) for j in range(3)] == [2, 1, 4]
+    _assert_matches_one_device("gpt-tiny", plan)
+    with pytest.raises(hetshard.SpecError, match=r"stages\[1\].mesh_shape.*dividing the "
+                                                 r"pipeline's 2 samples"):
+        _plan("gpt-tiny", [Pipeline((_stage(0, 1, (0,), H),
+                                     _stage(1, 4, (4, 5, 6, 7), V, data=4)), 8, 2, 4)])
+
+
 def test_gpipe_schedule_and_flash_attention_in_stages():
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),
                                        8, 2, 2, schedule="gpipe")], attention="flash")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
-from hetshard.cost.comm import collective_time, topology
+from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
@@ -26,7 +26,7 @@ from hetshard.sim.schedule import (
     steady_period,
     worker_order,
 )
-from hetshard.sim.simulator import _slowest, annotate, worker_memory
+from hetshard.sim.simulator import _slowest, annotate, layers_cost, worker_memory
 from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
@@ -186,6 +186,25 @@ def test_slow_gpus_pace_a_uniform_plan(prof):
         plan.pipelines[0], stages=plan.pipelines[0].stages[:1] + (dataclasses.replace(
             plan.pipelines[0].stages[1], devices=(4, 5, 6, 7)),)),)), prof, h100)
     assert fast.step_time_s < r.step_time_s
+
+
+def test_stages_price_their_own_share_of_the_micro_batch(prof):
+    # 4-sample micro-batches: 2 per device on the H100 stage (data=2), 1 per V100 (data=4).
+    c = Cluster.load("h100-a100-v100-x8")
+    stages = (Stage(0, 3, (0, 1), "H100-80GB", (("data", 2),)),
+              Stage(3, 6, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
+    plan = Plan(SPEC, c.to_dict(), 16, 32, (Pipeline(stages, 16, 2, 4),), dtype="float32")
+    r = simulate(plan, prof, c)
+    for j, mbs in ((0, 2), (1, 1)):
+        st = stages[j]
+        assert r.stage_costs[0][j] == layers_cost(st, st.start, st.end, mbs, False, "flash",
+                                                  prof, c, DEFAULT)
+    sends = [t for t in r.tasks if t.stage == 1 and t.kind == "F"]
+    first = [t for t in r.tasks if t.stage == 0 and t.kind == "F"]
+    # The activation of all 4 samples crosses from the H100s to the V100s.
+    hop = p2p_time(prof.layers[2].boundary_bytes_per_sample * 4, c, stages[0].devices,
+                   stages[1].devices, DEFAULT)
+    assert sends[0].start_s == pytest.approx(first[0].end_s + hop)
 
 
 def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):

@@ -93,14 +93,15 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
     out = []
     for pipe in plan.pipelines:
         costs = []
-        for st in pipe.stages:
+        for j, st in enumerate(pipe.stages):
             fsdp = plan.fsdp or st.axis("fsdp") > 1
+            mbs = pipe.stage_micro_batch(j)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, fsdp,
-                   pipe.micro_batch_size, plan.attention, plan.distributed_optimizer)
+                   mbs, plan.attention, plan.distributed_optimizer)
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
-            cost = layers_cost(st, st.start, st.end, pipe.micro_batch_size, fsdp,
+            cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
                                plan.distributed_optimizer)
             if cache is not None:
@@ -134,7 +135,7 @@ def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> l
     out = []
     for a, b in zip(pipe.stages, pipe.stages[1:], strict=False):
         nbytes = profile.layers[a.end - 1].boundary_bytes_per_sample * \
-            pipe.micro_batch_size * a.axis("data") * a.axis("fsdp")
+            pipe.samples_per_micro_batch
         out.append(p2p_time(nbytes, cluster, a.devices, b.devices, cal))
     return out
 

@@ -731,8 +731,7 @@ def _neighbours(plan: Plan):
                     yield dataclasses.replace(plan, pipelines=tuple(new))
     for pi, qi in itertools.permutations(range(len(pipes)), 2):
         p, q = pipes[pi], pipes[qi]
-        unit_p = p.micro_batch_size * p.stages[0].axis("data")
-        unit_q = q.micro_batch_size * q.stages[0].axis("data")
+        unit_p, unit_q = p.samples_per_micro_batch, q.samples_per_micro_batch
         if unit_p != unit_q or p.num_micro_batches <= 1 or \
                 p.virtual_stages > 1 or q.virtual_stages > 1:  # counts stay multiples
             continue

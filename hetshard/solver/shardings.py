@@ -47,16 +47,18 @@ def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
     config = models.resolve(plan.model)
     deadline = time.perf_counter() + time_limit_s
     todo = {(m.group("stack"), cluster.gpu_of(st.devices[0]).name, st.axis("tensor"),
-             pipe.micro_batch_size)
-            for pipe in plan.pipelines for st in pipe.stages if st.axis("tensor") > 1
+             pipe.stage_micro_batch(j))
+            for pipe in plan.pipelines for j, st in enumerate(pipe.stages)
+            if st.axis("tensor") > 1
             for li in range(st.start, st.end)
             if (m := _LAYER.match(profile.layers[li].name)) is not None}
     solved: dict = {}
     pipes = []
     for pipe in plan.pipelines:
         stages = []
-        for st in pipe.stages:
+        for j, st in enumerate(pipe.stages):
             tp = st.axis("tensor")
+            mbs = pipe.stage_micro_batch(j)
             entries = []
             gpu = cluster.gpu_of(st.devices[0])
             for li in range(st.start, st.end):
@@ -64,9 +66,9 @@ def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 m = _LAYER.match(layer.name)
                 if tp == 1 or m is None:
                     continue
-                key = (m.group("stack"), gpu.name, tp, pipe.micro_batch_size)
+                key = (m.group("stack"), gpu.name, tp, mbs)
                 if key not in solved:
-                    graph, paths = _reduced(plan.model, pipe.micro_batch_size, plan.seq_len,
+                    graph, paths = _reduced(plan.model, mbs, plan.seq_len,
                                             plan.dtype)
                     src = f"{m.group('stack')}/layer_0"
                     ops = [op for op in graph.ops if op.layer == src and op.phase == "fwd"]

@@ -52,10 +52,11 @@ def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
         st = pipe.stages[w]
         out = []
         for layer in range(profile.num_layers):
+            mbs = pipe.stage_micro_batch(w)
             key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
-                   pipe.micro_batch_size, plan.fsdp, plan.attention)
+                   mbs, plan.fsdp, plan.attention)
             if key not in cache:
-                c = layers_cost(st, layer, layer + 1, pipe.micro_batch_size,
+                c = layers_cost(st, layer, layer + 1, mbs,
                                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
                                 cluster, cal)
                 cache[key] = c.fwd_s + c.bwd_s
