@@ -19,14 +19,9 @@ from hetshard.ir.trace import trace
 from hetshard.ir.train_step import trace_train_step, with_layers
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
 from hetshard.solver.baselines import BASELINES, run_baseline
-from hetshard.solver.inter_op import (
-    _Tables,
-    pareto_splits,
-    plan,
-    split_layers,
-    split_layers_mixed,
-)
+from hetshard.solver.inter_op import plan
 from hetshard.solver.intra_op import solve, spec_of
+from hetshard.solver.splits import LayerTables, pareto_splits, split_layers, split_layers_mixed
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
 
@@ -85,7 +80,7 @@ OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_opt
 
 def _brute_force(profile, cluster, global_batch, opts):
     """Independent enumeration of the planner's space; returns the best estimated time."""
-    tables = _Tables(profile, cluster, DEFAULT, opts.attention)
+    tables = LayerTables(profile, cluster, DEFAULT, opts.attention)
     groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
     n_layers = profile.num_layers
     best = float("inf")
@@ -187,7 +182,7 @@ def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
     from hetshard.solver.inter_op import pipeline_estimate
     cluster = Cluster.load(TINY_CLUSTER)
     profile = profile_model(TINY, 64, "float16")
-    tables = _Tables(profile, cluster, DEFAULT, "flash")
+    tables = LayerTables(profile, cluster, DEFAULT, "flash")
     n = profile.num_layers
     bounds, times = [(0, 2), (2, n)], [1e-3, 1e-3]
     # One stage per group: the send crosses groups (12.5 GB/s between them).

@@ -152,8 +152,8 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
-    from hetshard.solver.inter_op import _Tables, split_layers
-    tables = _Tables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
+    from hetshard.solver.splits import LayerTables, split_layers
+    tables = LayerTables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
     out = []
     for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
         pipe = p.pipelines[0]
@@ -182,16 +182,16 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     from hetshard.solver.inter_op import (
         Family,
         _heads,
-        _Tables,
         assign_batch,
         build_plan,
         family_configs,
     )
+    from hetshard.solver.splits import LayerTables
     common = max(cluster.groups, key=lambda g: g.num_devices).gpu
     homo = dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, gpu=common)
                                                      for g in cluster.groups))
     import time
-    tables = _Tables(profile, homo, cal, opts.attention, opts.distributed_optimizer)
+    tables = LayerTables(profile, homo, cal, opts.attention, opts.distributed_optimizer)
     fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
                           time.perf_counter() + opts.time_limit_s)
     plans = []
