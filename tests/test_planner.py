@@ -17,10 +17,13 @@ from hetshard.cost.profile import profile_model
 from hetshard.errors import SpecError
 from hetshard.ir.trace import trace
 from hetshard.ir.train_step import trace_train_step, with_layers
+from hetshard.plan import Pipeline, Plan, Stage
+from hetshard.sim import simulate
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
 from hetshard.solver.baselines import BASELINES, run_baseline
 from hetshard.solver.inter_op import plan
 from hetshard.solver.intra_op import solve, spec_of
+from hetshard.solver.layouts import improve_layouts, layouts, relayout, segments
 from hetshard.solver.splits import LayerTables, pareto_splits, split_layers, split_layers_mixed
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
@@ -80,7 +83,7 @@ OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_opt
 
 def _brute_force(profile, cluster, global_batch, opts):
     """Independent enumeration of the planner's space; returns the best estimated time."""
-    tables = LayerTables(profile, cluster, DEFAULT, opts.attention)
+    tables = LayerTables(profile, cluster, DEFAULT, opts.attention, opts.distributed_optimizer)
     groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
     n_layers = profile.num_layers
     best = float("inf")
@@ -234,6 +237,57 @@ def test_planner_is_deterministic_and_beats_baselines_on_tiny():
         base = run_baseline(name, TINY, profile, cluster, 8, 64, OPTS)
         if base is not None and base.predicted.fits:
             assert a.predicted.tokens_per_s >= base.predicted.tokens_per_s * (1 - 1e-9), name
+
+
+# ---- a layout per GPU type -------------------------------------------------------------
+
+PCIE = {"name": "pcie", "groups": [
+    {"name": "fast", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
+    {"name": "slow", "gpu": "T4", "nodes": 1, "gpus_per_node": 4, "intra_node_gbs": 16}],
+    "inter_group_gbs": 12.5}
+MID = "gpt:layers=24,hidden=1024,heads=8,vocab=256,seq=512"
+
+
+def test_layout_per_gpu_type_drops_tensor_parallelism_on_pcie():
+    cluster = Cluster.load(PCIE)
+    profile = profile_model(MID, 512, "float16")
+    mesh = (("data", 1), ("tensor", 2))
+    stages = tuple(Stage(6 * i, 6 * i + 6 + (i == 3) * 2, (2 * i, 2 * i + 1),
+                         "A100-80GB" if i < 2 else "T4", mesh) for i in range(4))
+    start = Plan(MID, cluster.to_dict(), 16, 512, (Pipeline(stages, 16, 2, 8),),
+                 dtype="float16", distributed_optimizer=True)
+    pipe = start.pipelines[0]
+    assert segments(pipe, cluster) == [(0, 2), (2, 4)]
+    slow = cluster.group("slow")
+    assert layouts(4, 2, slow, 8, (1, 2, 4)) == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]
+    assert layouts(4, 2, slow, 8, (8,)) == []  # 8-way tensor groups exceed the node
+    tables = LayerTables(profile, cluster, DEFAULT, "flash", True)
+    moved = relayout(start, 0, (2, 4), (2, 1), tables, cluster, remats=("none", "full"),
+                     margin=0.05)
+    new = moved.pipelines[0]
+    assert [s.mesh_shape for s in new.stages[2:]] == [(("data", 2), ("tensor", 1))] * 2
+    assert [new.stage_micro_batch(j) for j in range(4)] == [2, 2, 1, 1]
+    assert sorted(d for s in new.stages for d in s.devices) == list(range(8))
+    assert new.stages[0].start == 0 and new.stages[-1].end == profile.num_layers
+    # The layers are re-split by the minimum-bottleneck split over all four stages.
+    rows = [[(rm, tables.get(cluster.group("fast" if j < 2 else "slow"), 2 if j < 2 else 1,
+                             2 if j < 2 else 1, rm, 1 if j < 2 else 2))
+             for rm in ("none", "full")] for j in range(4)]
+    caps = [80e9 * 0.95] * 2 + [16e9 * 0.95] * 2
+    best = min(max(t) for _, t, _ in pareto_splits(rows, profile.num_layers, caps))
+    times = [rows[j][0][1][0][s.end] - rows[j][0][1][0][s.start]
+             for j, s in enumerate(new.stages)]
+    assert max(times) == pytest.approx(best)
+
+    def evaluate(p):
+        r = simulate(p, profile, cluster, DEFAULT, trace=False)
+        return (not r.fits, r.step_time_s), p, r
+    first = evaluate(start)
+    key, got, _ = improve_layouts(first, evaluate, tables, cluster, 8, tp_options=(1, 2, 4),
+                                  remats=("none", "full"), margin=0.05)
+    assert key < first[0]
+    # Over 16 GB/s PCIe the T4s drop tensor parallelism; the NVLink A100s may keep it.
+    assert all(s.axis("tensor") == 1 for s in got.pipelines[0].stages if s.gpu == "T4")
 
 
 _types = st.sampled_from(["A100-80GB", "V100-32GB", "T4", "H100-80GB", "RTX-4090"])

@@ -61,6 +61,7 @@ from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Context, Pipeline, Plan, SolverStats, Stage, grad_sync_for
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
 from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_tokens_per_s
+from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.splits import (
     LayerTables,
     pareto_splits,
@@ -88,6 +89,7 @@ class PlannerOptions:
     refine_top: int = 3  # best simulated candidates improved by local search
     variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
+    layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
     dtype: str = "bfloat16"
@@ -483,6 +485,25 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
     refine_deadline = t0 + opts.time_limit_s * 0.85
+
+    def evaluate(p: Plan):
+        p = tune_warmup(p, profile, cluster, cal, margin=opts.memory_margin, cache=cache)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
+        return (not r.fits, r.step_time_s), p, r
+
+    # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
+    # by coordinate descent over each pipeline's single-type segments.
+    relaid = []
+    for start in scored[:opts.refine_top]:
+        if start[0][0] or late(0.85):
+            continue
+        got = improve_layouts(start, evaluate, tables, cluster, heads,
+                              tp_options=opts.tp_options, remats=opts.remat_options,
+                              margin=opts.memory_margin, max_stages=opts.max_stages,
+                              evals=opts.layout_evals)
+        if got[1] is not start[1]:
+            relaid.append(got)
+    scored = sorted(scored + relaid, key=lambda x: x[0])
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []

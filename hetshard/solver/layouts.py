@@ -1,0 +1,149 @@
+"""A layout per GPU type inside a pipeline (Metis-style heterogeneous stage degrees).
+
+The family search (``inter_op``) gives every stage of a pipeline the same data ways
+``r`` and tensor degree ``tp``. That is rarely right for every GPU type at once: a
+slow PCIe-only group pays dearly for tensor-parallel all-reduces that a fast NVLink
+group hides, and a group with memory to spare needs no tensor split at all. Here a
+*segment* (the consecutive stages of one pipeline on one GPU group) is re-laid out on
+the same devices as ``k'`` stages of ``r' x tp'`` (``r'`` dividing the pipeline's
+samples per micro-batch, so each of its devices runs ``samples / r'`` of them), and
+the pipeline's layers are re-split over all its stages by the minimum-bottleneck
+split with a remat per stage (``splits.split_layers_mixed``, memory checked under
+1F1B's in-flight counts). ``improve_layouts`` does coordinate descent over the
+segments, each move priced by the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+from hetshard.cluster.spec import Cluster, Group
+from hetshard.errors import HetshardError
+from hetshard.plan import Pipeline, Plan, Stage, data_ways, grad_sync_for
+from hetshard.solver.splits import LayerTables, split_layers_mixed
+
+
+def segments(pipe: Pipeline, cluster: Cluster) -> list[tuple[int, int]]:
+    """Stage ranges ``[i, j)`` of ``pipe`` that run on one GPU group, in order."""
+    out: list[tuple[int, int]] = []
+    for j, st in enumerate(pipe.stages):
+        g = cluster.slot(st.devices[0]).group
+        if out and cluster.slot(pipe.stages[out[-1][0]].devices[0]).group == g:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
+def layouts(n: int, samples: int, group: Group, heads: int, tp_options, cp: int = 1
+            ) -> list[tuple[int, int]]:
+    """(data ways, tensor degree) choices for ``n`` devices of ``group`` running
+    micro-batches of ``samples``: data ways dividing the samples, the tensor degree
+    within a node and dividing the heads, stages of whole ``r * cp * tp`` blocks."""
+    out = []
+    for tp in tp_options:
+        if tp > group.gpus_per_node or group.gpus_per_node % tp or heads % tp:
+            continue
+        for r in range(1, samples + 1):
+            if samples % r == 0 and n % (r * cp * tp) == 0:
+                out.append((r, tp))
+    return out
+
+
+def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
+             tables: LayerTables, cluster: Cluster, *, remats, margin: float,
+             max_stages: int | None = None) -> Plan | None:
+    """``plan`` with segment ``seg`` of pipeline ``pi`` laid out as ``layout`` = (data
+    ways, tensor degree) on the same devices, and that pipeline's layers re-split over
+    all its stages (each with the remat, among ``remats``, that lets it reach furthest).
+    None when the layout cannot be built or nothing fits."""
+    pipe = plan.pipelines[pi]
+    if pipe.virtual_stages != 1 or any(st.axis("fsdp") > 1 for st in pipe.stages):
+        return None
+    samples = pipe.samples_per_micro_batch
+    r, tp = layout
+    a, b = seg
+    first = pipe.stages[a]
+    cp = first.axis("context")
+    devices = sorted(d for st in pipe.stages[a:b] for d in st.devices)
+    size = r * cp * tp
+    if samples % r or len(devices) % size:
+        return None
+    chunks = [tuple(devices[i:i + size]) for i in range(0, len(devices), size)]
+    # Tensor groups (innermost, consecutive ids) must sit inside one node.
+    if any(len({cluster.slot(d).node for d in c[i:i + tp]}) > 1
+           for c in chunks for i in range(0, size, tp)):
+        return None
+    mesh = (("data", r),) + ((("context", cp),) if cp > 1 else ()) + (("tensor", tp),)
+    shells = list(pipe.stages[:a]) + [
+        Stage(0, 1, c, first.gpu, mesh) for c in chunks] + list(pipe.stages[b:])
+    n_layers = pipe.stages[-1].end
+    if len(shells) > n_layers or (max_stages is not None and len(shells) > max_stages):
+        return None
+    rows, caps = [], []
+    for st in shells:
+        group = cluster.group(cluster.slot(st.devices[0]).group)
+        ways = data_ways(st)
+        rows.append([(remat, tables.get(group, st.axis("tensor"), samples // ways, remat,
+                                        ways, st.axis("context"))) for remat in remats])
+        caps.append(group.gpu.memory_bytes * (1 - margin))
+    res = split_layers_mixed(rows, n_layers, caps)
+    if res is None:
+        return None
+    bounds, _, chosen = res
+    stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat, shardings=())
+                   for st, (lo, hi), remat in zip(shells, bounds, chosen, strict=True))
+    try:
+        new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),
+                                  micro_batch_size=samples // data_ways(stages[0]))
+        pipes = plan.pipelines[:pi] + (new,) + plan.pipelines[pi + 1:]
+        return dataclasses.replace(plan, pipelines=pipes,
+                                   grad_sync=grad_sync_for(pipes, plan.global_batch))
+    except HetshardError:
+        return None
+
+
+def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_options,
+          remats, margin: float, max_stages: int | None = None) -> Iterator[Plan]:
+    """Every plan one segment's layout away from ``plan``."""
+    for pi, pipe in enumerate(plan.pipelines):
+        for seg in segments(pipe, cluster):
+            a, b = seg
+            st = pipe.stages[a]
+            group = cluster.group(cluster.slot(st.devices[0]).group)
+            n = sum(len(s.devices) for s in pipe.stages[a:b])
+            current = (data_ways(st), st.axis("tensor"))
+            for layout in layouts(n, pipe.samples_per_micro_batch, group, heads, tp_options,
+                                  st.axis("context")):
+                if layout == current and b - a == n // (layout[0] * layout[1] *
+                                                         st.axis("context")):
+                    continue
+                cand = relayout(plan, pi, seg, layout, tables, cluster, remats=remats,
+                                margin=margin, max_stages=max_stages)
+                if cand is not None:
+                    yield cand
+
+
+def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
+                    cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
+                    max_stages: int | None = None, evals: int = 200):
+    """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
+    each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
+    keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
+    until none improves or ``evals`` plans were evaluated. Returns the best triple."""
+    best = start
+    while evals > 0:
+        round_best = None
+        for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
+                          remats=remats, margin=margin, max_stages=max_stages):
+            if evals <= 0:
+                break
+            evals -= 1
+            got = evaluate(cand)
+            if got[0] < best[0] and (round_best is None or got[0] < round_best[0]):
+                round_best = got
+        if round_best is None:
+            break
+        best = round_best
+    return best
