@@ -244,7 +244,7 @@ class HetshardJit:
                               "restricts itself to single-stage plans for it", stacklevel=4)
             options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
         objs = [a for a in args if _is_graph(a)]
-        if not objs and options.distributed_optimizer:
+        if not objs and options.distributed_optimizer is not False:
             # Without NNX variables the optimizer's state cannot be told from the
             # parameters: plan (and price) full optimizer state per data way.
             options = dataclasses.replace(options, distributed_optimizer=False)

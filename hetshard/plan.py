@@ -58,7 +58,7 @@ class Pipeline:
     """Stages in order; ``micro_batch_size`` counts samples per data way of the first
     stage, so a micro-batch holds ``micro_batch_size * data_ways(stages[0])`` samples;
     any stage may have other data ways dividing that (Metis-style: a slow GPU type can
-    run more data ways of fewer samples each)."""
+    run more data ways of fewer samples each; see ``stage_micro_batch`` otherwise)."""
 
     stages: tuple[Stage, ...]
     batch_share: int
@@ -74,8 +74,11 @@ class Pipeline:
         return self.micro_batch_size * data_ways(self.stages[0])
 
     def stage_micro_batch(self, j: int) -> int:
-        """Samples per data way of stage ``j`` (its per-device micro-batch)."""
-        return self.samples_per_micro_batch // data_ways(self.stages[j])
+        """Samples per data way of stage ``j`` (its per-device micro-batch). Data ways
+        that do not divide the micro-batch each run all of it (the runtime replicates
+        it over them, as plans of schema 2 could ask)."""
+        samples, ways = self.samples_per_micro_batch, data_ways(self.stages[j])
+        return samples // ways if samples % ways == 0 else samples
 
     @property
     def num_workers(self) -> int:
@@ -302,10 +305,6 @@ def validate(plan: Plan) -> None:
             if size != len(s.devices):
                 raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
                                 f"a shape whose product is its {len(s.devices)} devices")
-            if p.samples_per_micro_batch % data_ways(s):
-                raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
-                                f"data ways (data x fsdp) dividing the pipeline's "
-                                f"{p.samples_per_micro_batch} samples per micro-batch")
             if j >= p.num_workers:
                 continue  # a later virtual stage on stage j mod p's submesh (checked above)
             dup = seen.intersection(s.devices)

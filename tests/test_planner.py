@@ -343,6 +343,23 @@ def test_bad_constraints_and_batches():
         make_plan(TINY, Cluster.load(TINY_CLUSTER), global_batch=0, seq_len=64)
 
 
+def test_distributed_optimizer_is_chosen_per_plan_or_fixed():
+    # Default (None): the planner sizes stages with ZeRO-1 and keeps it only where it is
+    # faster; --fix zero1=true/false forces it on or off.
+    cluster = Cluster.load(TINY_CLUSTER)
+    assert OPTS.distributed_optimizer is None
+    plans = {fix: make_plan(TINY, cluster, global_batch=8, seq_len=64, shardings=False,
+                            options=options_from_fix(fix, OPTS) if fix else OPTS)
+             for fix in ("", "zero1=true", "zero1=false")}
+    assert plans["zero1=true"].distributed_optimizer
+    assert not plans["zero1=false"].distributed_optimizer
+    # The default searches what zero1=true searches, and each best plan also without it.
+    assert plans[""].predicted.step_time_s <= plans["zero1=true"].predicted.step_time_s
+    for p in plans.values():
+        r = simulate(p, profile_model(TINY, 64, "float16"), cluster, DEFAULT, trace=False)
+        assert r.step_time_s == pytest.approx(p.predicted.step_time_s)
+
+
 @pytest.mark.slow
 def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
     # The search's effort is fixed by the options (every combination, local search of at

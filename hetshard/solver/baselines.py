@@ -48,7 +48,8 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
                                             seq_len=seq_len,
                                             fix=Fix(dp, tp, pp, 1, False, mbs, remat,
                                                     opts.schedule,
-                                                    zero1=opts.distributed_optimizer),
+                                                    zero1=opts.distributed_optimizer
+                                                    is not False),
                                             dtype=opts.dtype, attention=opts.attention))
                 except HetshardError:
                     continue
@@ -56,7 +57,9 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
 
 
 def _best(plans, profile, cluster, cal, deadline: float | None = None,
-          cache: dict | None = None):
+          cache: dict | None = None, choose_zero1: bool = False):
+    """The fastest plan that fits; with ``choose_zero1`` the winner is also simulated
+    without the distributed optimizer (its all-gather waits for the update)."""
     best = None
     for p in plans:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
@@ -67,6 +70,11 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None,
             best = (key, p, r)
     if best is None:
         return None
+    if choose_zero1 and best[1].distributed_optimizer:
+        p = dataclasses.replace(best[1], distributed_optimizer=False)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
+        if (not r.fits, r.step_time_s) < best[0]:
+            best = ((not r.fits, r.step_time_s), p, r)
     return annotate(best[1], best[2])
 
 
@@ -75,7 +83,7 @@ def megatron_uniform(model, profile, cluster, global_batch, seq_len, opts, cal=D
     per replica, devices in id order, so each SPMD stage runs at its slowest GPU's pace
     (what a mixed cluster gets from a homogeneous framework)."""
     return _best(uniform_candidates(model, profile, cluster, global_batch, seq_len, opts),
-                 profile, cluster, cal)
+                 profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None)
 
 
 def _sub_cluster(cluster: Cluster, group: str) -> Cluster:
@@ -102,7 +110,8 @@ def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAU
     sub = _sub_cluster(cluster, g.name)
     plans = uniform_candidates(model, profile, sub, global_batch, seq_len, opts)
     offset = cluster.group_device_ids(g.name).start
-    return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal)
+    return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal,
+                 choose_zero1=opts.distributed_optimizer is None)
 
 
 def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
@@ -153,7 +162,8 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
     from hetshard.solver.splits import LayerTables, split_layers
-    tables = LayerTables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
+    tables = LayerTables(profile, cluster, cal, opts.attention,
+                         opts.distributed_optimizer is not False)
     out = []
     for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
         pipe = p.pipelines[0]
@@ -191,7 +201,8 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     homo = dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, gpu=common)
                                                      for g in cluster.groups))
     import time
-    tables = LayerTables(profile, homo, cal, opts.attention, opts.distributed_optimizer)
+    tables = LayerTables(profile, homo, cal, opts.attention,
+                         opts.distributed_optimizer is not False)
     fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
                           time.perf_counter() + opts.time_limit_s)
     plans = []

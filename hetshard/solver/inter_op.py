@@ -96,8 +96,10 @@ class PlannerOptions:
     schedule: str = "1f1b"
     virtual_options: tuple[int, ...] = (1, 2, 3, 4)  # stages per submesh (interleaving)
     # ZeRO-1 (Megatron-LM's distributed optimizer): optimizer state sharded over each
-    # stage's data ways, for the same traffic as the gradient all-reduce it replaces
-    distributed_optimizer: bool = True
+    # stage's data ways, for the same traffic as the gradient all-reduce it replaces, but
+    # the parameter all-gather waits for the update. None: chosen per plan (families are
+    # sized with it; the best plans are also simulated without); True/False: always/never
+    distributed_optimizer: bool | None = None
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
@@ -341,7 +343,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     context = Context(cp, (seq_len // cp,) * cp if cp > 1 else (), True)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
-                dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer,
+                dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
                 attention=opts.attention)
 
 
@@ -377,7 +379,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # more refinement; a plan cut short says so (status "time_limit", a warning).
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
-    tables = LayerTables(profile, cluster, cal, opts.attention, opts.distributed_optimizer)
+    tables = LayerTables(profile, cluster, cal, opts.attention,
+                         opts.distributed_optimizer is not False)
     heads = _heads(model)
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False
@@ -517,6 +520,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         by_time = layer_times(cand, profile, cluster, cal, cache)
         others = [interleave(cand, v, times) for v in opts.virtual_options if v != 1
                   for times in (by_time, None)]
+        if opts.distributed_optimizer is None and cand.distributed_optimizer:
+            others.append(dataclasses.replace(cand, distributed_optimizer=False))
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
@@ -544,6 +549,13 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
     (_, _), chosen, result = best
+    if opts.distributed_optimizer is None and chosen.distributed_optimizer:
+        # Without it the optimizer state is whole on every data way but the parameter
+        # all-gather no longer waits for the update: keep whichever is faster.
+        plain = dataclasses.replace(chosen, distributed_optimizer=False)
+        r = simulate(plain, profile, cluster, cal, trace=False, cache=cache)
+        if r.fits and r.step_time_s < result.step_time_s:
+            chosen, result = plain, r
     if not result.fits:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     upper = upper_bound_tokens_per_s(profile, cluster, cal)
