@@ -26,7 +26,10 @@ Algorithm.
    combinations they are ranked by the closed-form relaxation (fractional counts, a
    lower bound) and only the simulated ones get exact counts.
 4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
-   are part of the space), are simulated in full. The best few are also tried with
+   are part of the space), are simulated in full. The best three get a layout per GPU
+   type (``layouts``: each single-type segment re-laid out as its own data ways and
+   tensor degree, layers re-split; coordinate descent on the simulated time). The best
+   few are also tried with
    re-tuned warm-up and interleaved (``variants``: each submesh's layers cut into
    ``v`` stages, Megatron-LM's virtual stages: a ``v`` times smaller bubble for ``v``
    times the transfers and more activations in flight), then improved by local search
