@@ -15,7 +15,16 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
-from hetshard.plan import Context, GradSync, Pipeline, Plan, Predicted, SolverStats, Stage
+from hetshard.plan import (
+    Context,
+    GradSync,
+    Pipeline,
+    Plan,
+    Predicted,
+    SolverStats,
+    Stage,
+    grad_sync_for,
+)
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.schedule import (
     best_warmup,
@@ -232,6 +241,14 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
         assert tasks["gather"].end_s - tasks["gather"].start_s == pytest.approx(
             collective_time("all_gather", cb.grad_sync_bytes, topo, DEFAULT, gpu))
     assert b.step_time_s == pytest.approx(max(t.end_s for t in b.tasks))
+    # Stages of one data way have nothing to shard, even when other pipelines hold the
+    # same layers: the flag changes neither time nor memory.
+    pipes = tuple(Pipeline((Stage(0, 6, (d,), "H100-80GB", (("data", 1),)),), 8, 2, 4)
+                  for d in (0, 1))
+    one = [Plan(SPEC, c.to_dict(), 16, 32, pipes, dtype="float32", distributed_optimizer=z,
+                grad_sync=grad_sync_for(pipes, 16)) for z in (False, True)]
+    x, y = (simulate(p, prof, c) for p in one)
+    assert x.tasks == y.tasks and x.memory_per_device == y.memory_per_device
 
 
 @pytest.mark.parametrize("fix,match", [

@@ -55,9 +55,9 @@ def write_timeline_png(result: SimResult, path: str | os.PathLike, title: str = 
     ax.set_title(title or f"step {result.step_time_s * 1e3:.1f} ms, "
                           f"bubble {result.bubble_fraction:.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "grad sync", "optimizer",
-                                 "parameter all-gather (ZeRO-1)"], loc="upper right",
-              fontsize=8)
+    labels = ["forward", "backward", "grad sync", "optimizer",
+              "parameter all-gather (ZeRO-1)"]
+    ax.legend(handles, labels, loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -219,7 +219,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 devices, holders, overlap = partners
                 topo = topology(cluster, devices)
                 fsdp = plan.fsdp or st.axis("fsdp") > 1
-                zero1 = plan.distributed_optimizer and not fsdp
+                # ZeRO-1 shards over the stage's own data ways (none: nothing to shard).
+                zero1 = plan.distributed_optimizer and not fsdp and st.axis("data") > 1
                 kind = "reduce_scatter" if (fsdp or zero1) else "all_reduce"
                 slowest = _slowest(cluster, devices).name
                 t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest)

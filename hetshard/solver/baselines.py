@@ -70,11 +70,9 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None,
             best = (key, p, r)
     if best is None:
         return None
-    if choose_zero1 and best[1].distributed_optimizer:
-        p = dataclasses.replace(best[1], distributed_optimizer=False)
-        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
-        if (not r.fits, r.step_time_s) < best[0]:
-            best = ((not r.fits, r.step_time_s), p, r)
+    if choose_zero1:
+        from hetshard.solver.inter_op import zero1_choice
+        best = zero1_choice(best, profile, cluster, cal, cache)
     return annotate(best[1], best[2])
 
 

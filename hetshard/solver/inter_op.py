@@ -551,14 +551,9 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
+    if opts.distributed_optimizer is None:
+        best = zero1_choice(best, profile, cluster, cal, cache)
     (_, _), chosen, result = best
-    if opts.distributed_optimizer is None and chosen.distributed_optimizer:
-        # Without it the optimizer state is whole on every data way but the parameter
-        # all-gather no longer waits for the update: keep whichever is faster.
-        plain = dataclasses.replace(chosen, distributed_optimizer=False)
-        r = simulate(plain, profile, cluster, cal, trace=False, cache=cache)
-        if r.fits and r.step_time_s < result.step_time_s:
-            chosen, result = plain, r
     if not result.fits:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     upper = upper_bound_tokens_per_s(profile, cluster, cal)
@@ -571,6 +566,20 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                       f"gap to the compute bound {gap:.1%}", stacklevel=2)
     chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
     return annotate(chosen, result, upper)
+
+
+def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None):
+    """``scored`` = (key, plan, result) or, when the plan uses the distributed optimizer
+    and simulates faster without it, the plan without it: the optimizer state is then
+    whole on every data way, but the parameter all-gather no longer waits for the
+    update."""
+    key, p, _ = scored
+    if not p.distributed_optimizer:
+        return scored
+    plain = dataclasses.replace(p, distributed_optimizer=False)
+    r = simulate(plain, profile, cluster, cal, trace=False, cache=cache)
+    other = (not r.fits, r.step_time_s)
+    return (other, plain, r) if other < key else scored
 
 
 def _prune(cands: list[Family], n: int) -> list[Family]:
