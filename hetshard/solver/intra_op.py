@@ -385,7 +385,11 @@ def solve(ops: Sequence[Op], *, tp: int, gpu: DeviceType, topo: Topology | None,
             m.AddHint(x[n][s], strat.out == R and all(i in (R, None) for i in strat.ins))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 2
+    # Eight workers run CP-SAT's full portfolio (LNS, core-based and probing workers
+    # beside the default search), which proves these models optimal an order of
+    # magnitude sooner even on 2 cores (a LLaMA-70B block on H100s: 3.7 s with 2
+    # workers, 0.2 s with 8; same optimal specs).
+    solver.parameters.num_workers = 8
     solver.parameters.random_seed = 0
     status = solver.Solve(m)
     name = solver.StatusName(status).lower()
