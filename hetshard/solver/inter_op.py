@@ -26,7 +26,7 @@ Algorithm.
    combinations they are ranked by the closed-form relaxation (fractional counts, a
    lower bound) and only the simulated ones get exact counts.
 4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
-   are part of the space), are simulated in full. The best three get a layout per GPU
+   are part of the space), are simulated in full. The best eight get a layout per GPU
    type (``layouts``: each single-type segment re-laid out as its own data ways and
    tensor degree, layers re-split; coordinate descent on the simulated time). The best
    few are also tried with
@@ -92,6 +92,7 @@ class PlannerOptions:
     refine_top: int = 3  # best simulated candidates improved by local search
     variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
+    layout_top: int = 8  # best simulated plans given a layout per GPU type
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
@@ -500,7 +501,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
     relaid = []
-    for start in scored[:opts.refine_top]:
+    for start in scored[:opts.layout_top]:
         if start[0][0] or late(0.85):
             continue
         got = improve_layouts(start, evaluate, tables, cluster, heads,
@@ -509,6 +510,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                               evals=opts.layout_evals)
         if got[1] is not start[1]:
             relaid.append(got)
+    firsts = scored[:opts.refine_top]
     scored = sorted(scored + relaid, key=lambda x: x[0])
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
@@ -532,14 +534,17 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
         scored = [x for x in scored if interleaved_as(x[1], opts.virtual_options)]
+        firsts = [x for x in firsts if interleaved_as(x[1], opts.virtual_options)]
         variants = [x for x in variants if interleaved_as(x[1], opts.virtual_options)]
         if not scored and not variants:
             vpp = opts.virtual_options
             raise SpecError("--fix vpp", vpp[0] if len(vpp) == 1 else list(vpp),
                             "1, or a value the best pipelined plans can take: at least vpp "
                             "layers on each of a pipeline's submeshes")
-    # Local search from the best few plans as they are and the best few interleaved.
-    starts = scored[:opts.refine_top] + variants[:opts.refine_top]
+    # Local search from the best few plans as found, as re-laid out (one that simulates
+    # faster can still end in a worse local optimum) and interleaved.
+    starts = list({id(x[1]): x for x in firsts + scored[:opts.refine_top] +
+                   variants[:opts.refine_top]}.values())
     best = min(starts, key=lambda x: x[0])
     for key, cand, r in sorted(starts, key=lambda x: x[0]):
         if key[0]:
