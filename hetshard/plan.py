@@ -330,10 +330,6 @@ def _check_virtual(p: Pipeline, i: int) -> None:
                             f"a divisor of the pipeline's {n} stages leaving at least 2 "
                             f"submeshes")
         w = n // v
-        if p.num_micro_batches % w:
-            raise SpecError(f"pipelines[{i}].num_micro_batches", p.num_micro_batches,
-                            f"a multiple of the {w} submeshes (interleaved schedules run "
-                            f"micro-batches in groups of one per submesh)")
         for j in range(w, n):
             a, b = p.stages[j % w], p.stages[j]
             if (a.devices, a.mesh_shape, a.gpu) != (b.devices, b.mesh_shape, b.gpu):

@@ -190,6 +190,15 @@ def test_interleaved_schedule_two_stages_per_submesh():
         [[2, 3], [4, 5], [2, 3], [4, 5]]
 
 
+def test_interleaved_schedule_with_a_micro_batch_count_the_submeshes_do_not_divide():
+    # 3 micro-batches on 2 submeshes x 2 stages: a group of 2, then one of 1.
+    a, v = ((2, 3), A), ((4, 5), V)
+    plan = _plan("gpt-tiny", [Pipeline(tuple(
+        _stage(j, j + 1, *(a if j % 2 == 0 else v)) for j in range(4)), 6, 1, 3,
+        virtual_stages=2)], batch=6)
+    _assert_matches_one_device("gpt-tiny", plan, steps=2, batch=6)
+
+
 def test_extra_warmup_runs_forwards_ahead():
     # Stage 0 forwards all 4 micro-batches before its first backward (1F1B's 2 plus 2).
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),

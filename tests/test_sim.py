@@ -27,8 +27,12 @@ from hetshard.plan import (
 )
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.schedule import (
+    _chunked,
+    _order,
+    _stalled,
     best_warmup,
     inflight,
+    interleaved_warmups,
     run_pipeline,
     schedule_order,
     schedule_walk,
@@ -75,6 +79,43 @@ def test_interleaved_stages_cut_the_bubble_by_v(schedule, p, v, m):
         if kind == "B":
             assert ("F", s_, i) in seen and (s_ == n - 1 or ("B", s_ + 1, i) in seen)
         seen.add((kind, s_, i))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 3), (3, 2, 4), (4, 3, 5), (5, 2, 7), (4, 2, 2),
+                                   (3, 4, 10)])
+def test_interleaved_schedule_with_a_smaller_last_group(p, v, m):
+    # Micro-batch counts the p submeshes do not divide: groups of p, then the rest. Every
+    # task runs once, after its inputs, one at a time per submesh, and no walk stalls.
+    n = p * v
+    walk = list(schedule_walk("1f1b", n, m, v))
+    assert sorted(walk) == sorted((s, k, i) for s in range(n) for k in "FB" for i in range(m))
+    seen = set()
+    for s_, kind, i in walk:
+        assert kind == "B" or not s_ or (s_ - 1, "F", i) in seen
+        assert kind == "F" or ((s_, "F", i) in seen and
+                               (s_ == n - 1 or (s_ + 1, "B", i) in seen))
+        seen.add((s_, kind, i))
+    warm = interleaved_warmups(p, m, v)
+    megatron = [min(2 * (p - w - 1) + (v - 1) * p, m * v) for w in range(p)]
+    assert all(a >= b for a, b in zip(warm, megatron, strict=True))
+    for w in range(p):  # the submesh's order: its forwards group by group, stage by stage
+        fwd = [(s_, i) for k, s_, i in worker_order("1f1b", p, w, m, v) if k == "F"]
+        assert fwd[:min(p, m)] == [(w, i) for i in range(min(p, m))]
+        assert [k for k, _, _ in worker_order("1f1b", p, w, m, v)][:warm[w] + 1] == \
+            ["F"] * warm[w] + ["F" if warm[w] < m * v else "B"]
+    events, free = run_pipeline([1.0] * n, [2.0] * n, [0.0] * (n - 1), m, "1f1b", v)
+    assert len(events) == 2 * n * m and max(free) >= m * v * 3.0
+
+
+def test_interleaved_warmup_grows_only_where_megatrons_would_stall():
+    # Full groups: Megatron-LM's 2 (p - w - 1) + (v - 1) p. Four submeshes of three stages
+    # and 5 micro-batches: with that warm-up the last submesh reaches a backward whose
+    # input waits on a forward queued behind it; one more forward there resolves it.
+    assert interleaved_warmups(4, 8, 3) == (14, 12, 10, 8)
+    assert interleaved_warmups(4, 5, 3) == (14, 12, 10, 9)
+    orders = [_order("1f1b", _chunked(4, w, 5, 3, False), _chunked(4, w, 5, 3, True),
+                     (14, 12, 10, 8)[w]) for w in range(4)]
+    assert _stalled(orders, 12, 5) is not None
 
 
 def test_interleaved_order_and_memory_in_flight():
@@ -418,9 +459,9 @@ def test_plan_validation_and_load_errors(tmp_path):
     with pytest.raises(SpecError, match=r"stages\[3\].devices.*stage 1's devices"):
         Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, stages=inter.stages[:3] + (
             dataclasses.replace(inter.stages[3], devices=(2,)),)),))
-    with pytest.raises(SpecError, match="num_micro_batches=3.*multiple of the 2"):
-        Plan("gpt-tiny", {}, 3, 64, (dataclasses.replace(inter, batch_share=3,
-                                                         num_micro_batches=3),))
+    # A micro-batch count the submeshes do not divide: a smaller last group.
+    assert Plan("gpt-tiny", {}, 3, 64, (dataclasses.replace(inter, batch_share=3,
+                                                            num_micro_batches=3),))
     with pytest.raises(SpecError, match="virtual_stages=3"):
         Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, virtual_stages=3),))
     # Extra warm-up: one count per submesh, 1F1B without virtual stages, never growing.

@@ -23,42 +23,64 @@ def worker_order(schedule: str, p: int, w: int, m: int, v: int = 1,
 
     GPipe: every forward, then every backward. 1F1B with ``v = 1``: ``p - w - 1``
     warm-up forwards, then one forward / one backward, then the cool-down backwards.
-    Interleaved 1F1B (``v > 1``, Megatron-LM's schedule; ``m`` a multiple of ``p``):
-    forwards go through the submesh's stages in groups of ``p`` micro-batches (stage
-    ``w`` for micro-batches 0..p-1, then stage ``p + w`` for the same ones, ...),
-    backwards likewise from the last stage down, with ``2 (p - w - 1) + (v - 1) p``
-    warm-up forwards. Under 1F1B ``extra[w]`` more warm-up forwards on submesh w keep
-    more micro-batches in flight, so that transfers slower than compute no longer stall
-    the loop each micro-batch makes from w to the last stage and back, for their
-    activations' memory (warm-up counts must not grow along the pipeline).
+    Interleaved 1F1B (``v > 1``, Megatron-LM's schedule): forwards go through the
+    submesh's stages in groups of ``p`` micro-batches (stage ``w`` for micro-batches
+    0..p-1, then stage ``p + w`` for the same ones, ...; when ``p`` does not divide ``m``
+    the last group is smaller), backwards likewise from the last stage down, with
+    ``2 (p - w - 1) + (v - 1) p`` warm-up forwards, more where a smaller last group would
+    otherwise deadlock (``interleaved_warmups``). Under 1F1B ``extra[w]`` more warm-up
+    forwards on submesh w keep more micro-batches in flight, so that transfers slower
+    than compute no longer stall the loop each micro-batch makes from w to the last stage
+    and back, for their activations' memory (warm-up counts must not grow along the
+    pipeline).
     """
-    n_tasks = m * v
-
-    def task(k: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk * p + w, group * p + within % p
-
     if v == 1:
         fwds = [(w, i) for i in range(m)]
-        bwds = fwds
-        warm = min(p - w - 1 + (extra[w] if extra else 0), m)
-    else:
-        fwds = [task(k, False) for k in range(n_tasks)]
-        bwds = [task(k, True) for k in range(n_tasks)]
-        warm = min(2 * (p - w - 1) + (v - 1) * p + (extra[w] if extra else 0), n_tasks)
+        warm = p - w - 1
+        return _order(schedule, fwds, fwds, warm + (extra[w] if extra else 0))
+    warm = interleaved_warmups(p, m, v)[w] if schedule == "1f1b" else 0
+    return _order(schedule, _chunked(p, w, m, v, False), _chunked(p, w, m, v, True),
+                  warm + (extra[w] if extra else 0))
+
+
+def _chunked(p: int, w: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """Submesh w's (stage, micro_batch) forwards (or backwards) under interleaving: per
+    group of up to ``p`` micro-batches, each of its ``v`` stages in model order (backwards:
+    reversed) for every micro-batch of the group."""
+    chunks = range(v - 1, -1, -1) if backward else range(v)
+    return [(c * p + w, i) for g in range(0, m, p) for c in chunks
+            for i in range(g, min(g + p, m))]
+
+
+def _order(schedule: str, fwds, bwds, warm: int) -> list[tuple[str, int, int]]:
+    """GPipe: every forward, then every backward; 1F1B: ``warm`` forwards, then one
+    forward / one backward, then the remaining backwards."""
     if schedule == "gpipe":
         return [("F", *t) for t in fwds] + [("B", *t) for t in bwds]
+    warm = min(warm, len(fwds))
     order = [("F", *t) for t in fwds[:warm]]
-    f, b = warm, 0
-    while f < n_tasks:
-        order += [("F", *fwds[f]), ("B", *bwds[b])]
-        f += 1
-        b += 1
-    order += [("B", *t) for t in bwds[b:]]
-    return order
+    for f, b in zip(fwds[warm:], bwds, strict=False):
+        order += [("F", *f), ("B", *b)]
+    return order + [("B", *t) for t in bwds[len(fwds) - warm:]]
+
+
+@functools.lru_cache(maxsize=256)
+def interleaved_warmups(p: int, m: int, v: int) -> tuple[int, ...]:
+    """Warm-up forwards per submesh of interleaved 1F1B: Megatron-LM's ``2 (p - w - 1) +
+    (v - 1) p``, enough when ``p`` divides ``m``. With a smaller last group a submesh can
+    reach a backward whose inputs wait on forwards queued behind it; each time the walk
+    stalls so, every submesh stuck on a backward runs one more forward first (at worst all
+    forwards first, which cannot stall), so the fewest extra activations are kept."""
+    warm = [min(2 * (p - w - 1) + (v - 1) * p, m * v) for w in range(p)]
+    fb = [(_chunked(p, w, m, v, False), _chunked(p, w, m, v, True)) for w in range(p)]
+    while True:
+        orders = [_order("1f1b", f, b, warm[w]) for w, (f, b) in enumerate(fb)]
+        stuck = _stalled(orders, p * v, m)
+        if stuck is None:
+            return tuple(warm)
+        for w, kind in enumerate(stuck):
+            if kind == "B" and warm[w] < m * v:
+                warm[w] += 1
 
 
 def schedule_order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
@@ -85,8 +107,20 @@ def schedule_walk(schedule: str, n: int, m: int, v: int = 1, extra: tuple[int, .
 def _walk(schedule: str, n: int, m: int, v: int,
           extra: tuple[int, ...] = ()) -> tuple[tuple[int, str, int], ...]:
     p = n // v
-    orders = [worker_order(schedule, p, w, m, v, extra) for w in range(p)]
-    ptr, out = [0] * p, []
+    out: list[tuple[int, str, int]] = []
+    stuck = _stalled([worker_order(schedule, p, w, m, v, extra) for w in range(p)], n, m,
+                     out)
+    if stuck is not None:  # cannot happen: warm-ups are chosen so that it does not
+        raise RuntimeError(f"pipeline schedule deadlocked: next tasks {stuck}")
+    return tuple(out)
+
+
+def _stalled(orders, n: int, m: int, out: list | None = None):
+    """Walks the submeshes' task ``orders`` (appending ``(stage, kind, micro_batch)`` to
+    ``out`` in a dependency-respecting order); None when every task ran, else each
+    submesh's next task kind ("" when it finished) where none could proceed."""
+    p = len(orders)
+    ptr = [0] * p
     f_done = [[False] * m for _ in range(n)]
     b_done = [[False] * m for _ in range(n)]
     remaining = sum(len(o) for o in orders)
@@ -104,13 +138,14 @@ def _walk(schedule: str, n: int, m: int, v: int,
                     if not f_done[s][i] or (s < n - 1 and not b_done[s + 1][i]):
                         break
                     b_done[s][i] = True
-                out.append((s, kind, i))
+                if out is not None:
+                    out.append((s, kind, i))
                 ptr[w] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # cannot happen for the schedules above
-            raise RuntimeError(f"pipeline schedule deadlocked at {ptr}")
-    return tuple(out)
+        if not progressed:
+            return [o[k][0] if k < len(o) else "" for o, k in zip(orders, ptr, strict=True)]
+    return None
 
 
 def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,

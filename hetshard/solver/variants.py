@@ -18,18 +18,19 @@ def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
     ``layer_times(pipeline, w)`` (per-layer forward + backward seconds on submesh w)
     the stages are cut walking the model so that each takes about a ``v``-th of its
     submesh's former time (layers differ: embeddings, heads, vision blocks). A pipeline
-    can when it has 2+ submeshes and ``v`` layers on each; its micro-batch count must be
-    a multiple of its submeshes, so counts are rounded to one, the difference taken from
-    or given to pipelines of the same micro-batch samples (the smallest change). None
-    when no pipeline can."""
+    can when it has 2+ submeshes and ``v`` layers on each. Micro-batch counts are rounded
+    to multiples of the submeshes where the difference can be taken from or given to
+    pipelines of the same micro-batch samples (the smallest change; full groups of
+    micro-batches need no extra warm-up), else kept. None when no pipeline can."""
     pipes = list(plan.pipelines)
     able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
             and all(st.num_layers >= v for st in q.stages)]
-    counts = _rounded_counts(pipes, able)
-    if counts is None:
+    if not able:
         return None
-    for i, m in counts.items():
+    counts = _rounded_counts(pipes, able) or {}
+    for i in sorted(set(counts) | set(able)):
         pipe = pipes[i]
+        m = counts.get(i, pipe.num_micro_batches)
         unit = pipe.batch_share // pipe.num_micro_batches
         pipe = dataclasses.replace(pipe, num_micro_batches=m, batch_share=m * unit)
         if i in able:
