@@ -22,12 +22,12 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
-# lack ``Plan.distributed_optimizer`` (read as False).
-READS_VERSIONS = (1, 2, 3)
+# lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule.
+READS_VERSIONS = (1, 2, 3, 4)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zbh1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +281,10 @@ def validate(plan: Plan) -> None:
     for i, p in enumerate(plan.pipelines):
         if p.schedule not in SCHEDULES:
             raise SpecError(f"pipelines[{i}].schedule", p.schedule, f"one of {SCHEDULES}")
+        if p.schedule == "zbh1" and p.virtual_stages != 1:
+            raise SpecError(f"pipelines[{i}].schedule", p.schedule,
+                            "1f1b or gpipe with virtual_stages > 1 (ZB-H1 runs one stage "
+                            "per submesh)")
         if not p.stages or p.stages[0].start != 0:
             raise SpecError(f"pipelines[{i}].stages[0].start",
                             p.stages[0].start if p.stages else None, "0")
@@ -347,7 +351,7 @@ def _check_warmup(p: Pipeline, i: int) -> None:
     if not k:
         return
     n = len(p.stages)
-    ok = (p.schedule == "1f1b" and p.virtual_stages == 1 and len(k) == n and
+    ok = (p.schedule in ("1f1b", "zbh1") and p.virtual_stages == 1 and len(k) == n and
           all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in k))
     if ok:
         warm = [n - w - 1 + e for w, e in enumerate(k)]

@@ -153,3 +153,27 @@ def test_attention_efficiency_prices_attention_equations_only(prof):
     assert slow.memory_static_bytes == base.memory_static_bytes
     with pytest.raises(SpecError, match="attention_eff"):
         dataclasses.replace(DEFAULT.default, attention_eff=0.0)
+
+
+def test_weight_gradient_ops_and_their_share_of_the_backward(prof):
+    # ZB-H1's W pass: in a block, exactly one backward matmul per weight matmul of the
+    # forward (attention's matmuls have no weights); the tied head's dW counts, and the
+    # embedding's whole backward is W (nothing earlier waits for it).
+    profile = prof
+    block, head, embed = profile.layers[1], profile.layers[-1], profile.layers[0]
+    weights = int((block.fwd_matmul & ~block.fwd_attention).sum())
+    assert weights >= 4
+    assert int((block.bwd_weight & block.bwd_matmul).sum()) == weights
+    assert not (block.bwd_weight & block.bwd_attention).any()
+    assert int((head.bwd_weight & head.bwd_matmul).sum()) == 1
+    assert embed.bwd_weight.all()
+    gpu = Cluster.load("dgx-a100-80gb-x64").groups[0].gpu
+    for remat in ("none", "full"):
+        c = stage_cost(profile, 1, 3, gpu, mbs=2, remat=remat, cal=DEFAULT)
+        assert 0 < c.bwd_weight_s < c.bwd_s
+        assert c.memory_carry_bytes > 0
+    plain, full = (stage_cost(profile, 1, 3, gpu, mbs=2, remat=r, cal=DEFAULT)
+                   for r in ("none", "full"))
+    # Under full remat W reads the matmul inputs B recomputed: kept until W.
+    assert full.memory_carry_bytes > plain.memory_carry_bytes
+    assert full.bwd_weight_s == pytest.approx(plain.bwd_weight_s)

@@ -199,6 +199,24 @@ def test_interleaved_schedule_with_a_micro_batch_count_the_submeshes_do_not_divi
     _assert_matches_one_device("gpt-tiny", plan, steps=2, batch=6)
 
 
+def test_zero_bubble_schedule_runs_b_and_w_passes():
+    # ZB-H1: four stages on mixed GPUs with remat, flash attention and a tensor-parallel
+    # stage; every backward runs as B (input cotangent, sent back at once) then W (the
+    # weights' gradients, later). Training matches one device.
+    plan = _plan("gpt-tiny", [Pipeline((
+        Stage(0, 1, (0, 1), H, (("data", 2),)),
+        Stage(1, 2, (2, 3), A, (("data", 1), ("tensor", 2))),
+        Stage(2, 3, (4, 5), V, (("data", 2),), remat="full"),
+        Stage(3, 4, (6, 7), V, (("data", 2),), remat="selective")), 8, 1, 4,
+        schedule="zbh1", extra_warmup=(1, 0, 0, 0))], attention="flash")
+    from hetshard.sim.schedule import worker_order
+    kinds = [k for k, _, _ in worker_order("zbh1", 4, 3, 4)]
+    assert kinds.count("W") == 4 and kinds.index("W") > kinds.index("B")
+    step = _assert_matches_one_device("gpt-tiny", plan, steps=2)
+    runner = next(iter(step._compiled.values()))[1]
+    assert all(r.bwd_input is not None and r.bwd_weight is not None for r in runner.runs[0])
+
+
 def test_extra_warmup_runs_forwards_ahead():
     # Stage 0 forwards all 4 micro-batches before its first backward (1F1B's 2 plus 2).
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0, 1), H), _stage(2, 4, (4, 5), V)),

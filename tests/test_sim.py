@@ -37,6 +37,7 @@ from hetshard.sim.schedule import (
     schedule_order,
     schedule_walk,
     steady_period,
+    time_pipeline,
     worker_order,
 )
 from hetshard.sim.simulator import _slowest, annotate, layers_cost, worker_memory
@@ -116,6 +117,64 @@ def test_interleaved_warmup_grows_only_where_megatrons_would_stall():
     orders = [_order("1f1b", _chunked(4, w, 5, 3, False), _chunked(4, w, 5, 3, True),
                      (14, 12, 10, 8)[w]) for w in range(4)]
     assert _stalled(orders, 12, 5) is not None
+
+
+@pytest.mark.parametrize("p,m,extra", [(2, 4, ()), (4, 8, ()), (4, 16, (2, 1, 1, 0)),
+                                       (6, 12, ()), (3, 2, ())])
+def test_zero_bubble_schedule_order(p, m, extra):
+    # ZB-H1: every backward as B then W, each W after its own B on the same submesh; a
+    # stage holds at most p - s + extra[s] micro-batches whose W has not run; the walk
+    # is a topological order.
+    walk = list(schedule_walk("zbh1", p, m, 1, extra))
+    assert sorted(walk) == sorted((s, k, i) for s in range(p) for k in "FBW" for i in range(m))
+    for s in range(p):
+        order = worker_order("zbh1", p, s, m, 1, extra)
+        held = peak = 0
+        for k, _, i in order:
+            held += {"F": 1, "B": 0, "W": -1}[k]
+            peak = max(peak, held)
+            if k == "W":
+                assert order.index(("B", s, i)) < order.index(("W", s, i))
+        assert peak <= p - s + (extra[s] if extra else 0)
+    seen = set()
+    for s_, kind, i in walk:
+        if kind == "F":
+            assert not s_ or (s_ - 1, "F", i) in seen
+        elif kind == "B":
+            assert (s_, "F", i) in seen and (s_ == p - 1 or (s_ + 1, "B", i) in seen)
+        seen.add((s_, kind, i))
+
+
+def test_zero_bubble_shrinks_the_bubble():
+    # Equal forward, B and W: 1F1B idles (p - 1) (F + B + W); ZB-H1 sends each B back at
+    # once and runs W passes in 1F1B's idle time: (p - 1) (F + B) here, with 1F1B's
+    # micro-batches in flight (the paper's ZB-H1 gets to (p - 1) F by holding p on every
+    # stage, more memory than 1F1B's later stages hold).
+    p, m = 4, 32
+    one = max(run_pipeline([1.0] * p, [2.0] * p, [0.0] * (p - 1), m, "1f1b")[1])
+    _, free, _ = time_pipeline([1.0] * p, [2.0] * p, [0.0] * (p - 1), m, "zbh1",
+                               weight_s=[1.0] * p)
+    assert one == pytest.approx(3 * (m + p - 1))
+    assert max(free) == pytest.approx(3 * m + (p - 1) * 2)
+    # No W (bwd_weight_s = 0): the B pass is the whole backward, as in 1F1B.
+    _, free0, _ = time_pipeline([1.0] * p, [2.0] * p, [0.0] * (p - 1), m, "zbh1",
+                                weight_s=[0.0] * p)
+    assert max(free0) >= one - 1e-9
+
+
+def test_zero_bubble_memory_keeps_activations_and_carry_until_w():
+    cost = StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, memory_static_bytes=10.0,
+                     memory_per_microbatch_bytes=1.0, memory_working_bytes=0.5,
+                     bwd_weight_s=1.0, memory_carry_bytes=0.25)
+    costs = [cost] * 4
+    for w in range(4):
+        live = peak = 0.0
+        for k, s_, _ in worker_order("zbh1", 4, w, 8):
+            live += {"F": 1.0, "B": 0.25 if s_ else 0.0, "W": -1.0 - (0.25 if s_ else 0.0)}[k]
+            peak = max(peak, live)
+        assert worker_memory("zbh1", 4, w, 8, 1, costs) == pytest.approx(10 + peak + 0.5)
+    # The first stage's B has no input cotangent to make: nothing carried.
+    assert worker_memory("zbh1", 4, 0, 8, 1, costs) == pytest.approx(10 + 4 + 0.5)
 
 
 def test_interleaved_order_and_memory_in_flight():
@@ -447,7 +506,15 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 3
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 4
+    # Schema 3 (no ZB-H1 schedule yet) reads unchanged.
+    old = zero1.to_dict()
+    old["version"] = 3
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == zero1
+    # ZB-H1: one stage per submesh; its extra warm-up bounds the micro-batches held.
+    zb = dataclasses.replace(pipe, schedule="zbh1")
+    assert Plan("gpt-tiny", {}, 8, 64, (zb,)).pipelines[0].schedule == "zbh1"
     with pytest.raises(SpecError, match="distributed_optimizer='yes'.*true or false"):
         dataclasses.replace(plan, distributed_optimizer="yes")
     two = (Stage(0, 1, (0,), "A100-80GB", (("data", 1),)),
@@ -464,6 +531,10 @@ def test_plan_validation_and_load_errors(tmp_path):
                                                             num_micro_batches=3),))
     with pytest.raises(SpecError, match="virtual_stages=3"):
         Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, virtual_stages=3),))
+    with pytest.raises(SpecError, match="schedule='zbh1'.*virtual_stages > 1"):
+        Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(inter, schedule="zbh1"),))
+    with pytest.raises(SpecError, match="--fix schedule='zbh1'"):
+        parse_fix("schedule=zbh1,vpp=2")
     # Extra warm-up: one count per submesh, 1F1B without virtual stages, never growing.
     plain = Pipeline(two, 4, 1, 4)
     assert Plan("gpt-tiny", {}, 4, 64, (dataclasses.replace(plain, extra_warmup=(2, 1)),))

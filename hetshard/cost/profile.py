@@ -44,6 +44,10 @@ class LayerProfile:
     boundary_bytes_per_sample: float  # activation handed to the next layer
     param_bytes: int
     param_count: int
+    # bool per backward equation: only the layer's parameters' gradients read it (the
+    # weight-gradient part ``W`` a zero-bubble schedule defers), none of earlier layers'
+    bwd_weight: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    weight_carry_bytes_per_sample: float = 0.0  # what W reads from B, per sample
 
     def flops(self, b: float) -> float:
         """Forward + backward flops for a micro-batch of ``b`` samples (no recompute)."""
@@ -100,6 +104,52 @@ def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
     return per
 
 
+def _weight_only(graph: OpGraph) -> dict[str, np.ndarray]:
+    """Per layer, a bool per backward op: no path leads from it to the cotangent of the
+    layer's input activation (it only feeds the layer's own parameters' gradients and the
+    optimizer), so a zero-bubble schedule's ``W`` pass can run it after the ``B`` pass has
+    sent that cotangent back. A backward edge into an earlier layer carries the input's
+    cotangent when its size is that of an activation crossing the layers forward; a tied
+    weight's gradient (the head's into the embedding's) does not make ``B``."""
+    order = {name: i for i, name in enumerate(graph.layers)}
+    pos = {op.index: k for k, op in enumerate(graph.ops)}
+    crossing = set()
+    for src, dst, nbytes in graph.edges:
+        a, b = graph.ops[pos[src]], graph.ops[pos[dst]]
+        if a.phase == b.phase == "fwd" and order.get(a.layer, -1) < order.get(b.layer, -1):
+            crossing.add(nbytes)
+    succ: dict[int, list[tuple[int, float]]] = {}
+    for src, dst, nbytes in graph.edges:
+        if src in pos and dst in pos:
+            succ.setdefault(pos[src], []).append((pos[dst], nbytes))
+    reaches = [False] * len(graph.ops)
+    for k in range(len(graph.ops) - 1, -1, -1):
+        here = order.get(graph.ops[k].layer, -1)
+        for d, nbytes in succ.get(k, ()):
+            o = graph.ops[d]
+            if reaches[d] and order.get(o.layer, -1) == here or (
+                    o.phase == "bwd" and order.get(o.layer, here) < here and
+                    nbytes in crossing):
+                reaches[k] = True
+                break
+    out: dict[str, list[bool]] = {}
+    for k, op in enumerate(graph.ops):
+        if op.phase == "bwd":
+            out.setdefault(op.layer, []).append(not reaches[k])
+    # What W reads from B (the layer's output cotangents at its weight matmuls), kept
+    # from a micro-batch's B to its W.
+    carry: dict[str, float] = {}
+    counted = set()
+    for src, dst, nbytes in graph.edges:
+        if src in pos and dst in pos and src not in counted:
+            a, b = graph.ops[pos[src]], graph.ops[pos[dst]]
+            if a.phase == b.phase == "bwd" and a.layer == b.layer and reaches[pos[src]] \
+                    and not reaches[pos[dst]]:
+                counted.add(src)
+                carry[a.layer] = carry.get(a.layer, 0.0) + nbytes
+    return {name: np.array(flags, bool) for name, flags in out.items()}, carry
+
+
 def _boundary(graph: OpGraph) -> dict[str, float]:
     order = {name: i for i, name in enumerate(graph.layers)}
     seen: dict[str, set[int]] = {}
@@ -124,6 +174,8 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
     p1, p2 = _split(g1), _split(g2)
     t1, t2 = g1.layer_totals(), g2.layer_totals()
     b1, b2 = _boundary(g1), _boundary(g2)
+    weight_only, carry1 = _weight_only(g1)
+    carry2 = _weight_only(g2)[1]
     counts = _param_counts(g1)
     reduced_layers: dict[str, LayerProfile] = {}
     for name in g1.layers:
@@ -151,7 +203,10 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
             name=name, kind=kind, **arrays,
             residual_bytes_per_sample=res[1], attention_residual_bytes_per_sample=attn[1],
             weight_copy_bytes=max(res[0], 0.0), boundary_bytes_per_sample=bnd[1],
-            param_bytes=int(t1[name].get("params", 0)), param_count=counts.get(name, 0))
+            param_bytes=int(t1[name].get("params", 0)), param_count=counts.get(name, 0),
+            bwd_weight=weight_only.get(name, np.zeros(len(p1[name]["bwd"]), bool)),
+            weight_carry_bytes_per_sample=_linear(carry1.get(name, 0.0),
+                                                  carry2.get(name, 0.0))[1])
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

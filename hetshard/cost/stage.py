@@ -55,6 +55,10 @@ class StageCost:
     memory_static_bytes: float  # per device: params, grads, optimizer state, weight copies
     memory_per_microbatch_bytes: float  # per device, per micro-batch in flight
     memory_working_bytes: float  # per device, transient (recompute working set)
+    # of bwd_s, the weight-gradient part a zero-bubble schedule runs as its own W pass
+    bwd_weight_s: float = 0.0
+    # per device, per micro-batch between its B and W passes (zero-bubble schedules)
+    memory_carry_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -85,7 +89,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     peak_attn = gpu.peak_flops(profile.dtype) * e.attention
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
-    fwd = bwd = recompute = 0.0
+    fwd = bwd = recompute = weight = carry = 0.0
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = 0.0
     working = 0.0
@@ -98,6 +102,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         pb = np.where(layer.bwd_attention, peak_attn, peak)
         t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
         t_b = _ops_time(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
+        wm = layer.bwd_weight
+        if len(wm) == len(bf) and wm.any():
+            weight += _ops_time(bf[wm], bb[wm], layer.bwd_matmul[wm], pb[wm], bw, e.fusion)
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
         if tp > 1 and tp_topo is not None:
             ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
@@ -136,14 +143,19 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         # rebuilds them one layer at a time (selective, full).
         inner = 0.0 if attention == "flash" else attn
         if remat == "none" and attention == "reference":
-            act += res
+            kept = res
         elif remat in ("none", "selective"):
-            act += res - attn
+            kept = res - attn
             working = max(working, inner)
         else:
-            act += layer.boundary_bytes_per_sample * mbs / shard
+            kept = layer.boundary_bytes_per_sample * mbs / shard
             working = max(working, res - attn + inner)
+        act += kept
+        if remat != "none":
+            # A W pass reads the matmuls' inputs, which B recomputed: kept until W.
+            carry += max(0.0, res - attn - kept)
         static_copy += layer.weight_copy_bytes / tp
+        carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
     if remat == "selective" or (remat == "none" and attention == "flash"):
         hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
@@ -156,4 +168,5 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
-                     memory_working_bytes=working)
+                     memory_working_bytes=working, bwd_weight_s=weight,
+                     memory_carry_bytes=carry)

@@ -56,6 +56,7 @@ from hetshard.collectives import (
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
+from hetshard.rewrite.backward import input_backward, weight_backward
 from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
 from hetshard.sim.schedule import schedule_walk
@@ -121,6 +122,8 @@ class _StageRun:
     here: bool = True  # this process holds a device of the mesh (runs its tasks)
     fwd: Callable = None
     bwd: Callable = None
+    bwd_input: Callable = None  # ZB-H1's B pass
+    bwd_weight: Callable = None  # ZB-H1's W pass
     apply: Callable = None
 
 
@@ -341,6 +344,8 @@ class PipelineRunner:
                         here=here(NamedSharding(mesh, PartitionSpec())))
         run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
         run.bwd = jax.jit(functools.partial(_backward, program))
+        run.bwd_input = jax.jit(functools.partial(_backward_input, program))
+        run.bwd_weight = jax.jit(_backward_weight)
         run.apply = jax.jit(self._stage_apply(run, pi))
         return run
 
@@ -539,7 +544,12 @@ class PipelineRunner:
                     parts = cts[mb].pop(st.sends[j], [])
                     incoming.append(functools.reduce(jnp.add, parts) if parts else None)
                 seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
-                acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
+                if split:  # ZB-H1: the input's cotangent now, the weights' at the W pass
+                    vjp = vjps.pop((s, mb))
+                    rc, seeded, carried = run.bwd_input(vjp, incoming, seeds)
+                    pending[s, mb] = (vjp, seeded, carried)
+                else:
+                    acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
                 rc = dict(zip((st.recvs[i] for i in st.diff_recvs), rc, strict=True))
             by_producer: dict[int, list] = {}
             for i in st.diff_recvs:
@@ -550,9 +560,16 @@ class PipelineRunner:
                     for v, c in zip(vs, got, strict=True):
                         cts[mb].setdefault(v, []).append(c)
 
+        def weights(s, mb):
+            if runs[s].here:
+                acc[s] = runs[s].bwd_weight(*pending.pop((s, mb)), acc[s])
+
+        split = pipeline.schedule == "zbh1"
+        pending: dict = {}
+        task = {"F": forward, "B": backward, "W": weights}
         for s, kind, mb in schedule_walk(pipeline.schedule, n, m, pipeline.virtual_stages,
                                          pipeline.extra_warmup):
-            (forward if kind == "F" else backward)(s, mb)
+            task[kind](s, mb)
         # Tied parameters: gradients of read copies go to the owning stage.
         grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here
                  else dict.fromkeys(runs[s].program.params) for s in range(n)]
@@ -663,18 +680,38 @@ def _forward(program, remat, params, frozen, batch, recvs):
     return program.forward(params, frozen, batch, recvs)
 
 
-def _backward(program, vjp, incoming, seeds, acc):
+def _seeded(program, incoming, seeds) -> list:
+    """The sends' cotangents: what later stages sent back plus the loss's seed."""
     cts = []
     for j, ct, seed in zip(program.diff_sends, incoming, seeds, strict=True):
         aval = program.sends[j].aval
         base = jnp.zeros(aval.shape, aval.dtype) if seed is None else \
             jnp.full(aval.shape, seed, aval.dtype)
         cts.append(base if ct is None else base + ct.astype(aval.dtype))
-    pcts, rcts = vjp(cts)
+    return cts
+
+
+def _backward(program, vjp, incoming, seeds, acc):
+    pcts, rcts = vjp(_seeded(program, incoming, seeds))
     pcts = list(pcts)
     if acc is not None:
         pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
     return pcts, list(rcts)
+
+
+def _backward_input(program, vjp, incoming, seeds):
+    """ZB-H1's B: (received values' cotangents, the seeded cotangents, what W reads)."""
+    cts = _seeded(program, incoming, seeds)
+    rcts, carried = input_backward(vjp, cts)
+    return rcts, cts, carried
+
+
+def _backward_weight(vjp, cts, carried, acc):
+    """ZB-H1's W: the parameters' cotangents, accumulated."""
+    pcts = weight_backward(vjp, cts, carried)
+    if acc is not None:
+        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
+    return pcts
 
 
 @jax.jit

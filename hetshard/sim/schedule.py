@@ -34,6 +34,8 @@ def worker_order(schedule: str, p: int, w: int, m: int, v: int = 1,
     and back, for their activations' memory (warm-up counts must not grow along the
     pipeline).
     """
+    if schedule == "zbh1":
+        return list(_zero_bubble(p, m, tuple(extra))[w])
     if v == 1:
         fwds = [(w, i) for i in range(m)]
         warm = p - w - 1
@@ -62,6 +64,60 @@ def _order(schedule: str, fwds, bwds, warm: int) -> list[tuple[str, int, int]]:
     for f, b in zip(fwds[warm:], bwds, strict=False):
         order += [("F", *f), ("B", *b)]
     return order + [("B", *t) for t in bwds[len(fwds) - warm:]]
+
+
+# ZB-H1's design point: a forward, a B and a W take 2 : 2 : 1 (a transformer block's
+# weight-gradient matmuls are about half its backward's matmul time, and attention's
+# backward is all B).
+_ZB_TIMES = {"F": 2, "B": 2, "W": 1}
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble(p: int, m: int, extra: tuple[int, ...] = ()
+                 ) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24, sec. 2.1): each
+    backward split into ``B`` (the input's cotangent, what the previous stage waits for)
+    and ``W`` (the weights' gradients, needed only by the optimizer). Stage w holds at most
+    ``p - w + extra[w]`` micro-batches whose ``W`` has not run: 1F1B's activations (and
+    its extra warm-up's), plus what the pending W passes read from their B passes. The
+    order is the list schedule of passes timed at the design point ``_ZB_TIMES``: a free
+    stage runs a ready ``B``, else a forward memory allows, else a pending ``W``; so
+    B passes travel back without waiting behind W passes, and W passes fill what 1F1B
+    leaves idle at the start and the tail. Fixed by (p, m, extra) alone, the simulator
+    prices and the runtime runs the same order whatever the real times."""
+    cap = [p - s + (extra[s] if extra else 0) for s in range(p)]
+    f_end = [[None] * m for _ in range(p)]
+    b_end = [[None] * m for _ in range(p)]
+    nf, nb, nw, free = [0] * p, [0] * p, [0] * p, [0] * p
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+
+    def done(ends, i, t):
+        return ends[i] is not None and ends[i] <= t
+
+    t = 0
+    while any(x < m for x in nw):
+        for s in range(p):
+            if free[s] > t:
+                continue
+            if nb[s] < m and done(f_end[s], nb[s], t) and (
+                    s == p - 1 or done(b_end[s + 1], nb[s], t)):
+                kind, i = "B", nb[s]
+                b_end[s][i] = t + _ZB_TIMES["B"]
+                nb[s] += 1
+            elif nf[s] < m and nf[s] - nw[s] < cap[s] and (
+                    s == 0 or done(f_end[s - 1], nf[s], t)):
+                kind, i = "F", nf[s]
+                f_end[s][i] = t + _ZB_TIMES["F"]
+                nf[s] += 1
+            elif nw[s] < nb[s]:
+                kind, i = "W", nw[s]
+                nw[s] += 1
+            else:
+                continue
+            free[s] = t + _ZB_TIMES[kind]
+            orders[s].append((kind, s, i))
+        t += 1
+    return tuple(tuple(o) for o in orders)
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,6 +190,8 @@ def _stalled(orders, n: int, m: int, out: list | None = None):
                     if s and not f_done[s - 1][i]:
                         break
                     f_done[s][i] = True
+                elif kind == "W":  # after its own B, which its submesh ran before it
+                    pass
                 else:
                     if not f_done[s][i] or (s < n - 1 and not b_done[s + 1][i]):
                         break
@@ -162,27 +220,42 @@ def run_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,
 
 
 def time_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,
-                  extra: tuple[int, ...] = (), record: bool = True):
-    """``run_pipeline`` plus each stage's last backward ``(start_s, end_s)``; events only
-    when ``record`` (the planner prices thousands of plans and needs only the times)."""
+                  extra: tuple[int, ...] = (), record: bool = True, weight_s=None):
+    """``run_pipeline`` plus each stage's last gradient-producing task ``(start_s,
+    end_s)``; events only when ``record`` (the planner prices thousands of plans and needs
+    only the times). Under ZB-H1 ``weight_s[s]`` of ``bwd_s[s]`` runs as the W pass, the
+    rest as B; the first stage has no input cotangent to send, so all of its backward is
+    W."""
     n = len(fwd_s)
     p = n // v
     f_end = [[0.0] * m for _ in range(n)]
     b_end = [[0.0] * m for _ in range(n)]
     last_b = [(0.0, 0.0)] * n
     free, events = [0.0] * p, []
+    split = schedule == "zbh1"
+    if split:
+        w_s = [bwd_s[0]] + [min(bwd_s[s], weight_s[s] if weight_s is not None else 0.0)
+                            for s in range(1, n)]
+        b_s = [b - w for b, w in zip(bwd_s, w_s, strict=True)]
+    else:
+        b_s = bwd_s
     for s, kind, i in _walk(schedule, n, m, v, extra):
         w = s % p
         if kind == "F":
             ready = f_end[s - 1][i] + sends_s[s - 1] if s else 0.0
             start = free[w] if free[w] > ready else ready
             end = f_end[s][i] = free[w] = start + fwd_s[s]
+        elif kind == "W":
+            start = free[w]
+            end = free[w] = start + w_s[s]
+            last_b[s] = (start, end)
         else:
             own = f_end[s][i]
             ready = own if s == n - 1 else max(own, b_end[s + 1][i] + sends_s[s])
             start = free[w] if free[w] > ready else ready
-            end = b_end[s][i] = free[w] = start + bwd_s[s]
-            last_b[s] = (start, end)
+            end = b_end[s][i] = free[w] = start + b_s[s]
+            if not split:
+                last_b[s] = (start, end)
         if record:
             events.append((s, kind, i, start, end))
     return events, free, last_b

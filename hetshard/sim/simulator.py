@@ -74,11 +74,16 @@ def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
     """Peak bytes per device of submesh ``w``: its stages' static memory, the activations
     its schedule keeps in flight at the worst moment, and the largest working set.
     ``costs[s]`` is stage s's StageCost."""
-    if v == 1:
+    if v == 1 and schedule != "zbh1":
         return costs[w].peak_memory(inflight(schedule, p, w, m, extra))
     live = peak = 0.0
+    split = schedule == "zbh1"
     for kind, s, _ in worker_order(schedule, p, w, m, v, extra):
-        live += costs[s].memory_per_microbatch_bytes * (1 if kind == "F" else -1)
+        act = costs[s].memory_per_microbatch_bytes
+        # ZB-H1: a micro-batch's activations stay until its W, which also reads what its
+        # B computed (none on the first stage, whose B has no input cotangent to make).
+        carry = costs[s].memory_carry_bytes if split and s else 0.0
+        live += {"F": act, "B": carry if split else -act, "W": -act - carry}[kind]
         peak = max(peak, live)
     mine = costs[w::p]
     return (sum(c.memory_static_bytes for c in mine) + peak +
@@ -143,14 +148,17 @@ def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> l
 def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 cal: Calibration = DEFAULT, *, margin: float = 0.0,
                 cache: dict | None = None) -> Plan:
-    """``plan`` with every 1F1B pipeline of one stage per submesh given the extra warm-up
-    that minimises its steady-state period (``best_warmup``) within each GPU's memory
-    (less ``margin``); other pipelines unchanged."""
+    """``plan`` with every 1F1B or ZB-H1 pipeline of one stage per submesh given the extra
+    warm-up that minimises its 1F1B steady-state period (``best_warmup``) within each
+    GPU's memory (less ``margin``); other pipelines unchanged. Under ZB-H1 that warm-up
+    bounds the micro-batches a stage holds before their W passes, which also keep what
+    their B computed: the plan is simulated with it and without any, and the faster that
+    fits is returned."""
     costs = stage_costs_for(plan, profile, cluster, cal, cache)
     pipes = []
     for pipe, cs in zip(plan.pipelines, costs, strict=True):
         p = len(pipe.stages)
-        if pipe.schedule != "1f1b" or pipe.virtual_stages != 1 or p < 2:
+        if pipe.schedule not in ("1f1b", "zbh1") or pipe.virtual_stages != 1 or p < 2:
             pipes.append(pipe)
             continue
         memory = [(min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
@@ -161,7 +169,15 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                _sends(pipe, profile, cluster, cal), warmup_rooms(memory, p))
         pipes.append(dataclasses.replace(
             pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
-    return dataclasses.replace(plan, pipelines=tuple(pipes))
+    tuned = dataclasses.replace(plan, pipelines=tuple(pipes))
+    if not any(q.schedule == "zbh1" and q.extra_warmup for q in pipes):
+        return tuned
+    bare = dataclasses.replace(plan, pipelines=tuple(
+        dataclasses.replace(q, extra_warmup=()) if q.schedule == "zbh1" else q for q in pipes))
+    results = [simulate(q, profile, cluster, cal, trace=False, cache=cache)
+               for q in (tuned, bare)]
+    keys = [(not r.fits, r.step_time_s) for r in results]
+    return tuned if keys[0] <= keys[1] else bare
 
 
 def _slowest(cluster: Cluster, devices) -> object:
@@ -190,7 +206,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         sends = _sends(pipe, profile, cluster, cal)
         events, free, last_b = time_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act],
                                              sends, m, pipe.schedule, v, pipe.extra_warmup,
-                                             trace)
+                                             trace, [c.bwd_weight_s for c in act])
         tasks += [Task(pi, s_, kind, i, start, end, s_ % p)
                   for s_, kind, i, start, end in events]
         for s_, (start, end) in enumerate(last_b):

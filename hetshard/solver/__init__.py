@@ -35,7 +35,7 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     if "remat" in given:
         opts = dataclasses.replace(opts, remat_options=(fix.remat,))
     if "schedule" in given:
-        opts = dataclasses.replace(opts, schedule=fix.schedule)
+        opts = dataclasses.replace(opts, schedule=fix.schedule, zero_bubble=False)
     if "vpp" in given:
         opts = dataclasses.replace(opts, virtual_options=(fix.vpp,))
     if "zero1" in given:

@@ -72,7 +72,7 @@ from hetshard.solver.splits import (
     split_layers_mixed,
     stage_fits,
 )
-from hetshard.solver.variants import interleave, interleaved_as, layer_times
+from hetshard.solver.variants import interleave, interleaved_as, layer_times, zero_bubble
 
 
 class NoFeasiblePlanError(HetshardError, ValueError):
@@ -98,6 +98,9 @@ class PlannerOptions:
     attention: str = "flash"
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
+    # With schedule "1f1b": the best plans also tried under ZB-H1 (backward split into B
+    # and W passes, W filling the bubbles), and kept where faster within memory.
+    zero_bubble: bool = True
     virtual_options: tuple[int, ...] = (1, 2, 3, 4)  # stages per submesh (interleaving)
     # ZeRO-1 (Megatron-LM's distributed optimizer): optimizer state sharded over each
     # stage's data ways, for the same traffic as the gradient all-reduce it replaces, but
@@ -232,7 +235,7 @@ def pipeline_estimate(tables: LayerTables, stage_groups, stage_devices: int, sam
     links = [p2p_time(profile.layers[bounds[s][1] - 1].boundary_bytes_per_sample * samples,
                       cluster, devices[s], devices[s + 1], tables.cal) for s in range(p - 1)]
     fill = float(sum(times) + 2 * sum(links))
-    if schedule != "1f1b":
+    if schedule == "gpipe":  # (ZB-H1 is estimated as 1F1B, which bounds it from above)
         return fill, float(max(times)), ()
     if memory is None:
         return fill, steady_period(times, links), ()
@@ -527,6 +530,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                   for times in (by_time, None)]
         if opts.distributed_optimizer is None and cand.distributed_optimizer:
             others.append(dataclasses.replace(cand, distributed_optimizer=False))
+        if opts.zero_bubble and opts.schedule == "1f1b":
+            zb = zero_bubble(cand)
+            if zb is not None:
+                others.append(tune_warmup(zb, profile, cluster, cal,
+                                          margin=opts.memory_margin, cache=cache))
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)

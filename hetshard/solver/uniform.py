@@ -71,6 +71,9 @@ def parse_fix(text: str) -> Fix:
         raise SpecError("--fix remat", fix.remat, "none, selective or full")
     if fix.schedule not in SCHEDULES:
         raise SpecError("--fix schedule", fix.schedule, f"one of {SCHEDULES}")
+    if fix.schedule == "zbh1" and fix.vpp > 1:
+        raise SpecError("--fix schedule", fix.schedule, "1f1b or gpipe with vpp > 1 (ZB-H1 runs "
+                        "one stage per submesh)")
     if fix.zero1 and fix.fsdp:
         raise SpecError("--fix zero1", True, "false with fsdp=true (FSDP already shards the "
                         "optimizer state, and the parameters)")

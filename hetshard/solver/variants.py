@@ -1,6 +1,7 @@
 """Variants of a plan the planner also prices: interleaved pipelines (Megatron-LM's
 virtual stages, Narayanan et al., SC'21, sec. 2.2), with stages cut by layer count or
-by time and micro-batch counts rounded to multiples of the submeshes."""
+by time and micro-batch counts rounded to multiples of the submeshes, and zero-bubble
+pipelines (ZB-H1, Qi et al., ICLR'24)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
     micro-batches need no extra warm-up), else kept. None when no pipeline can."""
     pipes = list(plan.pipelines)
     able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
-            and all(st.num_layers >= v for st in q.stages)]
+            and q.schedule != "zbh1" and all(st.num_layers >= v for st in q.stages)]
     if not able:
         return None
     counts = _rounded_counts(pipes, able) or {}
@@ -43,6 +44,18 @@ def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
         pipes[i] = pipe
     return dataclasses.replace(plan, pipelines=tuple(pipes),
                                grad_sync=grad_sync_for(pipes, plan.global_batch))
+
+
+def zero_bubble(plan: Plan) -> Plan | None:
+    """``plan`` with its 1F1B pipelines of one stage per submesh (2 or more) under ZB-H1,
+    their extra warm-up kept (it bounds the micro-batches a stage holds before their W);
+    None when there is none."""
+    pipes = [dataclasses.replace(q, schedule="zbh1")
+             if q.schedule == "1f1b" and q.virtual_stages == 1 and len(q.stages) >= 2 else q
+             for q in plan.pipelines]
+    if pipes == list(plan.pipelines):
+        return None
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
 
 
 def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
