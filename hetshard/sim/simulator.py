@@ -152,8 +152,9 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
     warm-up that minimises its 1F1B steady-state period (``best_warmup``) within each
     GPU's memory (less ``margin``); other pipelines unchanged. Under ZB-H1 that warm-up
     bounds the micro-batches a stage holds before their W passes, which also keep what
-    their B computed: the plan is simulated with it and without any, and the faster that
-    fits is returned."""
+    their B computed: the plan is simulated with it, without any, and with every stage
+    holding at least ``p`` (the zero-bubble paper's ZB-H1), and the fastest that fits is
+    returned."""
     costs = stage_costs_for(plan, profile, cluster, cal, cache)
     pipes = []
     for pipe, cs in zip(plan.pipelines, costs, strict=True):
@@ -170,14 +171,22 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
         pipes.append(dataclasses.replace(
             pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
     tuned = dataclasses.replace(plan, pipelines=tuple(pipes))
-    if not any(q.schedule == "zbh1" and q.extra_warmup for q in pipes):
+    if not any(q.schedule == "zbh1" for q in pipes):
         return tuned
-    bare = dataclasses.replace(plan, pipelines=tuple(
-        dataclasses.replace(q, extra_warmup=()) if q.schedule == "zbh1" else q for q in pipes))
-    results = [simulate(q, profile, cluster, cal, trace=False, cache=cache)
-               for q in (tuned, bare)]
-    keys = [(not r.fits, r.step_time_s) for r in results]
-    return tuned if keys[0] <= keys[1] else bare
+
+    def zb_with(extra_of):
+        return dataclasses.replace(plan, pipelines=tuple(
+            dataclasses.replace(q, extra_warmup=capped_warmup(extra_of(q),
+                                                              q.num_micro_batches))
+            if q.schedule == "zbh1" else q for q in pipes))
+    # Also: none, and the zero-bubble paper's p micro-batches on every stage (at least).
+    options = [tuned, zb_with(lambda q: ()),
+               zb_with(lambda q: tuple(max(s, q.extra_warmup[s] if q.extra_warmup else 0)
+                                       for s in range(len(q.stages))))]
+    options = list({q.what_runs(): q for q in options}.values())
+    keys = [(not r.fits, r.step_time_s) for r in
+            (simulate(q, profile, cluster, cal, trace=False, cache=cache) for q in options)]
+    return options[keys.index(min(keys))]
 
 
 def _slowest(cluster: Cluster, devices) -> object:
