@@ -412,6 +412,24 @@ def test_fix_vpp_asks_for_interleaving_or_forbids_it():
                   options=options_from_fix("vpp=30", base))
 
 
+def test_fix_schedule_zbh1_or_1f1b():
+    # --fix schedule=zbh1: every pipelined pipeline runs ZB-H1 (the simulator prices its B
+    # and W passes); --fix schedule=1f1b keeps the planner from trying it.
+    cluster = Cluster.load("a100-v100-x16")
+    base = PlannerOptions(time_limit_s=30, dtype="float16", max_pipelines=1)
+    zb = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
+                   options=options_from_fix("schedule=zbh1", base))
+    multi = [q for q in zb.pipelines if q.num_workers > 1]
+    assert multi and all(q.schedule == "zbh1" for q in multi)
+    profile = profile_model("gpt-1.3b", 2048, "float16")
+    r = simulate(zb, profile, cluster, DEFAULT)
+    assert {t.kind for t in r.tasks} >= {"F", "B", "W"}
+    plain = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
+                      options=options_from_fix("schedule=1f1b", base))
+    assert all(q.schedule == "1f1b" for q in plain.pipelines)
+    assert not options_from_fix("schedule=1f1b", base).zero_bubble
+
+
 def test_time_limit_returns_best_found_with_a_warning():
     cluster = Cluster.load("a100-v100")
     with warnings.catch_warnings(record=True) as caught:

@@ -147,14 +147,14 @@ def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> l
 
 def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 cal: Calibration = DEFAULT, *, margin: float = 0.0,
-                cache: dict | None = None) -> Plan:
+                cache: dict | None = None, zero_bubble_options: bool = False) -> Plan:
     """``plan`` with every 1F1B or ZB-H1 pipeline of one stage per submesh given the extra
     warm-up that minimises its 1F1B steady-state period (``best_warmup``) within each
     GPU's memory (less ``margin``); other pipelines unchanged. Under ZB-H1 that warm-up
     bounds the micro-batches a stage holds before their W passes, which also keep what
-    their B computed: the plan is simulated with it, without any, and with every stage
-    holding at least ``p`` (the zero-bubble paper's ZB-H1), and the fastest that fits is
-    returned."""
+    their B computed; with ``zero_bubble_options`` the plan is simulated with it, without
+    any, and with every stage holding at least ``p`` (the zero-bubble paper's ZB-H1), and
+    the fastest that fits is returned."""
     costs = stage_costs_for(plan, profile, cluster, cal, cache)
     pipes = []
     for pipe, cs in zip(plan.pipelines, costs, strict=True):
@@ -171,7 +171,7 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
         pipes.append(dataclasses.replace(
             pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
     tuned = dataclasses.replace(plan, pipelines=tuple(pipes))
-    if not any(q.schedule == "zbh1" for q in pipes):
+    if not zero_bubble_options or not any(q.schedule == "zbh1" for q in pipes):
         return tuned
 
     def zb_with(extra_of):

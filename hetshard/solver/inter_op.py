@@ -534,7 +534,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             zb = zero_bubble(cand)
             if zb is not None:
                 others.append(tune_warmup(zb, profile, cluster, cal,
-                                          margin=opts.memory_margin, cache=cache))
+                                          margin=opts.memory_margin, cache=cache,
+                                          zero_bubble_options=True))
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
@@ -564,6 +565,15 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
+    if opts.zero_bubble and opts.schedule == "1f1b" and not best[0][0]:
+        # The local optimum under ZB-H1 too (its search started from 1F1B plans).
+        zb = zero_bubble(best[1])
+        if zb is not None:
+            zb = tune_warmup(zb, profile, cluster, cal, margin=opts.memory_margin, cache=cache,
+                             zero_bubble_options=True)
+            r = simulate(zb, profile, cluster, cal, trace=False, cache=cache)
+            if (not r.fits, r.step_time_s) < best[0]:
+                best = ((not r.fits, r.step_time_s), zb, r)
     if opts.distributed_optimizer is None:
         best = zero1_choice(best, profile, cluster, cal, cache)
     (_, _), chosen, result = best
