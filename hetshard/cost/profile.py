@@ -49,13 +49,20 @@ class LayerProfile:
     bwd_weight: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
     weight_carry_bytes_per_sample: float = 0.0  # what W reads from B, per sample
 
+    @functools.cached_property
+    def _totals(self) -> tuple[float, float, float, float]:
+        """(forward q0, forward q1, backward q0, backward q1) summed over equations."""
+        return (float(self.fwd_flops[0].sum()), float(self.fwd_flops[1].sum()),
+                float(self.bwd_flops[0].sum()), float(self.bwd_flops[1].sum()))
+
     def flops(self, b: float) -> float:
         """Forward + backward flops for a micro-batch of ``b`` samples (no recompute)."""
-        return float(self.fwd_flops[0].sum() + self.bwd_flops[0].sum() +
-                     b * (self.fwd_flops[1].sum() + self.bwd_flops[1].sum()))
+        f0, f1, b0, b1 = self._totals
+        return f0 + b0 + b * (f1 + b1)
 
     def fwd_total_flops(self, b: float) -> float:
-        return float(self.fwd_flops[0].sum() + b * self.fwd_flops[1].sum())
+        f0, f1, _, _ = self._totals
+        return f0 + b * f1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -65,10 +65,15 @@ class StageCost:
                 self.memory_working_bytes)
 
 
+def _op_times(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
+              peak: float | np.ndarray, bw: float, fusion: float) -> np.ndarray:
+    eff_bytes = np.where(matmul, nbytes, nbytes * fusion)
+    return np.maximum(flops / peak, eff_bytes / bw)
+
+
 def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
               peak: float | np.ndarray, bw: float, fusion: float) -> float:
-    eff_bytes = np.where(matmul, nbytes, nbytes * fusion)
-    return float(np.maximum(flops / peak, eff_bytes / bw).sum())
+    return float(_op_times(flops, nbytes, matmul, peak, bw, fusion).sum())
 
 
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
@@ -101,10 +106,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         pf = np.where(layer.fwd_attention, peak_attn, peak)
         pb = np.where(layer.bwd_attention, peak_attn, peak)
         t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
-        t_b = _ops_time(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
-        wm = layer.bwd_weight
-        if len(wm) == len(bf) and wm.any():
-            weight += _ops_time(bf[wm], bb[wm], layer.bwd_matmul[wm], pb[wm], bw, e.fusion)
+        per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
+        t_b = float(per_op.sum())
+        if len(layer.bwd_weight) == len(per_op):
+            weight += float(per_op[layer.bwd_weight].sum())
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
         if tp > 1 and tp_topo is not None:
             ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
