@@ -279,6 +279,17 @@ def test_uniform_plan_simulates_and_exports(prof, tmp_path):
     annotated = annotate(plan, r)
     assert annotated.predicted.step_time_s == r.step_time_s
     assert "pipeline 0" in annotated.explain()
+    # ZB-H1: W passes in the trace and the timeline; the first stage's whole backward is W.
+    zb = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                      fix=parse_fix("dp=2,tp=2,pp=2,mbs=2,schedule=zbh1"), dtype="float32")
+    rz = simulate(zb, prof, c)
+    spans = [e for e in chrome_trace(rz)["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"][0] for e in spans} >= {"F", "B", "W"}
+    b0 = [t for t in rz.tasks if t.kind == "B" and t.stage == 0]
+    assert b0 and all(t.end_s == t.start_s for t in b0)
+    write_timeline_png(rz, tmp_path / "z.png")
+    assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"
+    assert "zbh1" in annotate(zb, rz).explain()
 
 
 def test_slow_gpus_pace_a_uniform_plan(prof):

@@ -7,8 +7,11 @@ import os
 
 from hetshard.sim.simulator import SimResult
 
-_COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "opt": "#8172b3",
-           "gather": "#937860"}
+# task kind -> (colour, legend label); B is the whole backward except under ZB-H1
+_KINDS = {"F": ("#4c72b0", "forward"), "B": ("#dd8452", "backward (ZB-H1: input grads)"),
+          "W": ("#da8bc3", "weight grads (ZB-H1)"), "sync": ("#55a868", "grad sync"),
+          "opt": ("#8172b3", "optimizer"),
+          "gather": ("#937860", "parameter all-gather (ZeRO-1)")}
 
 
 def chrome_trace(result: SimResult) -> dict:
@@ -48,16 +51,15 @@ def write_timeline_png(result: SimResult, path: str | os.PathLike, title: str = 
     for t in result.tasks:
         y = index[(t.pipeline, t.worker)]
         ax.barh(y, (t.end_s - t.start_s) * 1e3, left=t.start_s * 1e3, height=0.8,
-                color=_COLORS[t.kind], edgecolor="white", linewidth=0.3)
+                color=_KINDS[t.kind][0], edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)), [f"p{p} w{w}" for p, w in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title or f"step {result.step_time_s * 1e3:.1f} ms, "
                           f"bubble {result.bubble_fraction:.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    labels = ["forward", "backward", "grad sync", "optimizer",
-              "parameter all-gather (ZeRO-1)"]
-    ax.legend(handles, labels, loc="upper right", fontsize=8)
+    shown = [k for k in _KINDS if any(t.kind == k for t in result.tasks)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_KINDS[k][0]) for k in shown]
+    ax.legend(handles, [_KINDS[k][1] for k in shown], loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
