@@ -4,7 +4,8 @@ What one step does (``PipelineRunner.step``):
 
 1. Each pipeline takes its batch share, cut into micro-batches.
 2. Stage programs (``hetshard.rewrite.pipeline``) run forward and backward per
-   micro-batch under the pipeline's schedule (1F1B or GPipe), each jitted on its
+   micro-batch under the pipeline's schedule (1F1B, GPipe, interleaved 1F1B, or ZB-H1,
+   whose backward runs as a B and a W pass: ``hetshard.rewrite.backward``), each jitted on its
    stage's mesh; activations go forward and cotangents back to the receiving stage's
    sharding (``hetshard.collectives.transfer``); each backward is seeded with ``mbs / global_batch``
    so the summed gradients are the global-batch mean gradient (the loss must be a mean
