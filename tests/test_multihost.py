@@ -93,6 +93,14 @@ def test_pipeline_stage_whose_mesh_spans_both_processes(pipelines_run):
 
 
 @pytest.mark.slow
+def test_zero_bubble_pipeline_across_processes(pipelines_run):
+    got, _ = pipelines_run
+    assert _check_scenario(got, "span_zb") == [[[0], [0, 1], [1]]]
+    assert all(got["LOSSES", "span_zb", r]["zb_compiled"] >= 1 for r in ("[0]", "[1]"))
+    assert all(got["LOSSES", "span", r]["zb_compiled"] == 0 for r in ("[0]", "[1]"))
+
+
+@pytest.mark.slow
 def test_uneven_pipelines_5_3_in_different_processes(pipelines_run):
     got, _ = pipelines_run
     assert _check_scenario(got, "pipes") == [[[0], [0]], [[1], [1]]]

@@ -346,7 +346,7 @@ class PipelineRunner:
         run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
-        run.bwd_weight = jax.jit(_backward_weight)
+        run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
         run.apply = jax.jit(self._stage_apply(run, pi))
         return run
 
@@ -707,8 +707,10 @@ def _backward_input(program, vjp, incoming, seeds):
     return rcts, cts, carried
 
 
-def _backward_weight(vjp, cts, carried, acc):
-    """ZB-H1's W: the parameters' cotangents, accumulated."""
+def _backward_weight(program, vjp, cts, carried, acc):
+    """ZB-H1's W: the parameters' cotangents, accumulated. (``program`` is bound so that
+    each stage has its own jitted function and compilation cache, like its others.)"""
+    del program
     pcts = weight_backward(vjp, cts, carried)
     if acc is not None:
         pcts = [a + g for a, g in zip(acc, pcts, strict=True)]

@@ -91,6 +91,13 @@ def pipelines() -> None:
             _stage(0, 1, (0, 1), cpu, data=2),
             _stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
             _stage(3, 4, (6, 7), cpu, data=1, tensor=2)), 8, 2, 2)], text, 16),
+        # The same under ZB-H1: the B and W passes of the spanning stage run on both
+        # processes, W with no transfer, every process walking the same order.
+        "span_zb": (MODEL, loss_fn, local, [Pipeline((
+            _stage(0, 1, (0, 1), cpu, data=2),
+            _stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
+            _stage(3, 4, (6, 7), cpu, data=1, tensor=2)), 8, 2, 2, schedule="zbh1")],
+            text, 16),
         # Two pipelines with shares 5:3 and different layer splits, one per process:
         # gradients summed across processes through transfers.
         "pipes": (MODEL, loss_fn, local, [
@@ -131,7 +138,10 @@ def pipelines() -> None:
                            for r in row] for row in runner.runs],
                 # programs compiled here for stages on the other process's devices
                 "foreign_compiled": sum(r.fwd._cache_size() + r.bwd._cache_size() +
+                                        r.bwd_input._cache_size() +
+                                        r.bwd_weight._cache_size() +
                                         r.apply._cache_size() for r in runs if not r.here),
+                "zb_compiled": sum(r.bwd_weight._cache_size() for r in runs if r.here),
                 "own_compiled": sum(r.fwd._cache_size() for r in runs if r.here)}
         print("LOSSES", name, json.dumps(info), flush=True)
         if rank == 0:
