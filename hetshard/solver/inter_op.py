@@ -501,6 +501,12 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
         return (not r.fits, r.step_time_s), p, r
 
+    def zero_bubble_tuned(p: Plan) -> Plan | None:
+        """``p`` under ZB-H1 with its best warm-up option, when the options allow it."""
+        zb = zero_bubble(p) if opts.zero_bubble and opts.schedule == "1f1b" else None
+        return zb and tune_warmup(zb, profile, cluster, cal, margin=opts.memory_margin,
+                                  cache=cache, zero_bubble_options=True)
+
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
     relaid = []
@@ -530,12 +536,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                   for times in (by_time, None)]
         if opts.distributed_optimizer is None and cand.distributed_optimizer:
             others.append(dataclasses.replace(cand, distributed_optimizer=False))
-        if opts.zero_bubble and opts.schedule == "1f1b":
-            zb = zero_bubble(cand)
-            if zb is not None:
-                others.append(tune_warmup(zb, profile, cluster, cal,
-                                          margin=opts.memory_margin, cache=cache,
-                                          zero_bubble_options=True))
+        others.append(zero_bubble_tuned(cand))
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
@@ -565,15 +566,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
-    if opts.zero_bubble and opts.schedule == "1f1b" and not best[0][0]:
-        # The local optimum under ZB-H1 too (its search started from 1F1B plans).
-        zb = zero_bubble(best[1])
-        if zb is not None:
-            zb = tune_warmup(zb, profile, cluster, cal, margin=opts.memory_margin, cache=cache,
-                             zero_bubble_options=True)
-            r = simulate(zb, profile, cluster, cal, trace=False, cache=cache)
-            if (not r.fits, r.step_time_s) < best[0]:
-                best = ((not r.fits, r.step_time_s), zb, r)
+    zb = zero_bubble_tuned(best[1]) if not best[0][0] else None
+    if zb is not None:  # the local optimum under ZB-H1 too (the search starts from 1F1B)
+        r = simulate(zb, profile, cluster, cal, trace=False, cache=cache)
+        if (not r.fits, r.step_time_s) < best[0]:
+            best = ((not r.fits, r.step_time_s), zb, r)
     if opts.distributed_optimizer is None:
         best = zero1_choice(best, profile, cluster, cal, cache)
     (_, _), chosen, result = best
