@@ -162,6 +162,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
+    # W also reads the cotangent the next stage sent back (a full activation per tp rank;
+    # the last layer's is the loss's seed).
+    if end < profile.num_layers:
+        carry += profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
     if remat == "selective" or (remat == "none" and attention == "flash"):
         hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
                         for layer in profile.layers[start:end])
