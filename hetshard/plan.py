@@ -358,9 +358,9 @@ def _check_warmup(p: Pipeline, i: int) -> None:
         ok = all(a >= b for a, b in zip(warm, warm[1:], strict=False))
     if not ok:
         raise SpecError(f"pipelines[{i}].extra_warmup", list(k),
-                        f"empty, or (1f1b without virtual stages) one non-negative count per "
-                        f"submesh ({n}) keeping the warm-up forwards (p - w - 1 + extra[w]) "
-                        f"from growing along the pipeline (that would deadlock)")
+                        f"empty, or (1f1b or zbh1 without virtual stages) one non-negative "
+                        f"count per submesh ({n}) keeping the warm-up forwards (p - w - 1 + "
+                        f"extra[w]) from growing along the pipeline (that would deadlock)")
 
 
 def data_ways(s: Stage) -> int:
