@@ -176,4 +176,9 @@ def test_weight_gradient_ops_and_their_share_of_the_backward(prof):
                    for r in ("none", "full"))
     # Under full remat W reads the matmul inputs B recomputed: kept until W.
     assert full.memory_carry_bytes > plain.memory_carry_bytes
+    # The cotangent a stage receives is its last layer's output (none after the head).
+    assert plain.memory_cotangent_bytes == pytest.approx(
+        profile.layers[2].boundary_bytes_per_sample * 2)
+    last = stage_cost(profile, 3, profile.num_layers, gpu, mbs=2, cal=DEFAULT)
+    assert last.memory_cotangent_bytes == 0.0
     assert full.bwd_weight_s == pytest.approx(plain.bwd_weight_s)

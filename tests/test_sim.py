@@ -163,18 +163,23 @@ def test_zero_bubble_shrinks_the_bubble():
 
 
 def test_zero_bubble_memory_keeps_activations_and_carry_until_w():
+    # Activations 1 per micro-batch from F to W; from B to W also what W reads from B
+    # (0.25) and the cotangent sent back (0.125). The first stage's B makes nothing (its
+    # whole backward is W), but it holds the cotangent it received.
     cost = StageCost(1.0, 2.0, 0.0, 0.0, 0.0, 0.0, memory_static_bytes=10.0,
                      memory_per_microbatch_bytes=1.0, memory_working_bytes=0.5,
-                     bwd_weight_s=1.0, memory_carry_bytes=0.25)
+                     bwd_weight_s=1.0, memory_carry_bytes=0.25,
+                     memory_cotangent_bytes=0.125)
     costs = [cost] * 4
     for w in range(4):
+        held = 0.125 + (0.25 if w else 0.0)
         live = peak = 0.0
-        for k, s_, _ in worker_order("zbh1", 4, w, 8):
-            live += {"F": 1.0, "B": 0.25 if s_ else 0.0, "W": -1.0 - (0.25 if s_ else 0.0)}[k]
+        for k, _, _ in worker_order("zbh1", 4, w, 8):
+            live += {"F": 1.0, "B": held, "W": -1.0 - held}[k]
             peak = max(peak, live)
         assert worker_memory("zbh1", 4, w, 8, 1, costs) == pytest.approx(10 + peak + 0.5)
-    # The first stage's B has no input cotangent to make: nothing carried.
-    assert worker_memory("zbh1", 4, 0, 8, 1, costs) == pytest.approx(10 + 4 + 0.5)
+    # First stage: at most 4 micro-batches before their W (1F1B's p), one of them past B.
+    assert worker_memory("zbh1", 4, 0, 8, 1, costs) == pytest.approx(10 + 4 + 0.125 + 0.5)
 
 
 def test_interleaved_order_and_memory_in_flight():

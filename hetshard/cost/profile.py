@@ -111,50 +111,45 @@ def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
     return per
 
 
-def _weight_only(graph: OpGraph) -> dict[str, np.ndarray]:
-    """Per layer, a bool per backward op: no path leads from it to the cotangent of the
-    layer's input activation (it only feeds the layer's own parameters' gradients and the
-    optimizer), so a zero-bubble schedule's ``W`` pass can run it after the ``B`` pass has
-    sent that cotangent back. A backward edge into an earlier layer carries the input's
-    cotangent when its size is that of an activation crossing the layers forward; a tied
-    weight's gradient (the head's into the embedding's) does not make ``B``."""
+def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """(per layer, a bool per backward op: no path leads from it to the cotangent of the
+    layer's input activation; per layer, the bytes W reads from B).
+
+    Ops flagged only feed the layer's own parameters' gradients and the optimizer, so a
+    zero-bubble schedule's ``W`` pass can run them after the ``B`` pass has sent the
+    input's cotangent back. A backward edge into an earlier layer carries that cotangent
+    when its size is that of an activation crossing the layers forward; a tied weight's
+    gradient (the head's into the embedding's) does not make ``B``. What W reads from B
+    (the output cotangents at the weight matmuls) is kept from a micro-batch's B to its W.
+    """
     order = {name: i for i, name in enumerate(graph.layers)}
     pos = {op.index: k for k, op in enumerate(graph.ops)}
-    crossing = set()
-    for src, dst, nbytes in graph.edges:
-        a, b = graph.ops[pos[src]], graph.ops[pos[dst]]
-        if a.phase == b.phase == "fwd" and order.get(a.layer, -1) < order.get(b.layer, -1):
-            crossing.add(nbytes)
+    edges = [(pos[s], pos[d], n) for s, d, n in graph.edges if s in pos and d in pos]
+    ops = graph.ops
+    crossing = {n for s, d, n in edges if ops[s].phase == ops[d].phase == "fwd" and
+                order.get(ops[s].layer, -1) < order.get(ops[d].layer, -1)}
     succ: dict[int, list[tuple[int, float]]] = {}
-    for src, dst, nbytes in graph.edges:
-        if src in pos and dst in pos:
-            succ.setdefault(pos[src], []).append((pos[dst], nbytes))
-    reaches = [False] * len(graph.ops)
-    for k in range(len(graph.ops) - 1, -1, -1):
-        here = order.get(graph.ops[k].layer, -1)
-        for d, nbytes in succ.get(k, ()):
-            o = graph.ops[d]
-            if reaches[d] and order.get(o.layer, -1) == here or (
-                    o.phase == "bwd" and order.get(o.layer, here) < here and
-                    nbytes in crossing):
-                reaches[k] = True
-                break
-    out: dict[str, list[bool]] = {}
-    for k, op in enumerate(graph.ops):
+    for s, d, n in edges:
+        succ.setdefault(s, []).append((d, n))
+    reaches = [False] * len(ops)  # a path to the layer's input cotangent
+    for k in range(len(ops) - 1, -1, -1):
+        here = order.get(ops[k].layer, -1)
+        reaches[k] = any(
+            (reaches[d] and order.get(ops[d].layer, -1) == here) or
+            (ops[d].phase == "bwd" and order.get(ops[d].layer, here) < here and n in crossing)
+            for d, n in succ.get(k, ()))
+    flags: dict[str, list[bool]] = {}
+    for k, op in enumerate(ops):
         if op.phase == "bwd":
-            out.setdefault(op.layer, []).append(not reaches[k])
-    # What W reads from B (the layer's output cotangents at its weight matmuls), kept
-    # from a micro-batch's B to its W.
+            flags.setdefault(op.layer, []).append(not reaches[k])
     carry: dict[str, float] = {}
     counted = set()
-    for src, dst, nbytes in graph.edges:
-        if src in pos and dst in pos and src not in counted:
-            a, b = graph.ops[pos[src]], graph.ops[pos[dst]]
-            if a.phase == b.phase == "bwd" and a.layer == b.layer and reaches[pos[src]] \
-                    and not reaches[pos[dst]]:
-                counted.add(src)
-                carry[a.layer] = carry.get(a.layer, 0.0) + nbytes
-    return {name: np.array(flags, bool) for name, flags in out.items()}, carry
+    for s, d, n in edges:
+        if s not in counted and ops[s].phase == ops[d].phase == "bwd" and \
+                ops[s].layer == ops[d].layer and reaches[s] and not reaches[d]:
+            counted.add(s)
+            carry[ops[s].layer] = carry.get(ops[s].layer, 0.0) + n
+    return {name: np.array(f, bool) for name, f in flags.items()}, carry
 
 
 def _boundary(graph: OpGraph) -> dict[str, float]:

@@ -57,8 +57,10 @@ class StageCost:
     memory_working_bytes: float  # per device, transient (recompute working set)
     # of bwd_s, the weight-gradient part a zero-bubble schedule runs as its own W pass
     bwd_weight_s: float = 0.0
-    # per device, per micro-batch between its B and W passes (zero-bubble schedules)
+    # per device, per micro-batch between its B and W passes (zero-bubble schedules):
+    # what W reads from B's results, and the cotangent the next stage sent back
     memory_carry_bytes: float = 0.0
+    memory_cotangent_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -164,8 +166,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         param_bytes += layer.param_bytes / tp
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;
     # the last layer's is the loss's seed).
-    if end < profile.num_layers:
-        carry += profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
+    cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
+                 if end < profile.num_layers else 0.0)
     if remat == "selective" or (remat == "none" and attention == "flash"):
         hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
                         for layer in profile.layers[start:end])
@@ -178,4 +180,4 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
                      memory_working_bytes=working, bwd_weight_s=weight,
-                     memory_carry_bytes=carry)
+                     memory_carry_bytes=carry, memory_cotangent_bytes=cotangent)

@@ -80,9 +80,11 @@ def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
     split = schedule == "zbh1"
     for kind, s, _ in worker_order(schedule, p, w, m, v, extra):
         act = costs[s].memory_per_microbatch_bytes
-        # ZB-H1: a micro-batch's activations stay until its W, which also reads what its
-        # B computed (none on the first stage, whose B has no input cotangent to make).
-        carry = costs[s].memory_carry_bytes if split and s else 0.0
+        # ZB-H1: a micro-batch's activations stay until its W, which also reads the
+        # cotangent sent back and what its B computed (nothing on the first stage, whose
+        # B has no input cotangent to make: its whole backward is W).
+        carry = (costs[s].memory_cotangent_bytes +
+                 (costs[s].memory_carry_bytes if s else 0.0)) if split else 0.0
         live += {"F": act, "B": carry if split else -act, "W": -act - carry}[kind]
         peak = max(peak, live)
     mine = costs[w::p]

@@ -29,13 +29,14 @@ Algorithm.
    are part of the space), are simulated in full. The best eight get a layout per GPU
    type (``layouts``: each single-type segment re-laid out as its own data ways and
    tensor degree, layers re-split; coordinate descent on the simulated time). The best
-   few are also tried with
-   re-tuned warm-up and interleaved (``variants``: each submesh's layers cut into
-   ``v`` stages, Megatron-LM's virtual stages: a ``v`` times smaller bubble for ``v``
-   times the transfers and more activations in flight), then improved by local search
-   (at most ``refine_evals`` simulations each); the fastest simulated plan that fits
-   wins. Its gap is reported against a lower bound on the step time: the cluster's
-   compute-only upper bound on throughput (no communication, no bubble).
+   few are also tried with re-tuned warm-up, interleaved (``variants``: each submesh's
+   layers cut into ``v`` stages, Megatron-LM's virtual stages: a ``v`` times smaller
+   bubble for ``v`` times the transfers and more activations in flight) and under ZB-H1
+   (backward split into B and W passes), then improved by local search (at most
+   ``refine_evals`` simulations each); the local optimum is tried under ZB-H1 too, and
+   the fastest simulated plan that fits wins. Its gap is reported against a lower bound
+   on the step time: the cluster's compute-only upper bound on throughput (no
+   communication, no bubble).
 
 The effort is set by the options, not the clock, so the same inputs give the same plan
 on any machine; ``time_limit_s`` only cuts a search that would overrun it (and says so).
