@@ -22,12 +22,14 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
-# lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule.
-READS_VERSIONS = (1, 2, 3, 4)
+# lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
+# ``Stage.remat_layers`` (absent: the remat covers the whole stage).
+READS_VERSIONS = (1, 2, 3, 4, 5)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
+REMATS = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,9 @@ class Stage:
     gpu: str
     mesh_shape: tuple[tuple[str, int], ...]  # ordered (axis, size); product == len(devices)
     remat: str = "none"
+    # The remat covers the stage's first ``remat_layers`` layers, each recomputed on its
+    # own (None: all of them); the others keep their activations.
+    remat_layers: int | None = None
     shardings: tuple[tuple[str, tuple], ...] = ()  # (param or activation path, spec)
     predicted_fwd_s: float = 0.0
     predicted_bwd_s: float = 0.0
@@ -223,7 +228,7 @@ class Plan:
                 devs = _ranges(s.devices)
                 lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
                              f"{mesh:>22} {devs:>16} {p.stage_micro_batch(j):>4} "
-                             f"{s.remat:>9} "
+                             f"{_remat_text(s):>9} "
                              f"{s.predicted_fwd_s * 1e3:>8.2f} {s.predicted_bwd_s * 1e3:>8.2f} "
                              f"{s.predicted_memory_bytes / 1e9:>7.2f}")
         pr = self.predicted
@@ -300,6 +305,7 @@ def validate(plan: Plan) -> None:
                                 f"the previous stage's end {p.stages[j - 1].end} (contiguous)")
             if s.end <= s.start:
                 raise SpecError(f"pipelines[{i}].stages[{j}].end", s.end, f"> start {s.start}")
+            _check_remat(s, f"pipelines[{i}].stages[{j}]")
             size = 1
             for axis, n in s.mesh_shape:
                 if axis not in MESH_AXES:
@@ -320,6 +326,25 @@ def validate(plan: Plan) -> None:
     if len(ends) != 1:
         raise SpecError("pipelines[*].stages[-1].end", sorted(ends),
                         "every pipeline covering the same layers")
+
+
+def _remat_text(s: Stage) -> str:
+    """``full`` or, for a remat of some of the stage's layers, ``full 5/9``."""
+    k = s.remat_layers
+    return s.remat if k is None or k == s.num_layers else f"{s.remat} {k}/{s.num_layers}"
+
+
+def _check_remat(s: Stage, where: str) -> None:
+    if s.remat not in REMATS:
+        raise SpecError(f"{where}.remat", s.remat, f"one of {REMATS}")
+    k = s.remat_layers
+    if k is None:
+        return
+    if s.remat == "none":
+        raise SpecError(f"{where}.remat_layers", k, "null when remat is none")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= s.num_layers:
+        raise SpecError(f"{where}.remat_layers", k,
+                        f"null or a count of the stage's layers, 1 to {s.num_layers}")
 
 
 def _check_virtual(p: Pipeline, i: int) -> None:

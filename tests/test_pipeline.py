@@ -160,6 +160,46 @@ def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():
     _assert_matches_one_device("gpt-tiny", plan)
 
 
+def test_partial_remat_recomputes_only_the_stages_first_layers():
+    # gpt-tiny's two blocks as one stage, k of them checkpointed (each on its own): the
+    # residuals the vjp keeps shrink and the backward's flops grow by one block's forward
+    # per recomputed block; k = 2 is the whole stage's full remat.
+    batch = _batches("gpt-tiny", n=1, batch=2)[0]
+    loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
+    split = split_stages(loss, leaves, b, [(0, 1), (1, 3), (3, 4)],
+                         list(range(len(leaves))))
+    first, st = split.stages[0], split.stages[1]
+    fo, _, _ = jax.jit(first.forward)([leaves[i] for i in first.params],
+                                      [leaves[i] for i in first.frozen],
+                                      [b[i] for i in first.batch], [])
+    recvs = dict(zip((first.sends[j] for j in first.diff_sends), fo, strict=True))
+    args = ([leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
+            [b[i] for i in st.batch], [recvs[v] for v in st.recvs])
+    wrap = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    params = {id(x) for x in args[0]}
+    kept, flops, grads = [], [], []
+    for remat in (None, (wrap, 1), (wrap, 2), (wrap, None)):
+        outs, _, vjp = jax.jit(functools.partial(st.forward, remat=remat))(*args)
+        cts = [jnp.ones_like(o) for o in outs]
+        kept.append(sum(x.nbytes for x in jax.tree.leaves(vjp) if id(x) not in params))
+        cost = jax.jit(lambda v, c: v(c)).lower(vjp, cts).compile().cost_analysis()
+        flops.append((cost[0] if isinstance(cost, list) else cost)["flops"])
+        grads.append(jax.tree.leaves(jax.jit(lambda v, c: v(c))(vjp, cts)))
+    assert kept[0] > kept[1] > kept[2] and kept[2] == kept[3]
+    assert flops[0] < flops[1] < flops[2] and flops[2] == pytest.approx(flops[3], rel=1e-3)
+    assert flops[2] - flops[1] == pytest.approx(flops[1] - flops[0], rel=0.1)
+    for g in grads[1:]:
+        for x, y in zip(g, grads[0], strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_pipeline_with_a_partial_remat_stage_matches_one_device():
+    plan = _plan("gpt-tiny", [Pipeline((
+        Stage(0, 3, (0, 1), H, (("data", 2),), remat="full", remat_layers=2),
+        _stage(3, 4, (4, 5), V, data=2)), 8, 2, 2, schedule="zbh1")])
+    _assert_matches_one_device("gpt-tiny", plan)
+
+
 def test_stages_with_different_data_ways_share_the_micro_batch():
     # Micro-batches of 4 samples: 2 per H100 (data=2), 1 per V100 (data=4), and the
     # A100 stage splits them 2 ways again; activations re-shard between the layouts.
@@ -378,7 +418,7 @@ def test_zero_bubble_passes_split_a_real_stage_without_recomputing(remat):
     wrap = (functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
             if remat == "full" else None)
     recvs = dict(zip((first.sends[j] for j in first.diff_sends), fo, strict=True))
-    outs, _, vjp = jax.jit(functools.partial(st.forward, wrap=wrap))(
+    outs, _, vjp = jax.jit(functools.partial(st.forward, remat=wrap and (wrap, None)))(
         [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
         [b[i] for i in st.batch], [recvs[v] for v in st.recvs])
     cts = [jnp.ones_like(o) for o in outs]

@@ -522,12 +522,29 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 4
-    # Schema 3 (no ZB-H1 schedule yet) reads unchanged.
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 5
+    # Schemas 3 (no ZB-H1 schedule yet) and 4 (no remat_layers: the remat covers the whole
+    # stage) read unchanged.
     old = zero1.to_dict()
-    old["version"] = 3
-    path.write_text(json.dumps(old))
-    assert Plan.load(path) == zero1
+    for entry in old["pipelines"][0]["stages"]:
+        del entry["remat_layers"]
+    for version in (3, 4):
+        old["version"] = version
+        path.write_text(json.dumps(old))
+        assert Plan.load(path) == zero1
+    # A remat of the stage's first layers: a count of them, with a remat to apply.
+    part = dataclasses.replace(stage, remat="full", remat_layers=3)
+    partial = Plan("gpt-tiny", {}, 8, 64, (Pipeline((part,), 8, 2, 2),))
+    partial.save(path)
+    assert Plan.load(path) == partial and "full 3/4" in partial.explain()
+    for bad, match in ((dict(remat_layers=5), r"remat_layers=5.*1 to 4"),
+                       (dict(remat_layers=0), r"remat_layers=0.*1 to 4"),
+                       (dict(remat_layers=2.0), r"remat_layers=2.0"),
+                       (dict(remat="none", remat_layers=2), r"remat_layers=2.*null when"),
+                       (dict(remat="most"), r"remat='most'.*one of")):
+        with pytest.raises(SpecError, match=match):
+            Plan("gpt-tiny", {}, 8, 64, (Pipeline((dataclasses.replace(part, **bad),), 8, 2,
+                                                  2),))
     # ZB-H1: one stage per submesh; its extra warm-up bounds the micro-batches held.
     zb = dataclasses.replace(pipe, schedule="zbh1")
     assert Plan("gpt-tiny", {}, 8, 64, (zb,)).pipelines[0].schedule == "zbh1"

@@ -22,7 +22,10 @@ ZeRO-1), the compute-dtype weight
 copies autodiff keeps, and activations: the traced residuals per sample times the
 micro-batch size times the micro-batches in flight (1F1B: p - stage; GPipe: all),
 reduced by remat: ``selective`` drops attention's residuals (recomputed), ``full``
-keeps only each layer's input plus one layer's working set. With the flash
+keeps only each layer's input plus one layer's working set. A remat applies to the
+stage's first ``remat_layers`` layers (all by default; Megatron-LM's
+``--recompute-num-layers`` with the block method), the others keep everything: the
+finer trade between recomputation and memory. With the flash
 attention kernel (``attention="flash"``, the default: hetshard's runtime swaps it
 in), attention keeps only O(S) state and its backward recomputes the scores, so
 attention's residuals are never stored whatever the remat.
@@ -81,12 +84,17 @@ def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
                cp: int = 1, dp: int = 1, fsdp: bool = False, shard_optimizer: bool = False,
                mbs: int = 1,
-               remat: str = "none", attention: str = "flash", cal: Calibration,
+               remat: str = "none", remat_layers: int | None = None,
+               attention: str = "flash", cal: Calibration,
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None) -> StageCost:
-    """Prices layers ``[start, end)`` of ``profile`` (see the module docstring)."""
+    """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
+    ``remat`` applies to the first ``remat_layers`` of them (None: all)."""
     if remat not in REMATS:
         raise SpecError("remat", remat, f"one of {REMATS}")
+    if remat_layers is not None and not 0 <= remat_layers <= end - start:
+        raise SpecError("remat_layers", remat_layers,
+                        f"None or a count of the stage's layers, 0 to {end - start}")
     if attention not in ATTENTIONS:
         raise SpecError("attention", attention, f"one of {ATTENTIONS}")
     if not 0 <= start < end <= profile.num_layers:
@@ -100,7 +108,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = 0.0
     working = 0.0
-    for layer in profile.layers[start:end]:
+    last_remat = end if remat_layers is None else start + remat_layers
+    for index, layer in enumerate(profile.layers[start:end], start):
+        mode = remat if index < last_remat else "none"
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
         fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
@@ -130,9 +140,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name)
             t_f = max(t_f, ag)
             t_b = max(t_b, ag)
-        if remat == "full":
+        if mode == "full":
             recompute += t_f
-        elif remat == "selective" or attention == "flash":
+        elif mode == "selective" or attention == "flash":
             # The flash kernel's backward recomputes the attention scores from q, k and v
             # (Dao 2023), which costs what selective recomputation of attention costs.
             mask = layer.fwd_attention
@@ -142,35 +152,34 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         bwd += t_b
         f_model = layer.flops(mbs)
         model_flops += f_model
-        hw_flops += f_model + (layer.fwd_total_flops(mbs) if remat == "full" else 0.0)
+        hw_flops += f_model + (layer.fwd_total_flops(mbs) if mode == "full" else 0.0)
         res = layer.residual_bytes_per_sample * mbs / shard
         attn = layer.attention_residual_bytes_per_sample * mbs / shard
         # The flash kernel never materialises attention's scores: they are neither kept
         # nor part of any recomputation working set. The reference keeps them (none) or
         # rebuilds them one layer at a time (selective, full).
         inner = 0.0 if attention == "flash" else attn
-        if remat == "none" and attention == "reference":
+        if mode == "none" and attention == "reference":
             kept = res
-        elif remat in ("none", "selective"):
+        elif mode in ("none", "selective"):
             kept = res - attn
             working = max(working, inner)
         else:
             kept = layer.boundary_bytes_per_sample * mbs / shard
             working = max(working, res - attn + inner)
         act += kept
-        if remat != "none":
+        if mode != "none":
             # A W pass reads the matmuls' inputs, which B recomputed: kept until W.
             carry += max(0.0, res - attn - kept)
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
+        if mode == "selective" or (mode == "none" and attention == "flash"):
+            hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;
     # the last layer's is the loss's seed).
     cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
                  if end < profile.num_layers else 0.0)
-    if remat == "selective" or (remat == "none" and attention == "flash"):
-        hw_flops += sum(float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
-                        for layer in profile.layers[start:end])
     shard_dp = dp if fsdp else 1
     opt_dp = dp if (fsdp or shard_optimizer) else 1
     static = (param_bytes * 2.0 / shard_dp + param_bytes * profile.opt_bytes_per_param_byte /

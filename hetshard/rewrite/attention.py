@@ -196,6 +196,13 @@ def _patterns_of(jaxpr):
     return {p["end"]: p for p in _softmax_patterns(jaxpr)}
 
 
+def skipped_equations(jaxpr) -> set[int]:
+    """Equations ``eval_equations`` never runs: the inside of a recognised attention
+    pattern, whose last equation computes it all."""
+    patterns = _patterns_of(jaxpr)
+    return set().union(*[p["skip"] for p in patterns.values()]) if patterns else set()
+
+
 def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
@@ -206,7 +213,7 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
         return v.val if isinstance(v, ext.Literal) else env[v]
 
     patterns = _patterns_of(jaxpr)
-    skip = set().union(*[p["skip"] for p in patterns.values()]) if patterns else set()
+    skip = skipped_equations(jaxpr)
     for idx in (range(len(jaxpr.eqns)) if indices is None else indices):
         eqn = jaxpr.eqns[idx]
         if idx in skip:

@@ -30,7 +30,7 @@ from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
 from hetshard.ir.trace import layer_of
-from hetshard.rewrite.attention import attention_runner, eval_equations
+from hetshard.rewrite.attention import attention_runner, eval_equations, skipped_equations
 
 
 class StageSplitError(HetshardError, ValueError):
@@ -62,6 +62,7 @@ class StageProgram:
     sends: list
     outputs: dict  # send position -> flat output position
     _split: StageSplit
+    _memo: dict = dataclasses.field(default_factory=dict)
 
     @property
     def diff_recvs(self) -> list[int]:
@@ -71,8 +72,11 @@ class StageProgram:
     def diff_sends(self) -> list[int]:
         return [i for i, v in enumerate(self.sends) if _inexact(v.aval)]
 
-    def evaluate(self, params, frozen, batch, recvs) -> list:
-        """The stage's sends from its inputs (lists in the orders above)."""
+    def evaluate(self, params, frozen, batch, recvs, remat=None) -> list:
+        """The stage's sends from its inputs (lists in the orders above). ``remat`` =
+        (wrap, count): the equations of each of the stage's first ``count`` layers (None:
+        all) run as one function wrapped by ``wrap`` (``jax.checkpoint`` with a policy),
+        so that each layer is recomputed on its own in the backward pass."""
         sp = self._split
         jaxpr = sp.closed.jaxpr
         env = dict(zip(jaxpr.constvars, sp.closed.consts, strict=True))
@@ -84,13 +88,64 @@ class StageProgram:
             env[jaxpr.invars[sp.num_state + idx]] = val
         for var, val in zip(self.recvs, recvs, strict=True):
             env[var] = val
-        eval_equations(jaxpr, env, sp.run, self.eqns)
+        if remat is None:
+            eval_equations(jaxpr, env, sp.run, self.eqns)
+        else:
+            wrap, count = remat
+            for ids, reads, outs in self._segments(count):
+                if reads is None:
+                    eval_equations(jaxpr, env, sp.run, ids)
+                    continue
+
+                def layer(*values, ids=ids, reads=reads, outs=outs):
+                    inner = dict(zip(reads, values, strict=True))
+                    eval_equations(jaxpr, inner, sp.run, ids)
+                    return [inner[v] for v in outs]
+                env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
-    def forward(self, params, frozen, batch, recvs, wrap=None):
+    def _segments(self, count: int | None) -> list:
+        """The stage's equations as runs of one layer each, in order: (equation ids,
+        reads, outs), reads and outs None for a run evaluated inline, else the
+        variables it reads from before and those read after it (or sent)."""
+        key = ("segments", count)
+        if key in self._memo:
+            return self._memo[key]
+        sp = self._split
+        eqns = sp.closed.jaxpr.eqns
+        last = self.layers[1] if count is None else self.layers[0] + count
+        runs: list[list[int]] = []
+        for i in self.eqns:
+            if runs and sp.eqn_layer[runs[-1][-1]] == sp.eqn_layer[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        skip = skipped_equations(sp.closed.jaxpr)
+        later_reads: list[set] = [set() for _ in runs]
+        seen = {v for v in self.sends if isinstance(v, ext.Var)}
+        for r in range(len(runs) - 1, -1, -1):
+            later_reads[r] = set(seen)
+            for i in runs[r]:
+                seen.update(v for v in eqns[i].invars if isinstance(v, ext.Var))
+        out = []
+        for r, ids in enumerate(runs):
+            if not self.layers[0] <= sp.eqn_layer[ids[0]] < last:
+                out.append((ids, None, None))
+                continue
+            made = {v for i in ids for v in eqns[i].outvars}
+            reads = list(dict.fromkeys(v for i in ids for v in eqns[i].invars
+                                       if isinstance(v, ext.Var) and v not in made))
+            outs = [v for i in ids if i not in skip for v in eqns[i].outvars
+                    if v in later_reads[r]]
+            out.append((ids, reads, outs))
+        self._memo[key] = out
+        return out
+
+    def forward(self, params, frozen, batch, recvs, remat=None):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
-        ``(param_cts, float_recv_cts)``. ``wrap`` (e.g. ``jax.checkpoint``) wraps the
-        differentiated function: the stage's rematerialisation."""
+        ``(param_cts, float_recv_cts)``. ``remat`` = (wrap, count): the stage's
+        rematerialisation, each of its first ``count`` layers (None: all) wrapped by
+        ``wrap`` (see ``evaluate``)."""
         d_in, d_out = self.diff_recvs, self.diff_sends
         fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
 
@@ -98,11 +153,9 @@ class StageProgram:
             full = list(fixed)
             for i, val in zip(d_in, fr, strict=True):
                 full[i] = val
-            outs = self.evaluate(p, frozen, batch, full)
+            outs = self.evaluate(p, frozen, batch, full, remat)
             return ([outs[i] for i in d_out],
                     [o for i, o in enumerate(outs) if i not in set(d_out)])
-        if wrap is not None:
-            f = wrap(f)
         float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
                                          has_aux=True)
         return float_outs, other, vjp
@@ -116,6 +169,7 @@ class StageSplit:
     stages: list[StageProgram]
     out_tree: object
     run: Callable
+    eqn_layer: list[int] = dataclasses.field(default_factory=list)  # layer per equation
 
     @property
     def num_layers(self) -> int:
@@ -224,7 +278,7 @@ def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
         if isinstance(v, ext.Var) and v not in sent:
             raise StageSplitError(f"output {pos} of the loss comes from no stage")
     split = StageSplit(closed, num_state, names, stages, jax.tree.structure(out_shape),
-                       attention_runner(attention, **attention_options))
+                       attention_runner(attention, **attention_options), eqn_layer)
     for s in stages:
         s._split = split
     return split

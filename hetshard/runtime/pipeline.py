@@ -343,7 +343,8 @@ class PipelineRunner:
             shard_data=zero1 and i not in params)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
-        run.fwd = jax.jit(functools.partial(_forward, program, stage.remat))
+        run.fwd = jax.jit(functools.partial(_forward, program, stage.remat,
+                                            stage.remat_layers))
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
@@ -672,12 +673,14 @@ def _samples_per_micro_batch(pipeline) -> int:
 _REMAT = {"none": None, "selective": "dots_with_no_batch_dims_saveable", "full": "nothing"}
 
 
-def _forward(program, remat, params, frozen, batch, recvs):
+def _forward(program, remat, remat_layers, params, frozen, batch, recvs):
+    """The stage's forward; under a remat each of its first ``remat_layers`` layers (None:
+    all) is checkpointed on its own, so the backward recomputes one layer at a time."""
     if remat in ("selective", "full"):
         policy = (jax.checkpoint_policies.nothing_saveable if remat == "full" else
                   jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        return program.forward(params, frozen, batch, recvs, wrap=functools.partial(
-            jax.checkpoint, policy=policy))
+        wrap = functools.partial(jax.checkpoint, policy=policy)
+        return program.forward(params, frozen, batch, recvs, remat=(wrap, remat_layers))
     return program.forward(params, frozen, batch, recvs)
 
 

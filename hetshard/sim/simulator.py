@@ -103,7 +103,7 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for j, st in enumerate(pipe.stages):
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             mbs = pipe.stage_micro_batch(j)
-            key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, fsdp,
+            key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
                    mbs, plan.attention, plan.distributed_optimizer)
             if cache is not None and key in cache:
                 costs.append(cache[key])
@@ -121,8 +121,9 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
                 shard_optimizer: bool = False) -> StageCost:
-    """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat);
-    ``shard_optimizer``: ZeRO-1 over the stage's data ways."""
+    """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
+    the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
+    the stage's data ways."""
     gpu = _slowest(cluster, st.devices)
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
@@ -133,8 +134,16 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
     dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
     return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
+                      remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
                       dp_topo=dp_topo)
+
+
+def recomputed_among(st, start: int, end: int) -> int | None:
+    """How many of layers ``[start, end)`` stage ``st``'s remat covers (None: all)."""
+    if st.remat_layers is None:
+        return None
+    return min(max(st.start + st.remat_layers - start, 0), end - start)
 
 
 def _sends(pipe, profile: ModelProfile, cluster: Cluster, cal: Calibration) -> list[float]:

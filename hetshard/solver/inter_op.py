@@ -68,10 +68,15 @@ from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_
 from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.splits import (
     LayerTables,
+    PartialRemat,
+    choice_parts,
     pareto_splits,
+    plain,
+    remat_choice,
     split_layers,
     split_layers_mixed,
     stage_fits,
+    with_partial,
 )
 from hetshard.solver.variants import interleave, interleaved_as, layer_times, zero_bubble
 
@@ -121,17 +126,20 @@ class Family:
     r: int
     tp: int
     mbs: int
-    remat: str
+    remat: str | tuple[str, int]
     bounds: tuple[tuple[int, int], ...]  # layer range per stage
     stage_groups: tuple[str, ...]
     fill_s: float  # sum of stage times (one micro-batch through the pipeline)
     bottleneck_s: float
     cp: int = 1
-    stage_remats: tuple[str, ...] = ()  # per stage when they differ (else ``remat``)
+    # per stage when they differ (else ``remat``); a choice is a remat's name or
+    # (remat, k): the stage's first k layers recomputed (``splits.remat_choice``)
+    stage_remats: tuple = ()
     warmup: tuple[int, ...] = ()  # extra 1F1B warm-up forwards per stage (empty: none)
 
-    def remat_of(self, stage: int) -> str:
-        return self.stage_remats[stage] if self.stage_remats else self.remat
+    def remat_of(self, stage: int) -> tuple[str, int | None]:
+        """(remat, remat_layers) of a stage."""
+        return remat_choice(self.stage_remats[stage] if self.stage_remats else self.remat)
 
     @property
     def stage_devices(self) -> int:
@@ -183,6 +191,10 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                 all(_same(options[s][j][1], options[s][i][1]) for s in range(len(options)))
                 for i in range(j))]
             options = [[row[j] for j in keep] for row in options]
+            # and the full remat of a stage's first k layers only, k as few as fit
+            rows: dict = {}  # one per GPU type: its searches are remembered
+            options = [rows.setdefault(tuple(id(t) for _, t in row), with_partial(row))
+                       for row in options]
             for g, k in zip(groups, ks, strict=True):
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
@@ -194,8 +206,10 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                 # Bottleneck splits: one remat for all stages, and one per stage where
                 # memory, not time, stops a stage of the fastest remat's split.
                 splits = []
-                for remat, _ in options[0]:
-                    res = split_layers([dict(row)[remat] for row in options], n_layers, caps)
+                for remat, tab in options[0]:
+                    if isinstance(tab, PartialRemat):
+                        continue
+                    res = split_layers([plain(row)[remat] for row in options], n_layers, caps)
                     if res is not None:
                         splits.append((*res, [remat] * len(options)))
                 if _memory_bound(options, splits, n_layers, caps):
@@ -248,8 +262,8 @@ def _activation_room(options, bounds, remats, caps):
     """Per stage: (bytes left for activations in flight, bytes per micro-batch)."""
     out = []
     for s, (a, b) in enumerate(bounds):
-        _, cs, ca, work = dict(options[s])[remats[s]]
-        out.append((caps[s] - (cs[b] - cs[a]) - work[a:b].max(), ca[b] - ca[a]))
+        _, static, per_mb, work = choice_parts(options[s], remats[s], a, b)
+        out.append((caps[s] - static - work, per_mb))
     return out
 
 
@@ -265,7 +279,7 @@ def _memory_bound(options, splits, n_layers: int, caps) -> bool:
     if found is None:
         return True
     p = len(options)
-    return any(b < n_layers and not stage_fits(dict(options[s])[fastest], a, b + 1, p - s,
+    return any(b < n_layers and not stage_fits(plain(options[s])[fastest], a, b + 1, p - s,
                                                caps[s])
                for s, (a, b) in enumerate(found))
 
@@ -340,8 +354,9 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
             devices = tuple(range(first, first + f.stage_devices))
             mesh = (("data", f.r),) + ((("context", f.cp),) if f.cp > 1 else ()) + \
                 (("tensor", f.tp),)
-            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
-                                f.remat_of(len(stages))))
+            remat, remat_layers = f.remat_of(len(stages))
+            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh, remat,
+                                remat_layers))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
                               opts.schedule, extra_warmup=capped_warmup(f.warmup, mcount)))
     sync = grad_sync_for(pipes, global_batch)
@@ -514,12 +529,16 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     for start in scored[:opts.layout_top]:
         if start[0][0] or late(0.85):
             continue
-        got = improve_layouts(start, evaluate, tables, cluster, heads,
-                              tp_options=opts.tp_options, remats=opts.remat_options,
-                              margin=opts.memory_margin, max_stages=opts.max_stages,
-                              evals=opts.layout_evals)
-        if got[1] is not start[1]:
-            relaid.append(got)
+        # Then on from there with stages recomputing only their first layers: both
+        # results stay candidates (the first can end better once under ZB-H1).
+        for partial in (False, True):
+            got = improve_layouts(start, evaluate, tables, cluster, heads,
+                                  tp_options=opts.tp_options, remats=opts.remat_options,
+                                  margin=opts.memory_margin, max_stages=opts.max_stages,
+                                  evals=opts.layout_evals, partial=partial)
+            if got[1] is not start[1]:
+                relaid.append(got)
+            start = got
     firsts = scored[:opts.refine_top]
     scored = sorted(scored + relaid, key=lambda x: x[0])
     # Interleaved variants of the best few (the simulator prices their extra transfers
@@ -616,22 +635,58 @@ def single_type_stages(plan: Plan, cluster: Cluster) -> bool:
                for q in plan.pipelines for st in q.stages)
 
 
+def _resized(st: Stage, start: int, end: int, more: int = 0) -> Stage:
+    """``st`` on layers ``[start, end)``, a partial remat recomputing ``more`` layers more
+    (as many as before otherwise, at most all)."""
+    k = st.remat_layers
+    if k is not None:
+        k = k + more
+        k = None if k >= end - start else k
+    return dataclasses.replace(st, start=start, end=end, remat_layers=k)
+
+
+def _recomputed(st: Stage, k: int) -> Stage:
+    """``st`` recomputing its first ``k`` layers (0: none, all: plain full remat)."""
+    if k <= 0:
+        return dataclasses.replace(st, remat="none", remat_layers=None)
+    return dataclasses.replace(st, remat="full", remat_layers=None if k >= st.num_layers else k)
+
+
 def _neighbours(plan: Plan):
-    """Plans one move away: a stage boundary shifted by one layer, or one micro-batch moved
-    from a pipeline to another (when their micro-batch sizes allow)."""
+    """Plans one move away: a stage boundary shifted by one layer (the stage that grows
+    recomputing as many layers as before or, under a partial remat, one more), a full
+    remat's stage recomputing one layer fewer or more, or one micro-batch moved from a
+    pipeline to another (when their micro-batch sizes allow)."""
     pipes = plan.pipelines
+
+    def with_stages(pi, p, st):
+        new = list(pipes)
+        new[pi] = dataclasses.replace(p, stages=tuple(st))
+        return dataclasses.replace(plan, pipelines=tuple(new))
+
     for pi, p in enumerate(pipes):
         for j in range(len(p.stages) - 1):
             for delta in (-1, 1):
                 a, b = p.stages[j], p.stages[j + 1]
                 cut = a.end + delta
                 if a.start < cut < b.end:
+                    grows = (a, b)[delta < 0]
+                    for more in ((0, 1) if grows.remat_layers is not None else (0,)):
+                        st = list(p.stages)
+                        st[j] = _resized(a, a.start, cut, more * (delta > 0))
+                        st[j + 1] = _resized(b, cut, b.end, more * (delta < 0))
+                        yield with_stages(pi, p, st)
+        if p.virtual_stages > 1:
+            continue
+        for j, a in enumerate(p.stages):
+            if a.remat != "full" or a.num_layers < 2:
+                continue
+            k = a.num_layers if a.remat_layers is None else a.remat_layers
+            for other in (k - 1, k + 1):
+                if other <= a.num_layers and other != k:
                     st = list(p.stages)
-                    st[j] = dataclasses.replace(a, end=cut)
-                    st[j + 1] = dataclasses.replace(b, start=cut)
-                    new = list(pipes)
-                    new[pi] = dataclasses.replace(p, stages=tuple(st))
-                    yield dataclasses.replace(plan, pipelines=tuple(new))
+                    st[j] = _recomputed(a, other)
+                    yield with_stages(pi, p, st)
     for pi, qi in itertools.permutations(range(len(pipes)), 2):
         p, q = pipes[pi], pipes[qi]
         unit_p, unit_q = p.samples_per_micro_batch, q.samples_per_micro_batch

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.errors import HetshardError
 from hetshard.plan import Pipeline, Plan, Stage, data_ways, grad_sync_for
-from hetshard.solver.splits import LayerTables, split_layers_mixed
+from hetshard.solver.splits import LayerTables, remat_choice, split_layers_mixed, with_partial
 
 
 def segments(pipe: Pipeline, cluster: Cluster) -> list[tuple[int, int]]:
@@ -53,11 +53,12 @@ def layouts(n: int, samples: int, group: Group, heads: int, tp_options, cp: int 
 
 def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
              tables: LayerTables, cluster: Cluster, *, remats, margin: float,
-             max_stages: int | None = None) -> Plan | None:
+             max_stages: int | None = None, partial: bool = False) -> Plan | None:
     """``plan`` with segment ``seg`` of pipeline ``pi`` laid out as ``layout`` = (data
     ways, tensor degree) on the same devices, and that pipeline's layers re-split over
-    all its stages (each with the remat, among ``remats``, that lets it reach furthest).
-    None when the layout cannot be built or nothing fits."""
+    all its stages (each with the remat, among ``remats``, that lets it reach furthest;
+    with ``partial``, also the full remat of a stage's first layers only). None when
+    the layout cannot be built or nothing fits."""
     pipe = plan.pipelines[pi]
     if pipe.virtual_stages != 1 or any(st.axis("fsdp") > 1 for st in pipe.stages):
         return None
@@ -85,15 +86,17 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
     for st in shells:
         group = cluster.group(cluster.slot(st.devices[0]).group)
         ways = data_ways(st)
-        rows.append([(remat, tables.get(group, st.axis("tensor"), samples // ways, remat,
-                                        ways, st.axis("context"))) for remat in remats])
+        row = [(remat, tables.get(group, st.axis("tensor"), samples // ways, remat, ways,
+                                  st.axis("context"))) for remat in remats]
+        rows.append(with_partial(row) if partial else row)
         caps.append(group.gpu.memory_bytes * (1 - margin))
     res = split_layers_mixed(rows, n_layers, caps)
     if res is None:
         return None
     bounds, _, chosen = res
-    stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat, shardings=())
-                   for st, (lo, hi), remat in zip(shells, bounds, chosen, strict=True))
+    stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat_choice(c)[0],
+                                       remat_layers=remat_choice(c)[1], shardings=())
+                   for st, (lo, hi), c in zip(shells, bounds, chosen, strict=True))
     try:
         new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),
                                   micro_batch_size=samples // data_ways(stages[0]))
@@ -105,7 +108,8 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
 
 
 def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_options,
-          remats, margin: float, max_stages: int | None = None) -> Iterator[Plan]:
+          remats, margin: float, max_stages: int | None = None,
+          partial: bool = False) -> Iterator[Plan]:
     """Every plan one segment's layout away from ``plan``."""
     for pi, pipe in enumerate(plan.pipelines):
         for seg in segments(pipe, cluster):
@@ -120,14 +124,14 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
                                                          st.axis("context")):
                     continue
                 cand = relayout(plan, pi, seg, layout, tables, cluster, remats=remats,
-                                margin=margin, max_stages=max_stages)
+                                margin=margin, max_stages=max_stages, partial=partial)
                 if cand is not None:
                     yield cand
 
 
 def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
                     cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
-                    max_stages: int | None = None, evals: int = 200):
+                    max_stages: int | None = None, evals: int = 200, partial: bool = False):
     """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
     each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
     keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
@@ -136,7 +140,8 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
     while evals > 0:
         round_best = None
         for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
-                          remats=remats, margin=margin, max_stages=max_stages):
+                          remats=remats, margin=margin, max_stages=max_stages,
+                          partial=partial):
             if evals <= 0:
                 break
             evals -= 1

@@ -7,10 +7,17 @@ a pipeline's stages (each stage with its own table: stages may differ in GPU typ
 layout) minimising the slowest stage (``split_layers``, ``split_layers_mixed`` with a
 remat per stage) or listing every split's (sum, max) Pareto front (``pareto_splits``),
 all with every stage's memory under its 1F1B in-flight count within capacity.
+
+A stage's remat option is a table (one remat for all its layers) or a
+:class:`PartialRemat`: full recomputation of the stage's first ``k`` layers and none
+after, ``k`` the fewest that fit (Megatron-LM's ``--recompute-num-layers``). Its choice
+is then ``("full", k)`` where a table's is its remat's name (``remat_choice`` reads
+both).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 import numpy as np
@@ -58,29 +65,170 @@ class LayerTables:
         return out
 
 
-def _reach(table, start: int, limit: int, t_max: float, inflight: int, cap: float):
-    """The furthest end <= ``limit`` of a stage starting at layer ``start`` with time
-    <= ``t_max`` and memory <= ``cap`` (both grow with the end), or None. A plain loop:
-    stages usually end after a few layers, where it beats whole-array arithmetic."""
+class PartialRemat:
+    """The option "full remat of the first k layers, none after", from the two tables
+    (kept as lists too: its searches read single entries, where lists beat arrays)."""
+
+    __slots__ = ("none", "full", "_ctn", "_ctf", "_cs", "_can", "_caf", "_workn", "_workf",
+                 "_fronts")
+
+    def __init__(self, none, full):
+        self.none, self.full = none, full
+        self._fronts: dict = {}
+        self._ctn, self._cs, self._can, self._workn = (list(map(float, x)) for x in none)
+        self._ctf, _, self._caf, self._workf = (list(map(float, x)) for x in full)
+
+    def memory(self, a: int, b: int, k: int, inflight: int) -> float:
+        mid = a + k
+        work = max(max(self._workf[a:mid], default=0.0), max(self._workn[mid:b], default=0.0))
+        can, caf = self._can, self._caf
+        return (self._cs[b] - self._cs[a] + inflight * (caf[mid] - caf[a] + can[b] - can[mid])
+                + work)
+
+    def time(self, a: int, b: int, k: int) -> float:
+        ctn, ctf = self._ctn, self._ctf
+        return ctf[a + k] - ctf[a] + ctn[b] - ctn[a + k]
+
+    def fewest(self, a: int, b: int, inflight: int, cap: float, k: int = 0) -> int | None:
+        """The fewest recomputed layers (at least ``k``) for which ``[a, b)`` fits."""
+        while k <= b - a:
+            if self.memory(a, b, k, inflight) <= cap:
+                return k
+            k += 1
+        return None
+
+
+def plain(row: list) -> dict:
+    """remat -> table of a stage's options, the partial remat left out."""
+    return {remat: t for remat, t in row if not isinstance(t, PartialRemat)}
+
+
+def with_partial(row: list) -> list:
+    """A stage's options [(remat, table)] plus the partial remat where both "none" and
+    "full" are among them."""
+    tables = plain(row)
+    if "none" in tables and "full" in tables:
+        return row + [("full", PartialRemat(tables["none"], tables["full"]))]
+    return row
+
+
+def remat_choice(choice) -> tuple[str, int | None]:
+    """(remat, remat_layers) of a stage's choice: a remat's name (all layers) or
+    ``(remat, k)``, k layers recomputed."""
+    return (choice, None) if isinstance(choice, str) else (choice[0], choice[1])
+
+
+def _choice(remat: str, table, a: int, b: int, k: int | None):
+    """A stage's choice; a partial remat of all or none of its layers is plain."""
+    if not isinstance(table, PartialRemat):
+        return remat
+    return "none" if k == 0 else "full" if k == b - a else ("full", k)
+
+
+def option_cost(table, a: int, b: int, inflight: int, cap: float):
+    """(time, k) of stage ``[a, b)`` with the option's fastest way to fit (k: recomputed
+    layers of a partial remat, else None), or None when it does not fit."""
+    if isinstance(table, PartialRemat):
+        times, ks = _front(table, a, inflight, cap)
+        return (times[b - a - 1], ks[b - a - 1]) if b - a <= len(times) else None
+    return (table[0][b] - table[0][a], None) if stage_fits(table, a, b, inflight, cap) \
+        else None
+
+
+def option_parts(table, a: int, b: int, k: int | None):
+    """(time, static bytes, bytes per micro-batch in flight, working bytes) of
+    ``[a, b)`` under the option (``k`` for a partial remat)."""
+    if isinstance(table, PartialRemat):
+        static = table.memory(a, b, k, 0)  # with the working set, without activations
+        per_mb = table.memory(a, b, k, 1) - static
+        _, cs, _, _ = table.none
+        return table.time(a, b, k), cs[b] - cs[a], per_mb, static - (cs[b] - cs[a])
     ct, cs, ca, work = table
-    end, best, peak = start, None, -np.inf
-    while end < limit:
-        peak = max(peak, work[end])
-        end += 1
-        mem = cs[end] - cs[start] + inflight * (ca[end] - ca[start]) + peak
-        if ct[end] - ct[start] > t_max or mem > cap:
-            break
-        best = end
-    return best
+    return ct[b] - ct[a], cs[b] - cs[a], ca[b] - ca[a], work[a:b].max()
 
 
-def _pack(t_max: float, stages, n_layers: int, caps):
+def choice_parts(row, choice, a: int, b: int):
+    """``option_parts`` of the option in ``row`` ([(remat, option)]) that made
+    ``choice``."""
+    remat, k = remat_choice(choice)
+    if k is not None:
+        table = next(t for _, t in row if isinstance(t, PartialRemat))
+        return option_parts(table, a, b, k)
+    return option_parts(plain(row)[remat], a, b, None)
+
+
+def _front(table: PartialRemat, start: int, inflight: int, cap: float):
+    """(times, ks) of the stages starting at ``start``, per end from ``start + 1`` on,
+    as far as any k fits (see ``_reach_partial``)."""
+    key = (start, inflight, cap)
+    front = table._fronts.get(key)
+    if front is None:
+        front, end, k = ([], []), start, 0
+        n = len(table._ctn) - 1
+        while end < n:
+            end += 1
+            k = table.fewest(start, end, inflight, cap, k)
+            if k is None:
+                break
+            front[0].append(table.time(start, end, k))
+            front[1].append(k)
+        table._fronts[key] = front
+    return front
+
+
+def _reach_partial(table: PartialRemat, start: int, limit: int, t_max: float,
+                   inflight: int, cap: float):
+    """``_reach`` of a partial remat: (end, k) with k the fewest recomputed layers that
+    fit. A longer stage needs at least as many (memory grows with the end for every k),
+    so k only moves up as the end does, and the time with it: each stage start's (time,
+    k) per end is listed once and searched by time (the bisections over the bottleneck
+    ask the same starts again and again)."""
+    times, ks = _front(table, start, inflight, cap)
+    i = min(bisect.bisect_right(times, t_max), limit - start)
+    return (start + i, ks[i - 1]) if i > 0 else None
+
+
+def _reach(table, start: int, limit: int, t_max: float, inflight: int, cap: float,
+           memo: dict | None = None):
+    """The furthest end <= ``limit`` of a stage starting at layer ``start`` with time
+    <= ``t_max`` and memory <= ``cap`` (both grow with the end), or None. The memory's
+    furthest end does not depend on ``t_max``: ``memo`` (a dict kept through one
+    bisection) remembers it and the time prefix as a list, so that the bisection's
+    repeated calls only search the time."""
+    key = (id(table), start, inflight, cap)
+    got = None if memo is None else memo.get(key)
+    if got is None:
+        ct, cs, ca, work = table
+        end, peak, fits = start, -np.inf, start
+        n = len(ct) - 1
+        while end < n:
+            peak = max(peak, work[end])
+            end += 1
+            if cs[end] - cs[start] + inflight * (ca[end] - ca[start]) + peak > cap:
+                break
+            fits = end
+        got = (fits, ct.tolist() if memo is not None else ct)
+        if memo is not None:
+            memo[key] = got
+    fits, ct = got
+    lo, hi = start, min(fits, limit)  # the answer is in [lo, hi]; lo means none
+    base = ct[start]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ct[mid] - base <= t_max:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if lo > start else None
+
+
+def _pack(t_max: float, stages, n_layers: int, caps, memo: dict | None = None):
     """Greedy contiguous packing of the layers into ``stages`` (tables per stage) with every
     stage time <= t_max and memory <= cap; returns the bounds or None."""
     p = len(stages)
     bounds, start = [], 0
     for s, table in enumerate(stages):
-        best = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s])
+        best = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s], memo)
         if best is None or (s == p - 1 and best != n_layers):
             return None
         bounds.append((start, best))
@@ -94,67 +242,81 @@ def split_layers(stages, n_layers: int, caps):
         return None
     total = max(st[0][-1] for st in stages)
     lo, hi = 0.0, total * 1.0001
-    if _pack(hi, stages, n_layers, caps) is None:
+    memo: dict = {}
+    if _pack(hi, stages, n_layers, caps, memo) is None:
         return None
     for _ in range(40):
         mid = (lo + hi) / 2
-        if _pack(mid, stages, n_layers, caps) is None:
+        if _pack(mid, stages, n_layers, caps, memo) is None:
             lo = mid
         else:
             hi = mid
-    bounds = _pack(hi, stages, n_layers, caps)
+    bounds = _pack(hi, stages, n_layers, caps, memo)
     times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
     return bounds, times
 
 
-def _pack_mixed(t_max: float, options, n_layers: int, caps):
+def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
     """``_pack`` where each stage picks its remat: among the options (remat, table) the
     one reaching furthest within ``t_max`` and memory (the fastest of those). Reach is
-    monotone in the start for every option, so the greedy stays exact for the
-    bottleneck. Returns (bounds, remats) or None."""
+    monotone in the start for every option (a partial remat's too: a stage starting
+    later recomputes a subset of the same layers), so the greedy stays exact for the
+    bottleneck. Returns (bounds, [(choice, time)]) or None."""
     p = len(options)
-    bounds, remats, start = [], [], 0
+    bounds, picked, start = [], [], 0
     for s, row in enumerate(options):
-        best = None  # (end, -time, remat)
+        best = None  # (end, -time, choice)
         for remat, table in row:
-            reach = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s])
-            if reach is None:
-                continue
-            key = (reach, -(table[0][reach] - table[0][start]))
-            if best is None or key > best[:2]:
-                best = (*key, remat)
+            limit = n_layers - (p - s - 1)
+            if isinstance(table, PartialRemat):
+                found = _reach_partial(table, start, limit, t_max, p - s, caps[s])
+                if found is None:
+                    continue
+                reach, k = found
+                t = table.time(start, reach, k)
+            else:
+                reach, k = _reach(table, start, limit, t_max, p - s, caps[s], memo), None
+                if reach is None:
+                    continue
+                t = table[0][reach] - table[0][start]
+            if best is None or (reach, -t) > best[:2]:
+                best = (reach, -t, _choice(remat, table, start, reach, k))
         if best is None or (s == p - 1 and best[0] != n_layers):
             return None
         bounds.append((start, best[0]))
-        remats.append(best[2])
+        picked.append((best[2], -best[1]))
         start = best[0]
-    return bounds, remats
+    return bounds, picked
 
 
 def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
-    """Minimum bottleneck split with a remat per stage: (bounds, times, remats) or None.
-    ``hi``: a bottleneck known to be reachable (the best one-remat split's), which
-    narrows the search to 1e-4 of it."""
+    """Minimum bottleneck split with a remat per stage: (bounds, times, choices) or None
+    (choices: see the module docstring). ``hi``: a bottleneck known to be reachable (the
+    best one-remat split's), which narrows the search to 1e-4 of it."""
     if len(options) > n_layers:
         return None
-    total = max(tab[0][-1] for row in options for _, tab in row)
+    total = max(_table(tab)[0][-1] for row in options for _, tab in row)
     iterations = 40
     if hi is None:
         lo, hi = 0.0, total * 1.0001
     else:
         lo, hi, iterations = 0.0, hi * 1.0001, 14
-    if _pack_mixed(hi, options, n_layers, caps) is None:
+    memo: dict = {}
+    if _pack_mixed(hi, options, n_layers, caps, memo) is None:
         return None
     for _ in range(iterations):
         mid = (lo + hi) / 2
-        if _pack_mixed(mid, options, n_layers, caps) is None:
+        if _pack_mixed(mid, options, n_layers, caps, memo) is None:
             lo = mid
         else:
             hi = mid
-    bounds, remats = _pack_mixed(hi, options, n_layers, caps)
-    tables = [dict(row)[r] for row, r in zip(options, remats, strict=True)]
-    times = [tab[0][b] - tab[0][a] for tab, (a, b) in zip(tables, bounds, strict=True)]
-    return bounds, times, remats
+    bounds, picked = _pack_mixed(hi, options, n_layers, caps, memo)
+    return bounds, [t for _, t in picked], [c for c, _ in picked]
+
+
+def _table(option):
+    """The slowest plain table of an option (a partial remat's full one)."""
+    return option.full if isinstance(option, PartialRemat) else option
 
 
 def stage_fits(stage, a: int, b: int, inflight: int, cap: float) -> bool:
@@ -166,20 +328,23 @@ def pareto_splits(options, n_layers: int, caps):
     """Every contiguous split that fits, each stage with the fastest of its (remat, table)
     options that fits, reduced to the Pareto set of (sum, max) stage time: for any
     micro-batch count the best split (fill + (m - 1) * max) is among them. Returns
-    (bounds, times, remats) per point."""
+    (bounds, times, choices) per point."""
     p = len(options)
     points = []
     for cuts in itertools.combinations(range(1, n_layers), p - 1):
         bounds = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
         times, remats = [], []
         for s, (row, (a, b)) in enumerate(zip(options, bounds, strict=True)):
-            fitting = [(tab[0][b] - tab[0][a], remat) for remat, tab in row
-                       if stage_fits(tab, a, b, p - s, caps[s])]
+            fitting = []
+            for remat, tab in row:
+                cost = option_cost(tab, a, b, p - s, caps[s])
+                if cost is not None:
+                    fitting.append((cost[0], _choice(remat, tab, a, b, cost[1])))
             if not fitting:
                 break
-            t, remat = min(fitting, key=lambda x: x[0])
+            t, choice = min(fitting, key=lambda x: x[0])
             times.append(t)
-            remats.append(remat)
+            remats.append(choice)
         else:
             points.append((sum(times), max(times), bounds, times, remats))
     points.sort(key=lambda t: (t[0], t[1]))

@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 
 from hetshard.plan import Plan, grad_sync_for
-from hetshard.sim.simulator import layers_cost
+from hetshard.sim.simulator import layers_cost, recomputed_among
 
 
 def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
@@ -25,7 +25,8 @@ def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
     micro-batches need no extra warm-up), else kept. None when no pipeline can."""
     pipes = list(plan.pipelines)
     able = [i for i, q in enumerate(pipes) if q.virtual_stages == 1 and len(q.stages) >= 2
-            and q.schedule != "zbh1" and all(st.num_layers >= v for st in q.stages)]
+            and q.schedule != "zbh1" and all(st.num_layers >= v and st.remat_layers is None
+                                             for st in q.stages)]
     if not able:
         return None
     counts = _rounded_counts(pipes, able) or {}
@@ -68,7 +69,7 @@ def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
         for layer in range(profile.num_layers):
             mbs = pipe.stage_micro_batch(w)
             key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
-                   mbs, plan.fsdp, plan.attention)
+                   recomputed_among(st, layer, layer + 1), mbs, plan.fsdp, plan.attention)
             if key not in cache:
                 c = layers_cost(st, layer, layer + 1, mbs,
                                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
