@@ -88,9 +88,10 @@ def test_memory_model_matches_hand_computed_totals(prof):
     assert (zero1.fwd_s, zero1.bwd_s, zero1.memory_per_microbatch_bytes) == \
         (base.fwd_s, base.bwd_s, base.memory_per_microbatch_bytes)
     full = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="full", cal=DEFAULT)
-    # Full remat keeps each layer's input: [seq=32, hidden=64] float32 per sample per block.
+    # Full remat keeps each layer's input, the layer before's output ([seq=32, hidden=64]
+    # float32 per sample after the embedding and each block; the token ids before it).
     blocks = [layer for layer in prof.layers if layer.kind.endswith("block")]
-    kept = sum(layer.boundary_bytes_per_sample for layer in prof.layers) * 2
+    kept = sum(layer.boundary_bytes_per_sample for layer in prof.layers[:-1]) * 2
     assert full.memory_per_microbatch_bytes == pytest.approx(kept)
     assert blocks[0].boundary_bytes_per_sample == 32 * 64 * 4
     sel = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="selective", cal=DEFAULT)
@@ -98,6 +99,33 @@ def test_memory_model_matches_hand_computed_totals(prof):
     assert sel.memory_per_microbatch_bytes == pytest.approx(2 * (residual - attn))
     assert full.bwd_s > sel.bwd_s >= base.bwd_s
     assert full.hardware_flops > full.model_flops == base.model_flops
+
+
+def test_partial_remat_prices_the_first_layers_full_and_the_rest_none(prof):
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    n = prof.num_layers
+
+    def cost(remat="full", k=None, a=0, b=n):
+        return stage_cost(prof, a, b, gpu, mbs=2, remat=remat, remat_layers=k, cal=DEFAULT)
+    none, full = cost("none"), cost()
+    assert cost(k=0) == none and cost(k=n) == full
+    parts = [cost(k=k) for k in range(n + 1)]
+    for k in range(1, n):
+        # The first k layers priced as full remat, the rest as none: sums of the two.
+        head, tail = cost(a=0, b=k), cost("none", a=k, b=n)
+        c = parts[k]
+        assert c.bwd_s == pytest.approx(head.bwd_s + tail.bwd_s)
+        assert c.memory_per_microbatch_bytes == pytest.approx(
+            head.memory_per_microbatch_bytes + tail.memory_per_microbatch_bytes)
+        assert c.hardware_flops == pytest.approx(head.hardware_flops + tail.hardware_flops)
+        assert c.memory_static_bytes == pytest.approx(full.memory_static_bytes)
+    # More layers recomputed: never faster, never more activation memory.
+    for lo, hi in zip(parts, parts[1:], strict=False):
+        assert hi.bwd_s >= lo.bwd_s and \
+            hi.memory_per_microbatch_bytes <= lo.memory_per_microbatch_bytes
+    assert parts[-1].bwd_s > parts[0].bwd_s
+    with pytest.raises(SpecError, match=r"remat_layers=5.*0 to 4"):
+        cost(k=5, a=0, b=4)
 
 
 def test_tensor_parallel_divides_compute_and_adds_communication(prof):

@@ -24,7 +24,15 @@ from hetshard.solver.baselines import BASELINES, run_baseline
 from hetshard.solver.inter_op import plan
 from hetshard.solver.intra_op import solve, spec_of
 from hetshard.solver.layouts import improve_layouts, layouts, relayout, segments
-from hetshard.solver.splits import LayerTables, pareto_splits, split_layers, split_layers_mixed
+from hetshard.solver.splits import (
+    LayerTables,
+    PartialRemat,
+    pareto_splits,
+    remat_choice,
+    split_layers,
+    split_layers_mixed,
+    with_partial,
+)
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
 
@@ -81,8 +89,9 @@ OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_opt
                       dtype="float16", time_limit_s=60)
 
 
-def _brute_force(profile, cluster, global_batch, opts):
-    """Independent enumeration of the planner's space; returns the best estimated time."""
+def _brute_force(profile, cluster, global_batch, opts, partial=True):
+    """Independent enumeration of the planner's space; returns the best estimated time.
+    ``partial``: stages may also recompute only their first k layers."""
     tables = LayerTables(profile, cluster, DEFAULT, opts.attention, opts.distributed_optimizer)
     groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
     n_layers = profile.num_layers
@@ -102,20 +111,30 @@ def _brute_force(profile, cluster, global_batch, opts):
                     continue
                 groups_of = [g for g in fam for _ in range(g.num_devices // (r * tp))]
                 p = len(groups_of)
-                # Every split and every remat of every stage (per-stage remat).
-                for remats in itertools.product(opts.remat_options, repeat=p):
-                    stages = [(g, tables.get(g, tp, mbs, rm, r))
-                              for g, rm in zip(groups_of, remats, strict=True)]
-                    for cuts in itertools.combinations(range(1, n_layers), p - 1):
-                        b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
-                        ok, times = True, []
-                        for s, ((g, (ct, cs, ca, w)), (lo, hi)) in enumerate(
-                                zip(stages, b, strict=True)):
-                            mem = cs[hi] - cs[lo] + (p - s) * (ca[hi] - ca[lo]) + w[lo:hi].max()
-                            ok &= mem <= g.gpu.memory_bytes * (1 - opts.memory_margin)
-                            times.append(ct[hi] - ct[lo])
-                        if not ok:
+                cap = [g.gpu.memory_bytes * (1 - opts.memory_margin) for g in groups_of]
+                # Every split, and per stage every remat and every partial full remat
+                # (first k layers recomputed): (time, static, per micro-batch, working).
+                for cuts in itertools.combinations(range(1, n_layers), p - 1):
+                    b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
+                    per_stage = []
+                    for g, (lo, hi) in zip(groups_of, b, strict=True):
+                        tab = {rm: tables.get(g, tp, mbs, rm, r) for rm in opts.remat_options}
+                        choices = [(ct[hi] - ct[lo], cs[hi] - cs[lo], ca[hi] - ca[lo],
+                                    w[lo:hi].max()) for ct, cs, ca, w in tab.values()]
+                        if partial and {"none", "full"} <= set(tab):
+                            (ctn, cs, can, wn), (ctf, _, caf, wf) = tab["none"], tab["full"]
+                            for k in range(1, hi - lo):
+                                m = lo + k
+                                choices.append((ctf[m] - ctf[lo] + ctn[hi] - ctn[m],
+                                                cs[hi] - cs[lo],
+                                                caf[m] - caf[lo] + can[hi] - can[m],
+                                                max(wf[lo:m].max(), wn[m:hi].max())))
+                        per_stage.append(choices)
+                    for chosen in itertools.product(*per_stage):
+                        if any(st + (p - s) * act + w > cap[s]
+                               for s, (_, st, act, w) in enumerate(chosen)):
                             continue
+                        times = [c[0] for c in chosen]
                         # Transfers: the pipeline's sends priced like the simulator's,
                         # and 1F1B's loop bound (stage s: p - s micro-batches in flight).
                         used, links = {}, []
@@ -134,10 +153,8 @@ def _brute_force(profile, cluster, global_batch, opts):
                         for extra in itertools.product(range(6), repeat=p):
                             if any(extra[s + 1] > extra[s] + 1 for s in range(p - 1)):
                                 continue
-                            if any(cs[hi] - cs[lo] + (p - s + extra[s]) * (ca[hi] - ca[lo]) +
-                                   w[lo:hi].max() > g.gpu.memory_bytes * (1 - opts.memory_margin)
-                                   for s, ((g, (_, cs, ca, w)), (lo, hi)) in enumerate(
-                                       zip(stages, b, strict=True))):
+                            if any(st + (p - s + extra[s]) * act + w > cap[s]
+                                   for s, (_, st, act, w) in enumerate(chosen)):
                                 continue
                             # Every cycle: forwards from s down to q, back up the
                             # backwards; it spans q - s + 1 + e_s - e_q micro-batches.
@@ -179,6 +196,60 @@ def test_remat_per_stage_lets_a_fast_memory_short_stage_take_more_layers():
     front = pareto_splits([fast, slow], 5, caps)
     assert min(max(t) for _, t, _ in front) == pytest.approx(4.0)
     assert (bounds, remats) in [(b, r) for b, _, r in front]
+
+
+def _layer_table(rows):
+    """A split table from per-layer (time, static, per micro-batch, working) rows."""
+    import numpy as np
+    a = np.array(rows, float)
+    return (np.concatenate([[0.0], np.cumsum(a[:, 0])]),
+            np.concatenate([[0.0], np.cumsum(a[:, 1])]),
+            np.concatenate([[0.0], np.cumsum(a[:, 2])]), a[:, 3])
+
+
+_LAYER = st.tuples(st.integers(1, 9), st.integers(0, 3), st.integers(2, 6), st.integers(0, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(_LAYER, min_size=5, max_size=5), min_size=2, max_size=3),
+       st.lists(st.integers(8, 40), min_size=3, max_size=3))
+def test_partial_remat_splits_are_optimal(stage_layers, caps):
+    # Per stage type: a "none" table and a "full" one (slower by each layer's forward, one
+    # activation unit kept, the layer's activations as working set). The bottleneck split
+    # with the partial option equals brute force over every split and every stage's
+    # choice among none, full and full on its first k layers.
+    p, n = len(stage_layers), 5
+    rows = []
+    for layers in stage_layers:
+        none = _layer_table([(t, w, a, 0) for t, w, a, _ in layers])
+        full = _layer_table([(t + f + 1, w, 1, a) for t, w, a, f in layers])
+        rows.append([("none", none), ("full", full)])
+    caps = caps[:p]
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = list(zip((0,) + cuts, cuts + (n,), strict=True))
+        worst = 0.0
+        for s, ((lo, hi), row) in enumerate(zip(bounds, rows, strict=True)):
+            (ctn, cs, can, _), (ctf, _, caf, wf) = row[0][1], row[1][1]
+            fits = [ctf[lo + k] - ctf[lo] + ctn[hi] - ctn[lo + k] for k in range(hi - lo + 1)
+                    if cs[hi] - cs[lo] + (p - s) * (caf[lo + k] - caf[lo] + can[hi] -
+                                                     can[lo + k])
+                    + (wf[lo:lo + k].max() if k else 0) <= caps[s]]
+            worst = max(worst, min(fits, default=float("inf")))
+        best = min(best, worst)
+    options = [with_partial(row) for row in rows]
+    assert isinstance(options[0][-1][1], PartialRemat)
+    got = split_layers_mixed(options, n, caps)
+    front = pareto_splits(options, n, caps)
+    if best == float("inf"):
+        assert got is None and front == []
+        return
+    bounds, times, choices = got
+    assert max(times) == pytest.approx(best)
+    assert min(max(t) for _, t, _ in front) == pytest.approx(best)
+    for (lo, hi), choice in zip(bounds, choices, strict=True):
+        remat, k = remat_choice(choice)
+        assert k is None or (remat == "full" and 0 < k < hi - lo)
 
 
 def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
@@ -224,6 +295,24 @@ def test_planner_search_is_exact_on_a_tiny_instance():
                      return_estimates=True)
     want = _brute_force(profile, cluster, 4, OPTS)
     assert estimates[0][0] == pytest.approx(want, rel=1e-6, abs=2e-6)
+
+
+@pytest.mark.slow
+def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
+    # 6 wide blocks at 4k tokens on 16 GB cards: memory binds, and the best plan
+    # recomputes only some of a stage's layers, better than any whole-stage remat.
+    model = "gpt:layers=6,hidden=4096,heads=32,vocab=256,seq=4096"
+    cluster = Cluster.load({"name": "short", "groups": [
+        {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}], "inter_group_gbs": 12.5})
+    profile = profile_model(model, 4096, "float16")
+    estimates = plan(model, profile, cluster, global_batch=8, seq_len=4096, options=OPTS,
+                     return_estimates=True)
+    best, families = estimates[0][0], estimates[0][1]
+    assert best == pytest.approx(_brute_force(profile, cluster, 8, OPTS), rel=1e-6)
+    assert any(f.remat_of(s)[1] is not None for f in families
+               for s in range(len(f.bounds)))
+    assert _brute_force(profile, cluster, 8, OPTS, partial=False) > best * 1.01
 
 
 def test_planner_is_deterministic_and_beats_baselines_on_tiny():

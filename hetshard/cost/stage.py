@@ -22,10 +22,10 @@ ZeRO-1), the compute-dtype weight
 copies autodiff keeps, and activations: the traced residuals per sample times the
 micro-batch size times the micro-batches in flight (1F1B: p - stage; GPipe: all),
 reduced by remat: ``selective`` drops attention's residuals (recomputed), ``full``
-keeps only each layer's input plus one layer's working set. A remat applies to the
-stage's first ``remat_layers`` layers (all by default; Megatron-LM's
-``--recompute-num-layers`` with the block method), the others keep everything: the
-finer trade between recomputation and memory. With the flash
+keeps only each layer's input (the layer before's output) plus one layer's working
+set. A remat applies to the stage's first ``remat_layers`` layers (all by default;
+Megatron-LM's ``--recompute-num-layers`` with the block method), the others keep
+everything: the finer trade between recomputation and memory. With the flash
 attention kernel (``attention="flash"``, the default: hetshard's runtime swaps it
 in), attention keeps only O(S) state and its backward recomputes the scores, so
 attention's residuals are never stored whatever the remat.
@@ -165,7 +165,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             kept = res - attn
             working = max(working, inner)
         else:
-            kept = layer.boundary_bytes_per_sample * mbs / shard
+            # A checkpointed layer keeps its input: the layer before's output (the
+            # first layer's is the token ids, negligible).
+            kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
+                    if index else 0.0)
             working = max(working, res - attn + inner)
         act += kept
         if mode != "none":
