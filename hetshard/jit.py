@@ -378,7 +378,7 @@ class HetshardJit:
             s_shard = state_shardings(state, sub, mesh)
             b_shard = batch_sharding(jax.tree.map(lambda x, n=p.batch_share: x[:n], batch),
                                      sub, mesh)
-            parts.append((p.batch_share, mesh, s_shard, b_shard))
+            parts.append((p.batch_share, mesh, s_shard, b_shard, sub))
 
         def capture(state, batch):
             _MARK.mode, _MARK.captured, _MARK.used = "capture", None, False
@@ -405,8 +405,10 @@ class HetshardJit:
             finally:
                 _MARK.mode = None
 
-        cap = [jax.jit(_with_attention(capture, plan), in_shardings=(s, b))
-               for _, _, s, b in parts]
+        # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
+        cap = [jax.jit(_with_attention(capture, sub, mesh), in_shardings=(s, b))
+               for _, mesh, s, b, sub in parts]
+        parts = [part[:4] for part in parts]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
         return ("multi", parts, cap, jax.jit(apply), idx)

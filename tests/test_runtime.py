@@ -197,7 +197,9 @@ def test_two_pipelines_with_uneven_batch_shares_match_one_device():
     n_layers = profile_model(MODEL, 16, "float32").num_layers
     # Batch shares 5:3, one pipeline on an H100 pair, one on four V100s.
     fast = Pipeline((Stage(0, n_layers, (0,), "H100-80GB", (("data", 1),)),), 5, 5, 1)
-    slow = Pipeline((Stage(0, n_layers, (4, 5, 6), "V100-32GB", (("data", 3),)),), 3, 1, 1)
+    # The slow pipeline recomputes its first 2 layers (each pipeline's stage remat runs).
+    slow = Pipeline((Stage(0, n_layers, (4, 5, 6), "V100-32GB", (("data", 3),),
+                           remat="full", remat_layers=2),), 3, 1, 1)
     plan = Plan(MODEL, cluster.to_dict(), 8, 16, (fast, slow))
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
@@ -229,6 +231,37 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
                                jax.device_put(batches[0], entry[3])).jaxpr)
     # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
     assert jaxpr.count("pallas_call") == kernels
+
+
+@pytest.mark.parametrize("remat,layers,checkpoints", [
+    ("none", None, 0), ("full", None, 4), ("full", 2, 2), ("selective", 3, 3)])
+def test_single_stage_plan_runs_its_remat_per_layer(remat, layers, checkpoints):
+    # gpt-tiny's 4 layers (embed, 2 blocks, head): each recomputed layer is one checkpoint
+    # in the traced step, and training still matches one device.
+    plan = _plan(f"dp=8,tp=1,pp=1,remat={remat}")
+    pipe = plan.pipelines[0]
+    stage = dataclasses.replace(pipe.stages[0], remat_layers=layers)
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=(stage,)),))
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    want_losses, want_params = _reference(batches, 2)
+    losses, params, step, _, (model, opt) = _run(plan, steps=2)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    entry = next(iter(step._compiled.values()))
+    jaxpr = entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),
+                           jax.device_put(batches[0], entry[3])).jaxpr
+
+    def count(jaxpr):
+        n = 0
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("checkpoint", "remat2"):
+                n += 1
+            elif e.primitive.name in ("pjit", "jit", "closed_call"):
+                n += count(e.params["jaxpr"].jaxpr)
+        return n
+    assert count(jaxpr.jaxpr) == checkpoints
 
 
 def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():

@@ -21,6 +21,7 @@ runtime (``hetshard.runtime.pipeline``) runs them on the stages' submeshes under
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -91,55 +92,13 @@ class StageProgram:
         if remat is None:
             eval_equations(jaxpr, env, sp.run, self.eqns)
         else:
-            wrap, count = remat
-            for ids, reads, outs in self._segments(count):
-                if reads is None:
-                    eval_equations(jaxpr, env, sp.run, ids)
-                    continue
-
-                def layer(*values, ids=ids, reads=reads, outs=outs):
-                    inner = dict(zip(reads, values, strict=True))
-                    eval_equations(jaxpr, inner, sp.run, ids)
-                    return [inner[v] for v in outs]
-                env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
+            key = ("segments", remat[1])
+            if key not in self._memo:
+                last = self.layers[1] if remat[1] is None else self.layers[0] + remat[1]
+                self._memo[key] = layer_segments(jaxpr, self.eqns, sp.eqn_layer,
+                                                 (self.layers[0], last), self.sends)
+            eval_segments(jaxpr, env, sp.run, self._memo[key], remat[0])
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
-
-    def _segments(self, count: int | None) -> list:
-        """The stage's equations as runs of one layer each, in order: (equation ids,
-        reads, outs), reads and outs None for a run evaluated inline, else the
-        variables it reads from before and those read after it (or sent)."""
-        key = ("segments", count)
-        if key in self._memo:
-            return self._memo[key]
-        sp = self._split
-        eqns = sp.closed.jaxpr.eqns
-        last = self.layers[1] if count is None else self.layers[0] + count
-        runs: list[list[int]] = []
-        for i in self.eqns:
-            if runs and sp.eqn_layer[runs[-1][-1]] == sp.eqn_layer[i]:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        skip = skipped_equations(sp.closed.jaxpr)
-        later_reads: list[set] = [set() for _ in runs]
-        seen = {v for v in self.sends if isinstance(v, ext.Var)}
-        for r in range(len(runs) - 1, -1, -1):
-            later_reads[r] = set(seen)
-            for i in runs[r]:
-                seen.update(v for v in eqns[i].invars if isinstance(v, ext.Var))
-        out = []
-        for r, ids in enumerate(runs):
-            if not self.layers[0] <= sp.eqn_layer[ids[0]] < last:
-                out.append((ids, None, None))
-                continue
-            made = {v for i in ids for v in eqns[i].outvars}
-            reads = list(dict.fromkeys(v for i in ids for v in eqns[i].invars
-                                       if isinstance(v, ext.Var) and v not in made))
-            outs = [v for i in ids if i not in skip for v in eqns[i].outvars
-                    if v in later_reads[r]]
-            out.append((ids, reads, outs))
-        self._memo[key] = out
-        return out
 
     def forward(self, params, frozen, batch, recvs, remat=None):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
@@ -178,6 +137,64 @@ class StageSplit:
     def producer(self) -> dict:
         """var -> stage index that sends it."""
         return {v: s.index for s in self.stages for v in s.sends}
+
+
+def remat_wrap(remat: str):
+    """The checkpoint wrapper of a plan's remat: ``full`` saves nothing (a layer's
+    input only), ``selective`` the matmuls without batch dimensions; None for none."""
+    if remat == "none":
+        return None
+    policy = {"full": jax.checkpoint_policies.nothing_saveable,
+              "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
+    return functools.partial(jax.checkpoint, policy=policy)
+
+
+def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
+                   recomputed: tuple[int, int], live: Sequence) -> list:
+    """Equations ``ids`` of ``jaxpr`` (in order) as runs of one layer each: (equation
+    ids, reads, outs). A run of a layer in ``recomputed`` = [first, end) lists the
+    variables it reads from before and those read after it or in ``live`` (the values
+    wanted at the end); other runs have reads and outs None (evaluated inline)."""
+    eqns = jaxpr.eqns
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and eqn_layer[runs[-1][-1]] == eqn_layer[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    skip = skipped_equations(jaxpr)
+    later: list[set] = [set() for _ in runs]
+    seen = {v for v in live if isinstance(v, ext.Var)}
+    for r in range(len(runs) - 1, -1, -1):
+        later[r] = set(seen)
+        for i in runs[r]:
+            seen.update(v for v in eqns[i].invars if isinstance(v, ext.Var))
+    out = []
+    for r, run in enumerate(runs):
+        if not recomputed[0] <= eqn_layer[run[0]] < recomputed[1]:
+            out.append((run, None, None))
+            continue
+        made = {v for i in run for v in eqns[i].outvars}
+        reads = list(dict.fromkeys(v for i in run for v in eqns[i].invars
+                                   if isinstance(v, ext.Var) and v not in made))
+        outs = [v for i in run if i not in skip for v in eqns[i].outvars if v in later[r]]
+        out.append((run, reads, outs))
+    return out
+
+
+def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None) -> None:
+    """``eval_equations`` over ``layer_segments``: each recomputed layer's run as one
+    function wrapped by ``wrap`` (``remat_wrap``), so the backward recomputes it alone."""
+    for ids, reads, outs in segments:
+        if reads is None:
+            eval_equations(jaxpr, env, run, ids, constrain=constrain)
+            continue
+
+        def layer(*values, ids=ids, reads=reads, outs=outs):
+            inner = dict(zip(reads, values, strict=True))
+            eval_equations(jaxpr, inner, run, ids, constrain=constrain)
+            return [inner[v] for v in outs]
+        env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
 
 
 def layer_sequence(closed) -> tuple[list[str], list[int]]:

@@ -8,9 +8,10 @@ plan's activation layout, and attention is computed by the plan's implementation
 parameters' and the batch's layouts are the program's input shardings
 (``hetshard.runtime.spmd``); with the boundaries pinned as well, XLA's propagation
 cannot drift the batch layout across layers (for example toward a tensor-split weight's
-layout), so the program the plan priced is the program that runs. The plan's
-``activation:<layer>`` entries name the layout (batch over the data axes); a boundary
-whose leading dimension the data axes do not divide is left unconstrained.
+layout), so the program the plan priced is the program that runs, with the stage's
+remat (each recomputed layer under its own checkpoint, as in the pipeline rewrite).
+The plan's ``activation:<layer>`` entries name the layout (batch over the data axes);
+a boundary whose leading dimension the data axes do not divide is left unconstrained.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetshard.plan import Stage
 from hetshard.rewrite.attention import attention_runner, eval_equations
-from hetshard.rewrite.pipeline import StageSplitError, layer_sequence
+from hetshard.rewrite.pipeline import (
+    StageSplitError,
+    eval_segments,
+    layer_segments,
+    layer_sequence,
+    remat_wrap,
+)
 
 
 def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
@@ -73,7 +80,21 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                 constrain[v] = layout
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, jax.tree.leaves(args), strict=True))
-        eval_equations(jaxpr, env, run, constrain=constrain)
+        wrap = remat_wrap(stage.remat)
+        if wrap is None:
+            eval_equations(jaxpr, env, run, constrain=constrain)
+        else:
+            # The stage's remat: each of its first remat_layers layers (all by default)
+            # checkpointed on its own; without layer scopes, the whole function.
+            try:
+                _, eqn_layer = layer_sequence(closed)
+            except StageSplitError:
+                eqn_layer = [0] * len(jaxpr.eqns)
+            count = stage.remat_layers
+            segments = layer_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
+                                      (0, len(jaxpr.eqns) if count is None else count),
+                                      jaxpr.outvars)
+            eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain)
         outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 

@@ -58,7 +58,7 @@ from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
 from hetshard.rewrite.backward import input_backward, weight_backward
-from hetshard.rewrite.pipeline import StageSplitError, split_stages
+from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
 from hetshard.sim.schedule import schedule_walk
 
@@ -670,18 +670,12 @@ def _samples_per_micro_batch(pipeline) -> int:
 
 # ---- jitted stage functions -----------------------------------------------------------
 
-_REMAT = {"none": None, "selective": "dots_with_no_batch_dims_saveable", "full": "nothing"}
-
-
 def _forward(program, remat, remat_layers, params, frozen, batch, recvs):
     """The stage's forward; under a remat each of its first ``remat_layers`` layers (None:
     all) is checkpointed on its own, so the backward recomputes one layer at a time."""
-    if remat in ("selective", "full"):
-        policy = (jax.checkpoint_policies.nothing_saveable if remat == "full" else
-                  jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-        wrap = functools.partial(jax.checkpoint, policy=policy)
-        return program.forward(params, frozen, batch, recvs, remat=(wrap, remat_layers))
-    return program.forward(params, frozen, batch, recvs)
+    wrap = remat_wrap(remat)
+    return program.forward(params, frozen, batch, recvs,
+                           remat=None if wrap is None else (wrap, remat_layers))
 
 
 def _seeded(program, incoming, seeds) -> list:

@@ -68,7 +68,6 @@ from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_
 from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.splits import (
     LayerTables,
-    PartialRemat,
     choice_parts,
     pareto_splits,
     plain,
@@ -137,6 +136,14 @@ class Family:
     stage_remats: tuple = ()
     warmup: tuple[int, ...] = ()  # extra 1F1B warm-up forwards per stage (empty: none)
 
+    @property
+    def kind(self) -> int:
+        """0: one remat for all stages, 1: a remat per stage, 2: some stage recomputing
+        only its first layers (ranked apart: see ``plan``)."""
+        if _has_partial(self.stage_remats or (self.remat,)):
+            return 2
+        return 1 if self.stage_remats else 0
+
     def remat_of(self, stage: int) -> tuple[str, int | None]:
         """(remat, remat_layers) of a stage."""
         return remat_choice(self.stage_remats[stage] if self.stage_remats else self.remat)
@@ -192,23 +199,28 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                 for i in range(j))]
             options = [[row[j] for j in keep] for row in options]
             # and the full remat of a stage's first k layers only, k as few as fit
-            rows: dict = {}  # one per GPU type: its searches are remembered
-            options = [rows.setdefault(tuple(id(t) for _, t in row), with_partial(row))
-                       for row in options]
             for g, k in zip(groups, ks, strict=True):
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
+            # With the full remat of a stage's first k layers only (k as few as fit) too:
+            # those splits are added where a stage takes it, as their own kind.
+            rows: dict = {}  # one per GPU type: its searches are remembered
+            partial = [rows.setdefault(tuple(id(t) for _, t in row), with_partial(row))
+                       for row in options]
+            if len(partial[0]) == len(options[0]):
+                partial = None
             if exhaustive:
                 # Every split, each stage with its fastest remat that fits: the Pareto
                 # set of (sum, max) covers every per-family and per-stage remat choice.
                 splits = pareto_splits(options, n_layers, caps)
+                if partial is not None:
+                    splits += [sp for sp in pareto_splits(partial, n_layers, caps)
+                               if _has_partial(sp[2])]
             else:
                 # Bottleneck splits: one remat for all stages, and one per stage where
                 # memory, not time, stops a stage of the fastest remat's split.
                 splits = []
-                for remat, tab in options[0]:
-                    if isinstance(tab, PartialRemat):
-                        continue
+                for remat, _ in options[0]:
                     res = split_layers([plain(row)[remat] for row in options], n_layers, caps)
                     if res is not None:
                         splits.append((*res, [remat] * len(options)))
@@ -217,11 +229,14 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                     res = split_layers_mixed(options, n_layers, caps, best)
                     if res is not None and len(set(res[2])) > 1:
                         splits.append(res)
+                    res = partial and split_layers_mixed(partial, n_layers, caps, best)
+                    if res and _has_partial(res[2]):
+                        splits.append(res)
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
                 fill, bottleneck, warmup = pipeline_estimate(
                     tables, names, r * cp * tp, mbs * r, bounds, times, opts.schedule,
-                    _activation_room(options, bounds, remats, caps))
+                    _activation_room(partial or options, bounds, remats, caps))
                 out.append(Family(tuple(g.name for g in groups), r, tp, mbs, remats[0],
                                   tuple(bounds), tuple(names), fill, bottleneck, cp, mixed,
                                   warmup))
@@ -256,6 +271,10 @@ def pipeline_estimate(tables: LayerTables, stage_groups, stage_devices: int, sam
         return fill, steady_period(times, links), ()
     period, extra = best_warmup(times, links, warmup_rooms(memory, p))
     return fill, period, extra
+
+
+def _has_partial(choices) -> bool:
+    return any(remat_choice(c)[1] is not None for c in choices)
 
 
 def _activation_room(options, bounds, remats, caps):
@@ -448,8 +467,9 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             per_family.append(cands)
         else:
             if math.prod(len(c) for c in per_family) > opts.exhaustive_combos:
-                # Per family the eight best with one remat for all stages and the best
-                # with remat per stage (ranked apart, see below).
+                # Per family the eight best with one remat for all stages, the best
+                # with remat per stage and the best with a partial remat (ranked apart,
+                # see below).
                 per_family = [_prune(c, 8) for c in per_family]
             combos += [c for c in itertools.product(*per_family)
                        if global_batch >= sum(f.samples_per_microbatch for f in c)]
@@ -473,14 +493,15 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # The estimate ignores transfers and gradient sync, so besides the global top-N the
     # best candidate of every group assignment (which groups, in which families) is
     # simulated: the simulator, not the estimate, decides between structures.
-    # Plans with remat per stage are ranked apart from the others: their estimates
-    # favour recomputing stages whose cost the simulation then finds higher, and they
-    # must not push the others out of the simulated set.
+    # Plans with remat per stage, and those recomputing only some layers of a stage,
+    # are ranked apart from the others: their estimates favour recomputing stages whose
+    # cost the simulation then finds higher, and they must not push the others out of
+    # the simulated set.
     # Exact counts are computed as candidates are chosen; a combination whose units
     # cannot add up to the batch exactly (the relaxation cannot tell) is passed over.
-    candidates, seen, ranks = [], set(), {False: 0, True: 0}
+    candidates, seen, ranks = [], set(), {0: 0, 1: 0, 2: 0}
     for _t, combo, counts in estimates:
-        mixed = any(f.stage_remats for f in combo)
+        mixed = max(f.kind for f in combo)
         key = (tuple(f.groups for f in combo), mixed)
         if ranks[mixed] >= opts.simulate_top and key in seen:
             continue
@@ -525,26 +546,31 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
 
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
-    relaid = []
+    relaid, partial = [], []
     for start in scored[:opts.layout_top]:
         if start[0][0] or late(0.85):
             continue
-        # Then on from there with stages recomputing only their first layers: both
-        # results stay candidates (the first can end better once under ZB-H1).
-        for partial in (False, True):
-            got = improve_layouts(start, evaluate, tables, cluster, heads,
-                                  tp_options=opts.tp_options, remats=opts.remat_options,
-                                  margin=opts.memory_margin, max_stages=opts.max_stages,
-                                  evals=opts.layout_evals, partial=partial)
-            if got[1] is not start[1]:
-                relaid.append(got)
-            start = got
+        got = improve_layouts(start, evaluate, tables, cluster, heads,
+                              tp_options=opts.tp_options, remats=opts.remat_options,
+                              margin=opts.memory_margin, max_stages=opts.max_stages,
+                              evals=opts.layout_evals)
+        if got[1] is not start[1]:
+            relaid.append(got)
+        # Then on from there with stages recomputing only their first layers. Both ends
+        # stay candidates (the first can be the better once under ZB-H1); the second
+        # gets its variants apart, taking no place among the best few.
+        more = improve_layouts(got, evaluate, tables, cluster, heads,
+                               tp_options=opts.tp_options, remats=opts.remat_options,
+                               margin=opts.memory_margin, max_stages=opts.max_stages,
+                               evals=opts.layout_evals, partial=True)
+        if more[1] is not got[1]:
+            partial.append(more)
     firsts = scored[:opts.refine_top]
     scored = sorted(scored + relaid, key=lambda x: x[0])
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []
-    for key, cand, _ in scored[:opts.variant_top]:
+    for key, cand, _ in scored[:opts.variant_top] + partial:
         if key[0] or late(0.85):
             continue
         tuned = tune_warmup(cand, profile, cluster, cal, margin=opts.memory_margin,
@@ -573,6 +599,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                             "layers on each of a pipeline's submeshes")
     # Local search from the best few plans as found, as re-laid out (one that simulates
     # faster can still end in a worse local optimum) and interleaved.
+    scored = sorted(scored + partial, key=lambda x: x[0])
     starts = list({id(x[1]): x for x in firsts + scored[:opts.refine_top] +
                    variants[:opts.refine_top]}.values())
     best = min(starts, key=lambda x: x[0])
@@ -623,9 +650,11 @@ def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None):
 
 
 def _prune(cands: list[Family], n: int) -> list[Family]:
-    mixed = [f for f in cands if f.stage_remats][:1]
-    uniform = [f for f in cands if not f.stage_remats][:n]
-    return sorted(uniform + mixed, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
+    """The ``n`` best with one remat for all stages, the best with a remat per stage and
+    the best recomputing only some layers of a stage."""
+    kept = [f for kind, size in ((0, n), (1, 1), (2, 1))
+            for f in [f for f in cands if f.kind == kind][:size]]
+    return sorted(kept, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
 
 
 def single_type_stages(plan: Plan, cluster: Cluster) -> bool:
