@@ -202,12 +202,14 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
             for g, k in zip(groups, ks, strict=True):
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
-            # With the full remat of a stage's first k layers only (k as few as fit) too:
-            # those splits are added where a stage takes it, as their own kind.
+            # With the full remat of a stage's first k layers only (k as few as fit) too,
+            # where every split is listed: those splits are added where a stage takes it,
+            # as their own kind. (Bisecting them on large instances cost mix3-x256 its
+            # search budget for no gain: there the layout descent brings partial remat.)
             rows: dict = {}  # one per GPU type: its searches are remembered
             partial = [rows.setdefault(tuple(id(t) for _, t in row), with_partial(row))
                        for row in options]
-            if len(partial[0]) == len(options[0]):
+            if len(partial[0]) == len(options[0]) or not exhaustive:
                 partial = None
             if exhaustive:
                 # Every split, each stage with its fastest remat that fits: the Pareto
@@ -229,9 +231,7 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                     res = split_layers_mixed(options, n_layers, caps, best)
                     if res is not None and len(set(res[2])) > 1:
                         splits.append(res)
-                    res = partial and split_layers_mixed(partial, n_layers, caps, best)
-                    if res and _has_partial(res[2]):
-                        splits.append(res)
+
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
                 fill, bottleneck, warmup = pipeline_estimate(
