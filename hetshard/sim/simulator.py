@@ -224,15 +224,27 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         p = n // v
         act = costs[pi]
         sends = _sends(pipe, profile, cluster, cal)
-        events, free, last_b = time_pipeline([c.fwd_s for c in act], [c.bwd_s for c in act],
-                                             sends, m, pipe.schedule, v, pipe.extra_warmup,
-                                             trace, [c.bwd_weight_s for c in act])
+        # A pipeline's walk depends only on its stage costs, transfers and schedule: the
+        # planner's neighbouring plans mostly change one pipeline, so the others' walks
+        # and memory peaks are remembered.
+        key = ("walk", tuple(act), tuple(sends), m, pipe.schedule, v, pipe.extra_warmup)
+        walked = None if (trace or cache is None) else cache.get(key)
+        if walked is None:
+            events, _, last_b = time_pipeline(
+                [c.fwd_s for c in act], [c.bwd_s for c in act], sends, m, pipe.schedule, v,
+                pipe.extra_warmup, trace, [c.bwd_weight_s for c in act])
+            peaks = [worker_memory(pipe.schedule, p, w, m, v, act, pipe.extra_warmup)
+                     for w in range(p)]
+            if cache is not None and not trace:
+                cache[key] = (last_b, peaks)
+        else:
+            (last_b, peaks), events = walked, []
         tasks += [Task(pi, s_, kind, i, start, end, s_ % p)
                   for s_, kind, i, start, end in events]
         for s_, (start, end) in enumerate(last_b):
             last_b_start[(pi, s_)], last_b_end[(pi, s_)] = start, end
         for w in range(p):
-            peak = worker_memory(pipe.schedule, p, w, m, v, act, pipe.extra_warmup)
+            peak = peaks[w]
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
             for d in pipe.stages[w].devices:
                 busy[d] = work

@@ -98,6 +98,7 @@ class PlannerOptions:
     variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
     layout_top: int = 8  # best simulated plans given a layout per GPU type
+    partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
@@ -547,7 +548,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
     relaid, partial = [], []
-    for start in scored[:opts.layout_top]:
+    for rank, start in enumerate(scored[:opts.layout_top]):
         if start[0][0] or late(0.85):
             continue
         got = improve_layouts(start, evaluate, tables, cluster, heads,
@@ -559,6 +560,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         # Then on from there with stages recomputing only their first layers. Both ends
         # stay candidates (the first can be the better once under ZB-H1); the second
         # gets its variants apart, taking no place among the best few.
+        if rank >= opts.partial_top:
+            continue
         more = improve_layouts(got, evaluate, tables, cluster, heads,
                                tp_options=opts.tp_options, remats=opts.remat_options,
                                margin=opts.memory_margin, max_stages=opts.max_stages,

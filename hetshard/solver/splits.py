@@ -236,24 +236,43 @@ def _pack(t_max: float, stages, n_layers: int, caps, memo: dict | None = None):
     return bounds
 
 
+def _min_bottleneck(pack, hi: float):
+    """The result of ``pack`` (t_max -> (result, its bottleneck) or None; feasible for
+    every t_max from the optimum up) at the smallest t_max, to 1e-9 relative, or None
+    when even ``hi`` is infeasible. Bisection that snaps its upper end to the bottleneck
+    each feasible pack reaches (an achievable value, often the optimum itself), and stops
+    as soon as just below it is infeasible."""
+    got = pack(hi)
+    if got is None:
+        return None
+    lo, hi = 0.0, got[1]
+    while hi - lo > 1e-9 * hi:
+        below = pack(hi * (1 - 1e-9))
+        if below is None:
+            break
+        got, hi = below, below[1]
+        mid = (lo + hi) / 2
+        found = pack(mid)
+        if found is None:
+            lo = mid
+        else:
+            got, hi = found, found[1]
+    return got[0]
+
+
 def split_layers(stages, n_layers: int, caps):
     """Minimum bottleneck split: (bounds, stage times) or None if nothing fits."""
     if len(stages) > n_layers:
         return None
-    total = max(st[0][-1] for st in stages)
-    lo, hi = 0.0, total * 1.0001
     memo: dict = {}
-    if _pack(hi, stages, n_layers, caps, memo) is None:
-        return None
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if _pack(mid, stages, n_layers, caps, memo) is None:
-            lo = mid
-        else:
-            hi = mid
-    bounds = _pack(hi, stages, n_layers, caps, memo)
-    times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
-    return bounds, times
+
+    def pack(t_max):
+        bounds = _pack(t_max, stages, n_layers, caps, memo)
+        if bounds is None:
+            return None
+        times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
+        return (bounds, times), max(times)
+    return _min_bottleneck(pack, max(st[0][-1] for st in stages) * 1.0001)
 
 
 def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
@@ -292,26 +311,21 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = 
 def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
     """Minimum bottleneck split with a remat per stage: (bounds, times, choices) or None
     (choices: see the module docstring). ``hi``: a bottleneck known to be reachable (the
-    best one-remat split's), which narrows the search to 1e-4 of it."""
+    best one-remat split's), where the search starts."""
     if len(options) > n_layers:
         return None
-    total = max(_table(tab)[0][-1] for row in options for _, tab in row)
-    iterations = 40
     if hi is None:
-        lo, hi = 0.0, total * 1.0001
-    else:
-        lo, hi, iterations = 0.0, hi * 1.0001, 14
+        hi = max(_table(tab)[0][-1] for row in options for _, tab in row)
     memo: dict = {}
-    if _pack_mixed(hi, options, n_layers, caps, memo) is None:
-        return None
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        if _pack_mixed(mid, options, n_layers, caps, memo) is None:
-            lo = mid
-        else:
-            hi = mid
-    bounds, picked = _pack_mixed(hi, options, n_layers, caps, memo)
-    return bounds, [t for _, t in picked], [c for c, _ in picked]
+
+    def pack(t_max):
+        got = _pack_mixed(t_max, options, n_layers, caps, memo)
+        if got is None:
+            return None
+        bounds, picked = got
+        times = [t for _, t in picked]
+        return (bounds, times, [c for c, _ in picked]), max(times)
+    return _min_bottleneck(pack, hi * 1.0001)
 
 
 def _table(option):
