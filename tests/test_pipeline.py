@@ -160,10 +160,9 @@ def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():
     _assert_matches_one_device("gpt-tiny", plan)
 
 
-def test_partial_remat_recomputes_only_the_stages_first_layers():
-    # gpt-tiny's two blocks as one stage, k of them checkpointed (each on its own): the
-    # residuals the vjp keeps shrink and the backward's flops grow by one block's forward
-    # per recomputed block; k = 2 is the whole stage's full remat.
+def _blocks_stage():
+    """gpt-tiny split as embedding | both blocks | head: the middle stage and its forward's
+    arguments (parameters, frozen state, batch, what the first stage sent)."""
     batch = _batches("gpt-tiny", n=1, batch=2)[0]
     loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
     split = split_stages(loss, leaves, b, [(0, 1), (1, 3), (3, 4)],
@@ -173,8 +172,15 @@ def test_partial_remat_recomputes_only_the_stages_first_layers():
                                       [leaves[i] for i in first.frozen],
                                       [b[i] for i in first.batch], [])
     recvs = dict(zip((first.sends[j] for j in first.diff_sends), fo, strict=True))
-    args = ([leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
-            [b[i] for i in st.batch], [recvs[v] for v in st.recvs])
+    return st, ([leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
+                [b[i] for i in st.batch], [recvs[v] for v in st.recvs])
+
+
+def test_partial_remat_recomputes_only_the_stages_first_layers():
+    # gpt-tiny's two blocks as one stage, k of them checkpointed (each on its own): the
+    # residuals the vjp keeps shrink and the backward's flops grow by one block's forward
+    # per recomputed block; k = 2 is the whole stage's full remat.
+    st, args = _blocks_stage()
     wrap = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     params = {id(x) for x in args[0]}
     kept, flops, grads = [], [], []
@@ -407,20 +413,10 @@ def test_zero_bubble_passes_split_a_real_stage_without_recomputing(remat):
     # backward's (with full remat the recomputation runs once, in B), and each pass does a
     # real share of it (W: the weight-gradient matmuls).
     from hetshard.rewrite.backward import input_backward, weight_backward
-    batch = _batches("gpt-tiny", n=1, batch=2)[0]
-    loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
-    split = split_stages(loss, leaves, b, [(0, 1), (1, 3), (3, 4)],
-                         list(range(len(leaves))))
-    first, st = split.stages[0], split.stages[1]
-    fo, _, _ = jax.jit(first.forward)([leaves[i] for i in first.params],
-                                      [leaves[i] for i in first.frozen],
-                                      [b[i] for i in first.batch], [])
+    st, args = _blocks_stage()
     wrap = (functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
             if remat == "full" else None)
-    recvs = dict(zip((first.sends[j] for j in first.diff_sends), fo, strict=True))
-    outs, _, vjp = jax.jit(functools.partial(st.forward, remat=wrap and (wrap, None)))(
-        [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
-        [b[i] for i in st.batch], [recvs[v] for v in st.recvs])
+    outs, _, vjp = jax.jit(functools.partial(st.forward, remat=wrap and (wrap, None)))(*args)
     cts = [jnp.ones_like(o) for o in outs]
 
     def flops(fn, *args):
