@@ -86,11 +86,11 @@ def main() -> int:
 
     # 2. Plans, priced by the simulator.
     opts = PlannerOptions(time_limit_s=20, dtype="float16")
-    profile = profile_model(config, SEQ, "float16")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = make_plan(config, cluster, global_batch=args.global_batch, seq_len=SEQ,
                          options=opts)
+    profile = profile_model(config, SEQ, "float16", split_blocks=plan.split_blocks)
     console.print(plan.explain())
     result = simulate(plan, profile, cluster)
     write_chrome_trace(result, os.path.join(RESULTS, "quickstart_trace.json"))
@@ -99,9 +99,10 @@ def main() -> int:
     speed = Table(title="simulated throughput (same simulator for every planner)")
     for col in ("planner", "tokens/s", "fits", "hetshard speed-up"):
         speed.add_column(col)
+    blocks = profile_model(config, SEQ, "float16")  # the baselines split at whole blocks
     speed.add_row("hetshard", f"{plan.predicted.tokens_per_s:,.0f}", "True", "1.00x")
     for name in BASELINES:
-        base = run_baseline(name, config.name, profile, cluster, args.global_batch, SEQ, opts)
+        base = run_baseline(name, config.name, blocks, cluster, args.global_batch, SEQ, opts)
         ok = bool(base and base.predicted.fits)
         tps = base.predicted.tokens_per_s if base else 0.0
         speed.add_row(name, f"{tps:,.0f}", str(ok),

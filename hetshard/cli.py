@@ -170,7 +170,9 @@ def cmd_simulate(args) -> int:
 def _planner_options(args):
     from hetshard.solver import PlannerOptions, options_from_fix
     base = PlannerOptions(time_limit_s=args.time_limit, dtype=args.dtype,
-                          attention=args.attention)
+                          attention=args.attention,
+                          split_blocks={"auto": None, "yes": True, "no": False}[
+                              args.split_blocks])
     return options_from_fix(args.fix, base)
 
 
@@ -294,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "float16", "float32"])
         sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+        sp.add_argument("--split-blocks", default="auto", choices=["auto", "yes", "no"],
+                        help="stage boundaries inside blocks (attention | MLP): auto plans "
+                             "both ways on clusters of up to 64 GPUs and keeps the faster")
         sp.add_argument("--calibration", default=None)
         json_flag(sp)
         sp.set_defaults(func=fn)

@@ -22,11 +22,12 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
-# ``Stage.remat_layers`` (absent: the remat covers the whole stage).
-READS_VERSIONS = (1, 2, 3, 4, 5)
+# ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
+# ``Plan.split_blocks`` (absent: layers are whole blocks).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
@@ -152,6 +153,9 @@ class Plan:
     # its shard, and the updated parameters are all-gathered.
     distributed_optimizer: bool = False
     attention: str = "flash"  # "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory)
+    # Layers are block halves (attention, MLP): stage boundaries may fall inside a block,
+    # and every layer index (stages, grad_sync, remat_layers) counts halves.
+    split_blocks: bool = False
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
     version: int = SCHEMA_VERSION
@@ -210,6 +214,7 @@ class Plan:
         lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
                  f"{self.num_devices} devices, dtype {self.dtype}, {self.attention} attention"
                  + (", FSDP" if self.fsdp else "")
+                 + (", layers are block halves (attention, MLP)" if self.split_blocks else "")
                  + (", distributed optimizer" if self.distributed_optimizer else "")]
         hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
                f"{'devices':>16} {'mbs':>4} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} "
@@ -275,7 +280,7 @@ def validate(plan: Plan) -> None:
         raise SpecError("pipelines", [], "at least one pipeline")
     if plan.attention not in ("flash", "reference"):
         raise SpecError("attention", plan.attention, "flash or reference")
-    for name in ("fsdp", "distributed_optimizer"):
+    for name in ("fsdp", "distributed_optimizer", "split_blocks"):
         if not isinstance(getattr(plan, name), bool):
             raise SpecError(name, getattr(plan, name), "true or false")
     shares = sum(p.batch_share for p in plan.pipelines)

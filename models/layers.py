@@ -102,9 +102,14 @@ class Block(nnx.Module):
                        param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x_bsd, *, causal: bool, positions_bs=None, segment_ids_bs=None):
-        x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd), causal=causal,
-                                  positions_bs=positions_bs, segment_ids_bs=segment_ids_bs)
-        return x_bsd + self.mlp(self.mlp_norm(x_bsd))
+        # Each residual branch under its own scope: the halves a stage boundary may fall
+        # between when plans split blocks.
+        with jax.named_scope("attn"):
+            x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd), causal=causal,
+                                      positions_bs=positions_bs,
+                                      segment_ids_bs=segment_ids_bs)
+        with jax.named_scope("mlp"):
+            return x_bsd + self.mlp(self.mlp_norm(x_bsd))
 
 
 def block_params(hidden: int, heads: int, kv_heads: int, ffn: int, *, norm: str, mlp: str,

@@ -128,6 +128,32 @@ def test_partial_remat_prices_the_first_layers_full_and_the_rest_none(prof):
         cost(k=5, a=0, b=4)
 
 
+def test_split_blocks_profile_halves_add_up_to_the_blocks(prof):
+    # Each block becomes its attention half and its MLP half: flops, parameters and
+    # residuals add up to the block's, the half boundary carries the residual stream, and
+    # a simulation refuses a profile of the other granularity.
+    halves = profile_model(SPEC, 32, "float32", split_blocks=True)
+    assert halves.split_blocks and halves.num_layers == 2 * prof.num_layers - 2
+    assert halves.layer_names()[1:3] == ["decoder/layer_0/attn", "decoder/layer_0/mlp"]
+    for i, block in enumerate(prof.layers[1:-1]):
+        attn, mlp = halves.layers[1 + 2 * i], halves.layers[2 + 2 * i]
+        assert attn.flops(2) + mlp.flops(2) == pytest.approx(block.flops(2))
+        assert attn.param_bytes + mlp.param_bytes == block.param_bytes
+        assert attn.param_bytes > 0 and mlp.param_bytes > attn.param_bytes  # ffn = 4h
+        assert attn.residual_bytes_per_sample + mlp.residual_bytes_per_sample == \
+            pytest.approx(block.residual_bytes_per_sample)
+        assert attn.boundary_bytes_per_sample == block.boundary_bytes_per_sample
+        assert attn.fwd_attention.any() and not mlp.fwd_attention.any()
+    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard.sim import simulate
+    stage = Stage(0, prof.num_layers, (0,), "A100-80GB", (("data", 1),))
+    plan = Plan(SPEC, {}, 2, 32, (Pipeline((stage,), 2, 2, 1),))
+    cluster = Cluster.load("dgx-a100-80gb-x8")
+    with pytest.raises(SpecError, match=r"profile.split_blocks=True.*split_blocks=False"):
+        simulate(plan, halves, cluster)
+    assert simulate(plan, prof, cluster).fits
+
+
 def test_tensor_parallel_divides_compute_and_adds_communication(prof):
     c = Cluster.load("dgx-a100-80gb-x8")
     gpu = c.groups[0].gpu

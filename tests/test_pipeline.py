@@ -1,5 +1,6 @@
 """MPMD pipelines: stage programs on uneven submeshes match single-device training."""
 
+import dataclasses
 import functools
 
 import jax
@@ -204,6 +205,24 @@ def test_pipeline_with_a_partial_remat_stage_matches_one_device():
         Stage(0, 3, (0, 1), H, (("data", 2),), remat="full", remat_layers=2),
         _stage(3, 4, (4, 5), V, data=2)), 8, 2, 2, schedule="zbh1")])
     _assert_matches_one_device("gpt-tiny", plan)
+
+
+def test_stage_boundaries_inside_blocks_match_one_device():
+    # Layers are block halves: gpt-tiny's 6 (embed, 2 x (attention, MLP), head). Stage 0
+    # ends after block 0's attention, stage 1 after block 1's attention (a tensor-parallel
+    # stage recomputing its first half), stage 2 runs the last MLP and the head.
+    plan = dataclasses.replace(_plan("gpt-tiny", [Pipeline((
+        _stage(0, 2, (0,), H),
+        Stage(2, 4, (2, 3), A, (("data", 1), ("tensor", 2)), remat="full", remat_layers=1),
+        _stage(4, 6, (4, 5), V, data=2)), 8, 2, 4)]), split_blocks=True)
+    _assert_matches_one_device("gpt-tiny", plan)
+    batch = _batches("gpt-tiny", n=1, batch=2)[0]
+    loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
+    split = split_stages(loss, leaves, b, [(0, 2), (2, 4), (4, 6)], [], split_blocks=True)
+    assert split.layer_names == ["decoder/embed", "decoder/layer_0/attn", "decoder/layer_0/mlp",
+                                 "decoder/layer_1/attn", "decoder/layer_1/mlp", "decoder/head"]
+    with pytest.raises(StageSplitError, match="6 layers"):
+        split_stages(loss, leaves, b, [(0, 2), (2, 4)], [], split_blocks=True)
 
 
 def test_stages_with_different_data_ways_share_the_micro_batch():

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import json
 import warnings
@@ -313,6 +314,22 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
     assert any(f.remat_of(s)[1] is not None for f in families
                for s in range(len(f.bounds)))
     assert _brute_force(profile, cluster, 8, OPTS, partial=False) > best * 1.01
+
+
+def test_planner_plans_with_blocks_split_or_whole_and_keeps_the_faster():
+    cluster = Cluster.load(TINY_CLUSTER)
+    plans = {split: make_plan(TINY, cluster, global_batch=8, seq_len=64,
+                              options=dataclasses.replace(OPTS, split_blocks=split))
+             for split in (False, True, None)}
+    assert not plans[False].split_blocks and plans[True].split_blocks
+    assert plans[True].pipelines[0].stages[-1].end == 2 * 4 + 2  # 4 blocks as 8 halves
+    best = min(plans[False], plans[True], key=lambda p: p.predicted.step_time_s)
+    assert plans[None].predicted.step_time_s == best.predicted.step_time_s
+    assert plans[None].split_blocks == best.split_blocks
+    # Above split_blocks_max_devices only whole blocks are tried.
+    small = dataclasses.replace(OPTS, split_blocks_max_devices=2)
+    assert not make_plan(TINY, cluster, global_batch=8, seq_len=64,
+                         options=small).split_blocks
 
 
 def test_planner_is_deterministic_and_beats_baselines_on_tiny():

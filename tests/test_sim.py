@@ -522,10 +522,14 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 5
-    # Schemas 3 (no ZB-H1 schedule yet) and 4 (no remat_layers: the remat covers the whole
-    # stage) read unchanged.
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 6
+    # Schemas 3 (no ZB-H1 schedule yet), 4 (no remat_layers: the remat covers the whole
+    # stage) and 5 (no split_blocks: layers are whole blocks) read unchanged.
     old = zero1.to_dict()
+    del old["split_blocks"]
+    old["version"] = 5
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == zero1
     for entry in old["pipelines"][0]["stages"]:
         del entry["remat_layers"]
     for version in (3, 4):
@@ -550,6 +554,9 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan("gpt-tiny", {}, 8, 64, (zb,)).pipelines[0].schedule == "zbh1"
     with pytest.raises(SpecError, match="distributed_optimizer='yes'.*true or false"):
         dataclasses.replace(plan, distributed_optimizer="yes")
+    with pytest.raises(SpecError, match="split_blocks=1.*true or false"):
+        dataclasses.replace(plan, split_blocks=1)
+    assert "block halves" in dataclasses.replace(plan, split_blocks=True).explain()
     two = (Stage(0, 1, (0,), "A100-80GB", (("data", 1),)),
            Stage(1, 2, (1,), "A100-80GB", (("data", 1),)))
     inter = Pipeline(two + (dataclasses.replace(two[0], start=2, end=3),

@@ -76,6 +76,7 @@ class ModelProfile:
     opt_bytes_per_param_byte: float
     opt_update_bytes_per_param_byte: float  # HBM traffic of the optimizer update
     tokens_per_sample: int
+    split_blocks: bool = False  # layers are block halves (attention, MLP)
 
     @property
     def num_layers(self) -> int:
@@ -99,7 +100,7 @@ class ModelProfile:
 
 
 MATMULS = ("dot_general", "conv_general_dilated")
-_BLOCK = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)$")
+_BLOCK = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)(?P<part>/attn|/mlp)?$")
 
 
 def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
@@ -167,12 +168,17 @@ def _boundary(graph: OpGraph) -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=32)
-def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
-    """Traces ``model`` (name, spec or config) and returns its :class:`ModelProfile`."""
+def profile_model(model, seq_len: int, dtype: str = "bfloat16",
+                  split_blocks: bool = False) -> ModelProfile:
+    """Traces ``model`` (name, spec or config) and returns its :class:`ModelProfile`;
+    with ``split_blocks`` each block is two layers, its attention and its MLP half (a
+    stage boundary may then fall inside a block)."""
     config = models.resolve(model)
     reduced = with_layers(config, 2)
-    g1 = trace_train_step(reduced, micro_batch=2, seq_len=seq_len, dtype=dtype)
-    g2 = trace_train_step(reduced, micro_batch=4, seq_len=seq_len, dtype=dtype)
+    g1 = trace_train_step(reduced, micro_batch=2, seq_len=seq_len, dtype=dtype,
+                          split_blocks=split_blocks)
+    g2 = trace_train_step(reduced, micro_batch=4, seq_len=seq_len, dtype=dtype,
+                          split_blocks=split_blocks)
     p1, p2 = _split(g1), _split(g2)
     t1, t2 = g1.layer_totals(), g2.layer_totals()
     b1, b2 = _boundary(g1), _boundary(g2)
@@ -200,7 +206,7 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
                        t2[name].get("attention_residual_bytes", 0.0))
         bnd = _linear(b1.get(name, 0.0), b2.get(name, 0.0))
         m = _BLOCK.match(name)
-        kind = f"{m.group('stack')}/block" if m else name
+        kind = f"{m.group('stack')}/block{m.group('part') or ''}" if m else name
         reduced_layers[name] = LayerProfile(
             name=name, kind=kind, **arrays,
             residual_bytes_per_sample=res[1], attention_residual_bytes_per_sample=attn[1],
@@ -217,12 +223,17 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
             continue
         if m.group("i") != "0":
             continue  # replicate the first block of each stack to the full depth
-        stack = m.group("stack")
+        stack, part = m.group("stack"), m.group("part")
+        if part is not None and part != "/attn":
+            continue  # the halves are replicated with the first
+        parts = ("/attn", "/mlp") if part else ("",)
         depth = _depth(config, stack)
-        src = reduced_layers[f"{stack}/layer_{min(1, depth - 1)}"] \
-            if f"{stack}/layer_1" in reduced_layers else reduced_layers[name]
         for i in range(depth):
-            layers.append(dataclasses.replace(src, name=f"{stack}/layer_{i}"))
+            for half in parts:
+                src = reduced_layers[f"{stack}/layer_{min(1, depth - 1)}{half}"] \
+                    if f"{stack}/layer_1{half}" in reduced_layers else \
+                    reduced_layers[f"{stack}/layer_0{half}"]
+                layers.append(dataclasses.replace(src, name=f"{stack}/layer_{i}{half}"))
     opt_ratio = g1.opt_state_bytes / max(sum(g1.param_bytes), 1)
     return ModelProfile(
         model=str(model), seq_len=seq_len, dtype=dtype, layers=tuple(layers),
@@ -230,7 +241,7 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16") -> ModelProfile:
         # A fused update reads parameter, gradient and state and writes parameter and
         # state once; the traced (unfused) equation bytes would overcount it ~6x.
         opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
-        tokens_per_sample=seq_len)
+        tokens_per_sample=seq_len, split_blocks=split_blocks)
 
 
 def _linear(at2, at4):

@@ -26,12 +26,21 @@ from hetshard.ir.graph import Op, OpGraph
 _rl = importlib.import_module("jax.experimental.roofline.roofline")
 
 _LAYER_RE = re.compile(r"([A-Za-z_][\w\-]*/(?:layer_\d+|embed|head)|projector)")
+# With blocks split: a block's attention and MLP halves (the "attn" and "mlp" scopes
+# inside its layer scope, after autodiff's closing parentheses) as layers of their own.
+_HALF_RE = re.compile(
+    r"([A-Za-z_][\w\-]*/(?:layer_\d+|embed|head)|projector)(?:\)*/(attn|mlp)\b)?")
 _NESTED = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def layer_of(name_stack: str) -> str:
-    """The innermost layer scope in a name stack ('' when there is none)."""
-    found = _LAYER_RE.findall(name_stack)
+def layer_of(name_stack: str, split_blocks: bool = False) -> str:
+    """The innermost layer scope in a name stack ('' when there is none); with
+    ``split_blocks``, a block's half (``decoder/layer_3/attn``, ``decoder/layer_3/mlp``)."""
+    if split_blocks:
+        found = [f"{a}/{b}" if b and "/layer_" in a else a
+                 for a, b in _HALF_RE.findall(name_stack)]
+    else:
+        found = _LAYER_RE.findall(name_stack)
     return found[-1] if found else ""
 
 
@@ -107,7 +116,8 @@ def _rule_params(eqn) -> dict:
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, split_blocks: bool = False):
+        self.split_blocks = split_blocks
         self.ops: list[Op] = []
         self.edges: list[tuple[int, int, float]] = []
         self.producer: dict = {}  # var -> op index (after inlining)
@@ -143,7 +153,8 @@ class _Builder:
                    tuple(tuple(v.aval.shape) for v in eqn.outvars))
             inputs = tuple((env.get(v, -1) if isinstance(v, jcore.Var) else -1,
                             tuple(getattr(_aval(v), "shape", ()))) for v in eqn.invars)
-            self.ops.append(Op(idx, eqn.primitive.name, layer_of(stack), phase_of(stack),
+            self.ops.append(Op(idx, eqn.primitive.name, layer_of(stack, self.split_blocks),
+                               phase_of(stack),
                                flops * scale, nbytes * scale,
                                sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig,
                                inputs, tuple(tuple(v.aval.shape) for v in eqn.outvars),
@@ -179,16 +190,17 @@ def _open(j):
 
 
 def trace(fn: Callable, *args, param_argnum: int | None = 0,
-          opt_state_argnum: int | None = None) -> OpGraph:
+          opt_state_argnum: int | None = None, split_blocks: bool = False) -> OpGraph:
     """Traces ``fn(*args)`` (arrays or ``ShapeDtypeStruct``\\ s) to an :class:`OpGraph`.
 
     ``args[param_argnum]`` (a pytree) holds the parameters: each is attributed
     to the layer that first reads it. ``args[opt_state_argnum]``, if given,
-    holds optimizer state, whose bytes are recorded.
+    holds optimizer state, whose bytes are recorded. ``split_blocks``: layers are block
+    halves (see ``layer_of``).
     """
     closed = jax.make_jaxpr(fn)(*args)
     jaxpr = closed.jaxpr
-    b = _Builder()
+    b = _Builder(split_blocks)
     env = {v: -1 for v in jaxpr.invars}
     leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
     if param_argnum is not None:
@@ -238,7 +250,7 @@ def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
                 continue
             for v in eqn.invars:
                 if isinstance(v, jcore.Var) and v in env and env[v] not in readers:
-                    readers[env[v]] = layer_of(stack)
+                    readers[env[v]] = layer_of(stack, builder.split_blocks)
             # Casts and copies of a parameter still identify it.
             if eqn.primitive.name in ("convert_element_type", "copy", "copy_p") and \
                     isinstance(eqn.invars[0], jcore.Var) and eqn.invars[0] in env:

@@ -89,8 +89,10 @@ def param_paths(config) -> list[str]:
 
 
 def trace_train_step(config, *, micro_batch: int, seq_len: int, dtype: str | None = None,
-                     optimizer: optax.GradientTransformation | None = None) -> OpGraph:
-    """Traces one AdamW train step of ``config`` on one micro-batch."""
+                     optimizer: optax.GradientTransformation | None = None,
+                     split_blocks: bool = False) -> OpGraph:
+    """Traces one AdamW train step of ``config`` on one micro-batch (``split_blocks``:
+    layers are block halves)."""
     config = models.resolve(config)
     if dtype is not None:
         config = with_dtype(config, dtype)
@@ -107,4 +109,5 @@ def trace_train_step(config, *, micro_batch: int, seq_len: int, dtype: str | Non
         updates, opt_state = tx.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
 
-    return trace(step, params, opt_state, batch, param_argnum=0, opt_state_argnum=1)
+    return trace(step, params, opt_state, batch, param_argnum=0, opt_state_argnum=1,
+                 split_blocks=split_blocks)

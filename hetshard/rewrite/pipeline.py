@@ -197,13 +197,14 @@ def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None) -> None
         env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
 
 
-def layer_sequence(closed) -> tuple[list[str], list[int]]:
+def layer_sequence(closed, split_blocks: bool = False) -> tuple[list[str], list[int]]:
     """Layer names in execution order and each equation's layer index (untagged
-    equations join the nearest tagged equation before them, or after at the start)."""
+    equations join the nearest tagged equation before them, or after at the start);
+    ``split_blocks``: a block's attention and MLP halves are layers of their own."""
     names: list[str] = []
     tags: list[int | None] = []
     for eqn in closed.jaxpr.eqns:
-        name = layer_of(str(eqn.source_info.name_stack))
+        name = layer_of(str(eqn.source_info.name_stack), split_blocks)
         if not name:
             tags.append(None)
             continue
@@ -223,11 +224,13 @@ def layer_sequence(closed) -> tuple[list[str], list[int]]:
 
 def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
                  ranges: Sequence[tuple[int, int]], diff_state: Sequence[int], *,
-                 attention: str = "reference", **attention_options) -> StageSplit:
+                 attention: str = "reference", split_blocks: bool = False,
+                 **attention_options) -> StageSplit:
     """Splits ``loss(state_leaves, batch_leaves)`` (arrays or ShapeDtypeStructs) into
     stages with the layer ``ranges`` ([start, end) per stage, contiguous from 0).
 
     ``diff_state``: indices of the state leaves to differentiate (the parameters).
+    ``split_blocks``: the ranges count block halves (``layer_sequence``).
 
     Raises:
       StageSplitError: ranges that do not cover the loss's layers exactly, or a loss
@@ -237,7 +240,7 @@ def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
                                                                list(batch_leaves))
     jaxpr = closed.jaxpr
     num_state = len(state_leaves)
-    names, eqn_layer = layer_sequence(closed)
+    names, eqn_layer = layer_sequence(closed, split_blocks)
     if ranges[0][0] != 0 or ranges[-1][1] != len(names) or any(
             a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False)) or any(
             e <= s for s, e in ranges):

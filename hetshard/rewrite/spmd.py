@@ -60,9 +60,11 @@ def layer_boundaries(closed) -> list:
     return out
 
 
-def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference", **options):
+def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
+                     split_blocks: bool = False, **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
-    the module docstring); a function without layer scopes is only re-interpreted."""
+    the module docstring); a function without layer scopes is only re-interpreted.
+    ``split_blocks``: the plan counts block halves as layers (its remat_layers too)."""
     run = attention_runner(attention, **options)
 
     @functools.wraps(fn)
@@ -87,7 +89,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             # The stage's remat: each of its first remat_layers layers (all by default)
             # checkpointed on its own; without layer scopes, the whole function.
             try:
-                _, eqn_layer = layer_sequence(closed)
+                _, eqn_layer = layer_sequence(closed, split_blocks)
             except StageSplitError:
                 eqn_layer = [0] * len(jaxpr.eqns)
             count = stage.remat_layers

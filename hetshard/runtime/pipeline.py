@@ -212,7 +212,8 @@ class PipelineRunner:
         ranges = [(s.start, s.end) for s in pipeline.stages]
         try:
             return split_stages(self._loss_flat, self.state_avals, mb_avals, ranges,
-                                self.diff, attention=self.plan.attention)
+                                self.diff, attention=self.plan.attention,
+                                split_blocks=self.plan.split_blocks)
         except StageSplitError as e:
             raise PipelineSetupError(str(e)) from None
 

@@ -26,6 +26,7 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
+from hetshard.errors import SpecError
 from hetshard.plan import Plan, Predicted
 from hetshard.sim.schedule import (
     best_warmup,
@@ -212,6 +213,10 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     """Simulates one step of ``plan``; see the module docstring for the model. With
     ``trace=False`` the result's ``tasks`` are left empty, and ``cache`` keeps stage costs
     between calls on the same profile, cluster and calibration (the planner's use)."""
+    if plan.split_blocks != profile.split_blocks:
+        raise SpecError("profile.split_blocks", profile.split_blocks,
+                        f"the plan's split_blocks={plan.split_blocks} (profile the model with "
+                        f"profile_model(..., split_blocks={plan.split_blocks}))")
     costs = stage_costs_for(plan, profile, cluster, cal, cache)
     tasks: list[Task] = []
     stage_end: dict[tuple[int, int], float] = {}

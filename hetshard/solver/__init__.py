@@ -72,13 +72,22 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
     t0 = time.perf_counter()
-    profile = profile_model(model, seq_len, opts.dtype)
-    # One budget: the inter-op search gets 65% of it, the intra-op shardings the rest.
+    split = opts.split_blocks
+    ways = (False, True) if split is None and \
+        cluster.num_devices <= opts.split_blocks_max_devices else (bool(split),)
+    # One budget: the inter-op search gets 65% of it (split between the ways to count
+    # layers), the intra-op shardings the rest.
     inter = opts.time_limit_s * (0.65 if shardings else 1.0)
     name = model if isinstance(model, str) else config.name
-    result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                  cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable),
-                                                       time_limit_s=inter))
+    result = profile = None
+    for k, halves in enumerate(ways):
+        prof = profile_model(model, seq_len, opts.dtype, split_blocks=halves)
+        left = t0 + inter - time.perf_counter() if k else inter
+        found = plan(name, prof, cluster, global_batch=global_batch, seq_len=seq_len,
+                     cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable),
+                                                          time_limit_s=max(1.0, left)))
+        if result is None or found.predicted.step_time_s < result.predicted.step_time_s:
+            result, profile = found, prof
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
         result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))

@@ -116,6 +116,12 @@ class PlannerOptions:
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
+    # Stage boundaries inside blocks (attention | MLP halves as layers): True, False, or
+    # None to plan both ways on clusters of at most ``split_blocks_max_devices`` GPUs
+    # (larger ones: blocks only, the second search would not fit the time budget) and
+    # keep the faster plan.
+    split_blocks: bool | None = None
+    split_blocks_max_devices: int = 64
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
     exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
 
@@ -387,7 +393,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
                 dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
-                attention=opts.attention)
+                attention=opts.attention, split_blocks=profile.split_blocks)
 
 
 def _assignments(groups: tuple[Group, ...]):

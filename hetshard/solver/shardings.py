@@ -24,7 +24,8 @@ from hetshard.ir.train_step import param_paths, trace_train_step, with_layers
 from hetshard.plan import Plan
 from hetshard.solver.intra_op import solve, spec_of
 
-_LAYER = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)$")
+# A block, or with split blocks one of its halves (its parameters: attn*, mlp*).
+_LAYER = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)(?:/(?P<part>attn|mlp))?$")
 
 
 @functools.lru_cache(maxsize=16)
@@ -88,8 +89,10 @@ def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                    for k, lay in res.param_specs.items()
                                    if paths[k].startswith(prefix)}
                 prefix = f"{_path_prefix(m.group('stack'), config)}/{m.group('i')}/"
+                part = m.group("part")
                 entries += [(prefix + name, spec) for name, spec in
-                            sorted(solved[key].items())]
+                            sorted(solved[key].items())
+                            if part is None or name.split("/")[0].startswith(part)]
             entries.append((f"activation:{profile.layers[st.end - 1].name}",
                             ("data", None, None)))
             stages.append(dataclasses.replace(st, shardings=tuple(entries)))

@@ -140,4 +140,5 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                     num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
-                distributed_optimizer=fix.zero1, attention=attention)
+                distributed_optimizer=fix.zero1, attention=attention,
+                split_blocks=profile.split_blocks)
