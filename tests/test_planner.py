@@ -413,7 +413,7 @@ def test_every_plan_is_valid(groups, layers, batch):
                           time_limit_s=20, dtype="float16")
     p = make_plan(model, cluster, global_batch=batch, seq_len=32, options=opts,
                   shardings=False)
-    n_layers = profile_model(model, 32, "float16").num_layers
+    n_layers = profile_model(model, 32, "float16", split_blocks=p.split_blocks).num_layers
     assert sum(q.batch_share for q in p.pipelines) == batch
     used = set()
     for q in p.pipelines:
@@ -462,7 +462,8 @@ def test_distributed_optimizer_is_chosen_per_plan_or_fixed():
     # The default searches what zero1=true searches, and each best plan also without it.
     assert plans[""].predicted.step_time_s <= plans["zero1=true"].predicted.step_time_s
     for p in plans.values():
-        r = simulate(p, profile_model(TINY, 64, "float16"), cluster, DEFAULT, trace=False)
+        r = simulate(p, profile_model(TINY, 64, "float16", split_blocks=p.split_blocks),
+                     cluster, DEFAULT, trace=False)
         assert r.step_time_s == pytest.approx(p.predicted.step_time_s)
 
 
@@ -527,7 +528,7 @@ def test_fix_schedule_zbh1_or_1f1b():
                    options=options_from_fix("schedule=zbh1", base))
     multi = [q for q in zb.pipelines if q.num_workers > 1]
     assert multi and all(q.schedule == "zbh1" for q in multi)
-    profile = profile_model("gpt-1.3b", 2048, "float16")
+    profile = profile_model("gpt-1.3b", 2048, "float16", split_blocks=zb.split_blocks)
     r = simulate(zb, profile, cluster, DEFAULT)
     assert {t.kind for t in r.tasks} >= {"F", "B", "W"}
     plain = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
