@@ -56,7 +56,7 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     from hetshard.cost.calibration import DEFAULT
     from hetshard.cost.profile import profile_model
     from hetshard.errors import SpecError
-    from hetshard.solver.inter_op import _heads, plan
+    from hetshard.solver.inter_op import _heads, plan, refine_halves
     from hetshard.solver.shardings import attach_shardings
     cluster = Cluster.load(cluster)
     opts = options or PlannerOptions()
@@ -72,22 +72,33 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
     t0 = time.perf_counter()
-    split = opts.split_blocks
-    ways = (False, True) if split is None and \
-        cluster.num_devices <= opts.split_blocks_max_devices else (bool(split),)
-    # One budget: the inter-op search gets 65% of it (split between the ways to count
-    # layers), the intra-op shardings the rest.
+    # One budget: the inter-op search gets 65% of it, the intra-op shardings the rest.
     inter = opts.time_limit_s * (0.65 if shardings else 1.0)
     name = model if isinstance(model, str) else config.name
-    result = profile = None
-    for k, halves in enumerate(ways):
-        prof = profile_model(model, seq_len, opts.dtype, split_blocks=halves)
-        left = t0 + inter - time.perf_counter() if k else inter
-        found = plan(name, prof, cluster, global_batch=global_batch, seq_len=seq_len,
-                     cal=cal, options=dataclasses.replace(opts, tp_options=tuple(usable),
-                                                          time_limit_s=max(1.0, left)))
-        if result is None or found.predicted.step_time_s < result.predicted.step_time_s:
-            result, profile = found, prof
+    split = opts.split_blocks
+    blocks = profile_model(model, seq_len, opts.dtype)
+    narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
+    if split:
+        profile = profile_model(model, seq_len, opts.dtype, split_blocks=True)
+        result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                      cal=cal, options=narrowed)
+    else:
+        profile = blocks
+        result = plan(name, blocks, cluster, global_batch=global_batch, seq_len=seq_len,
+                      cal=cal, options=narrowed)
+    if split is None and cluster.num_devices <= opts.split_blocks_max_devices:
+        # The whole-block plan refined with stage boundaries allowed inside blocks
+        # (attention | MLP): kept when faster.
+        halves = profile_model(model, seq_len, opts.dtype, split_blocks=True)
+        left = max(1.0, t0 + inter - time.perf_counter())
+        refined = refine_halves(result, blocks, halves, cluster, cal=cal,
+                                options=dataclasses.replace(narrowed, time_limit_s=left))
+        cut = "time_limit" in (refined.solver.status, result.solver.status)
+        if refined.predicted.step_time_s < result.predicted.step_time_s * (1 - 1e-9):
+            result, profile = refined, halves
+        result = dataclasses.replace(result, solver=dataclasses.replace(
+            result.solver, wall_time_s=time.perf_counter() - t0,
+            status="time_limit" if cut else result.solver.status))
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
         result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))

@@ -789,3 +789,90 @@ def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
         f"{min(opts.mbs_options)} and full remat, the tightest stage needs "
         f"{need / 1e9:.1f} GB per GPU against {cap / 1e9:.1f} GB usable "
         f"(global batch {global_batch}, at least {min_batch} sample per pipeline)")
+
+
+def _half_index(blocks: ModelProfile, halves: ModelProfile) -> list[int]:
+    """Per layer of ``blocks`` (and its end), the index of its first layer in ``halves``
+    (a block's attention half; other layers are the same in both)."""
+    names = halves.layer_names()
+    out, j = [], 0
+    for layer in blocks.layers:
+        while not (names[j] == layer.name or names[j].startswith(layer.name + "/")):
+            j += 1
+        out.append(j)
+    return out + [len(names)]
+
+
+def as_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile) -> Plan:
+    """``plan`` with its layer indices counting block halves: the same stages, the same
+    program (a stage's recomputed layers keep covering the same blocks)."""
+    index = _half_index(blocks, halves)
+    pipes = []
+    for q in plan.pipelines:
+        stages = []
+        for st in q.stages:
+            k = st.remat_layers
+            stages.append(dataclasses.replace(
+                st, start=index[st.start], end=index[st.end],
+                remat_layers=None if k is None else index[st.start + k] - index[st.start]))
+        pipes.append(dataclasses.replace(q, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes), split_blocks=True,
+                               grad_sync=grad_sync_for(pipes, plan.global_batch))
+
+
+def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
+                  cluster: Cluster, *, cal: Calibration = DEFAULT,
+                  options: PlannerOptions | None = None) -> Plan:
+    """The best plan found from ``plan`` (a whole-block plan) with stage boundaries
+    allowed inside blocks: the plan in halves (``as_halves``, the same program), then the
+    layout descent (with and without partial remat), local search and ZB-H1 as in
+    ``plan``, on the ``halves`` profile. The search's effort is fixed by the options;
+    ``time_limit_s`` cuts it (status ``time_limit``)."""
+    opts = options or PlannerOptions()
+    t0 = time.perf_counter()
+    tables = LayerTables(halves, cluster, cal, opts.attention,
+                         opts.distributed_optimizer is not False)
+    heads = _heads(plan.model)
+    cache: dict = {}
+
+    def evaluate(p: Plan):
+        p = tune_warmup(p, halves, cluster, cal, margin=opts.memory_margin, cache=cache)
+        r = simulate(p, halves, cluster, cal, trace=False, cache=cache)
+        return (not r.fits, r.step_time_s), p, r
+
+    found = [evaluate(as_halves(plan, blocks, halves))]
+    for partial in (False, True):
+        if time.perf_counter() - t0 > opts.time_limit_s * 0.5:
+            break
+        found.append(improve_layouts(found[-1], evaluate, tables, cluster, heads,
+                                     tp_options=opts.tp_options, remats=opts.remat_options,
+                                     margin=opts.memory_margin, max_stages=opts.max_stages,
+                                     evals=opts.layout_evals, partial=partial))
+    best = min(found, key=lambda x: x[0])
+    better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
+                                         t0 + opts.time_limit_s * 0.85, opts.refine_evals,
+                                         cache, opts.memory_margin)
+    cut = cut or len(found) < 3
+    if (not better_r.fits, better_r.step_time_s) < best[0]:
+        best = ((not better_r.fits, better_r.step_time_s), better, better_r)
+    if opts.zero_bubble and opts.schedule == "1f1b":
+        zb = zero_bubble(best[1])
+        zb = zb and tune_warmup(zb, halves, cluster, cal, margin=opts.memory_margin,
+                                cache=cache, zero_bubble_options=True)
+        if zb is not None:
+            r = simulate(zb, halves, cluster, cal, trace=False, cache=cache)
+            if (not r.fits, r.step_time_s) < best[0]:
+                best = ((not r.fits, r.step_time_s), zb, r)
+    if opts.distributed_optimizer is None:
+        best = zero1_choice(best, halves, cluster, cal, cache)
+    _, chosen, result = best
+    upper = upper_bound_tokens_per_s(halves, cluster, cal)
+    gap = max(0.0, 1 - plan.global_batch * plan.seq_len / upper / result.step_time_s)
+    status = "time_limit" if cut else "searched"
+    if cut:
+        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit refining with blocks "
+                      f"split: best plan found, gap to the compute bound {gap:.1%}",
+                      stacklevel=2)
+    chosen = dataclasses.replace(chosen, solver=SolverStats(
+        time.perf_counter() - t0, status, gap))
+    return annotate(chosen, result, upper)
