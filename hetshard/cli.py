@@ -297,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["bfloat16", "float16", "float32"])
         sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
         sp.add_argument("--split-blocks", default="auto", choices=["auto", "yes", "no"],
-                        help="stage boundaries inside blocks (attention | MLP): auto plans "
-                             "both ways on clusters of up to 64 GPUs and keeps the faster")
+                        help="stage boundaries inside blocks (attention | MLP): auto "
+                             "refines the best whole-block plan with them (clusters of up "
+                             "to 64 GPUs) and keeps it when faster; yes searches halves")
         sp.add_argument("--calibration", default=None)
         json_flag(sp)
         sp.set_defaults(func=fn)

@@ -116,10 +116,10 @@ class PlannerOptions:
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
-    # Stage boundaries inside blocks (attention | MLP halves as layers): True, False, or
-    # None to plan both ways on clusters of at most ``split_blocks_max_devices`` GPUs
-    # (larger ones: blocks only, the second search would not fit the time budget) and
-    # keep the faster plan.
+    # Stage boundaries inside blocks (attention | MLP halves as layers): True searches
+    # halves from the start, False never splits, None refines the best whole-block plan
+    # in halves (``refine_halves``) on clusters of at most ``split_blocks_max_devices``
+    # GPUs and keeps it when faster.
     split_blocks: bool | None = None
     split_blocks_max_devices: int = 64
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
