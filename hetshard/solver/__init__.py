@@ -76,16 +76,10 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     inter = opts.time_limit_s * (0.65 if shardings else 1.0)
     name = model if isinstance(model, str) else config.name
     split = opts.split_blocks
-    blocks = profile_model(model, seq_len, opts.dtype)
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
-    if split:
-        profile = profile_model(model, seq_len, opts.dtype, split_blocks=True)
-        result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                      cal=cal, options=narrowed)
-    else:
-        profile = blocks
-        result = plan(name, blocks, cluster, global_batch=global_batch, seq_len=seq_len,
-                      cal=cal, options=narrowed)
+    profile = blocks = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
+    result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                  cal=cal, options=narrowed)
     if split is None and cluster.num_devices <= opts.split_blocks_max_devices:
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
