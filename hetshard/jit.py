@@ -373,7 +373,7 @@ class HetshardJit:
                                          "using hetshard.value_and_grad")
         fn = self.fn
         graphdef, state = nnx.split(others)
-        parts = []
+        parts, subs = [], []
         for p in plan.pipelines:
             sub = dataclasses.replace(plan, pipelines=(p,), global_batch=p.batch_share,
                                       grad_sync=())
@@ -381,7 +381,8 @@ class HetshardJit:
             s_shard = state_shardings(state, sub, mesh)
             b_shard = batch_sharding(jax.tree.map(lambda x, n=p.batch_share: x[:n], batch),
                                      sub, mesh)
-            parts.append((p.batch_share, mesh, s_shard, b_shard, sub))
+            parts.append((p.batch_share, mesh, s_shard, b_shard))
+            subs.append(sub)
 
         def capture(state, batch):
             _MARK.mode, _MARK.captured, _MARK.used = "capture", None, False
@@ -410,8 +411,7 @@ class HetshardJit:
 
         # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
         cap = [jax.jit(_with_attention(capture, sub, mesh), in_shardings=(s, b))
-               for _, mesh, s, b, sub in parts]
-        parts = [part[:4] for part in parts]
+               for (_, mesh, s, b), sub in zip(parts, subs, strict=True)]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
         return ("multi", parts, cap, jax.jit(apply), idx)

@@ -89,13 +89,12 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             # The stage's remat: each of its first remat_layers layers (all by default)
             # checkpointed on its own; without layer scopes, the whole function.
             try:
-                _, eqn_layer = layer_sequence(closed, split_blocks)
+                names, eqn_layer = layer_sequence(closed, split_blocks)
             except StageSplitError:
-                eqn_layer = [0] * len(jaxpr.eqns)
-            count = stage.remat_layers
+                names, eqn_layer = [""], [0] * len(jaxpr.eqns)
+            count = len(names) if stage.remat_layers is None else stage.remat_layers
             segments = layer_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
-                                      (0, len(jaxpr.eqns) if count is None else count),
-                                      jaxpr.outvars)
+                                      (0, count), jaxpr.outvars)
             eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain)
         outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), outs)

@@ -77,7 +77,7 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     name = model if isinstance(model, str) else config.name
     split = opts.split_blocks
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
-    profile = blocks = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
+    profile = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
     result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
                   cal=cal, options=narrowed)
     if split is None and cluster.num_devices <= opts.split_blocks_max_devices:
@@ -85,7 +85,7 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
         # (attention | MLP): kept when faster.
         halves = profile_model(model, seq_len, opts.dtype, split_blocks=True)
         left = max(1.0, t0 + inter - time.perf_counter())
-        refined = refine_halves(result, blocks, halves, cluster, cal=cal,
+        refined = refine_halves(result, profile, halves, cluster, cal=cal,
                                 options=dataclasses.replace(narrowed, time_limit_s=left))
         cut = "time_limit" in (refined.solver.status, result.solver.status)
         if refined.predicted.step_time_s < result.predicted.step_time_s * (1 - 1e-9):

@@ -205,7 +205,6 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                 all(_same(options[s][j][1], options[s][i][1]) for s in range(len(options)))
                 for i in range(j))]
             options = [[row[j] for j in keep] for row in options]
-            # and the full remat of a stage's first k layers only, k as few as fit
             for g, k in zip(groups, ks, strict=True):
                 caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
                 names += [g.name] * k
@@ -238,7 +237,6 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                     res = split_layers_mixed(options, n_layers, caps, best)
                     if res is not None and len(set(res[2])) > 1:
                         splits.append(res)
-
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
                 fill, bottleneck, warmup = pipeline_estimate(
@@ -540,16 +538,10 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     scored.sort(key=lambda x: x[0])
     refine_deadline = t0 + opts.time_limit_s * 0.85
 
-    def evaluate(p: Plan):
-        p = tune_warmup(p, profile, cluster, cal, margin=opts.memory_margin, cache=cache)
-        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
-        return (not r.fits, r.step_time_s), p, r
+    evaluate = _evaluator(profile, cluster, cal, opts, cache)
 
     def zero_bubble_tuned(p: Plan) -> Plan | None:
-        """``p`` under ZB-H1 with its best warm-up option, when the options allow it."""
-        zb = zero_bubble(p) if opts.zero_bubble and opts.schedule == "1f1b" else None
-        return zb and tune_warmup(zb, profile, cluster, cal, margin=opts.memory_margin,
-                                  cache=cache, zero_bubble_options=True)
+        return _zero_bubble_tuned(p, profile, cluster, cal, opts, cache)
 
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
@@ -622,25 +614,58 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
-    zb = zero_bubble_tuned(best[1]) if not best[0][0] else None
-    if zb is not None:  # the local optimum under ZB-H1 too (the search starts from 1F1B)
+    chosen, result = _last_variants(best, profile, cluster, cal, opts, cache)
+    if not result.fits:
+        raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
+    return _annotated(chosen, result, profile, cluster, cal, opts, t0, timed_out, "")
+
+
+def _evaluator(profile: ModelProfile, cluster: Cluster, cal: Calibration,
+               opts: PlannerOptions, cache: dict):
+    """``evaluate(plan) -> (key, plan, result)``: the plan with its 1F1B warm-up tuned
+    within memory, simulated; keys order plans that fit first, then by step time."""
+    def evaluate(p: Plan):
+        p = tune_warmup(p, profile, cluster, cal, margin=opts.memory_margin, cache=cache)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
+        return (not r.fits, r.step_time_s), p, r
+    return evaluate
+
+
+def _zero_bubble_tuned(p: Plan, profile, cluster, cal, opts: PlannerOptions,
+                       cache: dict) -> Plan | None:
+    """``p`` under ZB-H1 with its best warm-up option, when the options allow it."""
+    zb = zero_bubble(p) if opts.zero_bubble and opts.schedule == "1f1b" else None
+    return zb and tune_warmup(zb, profile, cluster, cal, margin=opts.memory_margin,
+                              cache=cache, zero_bubble_options=True)
+
+
+def _last_variants(best, profile, cluster, cal, opts: PlannerOptions, cache: dict):
+    """(plan, result) of the local optimum ``best`` = (key, plan, result), also tried
+    under ZB-H1 (the searches start from 1F1B) and without ZeRO-1, the fastest kept."""
+    zb = _zero_bubble_tuned(best[1], profile, cluster, cal, opts, cache) \
+        if not best[0][0] else None
+    if zb is not None:
         r = simulate(zb, profile, cluster, cal, trace=False, cache=cache)
         if (not r.fits, r.step_time_s) < best[0]:
             best = ((not r.fits, r.step_time_s), zb, r)
     if opts.distributed_optimizer is None:
         best = zero1_choice(best, profile, cluster, cal, cache)
-    (_, _), chosen, result = best
-    if not result.fits:
-        raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
+    return best[1], best[2]
+
+
+def _annotated(chosen: Plan, result, profile, cluster, cal, opts: PlannerOptions,
+               t0: float, timed_out: bool, doing: str) -> Plan:
+    """``chosen`` with the simulator's prediction and the solver's statistics (wall time
+    since ``t0``, status, gap to the compute bound); a warning when the clock cut the
+    search (``doing`` says which)."""
     upper = upper_bound_tokens_per_s(profile, cluster, cal)
-    lower_step = global_batch * seq_len / upper
-    gap = max(0.0, 1 - lower_step / result.step_time_s)
-    wall = time.perf_counter() - t0
+    gap = max(0.0, 1 - chosen.global_batch * chosen.seq_len / upper / result.step_time_s)
     status = "time_limit" if timed_out else "searched"
     if timed_out:
-        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit: best plan found, "
-                      f"gap to the compute bound {gap:.1%}", stacklevel=2)
-    chosen = dataclasses.replace(chosen, solver=SolverStats(wall, status, gap))
+        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit{doing}: best plan "
+                      f"found, gap to the compute bound {gap:.1%}", stacklevel=3)
+    chosen = dataclasses.replace(chosen, solver=SolverStats(
+        time.perf_counter() - t0, status, gap))
     return annotate(chosen, result, upper)
 
 
@@ -834,12 +859,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                          opts.distributed_optimizer is not False)
     heads = _heads(plan.model)
     cache: dict = {}
-
-    def evaluate(p: Plan):
-        p = tune_warmup(p, halves, cluster, cal, margin=opts.memory_margin, cache=cache)
-        r = simulate(p, halves, cluster, cal, trace=False, cache=cache)
-        return (not r.fits, r.step_time_s), p, r
-
+    evaluate = _evaluator(halves, cluster, cal, opts, cache)
     found = [evaluate(as_halves(plan, blocks, halves))]
     for partial in (False, True):
         if time.perf_counter() - t0 > opts.time_limit_s * 0.5:
@@ -855,24 +875,6 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     cut = cut or len(found) < 3
     if (not better_r.fits, better_r.step_time_s) < best[0]:
         best = ((not better_r.fits, better_r.step_time_s), better, better_r)
-    if opts.zero_bubble and opts.schedule == "1f1b":
-        zb = zero_bubble(best[1])
-        zb = zb and tune_warmup(zb, halves, cluster, cal, margin=opts.memory_margin,
-                                cache=cache, zero_bubble_options=True)
-        if zb is not None:
-            r = simulate(zb, halves, cluster, cal, trace=False, cache=cache)
-            if (not r.fits, r.step_time_s) < best[0]:
-                best = ((not r.fits, r.step_time_s), zb, r)
-    if opts.distributed_optimizer is None:
-        best = zero1_choice(best, halves, cluster, cal, cache)
-    _, chosen, result = best
-    upper = upper_bound_tokens_per_s(halves, cluster, cal)
-    gap = max(0.0, 1 - plan.global_batch * plan.seq_len / upper / result.step_time_s)
-    status = "time_limit" if cut else "searched"
-    if cut:
-        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit refining with blocks "
-                      f"split: best plan found, gap to the compute bound {gap:.1%}",
-                      stacklevel=2)
-    chosen = dataclasses.replace(chosen, solver=SolverStats(
-        time.perf_counter() - t0, status, gap))
-    return annotate(chosen, result, upper)
+    chosen, result = _last_variants(best, halves, cluster, cal, opts, cache)
+    return _annotated(chosen, result, halves, cluster, cal, opts, t0, cut,
+                      " refining with blocks split")

@@ -97,6 +97,22 @@ class PartialRemat:
             k += 1
         return None
 
+    def front(self, start: int, inflight: int, cap: float):
+        """(times, ks) of the stages starting at ``start``, per end from ``start + 1``
+        on, as far as any k fits (see ``_reach_partial``); listed once per start."""
+        key = (start, inflight, cap)
+        if key not in self._fronts:
+            times, ks, end, k = [], [], start, 0
+            while end < len(self._ctn) - 1:
+                end += 1
+                k = self.fewest(start, end, inflight, cap, k)
+                if k is None:
+                    break
+                times.append(self.time(start, end, k))
+                ks.append(k)
+            self._fronts[key] = times, ks
+        return self._fronts[key]
+
 
 def plain(row: list) -> dict:
     """remat -> table of a stage's options, the partial remat left out."""
@@ -129,7 +145,7 @@ def option_cost(table, a: int, b: int, inflight: int, cap: float):
     """(time, k) of stage ``[a, b)`` with the option's fastest way to fit (k: recomputed
     layers of a partial remat, else None), or None when it does not fit."""
     if isinstance(table, PartialRemat):
-        times, ks = _front(table, a, inflight, cap)
+        times, ks = table.front(a, inflight, cap)
         return (times[b - a - 1], ks[b - a - 1]) if b - a <= len(times) else None
     return (table[0][b] - table[0][a], None) if stage_fits(table, a, b, inflight, cap) \
         else None
@@ -157,25 +173,6 @@ def choice_parts(row, choice, a: int, b: int):
     return option_parts(plain(row)[remat], a, b, None)
 
 
-def _front(table: PartialRemat, start: int, inflight: int, cap: float):
-    """(times, ks) of the stages starting at ``start``, per end from ``start + 1`` on,
-    as far as any k fits (see ``_reach_partial``)."""
-    key = (start, inflight, cap)
-    front = table._fronts.get(key)
-    if front is None:
-        front, end, k = ([], []), start, 0
-        n = len(table._ctn) - 1
-        while end < n:
-            end += 1
-            k = table.fewest(start, end, inflight, cap, k)
-            if k is None:
-                break
-            front[0].append(table.time(start, end, k))
-            front[1].append(k)
-        table._fronts[key] = front
-    return front
-
-
 def _reach_partial(table: PartialRemat, start: int, limit: int, t_max: float,
                    inflight: int, cap: float):
     """``_reach`` of a partial remat: (end, k) with k the fewest recomputed layers that
@@ -183,7 +180,7 @@ def _reach_partial(table: PartialRemat, start: int, limit: int, t_max: float,
     so k only moves up as the end does, and the time with it: each stage start's (time,
     k) per end is listed once and searched by time (the bisections over the bottleneck
     ask the same starts again and again)."""
-    times, ks = _front(table, start, inflight, cap)
+    times, ks = table.front(start, inflight, cap)
     i = min(bisect.bisect_right(times, t_max), limit - start)
     return (start + i, ks[i - 1]) if i > 0 else None
 
