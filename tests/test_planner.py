@@ -105,9 +105,13 @@ def _brute_force(profile, cluster, global_batch, opts, partial=True):
         if not fams:
             continue
         options = []
-        for fam in fams.values():
+        for fam_groups in fams.values():
             opts_f = []
-            for r, tp, mbs in itertools.product((1, 2), opts.tp_options, opts.mbs_options):
+            # Every stage order of the family (with two GPU types, the planner's orders
+            # cover both).
+            for fam, r, tp, mbs in itertools.product(
+                    itertools.permutations(fam_groups), (1, 2), opts.tp_options,
+                    opts.mbs_options):
                 if any(g.num_devices % (r * tp) for g in fam) or 4 % tp:
                     continue
                 groups_of = [g for g in fam for _ in range(g.num_devices // (r * tp))]
@@ -314,6 +318,31 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
     assert any(f.remat_of(s)[1] is not None for f in families
                for s in range(len(f.bounds)))
     assert _brute_force(profile, cluster, 8, OPTS, partial=False) > best * 1.01
+
+
+def test_planner_puts_a_fast_gpu_short_of_memory_last():
+    # 10 wide blocks on 16 GB cards in one pipeline: the first stage keeps the most
+    # micro-batches in flight, so the V100s (faster, as short of memory as the T4s) do
+    # best last, with more layers and no recomputation.
+    model = "gpt:layers=10,hidden=4096,heads=32,vocab=256,seq=2048"
+    cluster = Cluster.load({"name": "short", "groups": [
+        {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}], "inter_group_gbs": 12.5})
+    profile = profile_model(model, 2048, "float16")
+
+    def best(**kw):
+        return plan(model, profile, cluster, global_batch=16, seq_len=2048,
+                    options=dataclasses.replace(OPTS, **kw), return_estimates=True)[0]
+
+    t, families, _ = best()
+    first = best(stage_orders=("fastest-first",))[0]
+    assert [f.groups for f in families] == [("t4", "v100")]
+    assert families[0].bounds[-1][1] - families[0].bounds[-1][0] > \
+        families[0].bounds[0][1] - families[0].bounds[0][0]
+    assert t < first * 0.95
+    assert t == pytest.approx(best(stage_orders=("fastest-last",))[0])
+    with pytest.raises(SpecError, match="stage_orders"):
+        PlannerOptions(stage_orders=("slowest-first",))
 
 
 @pytest.mark.slow

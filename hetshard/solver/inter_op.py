@@ -1,7 +1,10 @@
 """Inter-op planning: pipelines, single-type stages, uneven layer and batch splits.
 
 Search space. A plan is a set of pipelines ("families"). A family spans an ordered
-subset of the cluster's GPU groups (fastest first) and uses each of them whole: group
+subset of the cluster's GPU groups and uses each of them whole. Its stage order is one of
+``STAGE_ORDERS``: fastest first, fastest last, or the most memory per FLOP first (under
+1F1B the first stage keeps the most micro-batches in flight, so a fast GPU short of
+memory can do best late, taking more layers without recomputing them). Group
 g contributes ``k_g`` consecutive stages of ``R x tp`` devices (``R`` data ways inside
 every stage of the family, ``tp`` tensor ways), so ``R * tp * k_g = n_g``. Groups may be
 left idle. Every family has its own micro-batch count; all share the micro-batch size.
@@ -84,6 +87,10 @@ class NoFeasiblePlanError(HetshardError, ValueError):
     """No plan in the search space fits the cluster's memory (or divides the batch)."""
 
 
+# How a family of several GPU types orders its stages (``_orders``).
+STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannerOptions:
     time_limit_s: float = 60.0
@@ -122,8 +129,16 @@ class PlannerOptions:
     # GPUs and keeps it when faster.
     split_blocks: bool | None = None
     split_blocks_max_devices: int = 64
+    # Stage orders tried for every family of several GPU types (``STAGE_ORDERS``).
+    stage_orders: tuple[str, ...] = STAGE_ORDERS
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
     exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
+
+    def __post_init__(self):
+        if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
+                any(o not in STAGE_ORDERS for o in self.stage_orders)):
+            raise SpecError("stage_orders", self.stage_orders,
+                            f"a non-empty tuple of {STAGE_ORDERS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,8 +409,31 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
                 attention=opts.attention, split_blocks=profile.split_blocks)
 
 
-def _assignments(groups: tuple[Group, ...]):
-    """Every way to split the groups into families (ordered fastest first) or leave idle."""
+def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
+            orders: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """The distinct stage orders of a family over ``groups[i] for i in fam`` (indices
+    sorted fastest first). Under 1F1B the first stage keeps the most micro-batches in
+    flight (p of them) and the last one: a fast GPU short of memory does best late
+    ("fastest-last"), and more generally the GPUs with the most memory per FLOP go first
+    ("memory-first"); ties keep the speed order."""
+    found = []
+    for order in orders:
+        if order == "fastest-first":
+            seq = fam
+        elif order == "fastest-last":
+            seq = fam[::-1]
+        else:
+            seq = tuple(sorted(fam, key=lambda i: -groups[i].gpu.memory_gb /
+                               groups[i].gpu.peak_flops(dtype)))
+        if seq not in found:
+            found.append(seq)
+    return found
+
+
+def _assignments(groups: tuple[Group, ...], dtype: str = "bfloat16",
+                 orders: tuple[str, ...] = ("fastest-first",)):
+    """Every way to split the groups (sorted fastest first) into families or leave idle,
+    each family in each of its stage ``orders``."""
     names = list(range(len(groups)))
 
     def partitions(items):
@@ -410,7 +448,8 @@ def _assignments(groups: tuple[Group, ...]):
     for used_mask in range(1, 2 ** len(names)):
         used = [i for i in names if used_mask >> i & 1]
         for part in partitions(used):
-            yield [tuple(sorted(fam)) for fam in part]
+            yield from (list(combo) for combo in itertools.product(
+                *(_orders(tuple(sorted(fam)), groups, dtype, orders) for fam in part)))
 
 
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
@@ -455,7 +494,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     fam_cache: dict[tuple, list[Family]] = {}
     combos = []
     deadline = t0 + opts.time_limit_s * 0.6
-    for assignment in _assignments(groups):
+    for assignment in _assignments(groups, opts.dtype, opts.stage_orders):
         if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
             continue
         per_family = []
