@@ -144,6 +144,14 @@ def test_split_blocks_profile_halves_add_up_to_the_blocks(prof):
             pytest.approx(block.residual_bytes_per_sample)
         assert attn.boundary_bytes_per_sample == block.boundary_bytes_per_sample
         assert attn.fwd_attention.any() and not mlp.fwd_attention.any()
+    # Tensor parallel: a block's two halves pay the block's two all-reduces each way
+    # (one per residual branch), not two each.
+    c = Cluster.load("dgx-a100-80gb-x8")
+    kw = dict(mbs=4, tp=2, cal=DEFAULT, tp_topo=topology(c, [0, 1]))
+    whole = stage_cost(prof, 1, 3, c.groups[0].gpu, **kw)
+    split = stage_cost(halves, 1, 5, c.groups[0].gpu, **kw)
+    assert split.fwd_s == pytest.approx(whole.fwd_s, rel=1e-9)
+    assert split.bwd_s == pytest.approx(whole.bwd_s, rel=1e-9)
     from hetshard.plan import Pipeline, Plan, Stage
     from hetshard.sim import simulate
     stage = Stage(0, prof.num_layers, (0,), "A100-80GB", (("data", 1),))

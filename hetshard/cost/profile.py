@@ -48,6 +48,10 @@ class LayerProfile:
     # weight-gradient part ``W`` a zero-bubble schedule defers), none of earlier layers'
     bwd_weight: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
     weight_carry_bytes_per_sample: float = 0.0  # what W reads from B, per sample
+    # Megatron tensor parallelism's activation all-reduces per direction: one per
+    # residual branch (after the row-parallel attention output and MLP down projection
+    # forward, at the column-parallel inputs backward); a block half has one.
+    tp_collectives: int = 2
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -214,7 +218,8 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
             param_bytes=int(t1[name].get("params", 0)), param_count=counts.get(name, 0),
             bwd_weight=weight_only.get(name, np.zeros(len(p1[name]["bwd"]), bool)),
             weight_carry_bytes_per_sample=_linear(carry1.get(name, 0.0),
-                                                  carry2.get(name, 0.0))[1])
+                                                  carry2.get(name, 0.0))[1],
+            tp_collectives=1 if m and m.group("part") else 2)
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

@@ -5,10 +5,11 @@ Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_
 (attention's equations use ``attention_eff`` when the calibration measured it);
 non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
 chains). Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's
-four activation all-reduces per layer (two forward, two backward; Shoeybi et al.
-2019, with sequence parallelism as reduce-scatter + all-gather of the same volume,
-Korthikanti et al. 2022). Context parallelism divides activations by ``cp`` and adds
-the K/V ring exchange, hidden behind compute where it is shorter (Liu et al. 2023).
+four activation all-reduces per block (two forward, two backward; a block half has
+one each way; Shoeybi et al. 2019, with sequence parallelism as reduce-scatter +
+all-gather of the same volume, Korthikanti et al. 2022). Context parallelism divides
+activations by ``cp`` and adds the K/V ring exchange, hidden behind compute where it is
+shorter (Liu et al. 2023).
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
 overlapped with the layer's compute, and turns the gradient all-reduce into a
 reduce-scatter. The distributed optimizer (ZeRO-1, ``shard_optimizer``) divides the
@@ -125,8 +126,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
         if tp > 1 and tp_topo is not None:
             ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
-            t_f += 2 * ar
-            t_b += 2 * ar
+            t_f += layer.tp_collectives * ar
+            t_b += layer.tp_collectives * ar
         if cp > 1 and cp_topo is not None and layer.fwd_attention.any():
             # K and V chunks travel the ring (cp - 1 steps): the volume of an all-gather
             # of the sequence's K and V (~2x the activation), overlapped with attention.

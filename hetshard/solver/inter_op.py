@@ -104,7 +104,7 @@ class PlannerOptions:
     refine_top: int = 3  # best simulated candidates improved by local search
     variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
-    layout_top: int = 8  # best simulated plans given a layout per GPU type
+    layout_top: int = 12  # best simulated plans given a layout per GPU type
     partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
