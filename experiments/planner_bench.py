@@ -130,7 +130,8 @@ def plot(rows, path):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=None)
-    ap.add_argument("--time-limit", type=float, default=20.0)
+    # Rows without a planning-time target run under the planner's own default limit.
+    ap.add_argument("--time-limit", type=float, default=PlannerOptions().time_limit_s)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

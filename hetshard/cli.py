@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--split-blocks", default="auto", choices=["auto", "yes", "no"],
                         help="stage boundaries inside blocks (attention | MLP): auto "
                              "refines the best whole-block plan with them (clusters of up "
-                             "to 64 GPUs) and keeps it when faster; yes searches halves")
+                             "to 256 GPUs) and keeps it when faster; yes searches halves")
         sp.add_argument("--calibration", default=None)
         json_flag(sp)
         sp.set_defaults(func=fn)

@@ -72,15 +72,19 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
     t0 = time.perf_counter()
-    # One budget: the inter-op search gets 65% of it, the intra-op shardings the rest.
-    inter = opts.time_limit_s * (0.65 if shardings else 1.0)
+    # One budget: the inter-op search gets 85% of it, the intra-op shardings the rest
+    # (one CP-SAT model per block and layout: about a second); where the whole-block plan
+    # is then refined in halves, the search keeps a quarter of its share for that.
+    inter = opts.time_limit_s * (0.85 if shardings else 1.0)
     name = model if isinstance(model, str) else config.name
     split = opts.split_blocks
+    refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
     profile = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
     result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                  cal=cal, options=narrowed)
-    if split is None and cluster.num_devices <= opts.split_blocks_max_devices:
+                  cal=cal, options=dataclasses.replace(
+                      narrowed, time_limit_s=inter * (0.75 if refine else 1.0)))
+    if refine:
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
         halves = profile_model(model, seq_len, opts.dtype, split_blocks=True)

@@ -102,7 +102,7 @@ class PlannerOptions:
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
     refine_top: int = 3  # best simulated candidates improved by local search
-    variant_top: int = 8  # best simulated candidates tried interleaved and re-warmed
+    variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
     layout_top: int = 12  # best simulated plans given a layout per GPU type
     partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
@@ -128,7 +128,7 @@ class PlannerOptions:
     # in halves (``refine_halves``) on clusters of at most ``split_blocks_max_devices``
     # GPUs and keeps it when faster.
     split_blocks: bool | None = None
-    split_blocks_max_devices: int = 64
+    split_blocks_max_devices: int = 256
     # Stage orders tried for every family of several GPU types (``STAGE_ORDERS``).
     stage_orders: tuple[str, ...] = STAGE_ORDERS
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
