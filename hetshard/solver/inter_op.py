@@ -413,9 +413,9 @@ def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
             orders: tuple[str, ...]) -> list[tuple[int, ...]]:
     """The distinct stage orders of a family over ``groups[i] for i in fam`` (indices
     sorted fastest first). Under 1F1B the first stage keeps the most micro-batches in
-    flight (p of them) and the last one: a fast GPU short of memory does best late
+    flight (p of them) and the last stage one: a fast GPU short of memory does best late
     ("fastest-last"), and more generally the GPUs with the most memory per FLOP go first
-    ("memory-first"); ties keep the speed order."""
+    ("memory-first"; ties keep the speed order)."""
     found = []
     for order in orders:
         if order == "fastest-first":
