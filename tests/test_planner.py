@@ -90,6 +90,12 @@ OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_opt
                       dtype="float16", time_limit_s=60)
 
 
+# Two GPU types as short of memory (16 GB), the V100s twice as fast.
+SHORT_CLUSTER = {"name": "short", "groups": [
+    {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2},
+    {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}], "inter_group_gbs": 12.5}
+
+
 def _brute_force(profile, cluster, global_batch, opts, partial=True):
     """Independent enumeration of the planner's space; returns the best estimated time.
     ``partial``: stages may also recompute only their first k layers."""
@@ -307,9 +313,7 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
     # 6 wide blocks at 4k tokens on 16 GB cards: memory binds, and the best plan
     # recomputes only some of a stage's layers, better than any whole-stage remat.
     model = "gpt:layers=6,hidden=4096,heads=32,vocab=256,seq=4096"
-    cluster = Cluster.load({"name": "short", "groups": [
-        {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2},
-        {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}], "inter_group_gbs": 12.5})
+    cluster = Cluster.load(SHORT_CLUSTER)
     profile = profile_model(model, 4096, "float16")
     estimates = plan(model, profile, cluster, global_batch=8, seq_len=4096, options=OPTS,
                      return_estimates=True)
@@ -325,9 +329,7 @@ def test_planner_puts_a_fast_gpu_short_of_memory_last():
     # micro-batches in flight, so the V100s (faster, as short of memory as the T4s) do
     # best last, with more layers and no recomputation.
     model = "gpt:layers=10,hidden=4096,heads=32,vocab=256,seq=2048"
-    cluster = Cluster.load({"name": "short", "groups": [
-        {"name": "v100", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2},
-        {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}], "inter_group_gbs": 12.5})
+    cluster = Cluster.load(SHORT_CLUSTER)
     profile = profile_model(model, 2048, "float16")
 
     def best(**kw):
