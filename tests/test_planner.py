@@ -22,7 +22,7 @@ from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
 from hetshard.solver.baselines import BASELINES, run_baseline
-from hetshard.solver.inter_op import plan
+from hetshard.solver.inter_op import PlannerTimeLimitWarning, plan
 from hetshard.solver.intra_op import solve, spec_of
 from hetshard.solver.layouts import improve_layouts, layouts, relayout, segments
 from hetshard.solver.splits import (
@@ -586,7 +586,10 @@ def test_time_limit_returns_best_found_with_a_warning():
         p = make_plan("gpt-1.3b", cluster, global_batch=64, seq_len=2048,
                       options=PlannerOptions(time_limit_s=0.05), shardings=False)
     assert p.predicted.fits and p.solver.status == "time_limit"
-    assert any("limit" in str(w.message) and "gap" in str(w.message) for w in caught)
+    # One warning, naming the caller's limit and the returned plan's gap.
+    cut = [str(w.message) for w in caught if issubclass(w.category, PlannerTimeLimitWarning)]
+    assert cut == [f"planner hit its 0.05 s limit: best plan found, gap to the compute "
+                   f"bound {p.solver.gap:.1%}"]
 
 
 def test_plan_and_compare_cli(capsys, tmp_path):

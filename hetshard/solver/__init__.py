@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
-from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions
+from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions, PlannerTimeLimitWarning
 
 
 def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
@@ -50,13 +51,17 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     Raises:
       NoFeasiblePlanError: nothing fits (names the tightest stage's need vs capacity).
       SpecError: a batch, sequence or constraint the model or cluster cannot take.
+
+    Warns:
+      PlannerTimeLimitWarning: ``options.time_limit_s`` cut the search; the plan is the
+      best found, and the warning (and ``plan.solver``) gives its gap to the compute bound.
     """
     import models
     from hetshard.cluster import Cluster
     from hetshard.cost.calibration import DEFAULT
     from hetshard.cost.profile import profile_model
     from hetshard.errors import SpecError
-    from hetshard.solver.inter_op import _heads, plan, refine_halves
+    from hetshard.solver.inter_op import _heads
     from hetshard.solver.shardings import attach_shardings
     cluster = Cluster.load(cluster)
     opts = options or PlannerOptions()
@@ -81,13 +86,35 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
     refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
     profile = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
+    # The searches' own time-limit warnings name their share of the budget and the gap
+    # before refinement: one warning below names the caller's limit and the final gap.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlannerTimeLimitWarning)
+        result, profile = _searched(model, name, profile, cluster, global_batch, seq_len,
+                                    cal, narrowed, inter, refine, t0)
+    if result.solver.status == "time_limit":
+        warnings.warn(PlannerTimeLimitWarning(
+            f"planner hit its {opts.time_limit_s:g} s limit: best plan found, gap to the "
+            f"compute bound {result.solver.gap:.1%}"), stacklevel=2)
+    if shardings:
+        left = opts.time_limit_s - (time.perf_counter() - t0)
+        result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))
+    return result
+
+
+def _searched(model, name, profile, cluster, global_batch, seq_len, cal, narrowed, inter,
+              refine, t0):
+    """(plan, its profile): the whole-block search, refined in block halves when
+    ``refine`` (kept when faster)."""
+    from hetshard.cost.profile import profile_model
+    from hetshard.solver.inter_op import plan, refine_halves
     result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
                   cal=cal, options=dataclasses.replace(
                       narrowed, time_limit_s=inter * (0.75 if refine else 1.0)))
     if refine:
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
-        halves = profile_model(model, seq_len, opts.dtype, split_blocks=True)
+        halves = profile_model(model, seq_len, narrowed.dtype, split_blocks=True)
         left = max(1.0, t0 + inter - time.perf_counter())
         refined = refine_halves(result, profile, halves, cluster, cal=cal,
                                 options=dataclasses.replace(narrowed, time_limit_s=left))
@@ -97,10 +124,8 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
         result = dataclasses.replace(result, solver=dataclasses.replace(
             result.solver, wall_time_s=time.perf_counter() - t0,
             status="time_limit" if cut else result.solver.status))
-    if shardings:
-        left = opts.time_limit_s - (time.perf_counter() - t0)
-        result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))
-    return result
+    return result, profile
 
 
-__all__ = ["NoFeasiblePlanError", "PlannerOptions", "make_plan", "options_from_fix"]
+__all__ = ["NoFeasiblePlanError", "PlannerOptions", "PlannerTimeLimitWarning", "make_plan",
+           "options_from_fix"]

@@ -87,6 +87,10 @@ class NoFeasiblePlanError(HetshardError, ValueError):
     """No plan in the search space fits the cluster's memory (or divides the batch)."""
 
 
+class PlannerTimeLimitWarning(UserWarning):
+    """The time limit cut the search: the plan is the best found, with its gap."""
+
+
 # How a family of several GPU types orders its stages (``_orders``).
 STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
 
@@ -701,8 +705,9 @@ def _annotated(chosen: Plan, result, profile, cluster, cal, opts: PlannerOptions
     gap = max(0.0, 1 - chosen.global_batch * chosen.seq_len / upper / result.step_time_s)
     status = "time_limit" if timed_out else "searched"
     if timed_out:
-        warnings.warn(f"planner hit its {opts.time_limit_s:g} s limit{doing}: best plan "
-                      f"found, gap to the compute bound {gap:.1%}", stacklevel=3)
+        warnings.warn(PlannerTimeLimitWarning(
+            f"planner hit its {opts.time_limit_s:g} s limit{doing}: best plan found, gap to "
+            f"the compute bound {gap:.1%}"), stacklevel=3)
     chosen = dataclasses.replace(chosen, solver=SolverStats(
         time.perf_counter() - t0, status, gap))
     return annotate(chosen, result, upper)
