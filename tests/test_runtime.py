@@ -47,13 +47,13 @@ def _reference(batches, steps, tx="sgd"):
     return losses, nnx.state(model, nnx.Param)
 
 
-def _run(plan=None, steps=3, tx="sgd", **kw):
+def _run(plan=None, steps=3, tx="sgd", cluster=CLUSTER, **kw):
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
     model = models.build(MODEL, rngs=0)
     opt = nnx.Optimizer(model, _tx(tx), wrt=nnx.Param)
 
-    @hetshard.jit(cluster=CLUSTER, plan=plan, **kw)
+    @hetshard.jit(cluster=cluster, plan=plan, **kw)
     def train_step(model, optimizer, batch):
         loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
@@ -61,6 +61,15 @@ def _run(plan=None, steps=3, tx="sgd", **kw):
 
     losses = [float(train_step(model, opt, batches[i % 2])) for i in range(steps)]
     return losses, nnx.state(model, nnx.Param), train_step, batches, (model, opt)
+
+
+def _matches_one_device(plan, cluster, steps=3):
+    """Trains ``plan`` on ``cluster`` and on one device: same losses and parameters."""
+    losses, params, _, batches, _ = _run(plan, steps, cluster=cluster)
+    want_losses, want_params = _reference(batches, steps)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _plan(fix, shardings=False):
@@ -201,23 +210,19 @@ def test_two_pipelines_with_uneven_batch_shares_match_one_device():
     slow = Pipeline((Stage(0, n_layers, (4, 5, 6), "V100-32GB", (("data", 3),),
                            remat="full", remat_layers=2),), 3, 1, 1)
     plan = Plan(MODEL, cluster.to_dict(), 8, 16, (fast, slow))
-    rng = np.random.default_rng(0)
-    batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
-    want_losses, want_params = _reference(batches, 3)
-    model = models.build(MODEL, rngs=0)
-    opt = nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param)
+    _matches_one_device(plan, cluster)
 
-    @hetshard.jit(cluster=cluster, plan=plan)
-    def step(model, optimizer, batch):
-        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
 
-    losses = [float(step(model, opt, batches[i % 2])) for i in range(3)]
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(want_params),
-                    strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+def test_pipeline_with_its_slowest_gpus_first_matches_one_device():
+    # The planner also orders stages slowest first (a fast GPU short of memory does best
+    # last): stage 0 on two V100s (devices 4, 5), stage 1 on one H100 (device 0).
+    from hetshard.plan import Pipeline, Plan, Stage
+    cluster = Cluster.load("h100-a100-v100-x8")
+    n_layers = profile_model(MODEL, 16, "float32").num_layers
+    pipe = Pipeline((Stage(0, 2, (4, 5), "V100-32GB", (("data", 2),)),
+                     Stage(2, n_layers, (0,), "H100-80GB", (("data", 1),))), 8, 2, 2)
+    plan = Plan(MODEL, cluster.to_dict(), 8, 16, (pipe,))
+    _matches_one_device(plan, cluster)
 
 
 @pytest.mark.parametrize("attention,kernels", [("flash", 6), ("reference", 0)])
