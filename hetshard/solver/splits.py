@@ -342,20 +342,28 @@ def pareto_splits(options, n_layers: int, caps):
     (bounds, times, choices) per point."""
     p = len(options)
     points = []
-    for cuts in itertools.combinations(range(1, n_layers), p - 1):
-        bounds = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
-        times, remats = [], []
-        for s, (row, (a, b)) in enumerate(zip(options, bounds, strict=True)):
+    best: dict = {}  # (stage, a, b) -> its fastest (time, choice) that fits, or None
+
+    def stage_best(s: int, a: int, b: int):
+        key = (s, a, b)
+        if key not in best:
             fitting = []
-            for remat, tab in row:
+            for remat, tab in options[s]:
                 cost = option_cost(tab, a, b, p - s, caps[s])
                 if cost is not None:
                     fitting.append((cost[0], _choice(remat, tab, a, b, cost[1])))
-            if not fitting:
+            best[key] = min(fitting, key=lambda x: x[0]) if fitting else None
+        return best[key]
+
+    for cuts in itertools.combinations(range(1, n_layers), p - 1):
+        bounds = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
+        times, remats = [], []
+        for s, (a, b) in enumerate(bounds):
+            got = stage_best(s, a, b)
+            if got is None:
                 break
-            t, choice = min(fitting, key=lambda x: x[0])
-            times.append(t)
-            remats.append(choice)
+            times.append(got[0])
+            remats.append(got[1])
         else:
             points.append((sum(times), max(times), bounds, times, remats))
     points.sort(key=lambda t: (t[0], t[1]))
