@@ -251,7 +251,12 @@ def time_pipeline(fwd_s, bwd_s, sends_s, m: int, schedule: str, v: int = 1,
             last_b[s] = (start, end)
         else:
             own = f_end[s][i]
-            ready = own if s == n - 1 else max(own, b_end[s + 1][i] + sends_s[s])
+            if s == n - 1:
+                ready = own
+            else:
+                ready = b_end[s + 1][i] + sends_s[s]
+                if own > ready:
+                    ready = own
             start = free[w] if free[w] > ready else ready
             end = b_end[s][i] = free[w] = start + b_s[s]
             if not split:

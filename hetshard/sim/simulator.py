@@ -79,15 +79,23 @@ def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
         return costs[w].peak_memory(inflight(schedule, p, w, m, extra))
     live = peak = 0.0
     split = schedule == "zbh1"
+    act = [c.memory_per_microbatch_bytes for c in costs]
+    # ZB-H1: a micro-batch's activations stay until its W, which also reads the
+    # cotangent sent back and what its B computed (nothing on the first stage, whose B
+    # has no input cotangent to make: its whole backward is W).
+    carry = [(c.memory_cotangent_bytes + (c.memory_carry_bytes if s else 0.0)) if split
+             else 0.0 for s, c in enumerate(costs)]
     for kind, s, _ in worker_order(schedule, p, w, m, v, extra):
-        act = costs[s].memory_per_microbatch_bytes
-        # ZB-H1: a micro-batch's activations stay until its W, which also reads the
-        # cotangent sent back and what its B computed (nothing on the first stage, whose
-        # B has no input cotangent to make: its whole backward is W).
-        carry = (costs[s].memory_cotangent_bytes +
-                 (costs[s].memory_carry_bytes if s else 0.0)) if split else 0.0
-        live += {"F": act, "B": carry if split else -act, "W": -act - carry}[kind]
-        peak = max(peak, live)
+        if kind == "F":
+            live += act[s]
+            if live > peak:
+                peak = live
+        elif kind == "B":
+            live += carry[s] if split else -act[s]
+            if live > peak:
+                peak = live
+        else:
+            live -= act[s] + carry[s]
     mine = costs[w::p]
     return (sum(c.memory_static_bytes for c in mine) + peak +
             max(c.memory_working_bytes for c in mine))
