@@ -561,6 +561,20 @@ def test_fix_vpp_asks_for_interleaving_or_forbids_it():
                   options=options_from_fix("vpp=30", base))
 
 
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_fix_remat_holds_on_every_stage(remat):
+    # The local search's moves recompute one layer fewer or more on a full-remat stage:
+    # under --fix remat=full they had ended at partial or no remat (faster where memory
+    # allows), which --fix forbids.
+    cluster = Cluster.load("amp-t4-v100")
+    base = PlannerOptions(time_limit_s=30, dtype="float16", split_blocks=False)
+    p = make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
+                  options=options_from_fix(f"remat={remat}", base))
+    stages = [s for q in p.pipelines for s in q.stages]
+    assert len(stages) > 1
+    assert {(s.remat, s.remat_layers) for s in stages} == {(remat, None)}
+
+
 def test_fix_schedule_zbh1_or_1f1b():
     # --fix schedule=zbh1: every pipelined pipeline runs ZB-H1 (the simulator prices its B
     # and W passes); --fix schedule=1f1b keeps the planner from trying it.

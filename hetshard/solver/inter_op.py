@@ -64,6 +64,7 @@ from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import p2p_time
 from hetshard.cost.profile import ModelProfile
+from hetshard.cost.stage import REMATS
 from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Context, Pipeline, Plan, SolverStats, Stage, grad_sync_for
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
@@ -653,7 +654,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         if late(0.85):
             break
         better, better_r, cut = local_search(cand, r, profile, cluster, cal, refine_deadline,
-                                             opts.refine_evals, cache, opts.memory_margin)
+                                             opts.refine_evals, cache, opts.memory_margin,
+                                             opts.remat_options)
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
@@ -759,12 +761,14 @@ def _recomputed(st: Stage, k: int) -> Stage:
     return dataclasses.replace(st, remat="full", remat_layers=None if k >= st.num_layers else k)
 
 
-def _neighbours(plan: Plan):
+def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS):
     """Plans one move away: a stage boundary shifted by one layer (the stage that grows
     recomputing as many layers as before or, under a partial remat, one more), a full
-    remat's stage recomputing one layer fewer or more, or one micro-batch moved from a
+    remat's stage recomputing one layer fewer or more (where ``remats`` allow a stage
+    recomputing some of its layers: "none" and "full"), or one micro-batch moved from a
     pipeline to another (when their micro-batch sizes allow)."""
     pipes = plan.pipelines
+    partial = {"none", "full"} <= set(remats)
 
     def with_stages(pi, p, st):
         new = list(pipes)
@@ -783,7 +787,7 @@ def _neighbours(plan: Plan):
                         st[j] = _resized(a, a.start, cut, more * (delta > 0))
                         st[j + 1] = _resized(b, cut, b.end, more * (delta < 0))
                         yield with_stages(pi, p, st)
-        if p.virtual_stages > 1:
+        if p.virtual_stages > 1 or not partial:
             continue
         for j, a in enumerate(p.stages):
             if a.remat != "full" or a.num_layers < 2:
@@ -811,16 +815,16 @@ def _neighbours(plan: Plan):
 
 def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
                  evals: int = 1 << 30, cache: dict | None = None,
-                 margin: float | None = None):
+                 margin: float | None = None, remats: tuple[str, ...] = REMATS):
     """First-improvement hill climbing on the simulated step time (memory must fit), for
     at most ``evals`` simulations; with ``margin``, each neighbour's 1F1B warm-up is
-    re-tuned to its layer split (``tune_warmup``). Returns (plan, result, whether the
-    clock cut it)."""
+    re-tuned to its layer split (``tune_warmup``); moves stay within ``remats``. Returns
+    (plan, result, whether the clock cut it)."""
     best, best_r = plan, result
     improved, cut = True, False
     while improved and evals > 0 and not cut:
         improved = False
-        for cand in _neighbours(best):
+        for cand in _neighbours(best, remats):
             if evals <= 0:
                 break
             if time.perf_counter() > deadline:
@@ -915,7 +919,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     best = min(found, key=lambda x: x[0])
     better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
                                          t0 + opts.time_limit_s * 0.85, opts.refine_evals,
-                                         cache, opts.memory_margin)
+                                         cache, opts.memory_margin, opts.remat_options)
     cut = cut or len(found) < 3
     if (not better_r.fits, better_r.step_time_s) < best[0]:
         best = ((not better_r.fits, better_r.step_time_s), better, better_r)
