@@ -575,6 +575,19 @@ def test_fix_remat_holds_on_every_stage(remat):
     assert {(s.remat, s.remat_layers) for s in stages} == {(remat, None)}
 
 
+def test_fix_mbs_holds_on_every_stage():
+    # The layout descent re-splits a pipeline's micro-batch over each GPU type's data
+    # ways: under --fix mbs=2 every device must still run 2 samples per micro-batch.
+    from hetshard.plan import data_ways
+    cluster = Cluster.load("amp-t4-v100")
+    base = PlannerOptions(time_limit_s=30, dtype="float16", split_blocks=False)
+    p = make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
+                  options=options_from_fix("tp=2,mbs=2", base))
+    assert {q.samples_per_micro_batch // data_ways(s) for q in p.pipelines
+            for s in q.stages} == {2}
+    assert {s.axis("tensor") for q in p.pipelines for s in q.stages} == {2}
+
+
 def test_fix_schedule_zbh1_or_1f1b():
     # --fix schedule=zbh1: every pipelined pipeline runs ZB-H1 (the simulator prices its B
     # and W passes); --fix schedule=1f1b keeps the planner from trying it.

@@ -596,7 +596,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         got = improve_layouts(start, evaluate, tables, cluster, heads,
                               tp_options=opts.tp_options, remats=opts.remat_options,
                               margin=opts.memory_margin, max_stages=opts.max_stages,
-                              evals=opts.layout_evals)
+                              evals=opts.layout_evals, mbs_options=opts.mbs_options)
         if got[1] is not start[1]:
             relaid.append(got)
         # Then on from there with stages recomputing only their first layers. Both ends
@@ -607,7 +607,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         more = improve_layouts(got, evaluate, tables, cluster, heads,
                                tp_options=opts.tp_options, remats=opts.remat_options,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
-                               evals=opts.layout_evals, partial=True)
+                               evals=opts.layout_evals, partial=True,
+                               mbs_options=opts.mbs_options)
         if more[1] is not got[1]:
             partial.append(more)
     firsts = scored[:opts.refine_top]
@@ -915,7 +916,8 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
         found.append(improve_layouts(found[-1], evaluate, tables, cluster, heads,
                                      tp_options=opts.tp_options, remats=opts.remat_options,
                                      margin=opts.memory_margin, max_stages=opts.max_stages,
-                                     evals=opts.layout_evals, partial=partial))
+                                     evals=opts.layout_evals, partial=partial,
+                                     mbs_options=opts.mbs_options))
     best = min(found, key=lambda x: x[0])
     better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
                                          t0 + opts.time_limit_s * 0.85, opts.refine_evals,

@@ -36,17 +36,19 @@ def segments(pipe: Pipeline, cluster: Cluster) -> list[tuple[int, int]]:
     return out
 
 
-def layouts(n: int, samples: int, group: Group, heads: int, tp_options, cp: int = 1
-            ) -> list[tuple[int, int]]:
+def layouts(n: int, samples: int, group: Group, heads: int, tp_options, cp: int = 1,
+            mbs_options=None) -> list[tuple[int, int]]:
     """(data ways, tensor degree) choices for ``n`` devices of ``group`` running
-    micro-batches of ``samples``: data ways dividing the samples, the tensor degree
-    within a node and dividing the heads, stages of whole ``r * cp * tp`` blocks."""
+    micro-batches of ``samples``: data ways dividing the samples (each device's share
+    among ``mbs_options`` when given), the tensor degree within a node and dividing the
+    heads, stages of whole ``r * cp * tp`` blocks."""
     out = []
     for tp in tp_options:
         if tp > group.gpus_per_node or group.gpus_per_node % tp or heads % tp:
             continue
         for r in range(1, samples + 1):
-            if samples % r == 0 and n % (r * cp * tp) == 0:
+            if samples % r == 0 and n % (r * cp * tp) == 0 and (
+                    mbs_options is None or samples // r in mbs_options):
                 out.append((r, tp))
     return out
 
@@ -109,8 +111,9 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
 
 def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_options,
           remats, margin: float, max_stages: int | None = None,
-          partial: bool = False) -> Iterator[Plan]:
-    """Every plan one segment's layout away from ``plan``."""
+          partial: bool = False, mbs_options=None) -> Iterator[Plan]:
+    """Every plan one segment's layout away from ``plan`` (each device's micro-batch
+    among ``mbs_options`` when given)."""
     for pi, pipe in enumerate(plan.pipelines):
         for seg in segments(pipe, cluster):
             a, b = seg
@@ -119,7 +122,7 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
             n = sum(len(s.devices) for s in pipe.stages[a:b])
             current = (data_ways(st), st.axis("tensor"))
             for layout in layouts(n, pipe.samples_per_micro_batch, group, heads, tp_options,
-                                  st.axis("context")):
+                                  st.axis("context"), mbs_options):
                 if layout == current and b - a == n // (layout[0] * layout[1] *
                                                          st.axis("context")):
                     continue
@@ -131,7 +134,8 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
 
 def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
                     cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
-                    max_stages: int | None = None, evals: int = 200, partial: bool = False):
+                    max_stages: int | None = None, evals: int = 200, partial: bool = False,
+                    mbs_options=None):
     """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
     each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
     keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
@@ -141,7 +145,7 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
         round_best = None
         for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
                           remats=remats, margin=margin, max_stages=max_stages,
-                          partial=partial):
+                          partial=partial, mbs_options=mbs_options):
             if evals <= 0:
                 break
             evals -= 1
