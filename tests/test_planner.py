@@ -6,7 +6,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import models
@@ -221,9 +221,16 @@ def _layer_table(rows):
 _LAYER = st.tuples(st.integers(1, 9), st.integers(0, 3), st.integers(2, 6), st.integers(0, 2))
 
 
+_LIGHT, _HEAVY = (1, 0, 2, 0), (1, 1, 6, 0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(_LAYER, min_size=5, max_size=5), min_size=2, max_size=3),
        st.lists(st.integers(8, 40), min_size=3, max_size=3))
+# A layer the middle stage cannot hold (the first can, recomputing; the last, with one
+# micro-batch in flight, can too): the stage reaching furthest pushes it onto the middle.
+@example([[_LIGHT] * 5, [_LIGHT, _LIGHT, _HEAVY, _LIGHT, _LIGHT], [_LIGHT] * 5], [11, 8, 8])
+@example([[_LIGHT] * 5, [_LIGHT, _LIGHT, _LIGHT, _HEAVY, _LIGHT], [_LIGHT] * 5], [11, 8, 8])
 def test_partial_remat_splits_are_optimal(stage_layers, caps):
     # Per stage type: a "none" table and a "full" one (slower by each layer's forward, one
     # activation unit kept, the layer's activations as working set). The bottleneck split

@@ -15,11 +15,14 @@ activations.
 Algorithm.
 1. Per-layer cost tables for every (GPU type, tp, micro-batch size, remat): time of one
    micro-batch forward+backward, static and per-micro-batch memory (hetshard.cost.stage).
-2. For each family configuration, the layer split minimising the slowest stage: binary
-   search on that stage time, with a greedy contiguous packing as the feasibility test
-   (exact for a bottleneck objective with costs monotone in the layers, and every stage's
-   memory under 1F1B in-flight counts checked). Alpa's DP enumerates the same bottleneck;
-   here stages of one type are interchangeable, which makes the greedy test exact.
+2. For each family configuration, the layer split minimising the slowest stage: every
+   split's Pareto front where there are few (exact), else binary search on that stage
+   time with a greedy contiguous packing (each stage reaching furthest) as the
+   feasibility test, every stage's memory under 1F1B in-flight counts checked. The
+   greedy misses a packing only where a later stage cannot take a layer an earlier one
+   could (less memory, more micro-batches in flight, another GPU type); on instances of
+   up to ``splits.EXACT_CHECK`` stages x layers an exact dynamic program checks it (and
+   searches on where it finds better), beyond that the greedy's split stands.
    Each family's step estimate is fill + (m - 1) x period, the period being 1F1B's
    exact steady state (``sim.schedule.steady_period``) with the extra warm-up that
    minimises it within memory (``best_warmup``: hides slow transfers).

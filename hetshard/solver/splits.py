@@ -272,37 +272,89 @@ def split_layers(stages, n_layers: int, caps):
     return _min_bottleneck(pack, max(st[0][-1] for st in stages) * 1.0001)
 
 
+def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: float,
+                 memo: dict | None):
+    """(end, time, choice): among a stage's options (remat, table), the one reaching
+    furthest from ``start`` (end <= ``limit``) within ``t_max`` and memory, the fastest
+    of those; None when none fits a layer. Every end up to it fits too (time and memory
+    grow with the end for every option)."""
+    best = None  # (end, -time, choice)
+    for remat, table in row:
+        if isinstance(table, PartialRemat):
+            found = _reach_partial(table, start, limit, t_max, inflight, cap)
+            if found is None:
+                continue
+            reach, k = found
+            t = table.time(start, reach, k)
+        else:
+            reach, k = _reach(table, start, limit, t_max, inflight, cap, memo), None
+            if reach is None:
+                continue
+            t = table[0][reach] - table[0][start]
+        if best is None or (reach, -t) > best[:2]:
+            best = (reach, -t, _choice(remat, table, start, reach, k))
+    return None if best is None else (best[0], -best[1], best[2])
+
+
 def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
     """``_pack`` where each stage picks its remat: among the options (remat, table) the
-    one reaching furthest within ``t_max`` and memory (the fastest of those). Reach is
-    monotone in the start for every option (a partial remat's too: a stage starting
-    later recomputes a subset of the same layers), so the greedy stays exact for the
-    bottleneck. Returns (bounds, [(choice, time)]) or None."""
+    one reaching furthest within ``t_max`` and memory (the fastest of those). Returns
+    (bounds, [(choice, time)]) or None. The greedy can miss a packing where a later
+    stage cannot take a layer an earlier one could (less memory, more micro-batches in
+    flight, another GPU type): ``_pack_exact`` finds those."""
     p = len(options)
     bounds, picked, start = [], [], 0
     for s, row in enumerate(options):
-        best = None  # (end, -time, choice)
-        for remat, table in row:
-            limit = n_layers - (p - s - 1)
-            if isinstance(table, PartialRemat):
-                found = _reach_partial(table, start, limit, t_max, p - s, caps[s])
-                if found is None:
-                    continue
-                reach, k = found
-                t = table.time(start, reach, k)
-            else:
-                reach, k = _reach(table, start, limit, t_max, p - s, caps[s], memo), None
-                if reach is None:
-                    continue
-                t = table[0][reach] - table[0][start]
-            if best is None or (reach, -t) > best[:2]:
-                best = (reach, -t, _choice(remat, table, start, reach, k))
-        if best is None or (s == p - 1 and best[0] != n_layers):
+        got = _stage_reach(row, start, n_layers - (p - s - 1), t_max, p - s, caps[s], memo)
+        if got is None or (s == p - 1 and got[0] != n_layers):
             return None
-        bounds.append((start, best[0]))
-        picked.append((best[2], -best[1]))
-        start = best[0]
+        bounds.append((start, got[0]))
+        picked.append((got[2], got[1]))
+        start = got[0]
     return bounds, picked
+
+
+def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
+    """``_pack_mixed``'s answer by dynamic programming from the last stage back: the
+    starts from which stages s.. can pack the remaining layers are those whose stage s
+    reaches one of stage s+1's (each stage fits every end up to its reach). Exact;
+    O(stages x layers) reaches, so only run where the greedy fails."""
+    p = len(options)
+    feasible = [False] * (n_layers + 1)
+    feasible[n_layers] = True
+    ends: list[dict[int, int]] = [{} for _ in range(p)]
+    for s in reversed(range(p)):
+        last, below = -1, [-1] * (n_layers + 1)  # the largest feasible end <= x
+        for x in range(n_layers + 1):
+            if feasible[x]:
+                last = x
+            below[x] = last
+        now = [False] * (n_layers + 1)
+        limit = n_layers - (p - s - 1)
+        for a in range(s, limit):
+            got = _stage_reach(options[s], a, limit, t_max, p - s, caps[s], memo)
+            if got is not None and below[got[0]] > a:
+                now[a] = True
+                ends[s][a] = below[got[0]]
+        feasible = now
+    if not feasible[0]:
+        return None
+    bounds, picked, start = [], [], 0
+    for s, row in enumerate(options):
+        end = ends[s][start]
+        fitting = []
+        for remat, table in row:
+            cost = option_cost(table, start, end, p - s, caps[s])
+            if cost is not None:
+                fitting.append((cost[0], _choice(remat, table, start, end, cost[1])))
+        t, choice = min(fitting, key=lambda x: x[0])
+        bounds.append((start, end))
+        picked.append((choice, t))
+        start = end
+    return bounds, picked
+
+
+EXACT_CHECK = 100  # stages x layers up to which split_layers_mixed is exact (see there)
 
 
 def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
@@ -315,14 +367,29 @@ def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
         hi = max(_table(tab)[0][-1] for row in options for _, tab in row)
     memo: dict = {}
 
-    def pack(t_max):
-        got = _pack_mixed(t_max, options, n_layers, caps, memo)
-        if got is None:
-            return None
-        bounds, picked = got
-        times = [t for _, t in picked]
-        return (bounds, times, [c for c, _ in picked]), max(times)
-    return _min_bottleneck(pack, hi * 1.0001)
+    def packer(how):
+        def pack(t_max):
+            got = how(t_max, options, n_layers, caps, memo)
+            if got is None:
+                return None
+            bounds, picked = got
+            times = [t for _, t in picked]
+            return (bounds, times, [c for c, _ in picked]), max(times)
+        return pack
+    # The greedy's bisection first; then, on instances of at most EXACT_CHECK stages x
+    # layers (the check costs a reach per stage and start: on large ones it would
+    # multiply the search's time), one exact check just below its bottleneck (the greedy
+    # is feasible wherever it packs, so a better split exists only if that check finds
+    # one), and the exact bisection from there when it does.
+    found = _min_bottleneck(packer(_pack_mixed), hi * 1.0001)
+    if len(options) * n_layers > EXACT_CHECK:
+        return found
+    if found is None:
+        return _min_bottleneck(packer(_pack_exact), hi * 1.0001)
+    below = max(found[1]) * (1 - 1e-6)
+    if _pack_exact(below, options, n_layers, caps, memo) is None:
+        return found
+    return _min_bottleneck(packer(_pack_exact), below)
 
 
 def _table(option):
