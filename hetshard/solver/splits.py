@@ -219,20 +219,6 @@ def _reach(table, start: int, limit: int, t_max: float, inflight: int, cap: floa
     return lo if lo > start else None
 
 
-def _pack(t_max: float, stages, n_layers: int, caps, memo: dict | None = None):
-    """Greedy contiguous packing of the layers into ``stages`` (tables per stage) with every
-    stage time <= t_max and memory <= cap; returns the bounds or None."""
-    p = len(stages)
-    bounds, start = [], 0
-    for s, table in enumerate(stages):
-        best = _reach(table, start, n_layers - (p - s - 1), t_max, p - s, caps[s], memo)
-        if best is None or (s == p - 1 and best != n_layers):
-            return None
-        bounds.append((start, best))
-        start = best
-    return bounds
-
-
 def _min_bottleneck(pack, hi: float):
     """The result of ``pack`` (t_max -> (result, its bottleneck) or None; feasible for
     every t_max from the optimum up) at the smallest t_max, to 1e-9 relative, or None
@@ -258,18 +244,10 @@ def _min_bottleneck(pack, hi: float):
 
 
 def split_layers(stages, n_layers: int, caps):
-    """Minimum bottleneck split: (bounds, stage times) or None if nothing fits."""
-    if len(stages) > n_layers:
-        return None
-    memo: dict = {}
-
-    def pack(t_max):
-        bounds = _pack(t_max, stages, n_layers, caps, memo)
-        if bounds is None:
-            return None
-        times = [st[0][b] - st[0][a] for st, (a, b) in zip(stages, bounds, strict=True)]
-        return (bounds, times), max(times)
-    return _min_bottleneck(pack, max(st[0][-1] for st in stages) * 1.0001)
+    """Minimum bottleneck split: (bounds, stage times) or None if nothing fits
+    (``split_layers_mixed`` with one table per stage)."""
+    got = split_layers_mixed([[("none", st)] for st in stages], n_layers, caps)
+    return None if got is None else got[:2]
 
 
 def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: float,
@@ -297,8 +275,9 @@ def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: 
 
 
 def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
-    """``_pack`` where each stage picks its remat: among the options (remat, table) the
-    one reaching furthest within ``t_max`` and memory (the fastest of those). Returns
+    """Greedy contiguous packing of the layers into the stages with every stage time
+    <= ``t_max`` and memory <= its cap, each stage with the option (remat, table)
+    reaching furthest (the fastest of those). Returns
     (bounds, [(choice, time)]) or None. The greedy can miss a packing where a later
     stage cannot take a layer an earlier one could (less memory, more micro-batches in
     flight, another GPU type): ``_pack_exact`` finds those."""
@@ -318,7 +297,8 @@ def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = 
     """``_pack_mixed``'s answer by dynamic programming from the last stage back: the
     starts from which stages s.. can pack the remaining layers are those whose stage s
     reaches one of stage s+1's (each stage fits every end up to its reach). Exact;
-    O(stages x layers) reaches, so only run where the greedy fails."""
+    O(stages x layers) reaches (``split_layers_mixed`` runs it as a check on small
+    instances)."""
     p = len(options)
     feasible = [False] * (n_layers + 1)
     feasible[n_layers] = True
