@@ -340,7 +340,9 @@ EXACT_CHECK = 100  # stages x layers up to which split_layers_mixed is exact (se
 def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
     """Minimum bottleneck split with a remat per stage: (bounds, times, choices) or None
     (choices: see the module docstring). ``hi``: a bottleneck known to be reachable (the
-    best one-remat split's), where the search starts."""
+    best one-remat split's), where the search starts. Exact (to 1e-6 relative) on
+    instances of at most ``EXACT_CHECK`` stages x layers; above, the greedy's split (see
+    ``_pack_mixed``)."""
     if len(options) > n_layers:
         return None
     if hi is None:
