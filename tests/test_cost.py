@@ -95,10 +95,61 @@ def test_memory_model_matches_hand_computed_totals(prof):
     assert full.memory_per_microbatch_bytes == pytest.approx(kept)
     assert blocks[0].boundary_bytes_per_sample == 32 * 64 * 4
     sel = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="selective", cal=DEFAULT)
-    attn = sum(layer.attention_residual_bytes_per_sample for layer in prof.layers)
-    assert sel.memory_per_microbatch_bytes == pytest.approx(2 * (residual - attn))
-    assert full.bwd_s > sel.bwd_s >= base.bwd_s
+    none = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, cal=DEFAULT)
+    # Selective keeps the matmuls' outputs (checked against JAX's own residuals below):
+    # between full and none in memory and in time.
+    assert full.memory_per_microbatch_bytes < sel.memory_per_microbatch_bytes < \
+        none.memory_per_microbatch_bytes
+    assert full.bwd_s > sel.bwd_s > none.bwd_s
     assert full.hardware_flops > full.model_flops == base.model_flops
+
+
+def _vjp_residual_bytes(spec, layers, samples, remat):
+    """Bytes of the residuals ``jax.vjp`` keeps for a one-stage pipeline program of
+    ``spec`` with ``layers`` blocks, as the runtime builds it (flash kernel, the remat's
+    checkpoint per layer); shapes only, nothing computed."""
+    from flax import nnx
+
+    from hetshard.ir.train_step import abstract_batch, model_loss, with_layers
+    from hetshard.rewrite.pipeline import remat_wrap, split_stages
+    config = with_layers(models.resolve(spec), layers)
+    graphdef, state = nnx.split(models.abstract(config))
+    leaves, tree = jax.tree.flatten(state)
+    batch, btree = jax.tree.flatten(abstract_batch(config, samples, 32))
+
+    def loss(sl, bl):
+        return model_loss(nnx.merge(graphdef, jax.tree.unflatten(tree, sl)),
+                          jax.tree.unflatten(btree, bl))
+    split = split_stages(loss, leaves, batch, [(0, layers + 2)], list(range(len(leaves))),
+                         attention="flash", interpret=True)
+    st, wrap = split.stages[0], remat_wrap(remat)
+    vjp = jax.eval_shape(
+        lambda p, f, b: st.forward(p, f, b, [], None if wrap is None else (wrap, None))[2],
+        [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
+        [batch[i] for i in st.batch])
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp))
+
+
+@pytest.mark.parametrize("spec", [
+    SPEC,
+    "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32,mlp=swiglu,norm=rmsnorm,pos=rope,"
+    "tied=false,bias=false,dtype=bfloat16"])
+@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+def test_activation_memory_is_what_the_runtimes_vjp_keeps(spec, remat):
+    # One more block and one more sample: the residuals jax.vjp keeps for them, under the
+    # runtime's checkpoint policy, against the model's activation bytes for one block.
+    r = {(n, b): _vjp_residual_bytes(spec, n, b, remat) for n in (2, 3) for b in (1, 2)}
+    measured = (r[3, 2] - r[3, 1]) - (r[2, 2] - r[2, 1])
+    prof = profile_model(spec, 32, "bfloat16" if "bfloat16" in spec else "float32")
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    block = stage_cost(prof, 2, 3, gpu, mbs=1, remat=remat, cal=DEFAULT)
+    predicted = block.memory_per_microbatch_bytes
+    if remat == "none":
+        # Without remat the flash kernel's own residuals (q, k, v and its output in its
+        # layout) are not all counted: the model is within 15% (low).
+        assert 0.85 * measured <= predicted <= measured
+    else:
+        assert predicted == pytest.approx(measured, rel=0.01)
 
 
 def test_partial_remat_prices_the_first_layers_full_and_the_rest_none(prof):

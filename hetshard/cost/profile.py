@@ -52,6 +52,11 @@ class LayerProfile:
     # residual branch (after the row-parallel attention output and MLP down projection
     # forward, at the column-parallel inputs backward); a block half has one.
     tp_collectives: int = 2
+    # The ``selective`` remat (``jax.checkpoint`` with dots_with_no_batch_dims_saveable;
+    # see ``OpGraph.dots_saved``): bytes kept per sample, and a bool per forward
+    # equation: recomputed by the backward.
+    selective_residual_bytes_per_sample: float = 0.0
+    fwd_recomputed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -189,6 +194,7 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
     weight_only, carry1 = _weight_only(g1)
     carry2 = _weight_only(g2)[1]
     counts = _param_counts(g1)
+    (dots1, recomputed), (dots2, _) = g1.dots_saved(), g2.dots_saved()
     reduced_layers: dict[str, LayerProfile] = {}
     for name in g1.layers:
         arrays = {}
@@ -219,7 +225,10 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
             bwd_weight=weight_only.get(name, np.zeros(len(p1[name]["bwd"]), bool)),
             weight_carry_bytes_per_sample=_linear(carry1.get(name, 0.0),
                                                   carry2.get(name, 0.0))[1],
-            tp_collectives=1 if m and m.group("part") else 2)
+            tp_collectives=1 if m and m.group("part") else 2,
+            selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
+                                                        dots2.get(name, 0.0))[1],
+            fwd_recomputed=np.array([o.index in recomputed for o in p1[name]["fwd"]], bool))
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

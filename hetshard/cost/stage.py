@@ -143,7 +143,17 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             t_b = max(t_b, ag)
         if mode == "full":
             recompute += t_f
-        elif mode == "selective" or attention == "flash":
+        elif mode == "selective":
+            # Everything but the saved matmuls, attention included (the flash kernel's
+            # forward is re-run for its residuals, and its backward recomputes the scores).
+            mask = layer.fwd_recomputed
+            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask], bw,
+                                   e.fusion)
+            if attention == "flash":
+                mask = layer.fwd_attention
+                recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn,
+                                       bw, e.fusion)
+        elif attention == "flash":
             # The flash kernel's backward recomputes the attention scores from q, k and v
             # (Dao 2023), which costs what selective recomputation of attention costs.
             mask = layer.fwd_attention
@@ -160,11 +170,12 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         # nor part of any recomputation working set. The reference keeps them (none) or
         # rebuilds them one layer at a time (selective, full).
         inner = 0.0 if attention == "flash" else attn
-        if mode == "none" and attention == "reference":
-            kept = res
-        elif mode in ("none", "selective"):
-            kept = res - attn
-            working = max(working, inner)
+        if mode == "none":
+            kept = res if attention == "reference" else res - attn
+        elif mode == "selective":
+            kept = layer.selective_residual_bytes_per_sample * mbs / shard
+            # One layer's recomputed values live during its backward.
+            working = max(working, res - attn + inner)
         else:
             # A checkpointed layer keeps its input: the layer before's output (the
             # first layer's is the token ids, negligible).
@@ -178,7 +189,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
-        if mode == "selective" or (mode == "none" and attention == "flash"):
+        if mode == "selective":
+            hw_flops += float(layer.fwd_flops[1][layer.fwd_recomputed].sum()) * mbs
+            if attention == "flash":
+                hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
+        elif mode == "none" and attention == "flash":
             hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;
     # the last layer's is the loss's seed).

@@ -88,6 +88,46 @@ class OpGraph:
             out[layer]["params"] += nbytes
         return {k: dict(v) for k, v in out.items()}
 
+    def dots_saved(self) -> tuple[dict[str, float], set[int]]:
+        """What each layer keeps when it runs under ``jax.checkpoint`` with
+        ``dots_with_no_batch_dims_saveable`` (the runtime's ``selective`` remat), and what
+        its backward recomputes.
+
+        As JAX's remat does, from every forward value the backward reads: a saveable
+        value (a ``dot_general`` without batch dimensions, outside attention) is kept;
+        any other is recomputed from its operands, followed back the same way; an operand
+        made by an earlier layer is that layer's output, the checkpoint's input, kept;
+        parameters and the batch are there anyway. Returns (per layer, bytes kept per
+        micro-batch; indices of the forward ops recomputed)."""
+        ops = self.ops
+        needed = {src for src, dst, _ in self.edges
+                  if ops[src].phase == "fwd" and ops[dst].phase == "bwd"}
+        kept: dict[str, float] = defaultdict(float)
+        inputs: set[tuple[str, int]] = set()
+        recomputed: set[int] = set()
+        seen: set[int] = set()
+        stack = sorted(needed)
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            op = ops[i]
+            if _saveable_dot(op):
+                kept[op.layer] += op.out_bytes
+                continue
+            recomputed.add(i)
+            for src, _ in op.inputs:
+                if src < 0 or ops[src].phase != "fwd":
+                    continue
+                if ops[src].layer != op.layer:
+                    if (op.layer, src) not in inputs:
+                        inputs.add((op.layer, src))
+                        kept[op.layer] += ops[src].out_bytes
+                else:
+                    stack.append(src)
+        return dict(kept), recomputed
+
     def layer_signature(self, layer: str) -> tuple:
         """Shapes and primitives of the layer's forward and backward ops, in order."""
         return tuple(op.signature for op in self.ops if op.layer == layer and op.phase != "opt")
@@ -101,3 +141,12 @@ class OpGraph:
 
     def flops_array(self) -> np.ndarray:
         return np.array([op.flops for op in self.ops])
+
+
+def _saveable_dot(op: Op) -> bool:
+    """``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``'s test (attention's
+    products, batched over heads, never pass it; the flash kernel is one opaque call)."""
+    if op.primitive != "dot_general" or op.region == "hetshard_attention":
+        return False
+    dims = op.params.get("dimension_numbers")
+    return dims is not None and not dims[1][0]
