@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 
 import models
 from hetshard.cluster import Cluster
@@ -12,6 +13,8 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
+from hetshard.ir.train_step import abstract_batch, model_loss, with_layers
+from hetshard.rewrite.pipeline import remat_wrap, split_stages
 
 CAL = Calibration(default=Efficiency(comm_eff=0.5, intra_latency_s=1e-5,
                                      inter_latency_s=2e-5))
@@ -108,10 +111,6 @@ def _vjp_residual_bytes(spec, layers, samples, remat):
     """Bytes of the residuals ``jax.vjp`` keeps for a one-stage pipeline program of
     ``spec`` with ``layers`` blocks, as the runtime builds it (flash kernel, the remat's
     checkpoint per layer); shapes only, nothing computed."""
-    from flax import nnx
-
-    from hetshard.ir.train_step import abstract_batch, model_loss, with_layers
-    from hetshard.rewrite.pipeline import remat_wrap, split_stages
     config = with_layers(models.resolve(spec), layers)
     graphdef, state = nnx.split(models.abstract(config))
     leaves, tree = jax.tree.flatten(state)
