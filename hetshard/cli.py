@@ -60,10 +60,11 @@ def cmd_devices(args) -> int:
         _emit_json([t.to_dict() for t in CATALOG.values()], args.json)
         return 0
     _table("GPU catalog (per device, dense TFLOP/s, GB, GB/s one direction)",
-           ["name", "bf16", "fp16", "fp32", "memory GB", "HBM GB/s", "intra GB/s",
-            "inter GB/s"],
+           ["name", "bf16", "fp16", "fp32", "memory GB", "usable GB", "HBM GB/s",
+            "intra GB/s", "inter GB/s"],
            [[t.name, _fmt(t.bf16_tflops), _fmt(t.fp16_tflops), _fmt(t.fp32_tflops),
-             _fmt(t.memory_gb, 0), _fmt(t.memory_gbs, 0), _fmt(t.intra_node_gbs, 0),
+             _fmt(t.memory_gb, 0), _fmt(t.memory_bytes / 1e9, 1), _fmt(t.memory_gbs, 0),
+             _fmt(t.intra_node_gbs, 0),
              _fmt(t.inter_node_gbs, 2)] for t in CATALOG.values()])
     return 0
 

@@ -51,7 +51,28 @@ def test_inline_gpu():
         "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000},
         "nodes": 1, "gpus_per_node": 4}]})
     assert c.groups[0].gpu.peak_flops() == 500e12
+    assert c.groups[0].gpu.memory_bytes == 96e9
     assert Cluster.from_json(c.to_json()) == c and Cluster.from_toml(c.to_toml()) == c
+    # The driver's total, when given, sets the capacity.
+    d = Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
+        "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
+        "memory_mib": 98304}, "nodes": 1, "gpus_per_node": 4}]})
+    assert d.groups[0].gpu.memory_bytes == 98304 * 2**20
+    assert Cluster.from_json(d.to_json()) == d and Cluster.from_toml(d.to_toml()) == d
+    with pytest.raises(hetshard.SpecError, match="memory_mib"):
+        Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
+            "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
+            "memory_mib": -1}, "nodes": 1, "gpus_per_node": 4}]})
+
+
+def test_catalog_memory_is_the_drivers_total():
+    # nvidia-smi's totals: the datasheet's GB are binary, less what the driver holds back.
+    assert CATALOG["A100-40GB"].memory_bytes == 40960 * 2**20
+    assert CATALOG["V100-16GB"].memory_bytes == 16160 * 2**20
+    assert CATALOG["T4"].memory_bytes == 15360 * 2**20  # ECC on
+    for t in CATALOG.values():
+        if t.memory_mib is not None:
+            assert 0.93 <= t.memory_bytes / (t.memory_gb * 2**30) <= 1.0, t.name
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

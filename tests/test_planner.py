@@ -317,12 +317,12 @@ def test_planner_search_is_exact_on_a_tiny_instance():
 
 @pytest.mark.slow
 def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
-    # 6 wide blocks at 4k tokens on 16 GB cards: memory binds, and the best plan
+    # 6 wide blocks at 5k tokens on 16 GB cards: memory binds, and the best plan
     # recomputes only some of a stage's layers, better than any whole-stage remat.
-    model = "gpt:layers=6,hidden=4096,heads=32,vocab=256,seq=4096"
+    model = "gpt:layers=6,hidden=4096,heads=32,vocab=256,seq=5120"
     cluster = Cluster.load(SHORT_CLUSTER)
-    profile = profile_model(model, 4096, "float16")
-    estimates = plan(model, profile, cluster, global_batch=8, seq_len=4096, options=OPTS,
+    profile = profile_model(model, 5120, "float16")
+    estimates = plan(model, profile, cluster, global_batch=8, seq_len=5120, options=OPTS,
                      return_estimates=True)
     best, families = estimates[0][0], estimates[0][1]
     assert best == pytest.approx(_brute_force(profile, cluster, 8, OPTS), rel=1e-6)
@@ -333,10 +333,14 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
 
 def test_planner_puts_a_fast_gpu_short_of_memory_last():
     # 10 wide blocks on 16 GB cards in one pipeline: the first stage keeps the most
-    # micro-batches in flight, so the V100s (faster, as short of memory as the T4s) do
-    # best last, with more layers and no recomputation.
+    # micro-batches in flight, so the V100s (faster, as short of memory as the T4s: here
+    # both hold the T4's 15360 MiB) do best last, with more layers and no recomputation.
     model = "gpt:layers=10,hidden=4096,heads=32,vocab=256,seq=2048"
-    cluster = Cluster.load(SHORT_CLUSTER)
+    short = Cluster.load(SHORT_CLUSTER)
+    v100, t4 = short.groups
+    cluster = dataclasses.replace(short, groups=(
+        dataclasses.replace(v100, gpu=dataclasses.replace(v100.gpu,
+                                                          memory_mib=t4.gpu.memory_mib)), t4))
     profile = profile_model(model, 2048, "float16")
 
     def best(**kw):

@@ -8,6 +8,10 @@ bf16 runs there at ``fp32_tflops``. ``intra_node_gbs`` is GB/s per GPU in one
 direction over the node's GPU interconnect (NVLink/xGMI/PCIe);
 ``inter_node_gbs`` is the usual per-node network of systems built from it,
 GB/s in one direction (all NICs together), used when a spec omits it.
+``memory_mib`` is the device memory the driver reports (nvidia-smi's total; rocm-smi's
+VRAM total): the datasheet's "40 GB" of an A100 is 40960 MiB = 42.9e9 bytes, a T4's
+"16 GB" with ECC on is 15360 MiB = 16.1e9. The planner's memory margin (5% by default)
+is taken from it, for the CUDA context, the allocator and fragmentation.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from hetshard.errors import SpecError, UnknownNameError, check_positive
 
 @dataclasses.dataclass(frozen=True)
 class DeviceType:
-    """One accelerator model. Units: TFLOP/s, GB (1e9 bytes), GB/s (one direction)."""
+    """One accelerator model. Units: TFLOP/s, GB (1e9 bytes), GB/s (one direction);
+    ``memory_mib``: the driver's total in MiB (None: ``memory_gb`` x 1e9 bytes)."""
 
     name: str
     bf16_tflops: float | None
@@ -32,6 +37,7 @@ class DeviceType:
     vendor: str = "nvidia"
     device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings that mean this type
     source: str = ""
+    memory_mib: int | None = None
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
@@ -40,9 +46,14 @@ class DeviceType:
             check_positive(f, getattr(self, f), where=where)
         if self.bf16_tflops is not None:
             check_positive("bf16_tflops", self.bf16_tflops, where=where)
+        if self.memory_mib is not None:
+            check_positive("memory_mib", self.memory_mib, where=where)
 
     @property
     def memory_bytes(self) -> int:
+        """Device memory in bytes: the driver's total where known, else ``memory_gb``."""
+        if self.memory_mib is not None:
+            return int(self.memory_mib) * 2**20
         return int(self.memory_gb * 1e9)
 
     def peak_flops(self, dtype: str = "bfloat16") -> float:
@@ -74,66 +85,82 @@ _TYPES = [
     DeviceType("V100-16GB", None, 125.0, 15.7, 16, 900, 150, 50,
                device_kinds=("Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "Tesla V100-16GB"),
                source="NVIDIA Tesla V100 datasheet (SXM2): 125 TFLOPS tensor, 15.7 FP32, "
-                      "900 GB/s HBM2, NVLink 300 GB/s bidirectional"),
+                      "900 GB/s HBM2, NVLink 300 GB/s bidirectional",
+               memory_mib=16160),
     DeviceType("V100-32GB", None, 125.0, 15.7, 32, 900, 150, 50,
                device_kinds=("Tesla V100-SXM2-32GB", "Tesla V100-PCIE-32GB",
                              "Tesla V100-32GB", "Tesla V100S-PCIE-32GB"),
-               source="NVIDIA Tesla V100 datasheet (SXM2 32GB)"),
+               source="NVIDIA Tesla V100 datasheet (SXM2 32GB)",
+               memory_mib=32510),
     DeviceType("P100-16GB", None, 21.2, 10.6, 16, 732, 80, 12.5,
                device_kinds=("Tesla P100-SXM2-16GB", "Tesla P100-PCIE-16GB"),
                source="NVIDIA Tesla P100 datasheet (SXM2): 21.2 FP16, 10.6 FP32, 732 GB/s, "
-                      "NVLink 160 GB/s bidirectional"),
+                      "NVLink 160 GB/s bidirectional",
+               memory_mib=16280),
     DeviceType("A100-40GB", 312.0, 312.0, 19.5, 40, 1555, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
                source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, 1555 GB/s, "
-                      "NVLink3 600 GB/s bidirectional"),
+                      "NVLink3 600 GB/s bidirectional",
+               memory_mib=40960),
     DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
-               source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e"),
+               source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e",
+               memory_mib=81920),
     DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
                device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
                source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 67 FP32, "
-                      "3.35 TB/s, NVLink4 900 GB/s bidirectional"),
+                      "3.35 TB/s, NVLink4 900 GB/s bidirectional",
+               memory_mib=81559),
     DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
                device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
-               source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141 GB, 4.8 TB/s"),
+               source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141 GB, 4.8 TB/s",
+               memory_mib=143771),
     DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
                device_kinds=("NVIDIA B200",),
                source="NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 sparse (2.25 dense), "
-                      "75 TFLOPS FP32, 180 GB HBM3e at 7.7 TB/s, NVLink5 1.8 TB/s bidir."),
+                      "75 TFLOPS FP32, 180 GB HBM3e at 7.7 TB/s, NVLink5 1.8 TB/s bidir.",
+               memory_mib=183359),
     DeviceType("L4", 121.0, 121.0, 30.3, 24, 300, _PCIE4, 12.5,
                device_kinds=("NVIDIA L4",),
                source="NVIDIA L4 datasheet: 242 TFLOPS BF16 with sparsity (121 dense), "
-                      "30.3 FP32, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16"),
+                      "30.3 FP32, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16",
+               memory_mib=23034),
     DeviceType("T4", None, 65.0, 8.1, 16, 320, _PCIE3, 6.25,
                device_kinds=("Tesla T4",),
                source="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed, 8.1 FP32, 320 GB/s, "
-                      "PCIe Gen3 x16; network as AWS g4dn.12xlarge (50 Gb/s)"),
+                      "PCIe Gen3 x16; network as AWS g4dn.12xlarge (50 Gb/s)",
+               memory_mib=15360),
     DeviceType("A10", 125.0, 125.0, 31.2, 24, 600, _PCIE4, 12.5,
                device_kinds=("NVIDIA A10", "NVIDIA A10G"),
                source="NVIDIA A10 datasheet: 250 BF16 with sparsity (125 dense), 31.2 FP32, "
-                      "600 GB/s, PCIe Gen4"),
+                      "600 GB/s, PCIe Gen4",
+               memory_mib=23028),
     DeviceType("RTX-3090", 71.0, 71.0, 35.6, 24, 936, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3090",),
                source="NVIDIA Ampere GA102 whitepaper, Table 9: 71 TFLOPS FP16/BF16 tensor "
-                      "with FP32 accumulate (dense), 35.6 FP32, 936 GB/s; 10 GbE network"),
+                      "with FP32 accumulate (dense), 35.6 FP32, 936 GB/s; 10 GbE network",
+               memory_mib=24576),
     DeviceType("RTX-3080Ti", 68.2, 68.2, 34.1, 12, 912, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3080 Ti",),
                source="GA102 whitepaper rates scaled to the 3080 Ti (80 SMs, 1665 MHz boost): "
-                      "68.2 TFLOPS tensor FP32-acc, 34.1 FP32, 912 GB/s GDDR6X"),
+                      "68.2 TFLOPS tensor FP32-acc, 34.1 FP32, 912 GB/s GDDR6X",
+               memory_mib=12288),
     DeviceType("RTX-4090", 165.2, 165.2, 82.6, 24, 1008, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 4090",),
                source="NVIDIA Ada AD102 whitepaper, Table 2: 165.2 TFLOPS FP16/BF16 tensor "
-                      "with FP32 accumulate (dense), 82.6 FP32, 1008 GB/s"),
+                      "with FP32 accumulate (dense), 82.6 FP32, 1008 GB/s",
+               memory_mib=24564),
     DeviceType("MI250X", 191.5, 191.5, 47.9, 64, 1638, 100, 100, vendor="amd",
                device_kinds=("AMD Instinct MI250X", "MI250X"),
                source="AMD Instinct MI250X datasheet: 383 TFLOPS BF16, 95.7 FP32 matrix, "
                       "128 GB at 3.2 TB/s per package = 2 GCDs (per-GCD figures here); "
-                      "Infinity Fabric 50-100 GB/s per direction between GCDs (Frontier node)"),
+                      "Infinity Fabric 50-100 GB/s per direction between GCDs (Frontier node)",
+               memory_mib=65520),
     DeviceType("MI300X", 1307.4, 1307.4, 163.4, 192, 5300, 448, 400, vendor="amd",
                device_kinds=("AMD Instinct MI300X", "MI300X"),
                source="AMD Instinct MI300X datasheet: 1307.4 TFLOPS BF16 dense, 163.4 FP32 "
-                      "matrix, 192 GB at 5.3 TB/s, 896 GB/s aggregate Infinity Fabric (bidir.)"),
+                      "matrix, 192 GB at 5.3 TB/s, 896 GB/s aggregate Infinity Fabric (bidir.)",
+               memory_mib=196288),
     # Host CPUs stand in for GPUs in tests; nominal numbers, replaced by `hetshard profile`.
     DeviceType("CPU", None, 0.1, 0.1, 16, 20, 10, 1.25, vendor="cpu", device_kinds=("cpu",),
                source="nominal: one fake XLA CPU device; calibrate with `hetshard profile`"),
@@ -142,7 +169,7 @@ _TYPES = [
 CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 
 _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb",
-                  "memory_gbs", "intra_node_gbs", "inter_node_gbs", "vendor"}
+                  "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs", "vendor"}
 
 
 def device_type(name: str) -> DeviceType:
@@ -160,7 +187,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
 
     ``fp16_tflops`` defaults to ``bf16_tflops``; ``fp32_tflops`` to 1/16 of it
     (the A100/H100 ratio of dense tensor to FP32 is ~16x); links default to PCIe
-    Gen4 and a 100 Gb/s NIC.
+    Gen4 and a 100 Gb/s NIC. ``memory_mib`` (optional): the driver's memory total,
+    which then sets the capacity instead of ``memory_gb``.
     """
     extra = set(d) - _INLINE_FIELDS
     if extra:
@@ -171,8 +199,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
             raise SpecError(f"{field}.{req}", None, "a value (required for an inline GPU)")
     if not isinstance(d["name"], str) or not d["name"]:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
-    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb", "memory_gbs",
-              "intra_node_gbs", "inter_node_gbs"):
+    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb", "memory_mib",
+              "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]
@@ -181,7 +209,7 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         fp32_tflops=d.get("fp32_tflops", bf16 / 16), memory_gb=d["memory_gb"],
         memory_gbs=d["memory_gbs"], intra_node_gbs=d.get("intra_node_gbs", _PCIE4),
         inter_node_gbs=d.get("inter_node_gbs", 12.5), vendor=d.get("vendor", "custom"),
-        source="inline spec")
+        source="inline spec", memory_mib=d.get("memory_mib"))
 
 
 def device_type_for_kind(kind: str) -> DeviceType:

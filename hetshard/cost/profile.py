@@ -57,6 +57,11 @@ class LayerProfile:
     # equation: recomputed by the backward.
     selective_residual_bytes_per_sample: float = 0.0
     fwd_recomputed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    # Under the flash kernel attention's residuals are the kernel's (``OpGraph.
+    # flash_residuals``: q, k, v, its output, log-sum-exp, positions) in place of the
+    # reference's, and of the values made before it that only attention's backward reads.
+    attention_input_residual_bytes_per_sample: float = 0.0
+    flash_residual_bytes_per_sample: float = 0.0
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -228,7 +233,13 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
             tp_collectives=1 if m and m.group("part") else 2,
             selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
                                                         dots2.get(name, 0.0))[1],
-            fwd_recomputed=np.array([o.index in recomputed for o in p1[name]["fwd"]], bool))
+            fwd_recomputed=np.array([o.index in recomputed for o in p1[name]["fwd"]], bool),
+            attention_input_residual_bytes_per_sample=_linear(
+                t1[name].get("attention_input_residual_bytes", 0.0),
+                t2[name].get("attention_input_residual_bytes", 0.0))[1],
+            flash_residual_bytes_per_sample=_linear(
+                t1[name].get("flash_residual_bytes", 0.0),
+                t2[name].get("flash_residual_bytes", 0.0))[1])
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

@@ -166,22 +166,24 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         hw_flops += f_model + (layer.fwd_total_flops(mbs) if mode == "full" else 0.0)
         res = layer.residual_bytes_per_sample * mbs / shard
         attn = layer.attention_residual_bytes_per_sample * mbs / shard
-        # The flash kernel never materialises attention's scores: they are neither kept
-        # nor part of any recomputation working set. The reference keeps them (none) or
-        # rebuilds them one layer at a time (selective, full).
-        inner = 0.0 if attention == "flash" else attn
+        # What the layer's backward reads without remat. The flash kernel never
+        # materialises attention's scores: it keeps its inputs, output and log-sum-exp
+        # instead of the reference's residuals (and of q, k, v in the reference's copies).
+        whole = res if attention == "reference" else (
+            res - attn + (layer.flash_residual_bytes_per_sample
+                          - layer.attention_input_residual_bytes_per_sample) * mbs / shard)
         if mode == "none":
-            kept = res if attention == "reference" else res - attn
+            kept = whole
         elif mode == "selective":
             kept = layer.selective_residual_bytes_per_sample * mbs / shard
             # One layer's recomputed values live during its backward.
-            working = max(working, res - attn + inner)
+            working = max(working, whole)
         else:
             # A checkpointed layer keeps its input: the layer before's output (the
             # first layer's is the token ids, negligible).
             kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
                     if index else 0.0)
-            working = max(working, res - attn + inner)
+            working = max(working, whole)
         act += kept
         if mode != "none":
             # A W pass reads the matmuls' inputs, which B recomputed: kept until W.

@@ -15,6 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 PHASES = ("fwd", "bwd", "opt")
+ATTENTION = "hetshard_attention"  # the region the models' attention is traced in
 
 
 @dataclasses.dataclass
@@ -67,8 +68,11 @@ class OpGraph:
     def layer_totals(self) -> dict[str, dict[str, float]]:
         """Per layer: ``{fwd,bwd}_{flops,bytes}``, ``residual_bytes`` (forward values the
         backward reads: the activation memory of a micro-batch without remat),
-        ``attention_residual_bytes`` (the part produced inside attention) and
-        ``params`` (bytes of parameters first read by the layer)."""
+        ``attention_residual_bytes`` (the part produced inside attention),
+        ``attention_input_residual_bytes`` (values made outside attention that only
+        attention's backward reads), ``flash_residual_bytes`` (what the flash kernel keeps
+        instead of attention's residuals: see :meth:`flash_residuals`) and ``params``
+        (bytes of parameters first read by the layer)."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for op in self.ops:
             if op.phase in ("fwd", "bwd"):
@@ -79,14 +83,51 @@ class OpGraph:
             s, d = self.ops[src], self.ops[dst]
             if s.phase == "fwd" and d.phase == "bwd":
                 consumed_by_bwd[src] = max(consumed_by_bwd.get(src, 0.0), nbytes)
+        read_outside: set[int] = {src for src, dst, _ in self.edges
+                                  if self.ops[dst].phase == "bwd"
+                                  and self.ops[dst].region != ATTENTION}
         for src, nbytes in consumed_by_bwd.items():
             s = self.ops[src]
             out[s.layer]["residual_bytes"] += nbytes
-            if s.region == "hetshard_attention":
+            if s.region == ATTENTION:
                 out[s.layer]["attention_residual_bytes"] += nbytes
+            elif src not in read_outside:
+                out[s.layer]["attention_input_residual_bytes"] += nbytes
+        for layer, nbytes in self.flash_residuals().items():
+            out[layer]["flash_residual_bytes"] += nbytes
         for layer, nbytes in zip(self.param_layers, self.param_bytes, strict=True):
             out[layer]["params"] += nbytes
         return {k: dict(v) for k, v in out.items()}
+
+    def flash_residuals(self) -> dict[str, float]:
+        """Per layer, the bytes the flash kernel keeps for its backward per micro-batch
+        (``flash_attention``'s custom VJP): its inputs q, k and v and its output, in its
+        own layout (same bytes), the float32 log-sum-exp per query row and head, and the
+        int32 query and key positions and segment ids per token. Read off the reference
+        attention's region: its inputs are the distinct values made outside it that it
+        reads, its output (``[batch, seq, heads, head_dim]``) the value read outside."""
+        ops = self.ops
+        inputs: set[int] = set()
+        outputs: set[int] = set()
+        for src, dst, _ in self.edges:
+            s, d = ops[src], ops[dst]
+            if s.phase != "fwd" or d.phase != "fwd":
+                continue
+            if d.region == ATTENTION and s.region != ATTENTION:
+                inputs.add(src)
+            elif s.region == ATTENTION and d.region != ATTENTION:
+                outputs.add(src)
+        out: dict[str, float] = defaultdict(float)
+        for i in inputs:
+            out[ops[i].layer] += ops[i].out_bytes
+        for i in outputs:
+            op = ops[i]
+            shape = op.out_shapes[0] if op.out_shapes else ()
+            out[op.layer] += op.out_bytes
+            if len(shape) == 4:  # [batch, seq, heads, head_dim]
+                b, sq, h, _ = shape
+                out[op.layer] += 4.0 * b * sq * h + 4 * 4.0 * b * sq
+        return dict(out)
 
     def dots_saved(self) -> tuple[dict[str, float], set[int]]:
         """What each layer keeps when it runs under ``jax.checkpoint`` with
@@ -146,7 +187,7 @@ class OpGraph:
 def _saveable_dot(op: Op) -> bool:
     """``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``'s test (attention's
     products, batched over heads, never pass it; the flash kernel is one opaque call)."""
-    if op.primitive != "dot_general" or op.region == "hetshard_attention":
+    if op.primitive != "dot_general" or op.region == ATTENTION:
         return False
     dims = op.params.get("dimension_numbers")
     return dims is not None and not dims[1][0]

@@ -205,7 +205,8 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                        for s in range(len(q.stages))))]
     options = list({q.what_runs(): q for q in options}.values())
     keys = [(not r.fits, r.step_time_s) for r in
-            (simulate(q, profile, cluster, cal, trace=False, cache=cache) for q in options)]
+            (simulate(q, profile, cluster, cal, trace=False, cache=cache, margin=margin)
+             for q in options)]
     return options[keys.index(min(keys))]
 
 
@@ -217,10 +218,11 @@ def _slowest(cluster: Cluster, devices) -> object:
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
              cal: Calibration = DEFAULT, *, trace: bool = True,
-             cache: dict | None = None) -> SimResult:
+             cache: dict | None = None, margin: float = 0.0) -> SimResult:
     """Simulates one step of ``plan``; see the module docstring for the model. With
     ``trace=False`` the result's ``tasks`` are left empty, and ``cache`` keeps stage costs
-    between calls on the same profile, cluster and calibration (the planner's use)."""
+    between calls on the same profile, cluster and calibration (the planner's use).
+    ``fits``: every device's peak within its memory less ``margin`` (a fraction)."""
     if plan.split_blocks != profile.split_blocks:
         raise SpecError("profile.split_blocks", profile.split_blocks,
                         f"the plan's split_blocks={plan.split_blocks} (profile the model with "
@@ -314,7 +316,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     tokens = plan.global_batch * plan.seq_len
     peak = cluster.peak_flops(plan.dtype)  # the whole cluster, idle GPUs included
     capacity = {d: _capacity(cluster, d) for d in mem}
-    fits = all(mem[d] <= capacity[d] for d in mem)
+    fits = all(mem[d] <= capacity[d] * (1 - margin) for d in mem)
     bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0
     return SimResult(
         step_time_s=float(step_end), tokens_per_s=float(tokens / step_end),

@@ -57,14 +57,15 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
 
 
 def _best(plans, profile, cluster, cal, deadline: float | None = None,
-          cache: dict | None = None, choose_zero1: bool = False):
-    """The fastest plan that fits; with ``choose_zero1`` the winner is also simulated
-    without the distributed optimizer (its all-gather waits for the update)."""
+          cache: dict | None = None, choose_zero1: bool = False, margin: float = 0.0):
+    """The fastest plan that fits (each GPU's memory less ``margin``); with
+    ``choose_zero1`` the winner is also simulated without the distributed optimizer (its
+    all-gather waits for the update)."""
     best = None
     for p in plans:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
-        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache, margin=margin)
         key = (not r.fits, r.step_time_s)
         if best is None or key < best[0]:
             best = (key, p, r)
@@ -72,7 +73,7 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None,
         return None
     if choose_zero1:
         from hetshard.solver.inter_op import zero1_choice
-        best = zero1_choice(best, profile, cluster, cal, cache)
+        best = zero1_choice(best, profile, cluster, cal, cache, margin)
     return annotate(best[1], best[2])
 
 
@@ -81,7 +82,8 @@ def megatron_uniform(model, profile, cluster, global_batch, seq_len, opts, cal=D
     per replica, devices in id order, so each SPMD stage runs at its slowest GPU's pace
     (what a mixed cluster gets from a homogeneous framework)."""
     return _best(uniform_candidates(model, profile, cluster, global_batch, seq_len, opts),
-                 profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None)
+                 profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None,
+                 margin=opts.memory_margin)
 
 
 def _sub_cluster(cluster: Cluster, group: str) -> Cluster:
@@ -109,7 +111,7 @@ def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAU
     plans = uniform_candidates(model, profile, sub, global_batch, seq_len, opts)
     offset = cluster.group_device_ids(g.name).start
     return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal,
-                 choose_zero1=opts.distributed_optimizer is None)
+                 choose_zero1=opts.distributed_optimizer is None, margin=opts.memory_margin)
 
 
 def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
@@ -151,7 +153,7 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
                 plans.append(build_plan(model, profile, cluster, [fam],
                                         [global_batch // (r * mbs)], global_batch, seq_len,
                                         opts))
-    return _best(plans, profile, cluster, cal, deadline, cache)
+    return _best(plans, profile, cluster, cal, deadline, cache, margin=opts.memory_margin)
 
 
 def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
@@ -180,7 +182,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
         new = tuple(dataclasses.replace(st, start=a, end=b)
                     for st, (a, b) in zip(pipe.stages, bounds, strict=True))
         out.append(dataclasses.replace(p, pipelines=(dataclasses.replace(pipe, stages=new),)))
-    return _best(out, profile, cluster, cal, deadline, cache)
+    return _best(out, profile, cluster, cal, deadline, cache, margin=opts.memory_margin)
 
 
 def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
@@ -212,7 +214,7 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
         assert isinstance(fam, Family)
         plans.append(build_plan(model, profile, cluster, [fam], res[0], global_batch,
                                 seq_len, opts))
-    return _best(plans, profile, cluster, cal)
+    return _best(plans, profile, cluster, cal, margin=opts.memory_margin)
 
 
 def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts,

@@ -434,7 +434,7 @@ def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
         elif order == "fastest-last":
             seq = fam[::-1]
         else:
-            seq = tuple(sorted(fam, key=lambda i: -groups[i].gpu.memory_gb /
+            seq = tuple(sorted(fam, key=lambda i: -groups[i].gpu.memory_bytes /
                                groups[i].gpu.peak_flops(dtype)))
         if seq not in found:
             found.append(seq)
@@ -583,7 +583,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
     for cand in candidates:
-        r = simulate(cand, profile, cluster, cal, trace=False, cache=cache)
+        r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
+                     margin=opts.memory_margin)
         scored.append(((not r.fits, r.step_time_s), cand, r))
     scored.sort(key=lambda x: x[0])
     refine_deadline = t0 + opts.time_limit_s * 0.85
@@ -637,7 +638,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         others.append(zero_bubble_tuned(cand))
         for other in [tuned if tuned != cand else None] + others:
             if other is not None:
-                r = simulate(other, profile, cluster, cal, trace=False, cache=cache)
+                r = simulate(other, profile, cluster, cal, trace=False, cache=cache,
+                             margin=opts.memory_margin)
                 variants.append(((not r.fits, r.step_time_s), other, r))
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
@@ -678,7 +680,8 @@ def _evaluator(profile: ModelProfile, cluster: Cluster, cal: Calibration,
     within memory, simulated; keys order plans that fit first, then by step time."""
     def evaluate(p: Plan):
         p = tune_warmup(p, profile, cluster, cal, margin=opts.memory_margin, cache=cache)
-        r = simulate(p, profile, cluster, cal, trace=False, cache=cache)
+        r = simulate(p, profile, cluster, cal, trace=False, cache=cache,
+                     margin=opts.memory_margin)
         return (not r.fits, r.step_time_s), p, r
     return evaluate
 
@@ -697,11 +700,12 @@ def _last_variants(best, profile, cluster, cal, opts: PlannerOptions, cache: dic
     zb = _zero_bubble_tuned(best[1], profile, cluster, cal, opts, cache) \
         if not best[0][0] else None
     if zb is not None:
-        r = simulate(zb, profile, cluster, cal, trace=False, cache=cache)
+        r = simulate(zb, profile, cluster, cal, trace=False, cache=cache,
+                     margin=opts.memory_margin)
         if (not r.fits, r.step_time_s) < best[0]:
             best = ((not r.fits, r.step_time_s), zb, r)
     if opts.distributed_optimizer is None:
-        best = zero1_choice(best, profile, cluster, cal, cache)
+        best = zero1_choice(best, profile, cluster, cal, cache, opts.memory_margin)
     return best[1], best[2]
 
 
@@ -722,16 +726,17 @@ def _annotated(chosen: Plan, result, profile, cluster, cal, opts: PlannerOptions
     return annotate(chosen, result, upper)
 
 
-def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None):
+def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None,
+                 margin: float = 0.0):
     """``scored`` = (key, plan, result) or, when the plan uses the distributed optimizer
-    and simulates faster without it, the plan without it: the optimizer state is then
-    whole on every data way, but the parameter all-gather no longer waits for the
-    update."""
+    and simulates faster without it (and fits, less ``margin``), the plan without it: the
+    optimizer state is then whole on every data way, but the parameter all-gather no
+    longer waits for the update."""
     key, p, _ = scored
     if not p.distributed_optimizer:
         return scored
     plain = dataclasses.replace(p, distributed_optimizer=False)
-    r = simulate(plain, profile, cluster, cal, trace=False, cache=cache)
+    r = simulate(plain, profile, cluster, cal, trace=False, cache=cache, margin=margin)
     other = (not r.fits, r.step_time_s)
     return (other, plain, r) if other < key else scored
 
@@ -823,10 +828,10 @@ def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS):
 def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
                  evals: int = 1 << 30, cache: dict | None = None,
                  margin: float | None = None, remats: tuple[str, ...] = REMATS):
-    """First-improvement hill climbing on the simulated step time (memory must fit), for
-    at most ``evals`` simulations; with ``margin``, each neighbour's 1F1B warm-up is
-    re-tuned to its layer split (``tune_warmup``); moves stay within ``remats``. Returns
-    (plan, result, whether the clock cut it)."""
+    """First-improvement hill climbing on the simulated step time (memory must fit, less
+    ``margin``), for at most ``evals`` simulations; with ``margin``, each neighbour's 1F1B
+    warm-up is re-tuned to its layer split (``tune_warmup``); moves stay within
+    ``remats``. Returns (plan, result, whether the clock cut it)."""
     best, best_r = plan, result
     improved, cut = True, False
     while improved and evals > 0 and not cut:
@@ -841,7 +846,8 @@ def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
             try:
                 if margin is not None:
                     cand = tune_warmup(cand, profile, cluster, cal, margin=margin, cache=cache)
-                r = simulate(cand, profile, cluster, cal, trace=False, cache=cache)
+                r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
+                             margin=margin or 0.0)
             except HetshardError:
                 continue
             if r.fits and r.step_time_s < best_r.step_time_s * (1 - 1e-9):

@@ -34,7 +34,7 @@ from ortools.sat.python import cp_model
 from hetshard.cluster.catalog import DeviceType
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import Topology, collective_time
-from hetshard.ir.graph import Op
+from hetshard.ir.graph import ATTENTION, Op
 
 R, P = "R", "P"
 _UNARY = {"convert_element_type", "neg", "exp", "log", "tanh", "logistic", "sqrt", "rsqrt",
@@ -45,7 +45,6 @@ _LINEAR = {"add", "sub", "neg", "convert_element_type", "copy", "copy_p", "add_a
 _ELEMENTWISE = _UNARY | {"add", "sub", "mul", "div", "max", "min", "pow", "select_n",
                          "add_any", "and", "or", "eq", "ne", "lt", "gt", "le", "ge",
                          "atan2", "rem", "nextafter", "clamp"}
-ATTENTION = "hetshard_attention"
 
 
 @dataclasses.dataclass(frozen=True)
