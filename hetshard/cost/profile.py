@@ -62,6 +62,10 @@ class LayerProfile:
     # reference's, and of the values made before it that only attention's backward reads.
     attention_input_residual_bytes_per_sample: float = 0.0
     flash_residual_bytes_per_sample: float = 0.0
+    # Parameters read here that another layer owns (``OpGraph.foreign_params``): a tied
+    # embedding's head. (key, owner layer name, bytes); a stage without the owner holds a
+    # read copy and its gradient (the owner's optimizer updates it).
+    foreign_params: tuple[tuple[int, str, float], ...] = ()
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -200,6 +204,7 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
     carry2 = _weight_only(g2)[1]
     counts = _param_counts(g1)
     (dots1, recomputed), (dots2, _) = g1.dots_saved(), g2.dots_saved()
+    foreign = g1.foreign_params()
     reduced_layers: dict[str, LayerProfile] = {}
     for name in g1.layers:
         arrays = {}
@@ -239,7 +244,9 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
                 t2[name].get("attention_input_residual_bytes", 0.0))[1],
             flash_residual_bytes_per_sample=_linear(
                 t1[name].get("flash_residual_bytes", 0.0),
-                t2[name].get("flash_residual_bytes", 0.0))[1])
+                t2[name].get("flash_residual_bytes", 0.0))[1],
+            foreign_params=tuple((k, owner, nbytes) for k, (owner, nbytes)
+                                 in sorted(foreign.get(name, {}).items())))
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

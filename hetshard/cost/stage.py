@@ -109,8 +109,13 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = 0.0
     working = 0.0
+    inside = {layer.name for layer in profile.layers[start:end]}
+    read_copies: dict[int, float] = {}  # foreign parameters: a copy and its gradient
     last_remat = end if remat_layers is None else start + remat_layers
     for index, layer in enumerate(profile.layers[start:end], start):
+        for key, owner, nbytes in layer.foreign_params:
+            if owner not in inside:
+                read_copies[key] = nbytes / tp
         mode = remat if index < last_remat else "none"
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
         fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
@@ -203,8 +208,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                  if end < profile.num_layers else 0.0)
     shard_dp = dp if fsdp else 1
     opt_dp = dp if (fsdp or shard_optimizer) else 1
-    static = (param_bytes * 2.0 / shard_dp + param_bytes * profile.opt_bytes_per_param_byte /
-              opt_dp + (static_copy / shard_dp if fsdp else static_copy))
+    static = ((param_bytes + sum(read_copies.values())) * 2.0 / shard_dp +
+              param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
+              (static_copy / shard_dp if fsdp else static_copy))
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,

@@ -129,6 +129,20 @@ class OpGraph:
                 out[op.layer] += 4.0 * b * sq * h + 4 * 4.0 * b * sq
         return dict(out)
 
+    def foreign_params(self) -> dict[str, dict[int, tuple[str, float]]]:
+        """Per layer, the parameters it reads that another layer owns (reads first; a
+        tied embedding read by the head): parameter index -> (owner layer, bytes). A
+        pipeline stage without the owner holds a read copy and its gradient."""
+        out: dict[str, dict[int, tuple[str, float]]] = defaultdict(dict)
+        for op in self.ops:
+            if op.phase != "fwd":
+                continue
+            for src, _ in op.inputs:
+                k = -2 - src
+                if k >= 0 and self.param_layers[k] != op.layer:
+                    out[op.layer][k] = (self.param_layers[k], float(self.param_bytes[k]))
+        return dict(out)
+
     def dots_saved(self) -> tuple[dict[str, float], set[int]]:
         """What each layer keeps when it runs under ``jax.checkpoint`` with
         ``dots_with_no_batch_dims_saveable`` (the runtime's ``selective`` remat), and what

@@ -236,6 +236,9 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
             inner = _inner(eqn)
             if inner is not None and _contains(inner[0]):
                 outs = _eval(inner[0], inner[1], invals, run)
+            elif eqn.primitive.name == "convert_element_type" and \
+                    getattr(invals[0], "dtype", None) == eqn.outvars[0].aval.dtype:
+                outs = [invals[0]]  # already cast (a pipeline stage's parameters are)
             else:
                 params = eqn.primitive.get_bind_params(eqn.params)
                 with eqn.ctx.manager:

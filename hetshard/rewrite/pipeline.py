@@ -73,6 +73,32 @@ class StageProgram:
     def diff_sends(self) -> list[int]:
         return [i for i, v in enumerate(self.sends) if _inexact(v.aval)]
 
+    @functools.cached_property
+    def cast_params(self) -> dict[int, np.dtype]:
+        """Positions in ``params`` of the parameters this stage reads only through one
+        cast to another dtype (the compute-dtype copy of a float32 weight), with that
+        dtype. Given them already cast, ``evaluate`` skips the cast (so the runtime casts
+        once per step, not once per micro-batch, and the vjps share the copy)."""
+        jaxpr = self._split.closed.jaxpr
+        pos = {jaxpr.invars[idx]: k for k, idx in enumerate(self.params)}
+        uses: dict[int, list] = {}
+        for i in self.eqns:
+            eqn = jaxpr.eqns[i]
+            for v in eqn.invars:
+                if not isinstance(v, ext.Literal) and v in pos:
+                    uses.setdefault(pos[v], []).append(eqn)
+        kept = {pos[v] for v in list(self.sends) + list(jaxpr.outvars)
+                if not isinstance(v, ext.Literal) and v in pos}
+        out = {}
+        for k, eqns in uses.items():
+            if len(eqns) != 1 or k in kept or eqns[0].primitive.name != \
+                    "convert_element_type":
+                continue
+            src, dst = eqns[0].invars[0].aval.dtype, eqns[0].outvars[0].aval.dtype
+            if src != dst and jnp.issubdtype(dst, jnp.inexact):
+                out[k] = np.dtype(dst)
+        return out
+
     def evaluate(self, params, frozen, batch, recvs, remat=None) -> list:
         """The stage's sends from its inputs (lists in the orders above). ``remat`` =
         (wrap, count): the equations of each of the stage's first ``count`` layers (None:

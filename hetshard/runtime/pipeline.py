@@ -344,8 +344,8 @@ class PipelineRunner:
             shard_data=zero1 and i not in params)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
-        run.fwd = jax.jit(functools.partial(_forward, program, stage.remat,
-                                            stage.remat_layers))
+        run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
+                                             stage.remat_layers), program.cast_params)
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
@@ -478,10 +478,13 @@ class PipelineRunner:
         n, m = len(runs), pipeline.num_micro_batches
         mbs = _samples_per_micro_batch(pipeline)
         weight = mbs / self.global_batch
-        producer = {}
+        producer, readers = {}, {}
         for st in self.splits[pi].stages:
             for v in st.sends:
                 producer[v] = st.index
+            for v in st.recvs:
+                readers[v] = readers.get(v, 0) + 1
+        unread = [dict(readers) for _ in range(m)]  # a sent value is dropped once read
         values: list[dict] = [{} for _ in range(m)]
         cts: list[dict] = [{} for _ in range(m)]
         vjps: dict = {}
@@ -512,6 +515,10 @@ class PipelineRunner:
                 got = move(vs, p, s, lambda vs=vs: [values[mb][v] for v in vs])
                 if got is not None:
                     recvd.update(zip(vs, got, strict=True))
+                for v in vs:
+                    unread[mb][v] -= 1
+                    if not unread[mb][v]:
+                        values[mb].pop(v, None)
             if not run.here:
                 return
             lo = start + mb * mbs
@@ -533,7 +540,8 @@ class PipelineRunner:
                 if outs[j] is None:
                     outs[j] = next(rest)
             for j, (v, x) in enumerate(zip(st.sends, outs, strict=True)):
-                values[mb][v] = x
+                if unread[mb].get(v):
+                    values[mb][v] = x
                 if j in st.outputs:
                     pos = st.outputs[j]
                     loss_acc[pos] = _accumulate(loss_acc.get(pos), x, weight)
@@ -547,7 +555,13 @@ class PipelineRunner:
                     parts = cts[mb].pop(st.sends[j], [])
                     incoming.append(functools.reduce(jnp.add, parts) if parts else None)
                 seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
-                if split:  # ZB-H1: the input's cotangent now, the weights' at the W pass
+                if split and not st.diff_recvs:
+                    # ZB-H1 on a stage with no input cotangent to send (the first): its
+                    # whole backward runs as W, as the simulator times it, so nothing
+                    # computed in B waits for W.
+                    pending[s, mb] = (vjps.pop((s, mb)), incoming, seeds)
+                    rc = []
+                elif split:  # ZB-H1: the input's cotangent now, the weights' at the W pass
                     vjp = vjps.pop((s, mb))
                     rc, seeded, carried = run.bwd_input(vjp, incoming, seeds)
                     pending[s, mb] = (vjp, seeded, carried)
@@ -564,8 +578,12 @@ class PipelineRunner:
                         cts[mb].setdefault(v, []).append(c)
 
         def weights(s, mb):
-            if runs[s].here:
+            if not runs[s].here:
+                return
+            if runs[s].program.diff_recvs:
                 acc[s] = runs[s].bwd_weight(*pending.pop((s, mb)), acc[s])
+            else:
+                acc[s], _ = runs[s].bwd(*pending.pop((s, mb)), acc[s])
 
         split = pipeline.schedule == "zbh1"
         pending: dict = {}
@@ -573,6 +591,8 @@ class PipelineRunner:
         for s, kind, mb in schedule_walk(pipeline.schedule, n, m, pipeline.virtual_stages,
                                          pipeline.extra_warmup):
             task[kind](s, mb)
+        for run in runs:
+            run.fwd.release()  # the step's casts (the vjps that read them are gone)
         # Tied parameters: gradients of read copies go to the owning stage.
         grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here
                  else dict.fromkeys(runs[s].program.params) for s in range(n)]
@@ -679,6 +699,63 @@ def _forward(program, remat, remat_layers, params, frozen, batch, recvs):
                            remat=None if wrap is None else (wrap, remat_layers))
 
 
+class _Forward:
+    """A stage's jitted forward whose vjp holds no copies of the stage's parameters.
+
+    A jitted function's outputs are new buffers even when they are its inputs, so a
+    vjp returned from ``jax.jit`` would hold a copy of every parameter its backward
+    reads as is (what ``jax.checkpoint`` saves of a layer, a matmul's weight read
+    without a cast): one per micro-batch in flight. Those residuals are left out of the
+    jitted outputs and put back from the caller's arrays. Which residuals they are is
+    fixed by the stage's shapes, read when the function is traced. Parameters the stage
+    reads only through a cast (``casts``: position -> dtype; the compute-dtype copy of
+    a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
+    that copy instead of keeping one each (their gradients come back in the cast dtype;
+    ``_backward`` converts them back, as the cast's transpose would)."""
+
+    def __init__(self, fn, casts: dict | None = None):
+        self.fn = fn
+        self.casts = dict(casts or {})
+        self.layout = None  # (vjp treedef, per vjp leaf: the parameter's index or None)
+        self.jitted = jax.jit(self._traced)
+        self._cast = jax.jit(lambda xs: [x.astype(self.casts[k]) for k, x in xs.items()])
+        self._held = ((), {})  # (the step's parameter arrays that were cast, the casts)
+
+    def _cast_once(self, params) -> list:
+        if not self.casts:
+            return params
+        src = tuple(params[k] for k in sorted(self.casts))
+        held, casts = self._held
+        if len(held) != len(src) or any(a is not b for a, b in zip(held, src, strict=True)):
+            casts = self._cast({k: params[k] for k in sorted(self.casts)})
+            casts = dict(zip(sorted(self.casts), casts, strict=True))
+            self._held = (src, casts)
+        return [casts.get(k, p) for k, p in enumerate(params)]
+
+    def _traced(self, params, frozen, batch, recvs):
+        float_outs, other, vjp = self.fn(params, frozen, batch, recvs)
+        leaves, tree = jax.tree.flatten(vjp)
+        index = {id(p): k for k, p in enumerate(params)}
+        where = [index.get(id(x)) for x in leaves]
+        self.layout = (tree, where)
+        return float_outs, other, [x for x, k in zip(leaves, where, strict=True) if k is None]
+
+    def release(self) -> None:
+        self._held = ((), {})
+
+    def _cache_size(self) -> int:
+        """Compilations of the forward (as ``jax.jit``'s)."""
+        return self.jitted._cache_size()
+
+    def __call__(self, params, frozen, batch, recvs):
+        params = self._cast_once(params)
+        float_outs, other, rest = self.jitted(params, frozen, batch, recvs)
+        tree, where = self.layout
+        rest = iter(rest)
+        leaves = [next(rest) if k is None else params[k] for k in where]
+        return float_outs, other, jax.tree.unflatten(tree, leaves)
+
+
 def _seeded(program, incoming, seeds) -> list:
     """The sends' cotangents: what later stages sent back plus the loss's seed."""
     cts = []
@@ -690,9 +767,17 @@ def _seeded(program, incoming, seeds) -> list:
     return cts
 
 
+def _param_dtypes(program, pcts) -> list:
+    """Parameter cotangents in the parameters' dtypes (those of parameters given cast,
+    ``_Forward``, come in the cast dtype; converting is the cast's transpose)."""
+    invars = program._split.closed.jaxpr.invars
+    return [g if g is None or g.dtype == invars[i].aval.dtype else
+            g.astype(invars[i].aval.dtype) for i, g in zip(program.params, pcts, strict=True)]
+
+
 def _backward(program, vjp, incoming, seeds, acc):
     pcts, rcts = vjp(_seeded(program, incoming, seeds))
-    pcts = list(pcts)
+    pcts = _param_dtypes(program, pcts)
     if acc is not None:
         pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
     return pcts, list(rcts)
@@ -706,10 +791,8 @@ def _backward_input(program, vjp, incoming, seeds):
 
 
 def _backward_weight(program, vjp, cts, carried, acc):
-    """ZB-H1's W: the parameters' cotangents, accumulated. (``program`` is bound so that
-    each stage has its own jitted function and compilation cache, like its others.)"""
-    del program
-    pcts = weight_backward(vjp, cts, carried)
+    """ZB-H1's W: the parameters' cotangents, accumulated."""
+    pcts = _param_dtypes(program, weight_backward(vjp, cts, carried))
     if acc is not None:
         pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
     return pcts
