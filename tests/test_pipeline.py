@@ -506,7 +506,8 @@ def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, sche
     # copy, the in-flight micro-batches' residuals, weight copies, activations in
     # transit, under ZB-H1 what B leaves for W), at their peak, against the simulator's
     # peak for the device. The model also counts a backward's working set (transient
-    # inside one program, not a live array between tasks).
+    # inside one program, not a live array between tasks). (Vocabulary x hidden here is
+    # the size of 4 micro-batches' activations: the profile tells them apart by shape.)
     import hetshard.runtime.pipeline as runtime
     from hetshard.cost.profile import profile_model
     plan = _two_stage_plan(spec, schedule, remat=remat)
@@ -529,8 +530,4 @@ def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, sche
         predicted = r.memory_per_device[d]
         held = predicted - cost.memory_working_bytes
         peak = peaks[d] - before.get(d, 0)
-        # ZB-H1: the model reads what B leaves for W off the profiled (reference) trace,
-        # which misses part of the head's (the logits' cotangent kept for the tied
-        # embedding's gradient): up to 4% of the last stage's peak here (float32).
-        over = 1.03 if schedule == "1f1b" else 1.05
-        assert 0.97 * held <= peak <= over * predicted, (d, peak, held, predicted)
+        assert 0.97 * held <= peak <= 1.03 * predicted, (d, peak, held, predicted)

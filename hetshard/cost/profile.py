@@ -145,7 +145,11 @@ def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float
     pos = {op.index: k for k, op in enumerate(graph.ops)}
     edges = [(pos[s], pos[d], n) for s, d, n in graph.edges if s in pos and d in pos]
     ops = graph.ops
-    crossing = {n for s, d, n in edges if ops[s].phase == ops[d].phase == "fwd" and
+    # (bytes, shapes) of what crosses layers forward: a parameter-shaped gradient of
+    # the same size as an activation (vocab x hidden = batch x seq x hidden) is no
+    # activation's cotangent.
+    crossing = {(n, ops[s].out_shapes) for s, d, n in edges
+                if ops[s].phase == ops[d].phase == "fwd" and
                 order.get(ops[s].layer, -1) < order.get(ops[d].layer, -1)}
     succ: dict[int, list[tuple[int, float]]] = {}
     for s, d, n in edges:
@@ -155,7 +159,8 @@ def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float
         here = order.get(ops[k].layer, -1)
         reaches[k] = any(
             (reaches[d] and order.get(ops[d].layer, -1) == here) or
-            (ops[d].phase == "bwd" and order.get(ops[d].layer, here) < here and n in crossing)
+            (ops[d].phase == "bwd" and order.get(ops[d].layer, here) < here and
+             (n, ops[k].out_shapes) in crossing)
             for d, n in succ.get(k, ()))
     flags: dict[str, list[bool]] = {}
     for k, op in enumerate(ops):
