@@ -499,7 +499,7 @@ def _live_bytes() -> dict:
 
 @pytest.mark.parametrize("spec", [BF16, BF16.replace("bfloat16", "float32")])
 @pytest.mark.parametrize("schedule,remat", [("1f1b", "none"), ("1f1b", "full"),
-                                            ("zbh1", "none")])
+                                            ("zbh1", "none"), ("zbh1", "full")])
 def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, schedule, remat):
     # A step of two stages, 8 micro-batches: the arrays live on each stage's device
     # after every task (parameters, optimizer state, gradients, a tied embedding's read

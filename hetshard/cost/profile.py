@@ -66,6 +66,10 @@ class LayerProfile:
     # embedding's head. (key, owner layer name, bytes); a stage without the owner holds a
     # read copy and its gradient (the owner's optimizer updates it).
     foreign_params: tuple[tuple[int, str, float], ...] = ()
+    # Under ZB-H1 with a remat, the layer's forward values its W pass reads (the weight
+    # matmuls' inputs) are recomputed by B and kept until W: bytes per sample under
+    # (full, selective) remat.
+    weight_input_bytes_per_sample: tuple[float, float] = (0.0, 0.0)
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -130,9 +134,12 @@ def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
     return per
 
 
-def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float],
+                                          dict[str, dict[int, float]]]:
     """(per layer, a bool per backward op: no path leads from it to the cotangent of the
-    layer's input activation; per layer, the bytes W reads from B).
+    layer's input activation; per layer, the bytes W reads from B; per layer, the
+    forward values of the layer W reads, index -> bytes: under a remat B recomputes them,
+    and they stay until W).
 
     Ops flagged only feed the layer's own parameters' gradients and the optimizer, so a
     zero-bubble schedule's ``W`` pass can run them after the ``B`` pass has sent the
@@ -173,7 +180,13 @@ def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float
                 ops[s].layer == ops[d].layer and reaches[s] and not reaches[d]:
             counted.add(s)
             carry[ops[s].layer] = carry.get(ops[s].layer, 0.0) + n
-    return {name: np.array(f, bool) for name, f in flags.items()}, carry
+    reads: dict[str, dict[int, float]] = {}
+    for s, d, n in edges:
+        if ops[s].phase == "fwd" and ops[d].phase == "bwd" and not reaches[d] and \
+                ops[s].layer == ops[d].layer:
+            got = reads.setdefault(ops[s].layer, {})
+            got[ops[s].index] = max(got.get(ops[s].index, 0.0), n)
+    return {name: np.array(f, bool) for name, f in flags.items()}, carry, reads
 
 
 def _boundary(graph: OpGraph) -> dict[str, float]:
@@ -205,10 +218,16 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
     p1, p2 = _split(g1), _split(g2)
     t1, t2 = g1.layer_totals(), g2.layer_totals()
     b1, b2 = _boundary(g1), _boundary(g2)
-    weight_only, carry1 = _weight_only(g1)
-    carry2 = _weight_only(g2)[1]
+    weight_only, carry1, reads1 = _weight_only(g1)
+    _, carry2, reads2 = _weight_only(g2)
     counts = _param_counts(g1)
-    (dots1, recomputed), (dots2, _) = g1.dots_saved(), g2.dots_saved()
+    (dots1, recomputed), (dots2, recomputed2) = g1.dots_saved(), g2.dots_saved()
+
+    def w_inputs(reads, only=None) -> dict[str, float]:
+        return {name: sum(n for i, n in got.items() if only is None or i in only)
+                for name, got in reads.items()}
+    w_full1, w_full2 = w_inputs(reads1), w_inputs(reads2)
+    w_sel1, w_sel2 = w_inputs(reads1, recomputed), w_inputs(reads2, recomputed2)
     foreign = g1.foreign_params()
     reduced_layers: dict[str, LayerProfile] = {}
     for name in g1.layers:
@@ -251,7 +270,10 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
                 t1[name].get("flash_residual_bytes", 0.0),
                 t2[name].get("flash_residual_bytes", 0.0))[1],
             foreign_params=tuple((k, owner, nbytes) for k, (owner, nbytes)
-                                 in sorted(foreign.get(name, {}).items())))
+                                 in sorted(foreign.get(name, {}).items())),
+            weight_input_bytes_per_sample=(
+                _linear(w_full1.get(name, 0.0), w_full2.get(name, 0.0))[1],
+                _linear(w_sel1.get(name, 0.0), w_sel2.get(name, 0.0))[1]))
     layers = []
     for name in g1.layers:
         m = _BLOCK.match(name)

@@ -191,8 +191,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             working = max(working, whole)
         act += kept
         if mode != "none":
-            # A W pass reads the matmuls' inputs, which B recomputed: kept until W.
-            carry += max(0.0, res - attn - kept)
+            # A W pass reads the weight matmuls' inputs, which B recomputed: kept until W.
+            carry += layer.weight_input_bytes_per_sample[mode == "selective"] * mbs / shard
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
