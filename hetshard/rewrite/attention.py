@@ -203,6 +203,13 @@ def skipped_equations(jaxpr) -> set[int]:
     return set().union(*[p["skip"] for p in patterns.values()]) if patterns else set()
 
 
+def _same_strong_type(x, aval) -> bool:
+    """``x`` already has ``aval``'s dtype and shape, neither weakly typed."""
+    t = jax.typeof(x)
+    return (t.dtype == aval.dtype and t.shape == aval.shape and not t.weak_type and
+            not aval.weak_type)
+
+
 def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
@@ -237,7 +244,7 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
             if inner is not None and _contains(inner[0]):
                 outs = _eval(inner[0], inner[1], invals, run)
             elif eqn.primitive.name == "convert_element_type" and \
-                    getattr(invals[0], "dtype", None) == eqn.outvars[0].aval.dtype:
+                    _same_strong_type(invals[0], eqn.outvars[0].aval):
                 outs = [invals[0]]  # already cast (a pipeline stage's parameters are)
             else:
                 params = eqn.primitive.get_bind_params(eqn.params)

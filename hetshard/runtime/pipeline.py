@@ -707,7 +707,8 @@ class _Forward:
     reads as is (what ``jax.checkpoint`` saves of a layer, a matmul's weight read
     without a cast): one per micro-batch in flight. Those residuals are left out of the
     jitted outputs and put back from the caller's arrays. Which residuals they are is
-    fixed by the stage's shapes, read when the function is traced. Parameters the stage
+    fixed by the arguments' shapes and dtypes, read when the function is traced for
+    them. Parameters the stage
     reads only through a cast (``casts``: position -> dtype; the compute-dtype copy of
     a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
     that copy instead of keeping one each (their gradients come back in the cast dtype;
@@ -716,7 +717,8 @@ class _Forward:
     def __init__(self, fn, casts: dict | None = None):
         self.fn = fn
         self.casts = dict(casts or {})
-        self.layout = None  # (vjp treedef, per vjp leaf: the parameter's index or None)
+        # per argument signature: (vjp treedef, per vjp leaf: the parameter's index or None)
+        self.layouts: dict = {}
         self.jitted = jax.jit(self._traced)
         self._cast = jax.jit(lambda xs: [x.astype(self.casts[k]) for k, x in xs.items()])
         self._held = ((), {})  # (the step's parameter arrays that were cast, the casts)
@@ -737,7 +739,7 @@ class _Forward:
         leaves, tree = jax.tree.flatten(vjp)
         index = {id(p): k for k, p in enumerate(params)}
         where = [index.get(id(x)) for x in leaves]
-        self.layout = (tree, where)
+        self.layouts[_signature(params, frozen, batch, recvs)] = (tree, where)
         return float_outs, other, [x for x, k in zip(leaves, where, strict=True) if k is None]
 
     def release(self) -> None:
@@ -750,10 +752,14 @@ class _Forward:
     def __call__(self, params, frozen, batch, recvs):
         params = self._cast_once(params)
         float_outs, other, rest = self.jitted(params, frozen, batch, recvs)
-        tree, where = self.layout
+        tree, where = self.layouts[_signature(params, frozen, batch, recvs)]
         rest = iter(rest)
         leaves = [next(rest) if k is None else params[k] for k in where]
         return float_outs, other, jax.tree.unflatten(tree, leaves)
+
+
+def _signature(*args) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
 
 
 def _seeded(program, incoming, seeds) -> list:
