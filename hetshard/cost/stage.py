@@ -148,22 +148,19 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             t_b = max(t_b, ag)
         if mode == "full":
             recompute += t_f
-        elif mode == "selective":
-            # Everything but the saved matmuls, attention included (the flash kernel's
-            # forward is re-run for its residuals, and its backward recomputes the scores).
-            mask = layer.fwd_recomputed
-            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask], bw,
-                                   e.fusion)
+        else:
+            if mode == "selective":
+                # Everything but the saved matmuls, attention included (the flash
+                # kernel's forward is re-run for its residuals).
+                mask = layer.fwd_recomputed
+                recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask],
+                                       bw, e.fusion)
             if attention == "flash":
+                # The flash kernel's backward recomputes the attention scores from q, k
+                # and v (Dao 2023).
                 mask = layer.fwd_attention
                 recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn,
                                        bw, e.fusion)
-        elif attention == "flash":
-            # The flash kernel's backward recomputes the attention scores from q, k and v
-            # (Dao 2023), which costs what selective recomputation of attention costs.
-            mask = layer.fwd_attention
-            recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn, bw,
-                                   e.fusion)
         fwd += t_f
         bwd += t_b
         f_model = layer.flops(mbs)
@@ -198,9 +195,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         param_bytes += layer.param_bytes / tp
         if mode == "selective":
             hw_flops += float(layer.fwd_flops[1][layer.fwd_recomputed].sum()) * mbs
-            if attention == "flash":
-                hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
-        elif mode == "none" and attention == "flash":
+        if mode != "full" and attention == "flash":
             hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;
     # the last layer's is the loss's seed).

@@ -74,6 +74,12 @@ class StageProgram:
         return [i for i, v in enumerate(self.sends) if _inexact(v.aval)]
 
     @functools.cached_property
+    def param_dtypes(self) -> list:
+        """The dtype of each of ``params``."""
+        invars = self._split.closed.jaxpr.invars
+        return [invars[idx].aval.dtype for idx in self.params]
+
+    @functools.cached_property
     def cast_params(self) -> dict[int, np.dtype]:
         """Positions in ``params`` of the parameters this stage reads only through one
         cast to another dtype (the compute-dtype copy of a float32 weight), with that

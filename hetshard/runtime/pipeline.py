@@ -776,9 +776,8 @@ def _seeded(program, incoming, seeds) -> list:
 def _param_dtypes(program, pcts) -> list:
     """Parameter cotangents in the parameters' dtypes (those of parameters given cast,
     ``_Forward``, come in the cast dtype; converting is the cast's transpose)."""
-    invars = program._split.closed.jaxpr.invars
-    return [g if g is None or g.dtype == invars[i].aval.dtype else
-            g.astype(invars[i].aval.dtype) for i, g in zip(program.params, pcts, strict=True)]
+    return [g if g.dtype == dt else g.astype(dt)
+            for g, dt in zip(pcts, program.param_dtypes, strict=True)]
 
 
 def _backward(program, vjp, incoming, seeds, acc):
