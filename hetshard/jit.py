@@ -237,6 +237,10 @@ class HetshardJit:
                                 f"the pinned plan's global batch {self.pinned.global_batch} "
                                 f"(split {shares})", where="hetshard.jit")
             self._check_pinned(args, batch)
+            from hetshard.solver.shardings import fill_missing_shardings
+            # A stage with a tensor axis and no parameter layouts gets the ones make_plan
+            # would write, so it runs tensor-parallel as the simulator prices it.
+            self.pinned = fill_missing_shardings(self.pinned, self.cluster)
             return self.pinned
         from hetshard.solver import make_plan
         options = self.options

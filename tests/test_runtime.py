@@ -144,6 +144,31 @@ def test_distributed_optimizer_shards_optimizer_state_and_matches_one_device(fix
     assert data_ways in ratios  # each data way keeps 1/data of the buffers
 
 
+def test_tensor_stage_without_shardings_runs_tensor_parallel():
+    # A plan with a tensor axis and no parameter layouts (uniform_plan, `hetshard simulate
+    # --fix`, or by hand): hetshard.jit solves the layouts make_plan would write, so the
+    # weights are really split over `tensor` (as the simulator prices them), not replicated.
+    plan = _plan("dp=2,tp=4,pp=1")
+    assert all(name.startswith("activation:")
+               for name, _ in plan.pipelines[0].stages[0].shardings)
+    losses, params, step, batches, _ = _run(plan)
+    want_losses, want_params = _reference(batches, 3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    prof = profile_model(MODEL, 16, "float32")
+    solved = attach_shardings(plan, prof, Cluster.load(CLUSTER))
+    assert step.plan.pipelines[0].stages[0].shardings == solved.pipelines[0].stages[0].shardings
+    split = [x for x in jax.tree.leaves(params)
+             if "tensor" in jax.tree.leaves(tuple(x.sharding.spec))]
+    assert split and all(x.addressable_shards[0].data.size * 4 == x.size
+                         for x in split if "data" not in jax.tree.leaves(tuple(x.sharding.spec)))
+    # A plan for a model outside models/ cannot be solved: the field is named.
+    outside = dataclasses.replace(plan, model="my-own-net")
+    with pytest.raises(hetshard.SpecError, match=r"stages\[0\]\.shardings"):
+        _run(outside, steps=1)
+
+
 def test_pinned_plan_from_json_and_bad_batches(tmp_path):
     plan = _plan("dp=8,tp=1,pp=1")
     path = tmp_path / "plan.json"

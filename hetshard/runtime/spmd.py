@@ -55,6 +55,16 @@ def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
     if not free:
         return spec
     entries[max(free, key=lambda d: (shape[d], -d))] = "data"
+    return _spec(entries)
+
+
+def _spec(entries) -> PartitionSpec:
+    """A PartitionSpec without trailing Nones: ``P(None, None)`` and ``P()`` are the
+    same layout, but a jitted function compiled for one misses its cache on the other
+    (the arrays its update returns come back as ``P()``)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
     return PartitionSpec(*entries)
 
 
@@ -67,13 +77,13 @@ def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> Partiti
     if best is not None:
         spec = tuple(a if a is None or shape[i] % mesh.shape[a] == 0 else None
                      for i, a in enumerate(best[1]))
-        return PartitionSpec(*spec)
+        return _spec(spec)
     fsdp = mesh.shape.get("fsdp", 1)
     if fsdp > 1 and shape:
         dims = sorted(range(len(shape)), key=lambda d: -shape[d])
         for d in dims:
             if shape[d] % fsdp == 0:
-                return PartitionSpec(*[("fsdp" if i == d else None) for i in range(len(shape))])
+                return _spec("fsdp" if i == d else None for i in range(len(shape)))
     return PartitionSpec()
 
 

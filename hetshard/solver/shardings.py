@@ -19,7 +19,8 @@ import models
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import topology
-from hetshard.cost.profile import ModelProfile
+from hetshard.cost.profile import ModelProfile, profile_model
+from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.train_step import param_paths, trace_train_step, with_layers
 from hetshard.plan import Plan
 from hetshard.solver.intra_op import solve, spec_of
@@ -97,4 +98,44 @@ def attach_shardings(plan: Plan, profile: ModelProfile, cluster: Cluster,
                             ("data", None, None)))
             stages.append(dataclasses.replace(st, shardings=tuple(entries)))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
+
+
+def lacks_shardings(stage) -> bool:
+    """A stage with a ``tensor`` axis whose plan names no parameter layout for it (a plan
+    written by hand, by ``uniform_plan`` or ``hetshard simulate --fix``)."""
+    return stage.axis("tensor") > 1 and not any(
+        not name.startswith("activation:") for name, _ in stage.shardings)
+
+
+def fill_missing_shardings(plan: Plan, cluster: Cluster, cal: Calibration = DEFAULT,
+                           time_limit_s: float = 10.0) -> Plan:
+    """``plan`` with the parameter layouts of every stage that ``lacks_shardings`` solved
+    as ``make_plan`` solves them; every other stage is kept as written. Without this such
+    a stage would run its parameters replicated over ``tensor`` while the simulator
+    prices it tensor-parallel.
+
+    Raises:
+      SpecError: the plan's model is not one of ``models/`` (its blocks cannot be traced
+      to solve their layouts).
+    """
+    missing = [(i, j) for i, pipe in enumerate(plan.pipelines)
+               for j, st in enumerate(pipe.stages) if lacks_shardings(st)]
+    if not missing:
+        return plan
+    try:
+        models.resolve(plan.model)
+    except HetshardError:
+        i, j = missing[0]
+        raise SpecError(f"pipelines[{i}].stages[{j}].shardings", "[]",
+                        "parameter PartitionSpecs for a stage with a tensor axis (hetshard "
+                        "solves them itself only for models in models/)", where="plan") from None
+    profile = profile_model(plan.model, plan.seq_len, plan.dtype,
+                            split_blocks=plan.split_blocks)
+    solved = attach_shardings(plan, profile, cluster, cal, time_limit_s=time_limit_s)
+    pipes = []
+    for i, pipe in enumerate(plan.pipelines):
+        stages = tuple(solved.pipelines[i].stages[j] if (i, j) in missing else st
+                       for j, st in enumerate(pipe.stages))
+        pipes.append(dataclasses.replace(pipe, stages=stages))
     return dataclasses.replace(plan, pipelines=tuple(pipes))
