@@ -175,19 +175,13 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
     their B computed; with ``zero_bubble_options`` the plan is simulated with it, without
     any, and with every stage holding at least ``p`` (the zero-bubble paper's ZB-H1), and
     the fastest that fits is returned."""
-    costs = stage_costs_for(plan, profile, cluster, cal, cache)
     pipes = []
-    for pipe, cs in zip(plan.pipelines, costs, strict=True):
-        p = len(pipe.stages)
-        if pipe.schedule not in ("1f1b", "zbh1") or pipe.virtual_stages != 1 or p < 2:
+    for pipe, args in zip(plan.pipelines, _warmup_problems(plan, profile, cluster, cal,
+                                                           margin, cache), strict=True):
+        if args is None:
             pipes.append(pipe)
             continue
-        memory = [(min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
-                   - c.memory_static_bytes - c.memory_working_bytes,
-                   c.memory_per_microbatch_bytes)
-                  for st, c in zip(pipe.stages, cs, strict=True)]
-        _, extra = best_warmup([c.fwd_s + c.bwd_s for c in cs],
-                               _sends(pipe, profile, cluster, cal), warmup_rooms(memory, p))
+        _, extra = best_warmup(*args)
         pipes.append(dataclasses.replace(
             pipe, extra_warmup=capped_warmup(extra, pipe.num_micro_batches)))
     tuned = dataclasses.replace(plan, pipelines=tuple(pipes))
@@ -208,6 +202,41 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
             (simulate(q, profile, cluster, cal, trace=False, cache=cache, margin=margin)
              for q in options)]
     return options[keys.index(min(keys))]
+
+
+def _warmup_problems(plan: Plan, profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                     margin: float, cache: dict | None):
+    """Per pipeline, ``best_warmup``'s arguments (stage times, transfer times, rooms
+    within memory less ``margin``), or None where extra warm-up does not apply."""
+    costs = stage_costs_for(plan, profile, cluster, cal, cache)
+    out = []
+    for pipe, cs in zip(plan.pipelines, costs, strict=True):
+        p = len(pipe.stages)
+        if pipe.schedule not in ("1f1b", "zbh1") or pipe.virtual_stages != 1 or p < 2:
+            out.append(None)
+            continue
+        memory = [(min(_capacity(cluster, d) for d in st.devices) * (1 - margin)
+                   - c.memory_static_bytes - c.memory_working_bytes,
+                   c.memory_per_microbatch_bytes)
+                  for st, c in zip(pipe.stages, cs, strict=True)]
+        out.append(([c.fwd_s + c.bwd_s for c in cs], _sends(pipe, profile, cluster, cal),
+                    warmup_rooms(memory, p)))
+    return out
+
+
+def warmup_short_of_memory(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                           cal: Calibration = DEFAULT, *, margin: float = 0.0,
+                           cache: dict | None = None) -> bool:
+    """Whether some pipeline's best extra warm-up (``tune_warmup``) is held back by
+    memory: with unbounded memory its steady period would be shorter."""
+    for args in _warmup_problems(plan, profile, cluster, cal, margin, cache):
+        if args is not None:
+            times, sends, rooms = args
+            within, _ = best_warmup(times, sends, rooms)
+            free, _ = best_warmup(times, sends, [1 << 20] * len(rooms))
+            if free < within * (1 - 1e-9):
+                return True
+    return False
 
 
 def _slowest(cluster: Cluster, devices) -> object:

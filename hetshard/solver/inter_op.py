@@ -71,7 +71,13 @@ from hetshard.cost.stage import REMATS
 from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Context, Pipeline, Plan, SolverStats, Stage, grad_sync_for
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
-from hetshard.sim.simulator import annotate, simulate, tune_warmup, upper_bound_tokens_per_s
+from hetshard.sim.simulator import (
+    annotate,
+    simulate,
+    tune_warmup,
+    upper_bound_tokens_per_s,
+    warmup_short_of_memory,
+)
 from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.splits import (
     LayerTables,
@@ -590,6 +596,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     refine_deadline = t0 + opts.time_limit_s * 0.85
 
     evaluate = _evaluator(profile, cluster, cal, opts, cache)
+    short = _short_of_memory(profile, cluster, cal, opts, cache)
 
     def zero_bubble_tuned(p: Plan) -> Plan | None:
         return _zero_bubble_tuned(p, profile, cluster, cal, opts, cache)
@@ -603,7 +610,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         got = improve_layouts(start, evaluate, tables, cluster, heads,
                               tp_options=opts.tp_options, remats=opts.remat_options,
                               margin=opts.memory_margin, max_stages=opts.max_stages,
-                              evals=opts.layout_evals, mbs_options=opts.mbs_options)
+                              evals=opts.layout_evals, mbs_options=opts.mbs_options,
+                              short_of_memory=short)
         if got[1] is not start[1]:
             relaid.append(got)
         # Then on from there with stages recomputing only their first layers. Both ends
@@ -615,7 +623,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                                tp_options=opts.tp_options, remats=opts.remat_options,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
                                evals=opts.layout_evals, partial=True,
-                               mbs_options=opts.mbs_options)
+                               mbs_options=opts.mbs_options, short_of_memory=short)
         if more[1] is not got[1]:
             partial.append(more)
     firsts = scored[:opts.refine_top]
@@ -684,6 +692,16 @@ def _evaluator(profile: ModelProfile, cluster: Cluster, cal: Calibration,
                      margin=opts.memory_margin)
         return (not r.fits, r.step_time_s), p, r
     return evaluate
+
+
+def _short_of_memory(profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                     opts: PlannerOptions, cache: dict):
+    """``short(plan)``: whether the plan's extra warm-up is held back by memory (the
+    layout descent then also splits layers keeping room for it)."""
+    def short(p: Plan) -> bool:
+        return warmup_short_of_memory(p, profile, cluster, cal, margin=opts.memory_margin,
+                                      cache=cache)
+    return short
 
 
 def _zero_bubble_tuned(p: Plan, profile, cluster, cal, opts: PlannerOptions,
@@ -929,7 +947,9 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                                      tp_options=opts.tp_options, remats=opts.remat_options,
                                      margin=opts.memory_margin, max_stages=opts.max_stages,
                                      evals=opts.layout_evals, partial=partial,
-                                     mbs_options=opts.mbs_options))
+                                     mbs_options=opts.mbs_options,
+                                     short_of_memory=_short_of_memory(
+                                         halves, cluster, cal, opts, cache)))
     best = min(found, key=lambda x: x[0])
     better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
                                          t0 + opts.time_limit_s * 0.85, opts.refine_evals,

@@ -21,7 +21,16 @@ from collections.abc import Callable, Iterator
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.errors import HetshardError
 from hetshard.plan import Pipeline, Plan, Stage, data_ways, grad_sync_for
-from hetshard.solver.splits import LayerTables, remat_choice, split_layers_mixed, with_partial
+from hetshard.solver.splits import (
+    LayerTables,
+    choice_parts,
+    remat_choice,
+    split_layers_mixed,
+    with_partial,
+)
+
+# Extra warm-up forwards the layout moves keep memory for (each a split of its own).
+AHEADS = (0, 1, 2)
 
 
 def segments(pipe: Pipeline, cluster: Cluster) -> list[tuple[int, int]]:
@@ -55,15 +64,18 @@ def layouts(n: int, samples: int, group: Group, heads: int, tp_options, cp: int 
 
 def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
              tables: LayerTables, cluster: Cluster, *, remats, margin: float,
-             max_stages: int | None = None, partial: bool = False) -> Plan | None:
+             max_stages: int | None = None, partial: bool = False,
+             aheads: tuple[int, ...] = (0,)) -> list[Plan]:
     """``plan`` with segment ``seg`` of pipeline ``pi`` laid out as ``layout`` = (data
     ways, tensor degree) on the same devices, and that pipeline's layers re-split over
     all its stages (each with the remat, among ``remats``, that lets it reach furthest;
-    with ``partial``, also the full remat of a stage's first layers only). None when
-    the layout cannot be built or nothing fits."""
+    with ``partial``, also the full remat of a stage's first layers only): one split per
+    entry of ``aheads`` (memory kept on every stage but the last for that many extra
+    warm-up forwards, the warm-up that hides a slow link), skipping those the previous
+    split already has room for. Empty when the layout cannot be built or nothing fits."""
     pipe = plan.pipelines[pi]
     if pipe.virtual_stages != 1 or any(st.axis("fsdp") > 1 for st in pipe.stages):
-        return None
+        return []
     samples = pipe.samples_per_micro_batch
     r, tp = layout
     a, b = seg
@@ -72,18 +84,18 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
     devices = sorted(d for st in pipe.stages[a:b] for d in st.devices)
     size = r * cp * tp
     if samples % r or len(devices) % size:
-        return None
+        return []
     chunks = [tuple(devices[i:i + size]) for i in range(0, len(devices), size)]
     # Tensor groups (innermost, consecutive ids) must sit inside one node.
     if any(len({cluster.slot(d).node for d in c[i:i + tp]}) > 1
            for c in chunks for i in range(0, size, tp)):
-        return None
+        return []
     mesh = (("data", r),) + ((("context", cp),) if cp > 1 else ()) + (("tensor", tp),)
     shells = list(pipe.stages[:a]) + [
         Stage(0, 1, c, first.gpu, mesh) for c in chunks] + list(pipe.stages[b:])
     n_layers = pipe.stages[-1].end
     if len(shells) > n_layers or (max_stages is not None and len(shells) > max_stages):
-        return None
+        return []
     rows, caps = [], []
     for st in shells:
         group = cluster.group(cluster.slot(st.devices[0]).group)
@@ -92,28 +104,49 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
                                   st.axis("context"))) for remat in remats]
         rows.append(with_partial(row) if partial else row)
         caps.append(group.gpu.memory_bytes * (1 - margin))
-    res = split_layers_mixed(rows, n_layers, caps)
-    if res is None:
-        return None
-    bounds, _, chosen = res
-    stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat_choice(c)[0],
-                                       remat_layers=remat_choice(c)[1], shardings=())
-                   for st, (lo, hi), c in zip(shells, bounds, chosen, strict=True))
-    try:
-        new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),
-                                  micro_batch_size=samples // data_ways(stages[0]))
+    out, res = [], None
+    for ahead in aheads:
+        if res is not None and _has_room(rows, caps, res, ahead):
+            continue
+        res = split_layers_mixed(rows, n_layers, caps, ahead=ahead)
+        if res is None:
+            break
+        bounds, _, chosen = res
+        stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat_choice(c)[0],
+                                           remat_layers=remat_choice(c)[1], shardings=())
+                       for st, (lo, hi), c in zip(shells, bounds, chosen, strict=True))
+        try:
+            new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),
+                                      micro_batch_size=samples // data_ways(stages[0]))
+        except HetshardError:
+            continue
+        if any(q.pipelines[pi].stages == stages for q in out):
+            continue
         pipes = plan.pipelines[:pi] + (new,) + plan.pipelines[pi + 1:]
-        return dataclasses.replace(plan, pipelines=pipes,
-                                   grad_sync=grad_sync_for(pipes, plan.global_batch))
-    except HetshardError:
-        return None
+        out.append(dataclasses.replace(plan, pipelines=pipes,
+                                       grad_sync=grad_sync_for(pipes, plan.global_batch)))
+    return out
+
+
+def _has_room(rows, caps, split, ahead: int) -> bool:
+    """Whether ``split`` (a ``split_layers_mixed`` answer) keeps, on every stage but the
+    last, the memory of ``ahead`` extra micro-batches in flight beyond 1F1B's."""
+    p = len(rows)
+    for s, (row, cap, (lo, hi), c) in enumerate(zip(rows, caps, split[0], split[2],
+                                                    strict=True)):
+        _, static, per_mb, working = choice_parts(row, c, lo, hi)
+        if s < p - 1 and static + (p - s + ahead) * per_mb + working > cap:
+            return False
+    return True
 
 
 def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_options,
           remats, margin: float, max_stages: int | None = None,
-          partial: bool = False, mbs_options=None) -> Iterator[Plan]:
+          partial: bool = False, mbs_options=None,
+          aheads: tuple[int, ...] = (0,)) -> Iterator[Plan]:
     """Every plan one segment's layout away from ``plan`` (each device's micro-batch
-    among ``mbs_options`` when given)."""
+    among ``mbs_options`` when given; layers split once per entry of ``aheads``, see
+    ``relayout``)."""
     for pi, pipe in enumerate(plan.pipelines):
         for seg in segments(pipe, cluster):
             a, b = seg
@@ -126,33 +159,40 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
                 if layout == current and b - a == n // (layout[0] * layout[1] *
                                                          st.axis("context")):
                     continue
-                cand = relayout(plan, pi, seg, layout, tables, cluster, remats=remats,
-                                margin=margin, max_stages=max_stages, partial=partial)
-                if cand is not None:
-                    yield cand
+                yield from relayout(plan, pi, seg, layout, tables, cluster, remats=remats,
+                                    margin=margin, max_stages=max_stages, partial=partial,
+                                    aheads=aheads)
 
 
 def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
                     cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
                     max_stages: int | None = None, evals: int = 200, partial: bool = False,
-                    mbs_options=None):
+                    mbs_options=None, short_of_memory: Callable[[Plan], bool] | None = None):
     """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
     each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
     keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
-    until none improves or ``evals`` plans were evaluated. Returns the best triple."""
-    best = start
-    while evals > 0:
-        round_best = None
-        for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
-                          remats=remats, margin=margin, max_stages=max_stages,
-                          partial=partial, mbs_options=mbs_options):
-            if evals <= 0:
+    until none improves or ``evals`` plans were evaluated. Where the descent's plan
+    wants more warm-up than its memory allows (``short_of_memory(plan)``), a second
+    descent (``evals`` more) also splits the layers with memory kept for ``AHEADS``
+    extra warm-up forwards. Returns the best triple."""
+    def descend(best, aheads):
+        left = evals
+        while left > 0:
+            round_best = None
+            for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
+                              remats=remats, margin=margin, max_stages=max_stages,
+                              partial=partial, mbs_options=mbs_options, aheads=aheads):
+                if left <= 0:
+                    break
+                left -= 1
+                got = evaluate(cand)
+                if got[0] < best[0] and (round_best is None or got[0] < round_best[0]):
+                    round_best = got
+            if round_best is None:
                 break
-            evals -= 1
-            got = evaluate(cand)
-            if got[0] < best[0] and (round_best is None or got[0] < round_best[0]):
-                round_best = got
-        if round_best is None:
-            break
-        best = round_best
+            best = round_best
+        return best
+    best = descend(start, (0,))
+    if short_of_memory is not None and short_of_memory(best[1]):
+        best = descend(best, AHEADS)
     return best

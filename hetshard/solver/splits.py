@@ -274,7 +274,14 @@ def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: 
     return None if best is None else (best[0], -best[1], best[2])
 
 
-def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
+def _inflight(p: int, s: int, ahead: int) -> int:
+    """Micro-batches stage ``s`` of ``p`` keeps in flight under 1F1B with ``ahead``
+    extra warm-up forwards on every stage but the last."""
+    return p - s + (ahead if s < p - 1 else 0)
+
+
+def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = None,
+                ahead: int = 0):
     """Greedy contiguous packing of the layers into the stages with every stage time
     <= ``t_max`` and memory <= its cap, each stage with the option (remat, table)
     reaching furthest (the fastest of those). Returns
@@ -284,7 +291,8 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = 
     p = len(options)
     bounds, picked, start = [], [], 0
     for s, row in enumerate(options):
-        got = _stage_reach(row, start, n_layers - (p - s - 1), t_max, p - s, caps[s], memo)
+        got = _stage_reach(row, start, n_layers - (p - s - 1), t_max, _inflight(p, s, ahead),
+                           caps[s], memo)
         if got is None or (s == p - 1 and got[0] != n_layers):
             return None
         bounds.append((start, got[0]))
@@ -293,7 +301,8 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = 
     return bounds, picked
 
 
-def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = None):
+def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = None,
+                ahead: int = 0):
     """``_pack_mixed``'s answer by dynamic programming from the last stage back: the
     starts from which stages s.. can pack the remaining layers are those whose stage s
     reaches one of stage s+1's (each stage fits every end up to its reach). Exact;
@@ -312,7 +321,8 @@ def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = 
         now = [False] * (n_layers + 1)
         limit = n_layers - (p - s - 1)
         for a in range(s, limit):
-            got = _stage_reach(options[s], a, limit, t_max, p - s, caps[s], memo)
+            got = _stage_reach(options[s], a, limit, t_max, _inflight(p, s, ahead), caps[s],
+                               memo)
             if got is not None and below[got[0]] > a:
                 now[a] = True
                 ends[s][a] = below[got[0]]
@@ -324,7 +334,7 @@ def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = 
         end = ends[s][start]
         fitting = []
         for remat, table in row:
-            cost = option_cost(table, start, end, p - s, caps[s])
+            cost = option_cost(table, start, end, _inflight(p, s, ahead), caps[s])
             if cost is not None:
                 fitting.append((cost[0], _choice(remat, table, start, end, cost[1])))
         t, choice = min(fitting, key=lambda x: x[0])
@@ -337,12 +347,14 @@ def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = 
 EXACT_CHECK = 100  # stages x layers up to which split_layers_mixed is exact (see there)
 
 
-def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
+def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None,
+                       ahead: int = 0):
     """Minimum bottleneck split with a remat per stage: (bounds, times, choices) or None
     (choices: see the module docstring). ``hi``: a bottleneck known to be reachable (the
-    best one-remat split's), where the search starts. Exact (to 1e-6 relative) on
-    instances of at most ``EXACT_CHECK`` stages x layers; above, the greedy's split (see
-    ``_pack_mixed``)."""
+    best one-remat split's), where the search starts. ``ahead``: memory kept for that
+    many extra warm-up forwards on every stage but the last (room to hide slow
+    transfers). Exact (to 1e-6 relative) on instances of at most ``EXACT_CHECK`` stages
+    x layers; above, the greedy's split (see ``_pack_mixed``)."""
     if len(options) > n_layers:
         return None
     if hi is None:
@@ -351,7 +363,7 @@ def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
 
     def packer(how):
         def pack(t_max):
-            got = how(t_max, options, n_layers, caps, memo)
+            got = how(t_max, options, n_layers, caps, memo, ahead)
             if got is None:
                 return None
             bounds, picked = got
@@ -369,7 +381,7 @@ def split_layers_mixed(options, n_layers: int, caps, hi: float | None = None):
     if found is None:
         return _min_bottleneck(packer(_pack_exact), hi * 1.0001)
     below = max(found[1]) * (1 - 1e-6)
-    if _pack_exact(below, options, n_layers, caps, memo) is None:
+    if _pack_exact(below, options, n_layers, caps, memo, ahead) is None:
         return found
     return _min_bottleneck(packer(_pack_exact), below)
 
