@@ -10,7 +10,9 @@ samples per micro-batch, so each of its devices runs ``samples / r'`` of them), 
 the pipeline's layers are re-split over all its stages by the minimum-bottleneck
 split with a remat per stage (``splits.split_layers_mixed``, memory checked under
 1F1B's in-flight counts). ``improve_layouts`` does coordinate descent over the
-segments, each move priced by the simulator.
+segments, each move priced by the simulator; where the plan it ends at wants more
+extra warm-up than memory allows (a slow link to hide), it descends again with splits
+that keep room for ``AHEADS`` extra micro-batches in flight.
 """
 
 from __future__ import annotations
