@@ -34,7 +34,8 @@ Algorithm.
 4. The best candidates by that estimate, plus every uniform Megatron-style plan (they
    are part of the space), are simulated in full. The best eight get a layout per GPU
    type (``layouts``: each single-type segment re-laid out as its own data ways and
-   tensor degree, layers re-split; coordinate descent on the simulated time). The best
+   tensor degree, layers re-split; coordinate descent on the simulated time, again
+   with splits keeping room for extra warm-up where memory held it back). The best
    few are also tried with re-tuned warm-up, interleaved (``variants``: each submesh's
    layers cut into ``v`` stages, Megatron-LM's virtual stages: a ``v`` times smaller
    bubble for ``v`` times the transfers and more activations in flight) and under ZB-H1
