@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import json
+import time
 import warnings
 
 import jax
@@ -459,6 +460,17 @@ def test_layout_descent_keeps_memory_for_the_warm_up_a_slow_link_needs():
                            short_of_memory=lambda p: warmup_short_of_memory(
                                p, profile, cluster, margin=0.05))
     assert best[0] <= key_roomy < got[0]
+    # A deadline already passed (the planner's time limit) stops the descent at once.
+    calls = []
+
+    def counted(p):
+        calls.append(p)
+        return evaluate(p)
+    first = evaluate(start)
+    cut = improve_layouts(first, counted, tables, cluster, 32, tp_options=(1, 2, 4),
+                          remats=("none", "full"), margin=0.05, mbs_options=(1,),
+                          partial=True, deadline=time.perf_counter() - 1.0)
+    assert cut is first and calls == []
 
 
 def test_layout_per_gpu_type_drops_tensor_parallelism_on_pcie():

@@ -612,7 +612,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                               tp_options=opts.tp_options, remats=opts.remat_options,
                               margin=opts.memory_margin, max_stages=opts.max_stages,
                               evals=opts.layout_evals, mbs_options=opts.mbs_options,
-                              short_of_memory=short)
+                              short_of_memory=short, deadline=refine_deadline)
         if got[1] is not start[1]:
             relaid.append(got)
         # Then on from there with stages recomputing only their first layers. Both ends
@@ -624,7 +624,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                                tp_options=opts.tp_options, remats=opts.remat_options,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
                                evals=opts.layout_evals, partial=True,
-                               mbs_options=opts.mbs_options, short_of_memory=short)
+                               mbs_options=opts.mbs_options, short_of_memory=short,
+                               deadline=refine_deadline)
         if more[1] is not got[1]:
             partial.append(more)
     firsts = scored[:opts.refine_top]
@@ -941,8 +942,9 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     cache: dict = {}
     evaluate = _evaluator(halves, cluster, cal, opts, cache)
     found = [evaluate(as_halves(plan, blocks, halves))]
+    layout_deadline = t0 + opts.time_limit_s * 0.5
     for partial in (False, True):
-        if time.perf_counter() - t0 > opts.time_limit_s * 0.5:
+        if time.perf_counter() > layout_deadline:
             break
         found.append(improve_layouts(found[-1], evaluate, tables, cluster, heads,
                                      tp_options=opts.tp_options, remats=opts.remat_options,
@@ -950,12 +952,14 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                                      evals=opts.layout_evals, partial=partial,
                                      mbs_options=opts.mbs_options,
                                      short_of_memory=_short_of_memory(
-                                         halves, cluster, cal, opts, cache)))
+                                         halves, cluster, cal, opts, cache),
+                                     deadline=layout_deadline))
+    layouts_cut = time.perf_counter() > layout_deadline
     best = min(found, key=lambda x: x[0])
     better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
                                          t0 + opts.time_limit_s * 0.85, opts.refine_evals,
                                          cache, opts.memory_margin, opts.remat_options)
-    cut = cut or len(found) < 3
+    cut = cut or len(found) < 3 or layouts_cut
     if (not better_r.fits, better_r.step_time_s) < best[0]:
         best = ((not better_r.fits, better_r.step_time_s), better, better_r)
     chosen, result = _last_variants(best, halves, cluster, cal, opts, cache)

@@ -18,6 +18,7 @@ that keep room for ``AHEADS`` extra micro-batches in flight.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 
 from hetshard.cluster.spec import Cluster, Group
@@ -169,14 +170,16 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
 def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
                     cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
                     max_stages: int | None = None, evals: int = 200, partial: bool = False,
-                    mbs_options=None, short_of_memory: Callable[[Plan], bool] | None = None):
+                    mbs_options=None, short_of_memory: Callable[[Plan], bool] | None = None,
+                    deadline: float | None = None):
     """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
     each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
     keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
     until none improves or ``evals`` plans were evaluated. Where the descent's plan
     wants more warm-up than its memory allows (``short_of_memory(plan)``), a second
     descent (``evals`` more) also splits the layers with memory kept for ``AHEADS``
-    extra warm-up forwards. Returns the best triple."""
+    extra warm-up forwards. Past ``deadline`` (``time.perf_counter()``) the descent
+    stops where it is (the caller's time limit). Returns the best triple."""
     def descend(best, aheads):
         left = evals
         while left > 0:
@@ -184,7 +187,8 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
             for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
                               remats=remats, margin=margin, max_stages=max_stages,
                               partial=partial, mbs_options=mbs_options, aheads=aheads):
-                if left <= 0:
+                if left <= 0 or (deadline is not None and time.perf_counter() > deadline):
+                    left = 0
                     break
                 left -= 1
                 got = evaluate(cand)
@@ -195,6 +199,7 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
             best = round_best
         return best
     best = descend(start, (0,))
-    if short_of_memory is not None and short_of_memory(best[1]):
+    if short_of_memory is not None and (deadline is None or time.perf_counter() <= deadline) \
+            and short_of_memory(best[1]):
         best = descend(best, AHEADS)
     return best
