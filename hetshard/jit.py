@@ -269,9 +269,24 @@ class HetshardJit:
         return plan
 
     def _check_pinned(self, args, batch):
-        """A pinned plan made for another model or sequence length is an error."""
+        """A pinned plan made for another model, sequence length or cluster (one whose
+        devices have other GPU types, or are missing, here) is an error."""
         import models
         plan = self.pinned
+        made_for = Cluster.load(plan.cluster)
+        n = self.cluster.num_devices
+        for d in sorted({d for pipe in plan.pipelines for st in pipe.stages
+                         for d in st.devices}):
+            want = made_for.gpu_of(d).name
+            here = self.cluster.gpu_of(d).name if d < n else None
+            if here != want:
+                raise SpecError(
+                    "plan.cluster", made_for.name,
+                    f"a plan for the cluster hetshard.jit was given ({self.cluster.name!r}); "
+                    f"device {d}: {want} in the plan's cluster, "
+                    + (f"{here} in {self.cluster.name!r}" if here else
+                       f"missing from {self.cluster.name!r} ({n} devices)"),
+                    where="hetshard.jit")
         tokens = batch.get("tokens") if isinstance(batch, dict) else None
         if tokens is not None and np.ndim(tokens) == 2 and np.shape(tokens)[1] != plan.seq_len:
             raise SpecError("batch['tokens']", f"sequence length {np.shape(tokens)[1]}",

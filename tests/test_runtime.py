@@ -337,3 +337,11 @@ def test_pinned_plan_for_another_model_or_sequence_is_refused():
     batch = data.text_batch(np.random.default_rng(0), 8, 16, 256)
     with pytest.raises(hetshard.SpecError, match="plan.model"):
         hetshard.jit(step_fn, cluster=CLUSTER, plan=other)(model, opt, batch)
+    # ... or for another cluster: its devices have other GPU types here, or are missing.
+    with pytest.raises(hetshard.SpecError, match=r"plan.cluster.*device 0: A100-80GB in "
+                                                 r"the plan's cluster, H100-80GB in"):
+        hetshard.jit(step_fn, cluster="h100-a100-v100-x8", plan=plan)(model, opt, batch)
+    four = {"name": "four", "groups": [{"name": "a", "gpu": "A100-80GB", "nodes": 1,
+                                        "gpus_per_node": 4}]}
+    with pytest.raises(hetshard.SpecError, match=r"device 4: .* missing from 'four' \(4 dev"):
+        hetshard.jit(step_fn, cluster=four, plan=plan)(model, opt, batch)
