@@ -943,6 +943,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     evaluate = _evaluator(halves, cluster, cal, opts, cache)
     found = [evaluate(as_halves(plan, blocks, halves))]
     layout_deadline = t0 + opts.time_limit_s * 0.5
+    short = _short_of_memory(halves, cluster, cal, opts, cache)
     for partial in (False, True):
         if time.perf_counter() > layout_deadline:
             break
@@ -950,9 +951,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                                      tp_options=opts.tp_options, remats=opts.remat_options,
                                      margin=opts.memory_margin, max_stages=opts.max_stages,
                                      evals=opts.layout_evals, partial=partial,
-                                     mbs_options=opts.mbs_options,
-                                     short_of_memory=_short_of_memory(
-                                         halves, cluster, cal, opts, cache),
+                                     mbs_options=opts.mbs_options, short_of_memory=short,
                                      deadline=layout_deadline))
     layouts_cut = time.perf_counter() > layout_deadline
     best = min(found, key=lambda x: x[0])
