@@ -42,6 +42,37 @@ def test_flash_swap_keeps_loss_and_gradients_of_a_train_step(name, rng):
     _close(g1, g0)
 
 
+@pytest.mark.parametrize("kv_heads,heads_split", [(4, True), (2, False)])
+def test_flash_on_a_stage_mesh_runs_per_device(kv_heads, heads_split, rng):
+    # A data x tensor stage: the kernel runs on each device's samples and (when the
+    # tensor degree divides both head counts) heads, with no gather; same values and
+    # gradients as the reference, grouped-query attention and segments included.
+    from hetshard.kernels.reference import attention_reference
+    from hetshard.rewrite.attention import attention_layout, attention_runner
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+    q = jnp.asarray(rng.standard_normal((4, 32, 8, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((4, 32, kv_heads, 16)), jnp.float32)
+            for _ in range(2))
+    seg = jnp.asarray(np.repeat([[0] * 20 + [1] * 12], 4, axis=0), jnp.int32)
+    assert attention_layout(mesh, q.shape, kv_heads) == (
+        ("data",), "tensor" if heads_split else None)
+    run = attention_runner("flash", mesh=mesh, block_q=16, block_k=16)
+    spec = PartitionSpec("data", None, "tensor" if heads_split else None, None)
+    qkv = jax.device_put((q, k, v), NamedSharding(mesh, spec))
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) ** 2).sum()
+    flash = jax.jit(jax.value_and_grad(loss(lambda q, k, v: run(q, k, v, seg, 0.25, True)),
+                                       argnums=(0, 1, 2)))
+    ref = jax.value_and_grad(loss(lambda q, k, v: attention_reference(
+        q, k, v, causal=True, segment_ids=seg, sm_scale=0.25)), argnums=(0, 1, 2))
+    got, want = flash(*qkv), ref(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    _close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    hlo = flash.lower(*qkv).compile().as_text()
+    assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
+
+
 def test_ring_swap_on_four_fake_devices(rng):
     model = models.build("gpt-tiny")
     graphdef, params = nnx.split(model)

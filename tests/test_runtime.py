@@ -189,10 +189,13 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training():
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
     want_losses, want_params = _reference(batches, 3)
-    losses, params, *_ = _run(plan)
+    losses, params, step, *_ = _run(plan)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Each stage ran the flash kernel on its own mesh's devices (per sample and head).
+    runner = next(iter(step._compiled.values()))[1]
+    assert set(runner.splits[0]._runners) == {run.mesh for run in runner.runs[0]}
 
 
 def test_nan_loss_is_reported_and_not_applied():
@@ -261,6 +264,13 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
                                jax.device_put(batches[0], entry[3])).jaxpr)
     # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
     assert jaxpr.count("pallas_call") == kernels
+    # XLA cannot split a Pallas call: each runs inside a shard_map on its device's
+    # samples. Left to the partitioner, every device gathered the whole batch's q, k, v
+    # (and cotangents) and computed attention for all of it.
+    hlo = entry[1].lower(jax.device_put(nnx.state((model, opt)), entry[2]),
+                         jax.device_put(batches[0], entry[3])).compile().as_text()
+    assert jaxpr.count("shard_map") == (4 if kernels else 0)  # per layer: fwd, bwd
+    assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
 
 
 @pytest.mark.parametrize("remat,layers,checkpoints", [

@@ -175,6 +175,8 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, **kernel)
                                        sm_scale=scale)
         if name == "flash":
             from hetshard.kernels.flash_attention import flash_attention
+            if mesh is not None:
+                return _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel)
             return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale,
                                    **kernel)
         from hetshard.kernels.ring_attention import context_parallel_attention
@@ -182,6 +184,47 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, **kernel)
                                           segment_ids=seg, chunk_lengths=chunk_lengths,
                                           sm_scale=scale, **kernel)
     return run
+
+
+def attention_layout(mesh, q_shape, kv_heads: int):
+    """``(batch axes or None, heads axis or None)``: how attention splits over a stage
+    mesh, each sample and head being independent. The batch goes over the data axes
+    (``data``, then ``fsdp``) as far as their product divides it; the heads over
+    ``tensor`` when it divides the query and the key/value heads (grouped-query
+    attention keeps each key/value head with its queries)."""
+    b, h = q_shape[0], q_shape[2]
+    batch, ways = [], 1
+    for a in ("data", "fsdp"):
+        n = mesh.shape.get(a, 1)
+        if n > 1 and b % (ways * n) == 0:
+            batch.append(a)
+            ways *= n
+    tp = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tp > 1 and h % tp == 0 and kv_heads % tp == 0 else None
+    return (tuple(batch) or None), heads
+
+
+def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel):
+    """The flash kernel on each device's samples and heads (``jax.shard_map``). XLA's
+    partitioner cannot split a Pallas call: left to it, every device of a stage would
+    gather the whole micro-batch's q, k and v and compute attention for all of it."""
+    from jax.sharding import PartitionSpec as P
+
+    from hetshard.kernels.flash_attention import flash_attention
+    batch, heads = attention_layout(mesh, q.shape, k.shape[2])
+    if batch is None and heads is None:
+        return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale,
+                               **kernel)
+    spec = P(batch, None, heads, None)
+
+    def body(q, k, v, *seg):
+        return flash_attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None,
+                               sm_scale=scale, **kernel)
+    args, specs = (q, k, v), (spec,) * 3
+    if seg is not None:
+        args, specs = args + (seg,), specs + (P(batch, None),)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
+                         check_vma=False)(*args)
 
 
 def _eval(jaxpr, consts, args, run):
@@ -268,7 +311,8 @@ def attention_runner(impl: str = "flash", **options):
 def swap_attention(fn, impl: str = "flash", **options):
     """``fn`` with its attention computed by ``impl`` ("reference", "flash" or "ring").
 
-    ``options`` go to the implementation: kernel tile sizes and ``interpret`` for flash;
+    ``options`` go to the implementation: kernel tile sizes and ``interpret`` for flash,
+    and a ``mesh`` to run it on each device's samples and heads (``attention_layout``);
     ``mesh``, ``axis`` and ``chunk_lengths`` for ring attention.
     """
     run = _impl(impl, **options)

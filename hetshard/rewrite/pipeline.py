@@ -105,12 +105,14 @@ class StageProgram:
                 out[k] = np.dtype(dst)
         return out
 
-    def evaluate(self, params, frozen, batch, recvs, remat=None) -> list:
+    def evaluate(self, params, frozen, batch, recvs, remat=None, mesh=None) -> list:
         """The stage's sends from its inputs (lists in the orders above). ``remat`` =
         (wrap, count): the equations of each of the stage's first ``count`` layers (None:
         all) run as one function wrapped by ``wrap`` (``jax.checkpoint`` with a policy),
-        so that each layer is recomputed on its own in the backward pass."""
+        so that each layer is recomputed on its own in the backward pass. ``mesh``: the
+        stage's mesh, on which the flash kernel runs per device."""
         sp = self._split
+        run = sp.runner(mesh)
         jaxpr = sp.closed.jaxpr
         env = dict(zip(jaxpr.constvars, sp.closed.consts, strict=True))
         for idx, val in zip(self.params, params, strict=True):
@@ -122,21 +124,21 @@ class StageProgram:
         for var, val in zip(self.recvs, recvs, strict=True):
             env[var] = val
         if remat is None:
-            eval_equations(jaxpr, env, sp.run, self.eqns)
+            eval_equations(jaxpr, env, run, self.eqns)
         else:
             key = ("segments", remat[1])
             if key not in self._memo:
                 last = self.layers[1] if remat[1] is None else self.layers[0] + remat[1]
                 self._memo[key] = layer_segments(jaxpr, self.eqns, sp.eqn_layer,
                                                  (self.layers[0], last), self.sends)
-            eval_segments(jaxpr, env, sp.run, self._memo[key], remat[0])
+            eval_segments(jaxpr, env, run, self._memo[key], remat[0])
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
-    def forward(self, params, frozen, batch, recvs, remat=None):
+    def forward(self, params, frozen, batch, recvs, remat=None, mesh=None):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
         ``(param_cts, float_recv_cts)``. ``remat`` = (wrap, count): the stage's
         rematerialisation, each of its first ``count`` layers (None: all) wrapped by
-        ``wrap`` (see ``evaluate``)."""
+        ``wrap``; ``mesh``: the stage's (see ``evaluate``)."""
         d_in, d_out = self.diff_recvs, self.diff_sends
         fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
 
@@ -144,7 +146,7 @@ class StageProgram:
             full = list(fixed)
             for i, val in zip(d_in, fr, strict=True):
                 full[i] = val
-            outs = self.evaluate(p, frozen, batch, full, remat)
+            outs = self.evaluate(p, frozen, batch, full, remat, mesh)
             return ([outs[i] for i in d_out],
                     [o for i, o in enumerate(outs) if i not in set(d_out)])
         float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
@@ -161,6 +163,19 @@ class StageSplit:
     out_tree: object
     run: Callable
     eqn_layer: list[int] = dataclasses.field(default_factory=list)  # layer per equation
+    attention: str = "reference"
+    attention_options: dict = dataclasses.field(default_factory=dict)
+    _runners: dict = dataclasses.field(default_factory=dict)
+
+    def runner(self, mesh=None) -> Callable:
+        """The attention implementation for a stage on ``mesh`` (None: ``run``): the flash
+        kernel runs per device there (``hetshard.rewrite.attention._flash_on_mesh``)."""
+        if mesh is None or self.attention != "flash" or "mesh" in self.attention_options:
+            return self.run
+        if mesh not in self._runners:
+            self._runners[mesh] = attention_runner("flash", mesh=mesh,
+                                                   **self.attention_options)
+        return self._runners[mesh]
 
     @property
     def num_layers(self) -> int:
@@ -330,7 +345,8 @@ def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
         if isinstance(v, ext.Var) and v not in sent:
             raise StageSplitError(f"output {pos} of the loss comes from no stage")
     split = StageSplit(closed, num_state, names, stages, jax.tree.structure(out_shape),
-                       attention_runner(attention, **attention_options), eqn_layer)
+                       attention_runner(attention, **attention_options), eqn_layer,
+                       attention, dict(attention_options))
     for s in stages:
         s._split = split
     return split

@@ -4,7 +4,8 @@
 from its jaxpr on the stage mesh: every layer-boundary activation (a value one layer
 computes and a later layer reads, found from the ``named_scope`` layer tags as the
 pipeline rewrite finds stage boundaries) gets a ``with_sharding_constraint`` to the
-plan's activation layout, and attention is computed by the plan's implementation. The
+plan's activation layout, and attention is computed by the plan's implementation (the
+flash kernel per device of the mesh, ``hetshard.rewrite.attention._flash_on_mesh``). The
 parameters' and the batch's layouts are the program's input shardings
 (``hetshard.runtime.spmd``); with the boundaries pinned as well, XLA's propagation
 cannot drift the batch layout across layers (for example toward a tensor-split weight's
@@ -65,6 +66,8 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
     ``split_blocks``: the plan counts block halves as layers (its remat_layers too)."""
+    if attention == "flash":
+        options.setdefault("mesh", mesh)  # the kernel per device (``_flash_on_mesh``)
     run = attention_runner(attention, **options)
 
     @functools.wraps(fn)

@@ -345,7 +345,7 @@ class PipelineRunner:
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
         run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
-                                             stage.remat_layers), program.cast_params)
+                                             stage.remat_layers, mesh), program.cast_params)
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
@@ -691,12 +691,13 @@ def _samples_per_micro_batch(pipeline) -> int:
 
 # ---- jitted stage functions -----------------------------------------------------------
 
-def _forward(program, remat, remat_layers, params, frozen, batch, recvs):
-    """The stage's forward; under a remat each of its first ``remat_layers`` layers (None:
-    all) is checkpointed on its own, so the backward recomputes one layer at a time."""
+def _forward(program, remat, remat_layers, mesh, params, frozen, batch, recvs):
+    """The stage's forward on its ``mesh``; under a remat each of its first
+    ``remat_layers`` layers (None: all) is checkpointed on its own, so the backward
+    recomputes one layer at a time."""
     wrap = remat_wrap(remat)
     return program.forward(params, frozen, batch, recvs,
-                           remat=None if wrap is None else (wrap, remat_layers))
+                           remat=None if wrap is None else (wrap, remat_layers), mesh=mesh)
 
 
 class _Forward:
