@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import hetshard
 import models
@@ -196,6 +197,14 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training():
     # Each stage ran the flash kernel on its own mesh's devices (per sample and head).
     runner = next(iter(step._compiled.values()))[1]
     assert set(runner.splits[0]._runners) == {run.mesh for run in runner.runs[0]}
+    # ... with its activations split along the sequence between tensor-parallel matmuls
+    # (layouts: the layer boundaries and row-parallel outputs split, gathers before the
+    # column-parallel matmuls).
+    for run in runner.runs[0]:
+        layouts = run.fwd.fn.args[4]
+        assert any(callable(c) for c in layouts.values())
+        assert any(not callable(c) and tuple(c.spec)[1:2] == ("tensor",)
+                   for c in layouts.values())
 
 
 def test_nan_loss_is_reported_and_not_applied():
@@ -329,6 +338,46 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
     rewritten = jax.jit(constrain_layers(loss, mesh, plan.pipelines[0].stages[0]))
     np.testing.assert_allclose(rewritten(state, batches[0]), jax.jit(loss)(state, batches[0]),
                                rtol=1e-6)
+
+
+def test_tensor_parallel_stage_splits_activations_along_the_sequence():
+    # Megatron-LM's sequence parallelism, which the simulator's memory model assumes:
+    # between the tensor-parallel matmuls activations stay split along the sequence over
+    # `tensor` (gathered before a column-parallel matmul, reduce-scattered after a
+    # row-parallel one). Without it XLA kept them whole on every tensor rank.
+    import re
+
+    from hetshard.rewrite.spmd import constrain_layers
+    from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
+    plan = _plan("dp=2,tp=4,pp=1", shardings=True)
+    stage = plan.pipelines[0].stages[0]
+    mesh = mesh_of(stage, jax.devices())
+    specs = {n: tuple(sp) for n, sp in stage.shardings if not n.startswith("activation:")}
+    graphdef, params, rest = nnx.split(models.build(MODEL, rngs=0), nnx.Param, ...)
+    params = jax.device_put(params, jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(path_string(p), x.shape, specs, mesh)),
+        params))
+    batch = data.text_batch(np.random.default_rng(0), 8, 16, 256)
+
+    def loss(p, b):
+        return loss_fn(nnx.merge(graphdef, p, rest), b)
+    got = {}
+    for seq in (True, False):
+        f = jax.jit(jax.value_and_grad(constrain_layers(loss, mesh, stage, attention="flash",
+                                                        sequence_parallel=seq)))
+        compiled = f.lower(params, batch).compile()
+        # all-gathers of a [batch / data, seq, features] activation, by dimension
+        gathers = re.findall(r"f32\[4,16,\d+\]\{[0-9,]+\} all-gather\(.*?dimensions=\{(\d)\}",
+                             compiled.as_text())
+        got[seq] = (f(params, batch), compiled.memory_analysis().temp_size_in_bytes, gathers)
+    (l1, g1), temp_seq, gathers_seq = got[True]
+    (l0, g0), temp_whole, gathers_whole = got[False]
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert gathers_seq and set(gathers_seq) == {"1"}  # along the sequence only
+    assert "1" not in gathers_whole
+    assert temp_seq < 0.8 * temp_whole  # measured: 593 KB vs 822 KB
 
 
 def test_pinned_plan_for_another_model_or_sequence_is_refused():

@@ -257,8 +257,9 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
-    equations this way. ``constrain`` (var -> Sharding) puts a sharding constraint on
-    those variables as they are computed (the SPMD rewrite's layer boundaries)."""
+    equations this way. ``constrain`` (var -> Sharding, or a function of the value) puts
+    a sharding constraint on those variables as they are computed (the SPMD rewrite's
+    layouts)."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
@@ -298,7 +299,8 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 if constrain and var in constrain:
-                    val = jax.lax.with_sharding_constraint(val, constrain[var])
+                    c = constrain[var]
+                    val = c(val) if callable(c) else jax.lax.with_sharding_constraint(val, c)
                 env[var] = val
 
 

@@ -13,6 +13,9 @@ layout), so the program the plan priced is the program that runs, with the stage
 remat (each recomputed layer under its own checkpoint, as in the pipeline rewrite).
 The plan's ``activation:<layer>`` entries name the layout (batch over the data axes);
 a boundary whose leading dimension the data axes do not divide is left unconstrained.
+On a stage with a ``tensor`` axis the boundaries are also split along the sequence
+(sequence parallelism, ``sequence_layouts``), which pipeline stages share
+(``stage_sequence_layouts``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from hetshard.rewrite.pipeline import (
     layer_sequence,
     remat_wrap,
 )
+from hetshard.runtime.spmd import leaf_spec as _leaf_spec
+from hetshard.runtime.spmd import path_string
 
 
 def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
@@ -45,6 +50,97 @@ def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
     if not len(shape) or shape[0] % ways:
         return None
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+
+
+def _batch_axes(mesh: Mesh, n: int):
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    return (axes or None) if n % ways == 0 else None
+
+
+def _sequence_split(mesh: Mesh, shape) -> NamedSharding | None:
+    """An activation ``[batch, seq, ...]`` split over the data axes and, along its
+    sequence, ``tensor`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022);
+    None when the shape does not allow it."""
+    tp = mesh.shape.get("tensor", 1)
+    if tp == 1 or len(shape) < 3 or shape[1] % tp:
+        return None
+    return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh, shape[0]), "tensor"))
+
+
+def _gather_sequence(mesh: Mesh, shape):
+    """Megatron's ``g`` under sequence parallelism: the input of a column-parallel matmul
+    gathered along its sequence (an all-gather), its cotangent reduce-scattered back."""
+    full = NamedSharding(mesh, PartitionSpec(_batch_axes(mesh, shape[0])))
+    split = _sequence_split(mesh, shape)
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.with_sharding_constraint(x, full)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, ct):
+        return (jax.lax.with_sharding_constraint(ct, split),)
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def sequence_layouts(jaxpr, weights: dict, mesh: Mesh, indices=None) -> dict:
+    """Sequence-parallel layouts for the equations ``indices`` (all by default) of
+    ``jaxpr`` on a mesh with a ``tensor`` axis: ``var -> constraint`` for
+    ``eval_equations``. ``weights`` maps the variables holding parameters to their
+    PartitionSpec. A matmul whose weight is split over ``tensor`` along a contracting
+    dimension (row-parallel) leaves its output split along the sequence (XLA turns the
+    partial sums' reduction into a reduce-scatter); one whose weight is split along a
+    free dimension (column-parallel) gathers its input's sequence first. Between them
+    (layer norms, residual adds, dropout) activations stay split, as the simulator
+    prices their memory (``hetshard.cost.stage``)."""
+    if mesh.shape.get("tensor", 1) == 1:
+        return {}
+    spec_of = {v: tuple(spec) for v, spec in weights.items()}
+    out: dict = {}
+    for idx in (range(len(jaxpr.eqns)) if indices is None else indices):
+        eqn = jaxpr.eqns[idx]
+        name = eqn.primitive.name
+        src = eqn.invars[0] if eqn.invars else None
+        if name in ("convert_element_type", "copy", "copy_p") and \
+                isinstance(src, ext.Var) and src in spec_of:
+            spec_of[eqn.outvars[0]] = spec_of[src]
+        elif name == "transpose" and isinstance(src, ext.Var) and src in spec_of:
+            spec = spec_of[src] + (None,) * (len(src.aval.shape) - len(spec_of[src]))
+            spec_of[eqn.outvars[0]] = tuple(spec[p] for p in eqn.params["permutation"])
+        elif name == "dot_general" and isinstance(eqn.invars[1], ext.Var) and \
+                eqn.invars[1] in spec_of and "tensor" in spec_of[eqn.invars[1]]:
+            lhs, rhs, res = eqn.invars[0], eqn.invars[1], eqn.outvars[0]
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            d = spec_of[rhs].index("tensor")
+            if 0 in lc or 0 in lb or 1 in lc or 1 in lb:
+                continue  # not a [batch, seq, ...] activation times a weight
+            if d in rc:
+                layout = _sequence_split(mesh, res.aval.shape)
+                if layout is not None:
+                    out[res] = layout
+            elif d not in rb and isinstance(lhs, ext.Var) and \
+                    _sequence_split(mesh, lhs.aval.shape) is not None:
+                out[lhs] = _gather_sequence(mesh, lhs.aval.shape)
+    return out
+
+
+def stage_sequence_layouts(closed, eqns, weights: dict, mesh: Mesh) -> dict:
+    """``sequence_layouts`` for one pipeline stage's equations ``eqns`` of the loss
+    ``closed``, with the layer boundaries it computes split along the sequence too."""
+    if mesh.shape.get("tensor", 1) == 1 or not any("tensor" in s for s in weights.values()):
+        return {}
+    made = {v for i in eqns for v in closed.jaxpr.eqns[i].outvars}
+    try:
+        bounds = [v for v in layer_boundaries(closed) if v in made]
+    except StageSplitError:
+        bounds = []
+    out = {v: lay for v in bounds if (lay := _sequence_split(mesh, v.aval.shape)) is not None}
+    out.update(sequence_layouts(closed.jaxpr, weights, mesh, eqns))
+    return out
 
 
 def layer_boundaries(closed) -> list:
@@ -62,13 +158,17 @@ def layer_boundaries(closed) -> list:
 
 
 def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
-                     split_blocks: bool = False, **options):
+                     split_blocks: bool = False, sequence_parallel: bool = True,
+                     **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
     ``split_blocks``: the plan counts block halves as layers (its remat_layers too)."""
     if attention == "flash":
         options.setdefault("mesh", mesh)  # the kernel per device (``_flash_on_mesh``)
     run = attention_runner(attention, **options)
+    specs = {name: tuple(spec) for name, spec in stage.shardings
+             if not name.startswith("activation:")}
+    sequence = sequence_parallel and mesh.shape.get("tensor", 1) > 1 and bool(specs)
 
     @functools.wraps(fn)
     def wrapped(*args):
@@ -80,11 +180,18 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             bounds = []
         constrain = {}
         for v in bounds:
-            layout = boundary_layout(stage, mesh, v.aval.shape)
+            layout = (_sequence_split(mesh, v.aval.shape) if sequence else None) or \
+                boundary_layout(stage, mesh, v.aval.shape)
             if layout is not None:
                 constrain[v] = layout
+        leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+        if sequence:
+            weights = {var: _leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
+                       for var, (path, x) in zip(jaxpr.invars, leaves, strict=True)
+                       if path and getattr(path[0], "idx", None) == 0}
+            constrain.update(sequence_layouts(jaxpr, weights, mesh))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, jax.tree.leaves(args), strict=True))
+        env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
         wrap = remat_wrap(stage.remat)
         if wrap is None:
             eval_equations(jaxpr, env, run, constrain=constrain)

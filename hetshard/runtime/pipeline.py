@@ -59,6 +59,7 @@ from hetshard.ir.dependencies import output_dependencies
 from hetshard.plan import Plan
 from hetshard.rewrite.backward import input_backward, weight_backward
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
+from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
 from hetshard.sim.schedule import schedule_walk
 
@@ -344,8 +345,15 @@ class PipelineRunner:
             shard_data=zero1 and i not in params)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
+        # Sequence parallelism inside the stage (as the simulator prices its memory).
+        invars = self.splits[pi].closed.jaxpr.invars
+        layouts = stage_sequence_layouts(
+            self.splits[pi].closed, program.eqns,
+            {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
+            mesh)
         run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
-                                             stage.remat_layers, mesh), program.cast_params)
+                                             stage.remat_layers, mesh, layouts),
+                           program.cast_params)
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
@@ -691,13 +699,14 @@ def _samples_per_micro_batch(pipeline) -> int:
 
 # ---- jitted stage functions -----------------------------------------------------------
 
-def _forward(program, remat, remat_layers, mesh, params, frozen, batch, recvs):
-    """The stage's forward on its ``mesh``; under a remat each of its first
-    ``remat_layers`` layers (None: all) is checkpointed on its own, so the backward
-    recomputes one layer at a time."""
+def _forward(program, remat, remat_layers, mesh, layouts, params, frozen, batch, recvs):
+    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``; under a
+    remat each of its first ``remat_layers`` layers (None: all) is checkpointed on its
+    own, so the backward recomputes one layer at a time."""
     wrap = remat_wrap(remat)
     return program.forward(params, frozen, batch, recvs,
-                           remat=None if wrap is None else (wrap, remat_layers), mesh=mesh)
+                           remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
+                           constrain=layouts)
 
 
 class _Forward:
