@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--global-batch", type=int, required=True)
         sp.add_argument("--seq-len", type=int, default=None)
         sp.add_argument("--time-limit", type=float, default=60.0, help="seconds")
-        sp.add_argument("--fix", default=None, help="constraints: tp=,mbs=,remat=,schedule=,vpp=")
+        sp.add_argument("--fix", default=None,
+                        help="constraints: tp=,mbs=,remat=,schedule=,vpp=,zero1=,tp_overlap=")
         sp.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "float16", "float32"])
         sp.add_argument("--attention", default="flash", choices=["flash", "reference"])

@@ -72,9 +72,9 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         spmd = getattr(_MARK, "spmd", None)
         if spmd is not None:
             from hetshard.rewrite.spmd import constrain_layers
-            mesh, stage, split_blocks = spmd
+            mesh, stage, split_blocks, tp_overlap = spmd
             rewritten = constrain_layers(loss_of, mesh, stage, attention=impl or "reference",
-                                         split_blocks=split_blocks)
+                                         split_blocks=split_blocks, tp_overlap=tp_overlap)
         else:
             from hetshard.rewrite import swap_attention
             rewritten = swap_attention(loss_of, impl)
@@ -170,7 +170,7 @@ def _with_attention(fn, plan: Plan, mesh=None):
         previous = getattr(_MARK, "attention", None), getattr(_MARK, "spmd", None)
         _MARK.attention = plan.attention
         _MARK.spmd = None if mesh is None else (mesh, plan.pipelines[0].stages[0],
-                                                 plan.split_blocks)
+                                                 plan.split_blocks, plan.tp_overlap)
         try:
             return fn(*args)
         finally:

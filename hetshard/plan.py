@@ -22,12 +22,13 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
-# ``Plan.split_blocks`` (absent: layers are whole blocks).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6)
+# ``Plan.split_blocks`` (absent: layers are whole blocks), 7 ``Plan.tp_overlap``
+# (absent: no collective matmuls, as those plans ran).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
@@ -156,6 +157,9 @@ class Plan:
     # Layers are block halves (attention, MLP): stage boundaries may fall inside a block,
     # and every layer index (stages, grad_sync, remat_layers) counts halves.
     split_blocks: bool = False
+    # Tensor-parallel stages run their matmuls as collective matmuls (the sequence-
+    # parallel reduce-scatters and all-gathers overlapped with the matmul blocks).
+    tp_overlap: bool = False
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
     version: int = SCHEMA_VERSION
@@ -280,7 +284,7 @@ def validate(plan: Plan) -> None:
         raise SpecError("pipelines", [], "at least one pipeline")
     if plan.attention not in ("flash", "reference"):
         raise SpecError("attention", plan.attention, "flash or reference")
-    for name in ("fsdp", "distributed_optimizer", "split_blocks"):
+    for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap"):
         if not isinstance(getattr(plan, name), bool):
             raise SpecError(name, getattr(plan, name), "true or false")
     shares = sum(p.batch_share for p in plan.pipelines)

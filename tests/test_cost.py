@@ -218,6 +218,46 @@ def test_tensor_parallel_divides_compute_and_adds_communication(prof):
     assert two.memory_static_bytes == pytest.approx(one.memory_static_bytes / 2)
 
 
+def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmuls():
+    prof = profile_model("gpt-6.7b", 2048, "bfloat16")
+    block = prof.layers[1]
+    # q, k, v before attention and the output projection after it; up, then down.
+    assert block.tp_sequence == 2048
+    assert [(len(col), len(row)) for col, row in block.tp_groups] == [(3, 1), (1, 1)]
+    assert prof.layers[0].tp_groups == () and prof.layers[-1].tp_groups == ()
+    c = Cluster.load("dgx-a100-80gb-x8")
+    gpu, topo = c.groups[0].gpu, topology(c, [0, 1, 2, 3])
+    quiet = Calibration(default=dataclasses.replace(DEFAULT.default,
+                                                    overlap_interference=1e-12))
+
+    def cost(start=1, end=2, cal=DEFAULT, **kw):
+        return stage_cost(prof, start, end, gpu, tp=4, mbs=1, cal=cal, **kw)
+    base, free = cost(tp_topo=topo), cost()
+    over, over_quiet = cost(tp_topo=topo, tp_overlap=True), cost(cal=quiet, tp_topo=topo,
+                                                                 tp_overlap=True)
+    # NVLink on an A100 hides most of a 6.7B block's collectives behind its matmuls; what
+    # is hidden still slows them (overlap_interference).
+    assert free.fwd_s < over_quiet.fwd_s < over.fwd_s < base.fwd_s
+    assert over_quiet.fwd_s - free.fwd_s < 0.2 * (base.fwd_s - free.fwd_s)
+    assert over_quiet.bwd_s == pytest.approx(free.bwd_s, rel=1e-6)  # 2x the matmuls
+    assert free.bwd_s < over.bwd_s < base.bwd_s
+    # Without overlap the backward gathers the column inputs again (sequence
+    # parallelism keeps them split): 1.5 all-reduces per collective instead of 1.
+    ar = collective_time("all_reduce", block.boundary_bytes_per_sample, topo, DEFAULT,
+                         gpu.name)
+    assert base.fwd_s - free.fwd_s == pytest.approx(2 * ar, rel=1e-9)
+    assert base.bwd_s - free.bwd_s == pytest.approx(3 * ar, rel=1e-9)
+    # A link too slow to hide anything: the collective matmuls cost what the plain
+    # collectives cost, never more.
+    slow = Calibration(default=dataclasses.replace(DEFAULT.default, comm_eff=1e-3,
+                                                   overlap_interference=1e-12))
+    base, over = cost(cal=slow, tp_topo=topo), cost(cal=slow, tp_topo=topo, tp_overlap=True)
+    assert over.fwd_s == pytest.approx(base.fwd_s, rel=1e-2) and over.fwd_s <= base.fwd_s
+    assert over.bwd_s == pytest.approx(base.bwd_s, rel=1e-2) and over.bwd_s <= base.bwd_s
+    # Layers that are not blocks (embedding, head) keep their all-reduces.
+    assert cost(0, 1, tp_topo=topo, tp_overlap=True).fwd_s == cost(0, 1, tp_topo=topo).fwd_s
+
+
 def test_calibration_round_trip_and_errors(tmp_path):
     cal = DEFAULT.with_type("H100-80GB", dataclasses.replace(DEFAULT.default, matmul_eff=0.6))
     path = tmp_path / "cal.json"

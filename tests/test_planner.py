@@ -100,7 +100,8 @@ SHORT_CLUSTER = {"name": "short", "groups": [
 def _brute_force(profile, cluster, global_batch, opts, partial=True):
     """Independent enumeration of the planner's space; returns the best estimated time.
     ``partial``: stages may also recompute only their first k layers."""
-    tables = LayerTables(profile, cluster, DEFAULT, opts.attention, opts.distributed_optimizer)
+    tables = LayerTables(profile, cluster, DEFAULT, opts.attention, opts.distributed_optimizer,
+                         opts.tp_overlap is not False)
     groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
     n_layers = profile.num_layers
     best = float("inf")

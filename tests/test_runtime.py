@@ -85,6 +85,7 @@ def _plan(fix, shardings=False):
     ("dp=8,tp=1,pp=1", False),             # data parallel
     ("dp=8,tp=1,pp=1,fsdp=true", False),   # FSDP (ZeRO-3 style parameter sharding)
     ("dp=2,tp=4,pp=1", True),              # tensor parallel, specs from the CP-SAT solver
+    ("dp=2,tp=4,pp=1,tp_overlap=true", True),  # ... as collective matmuls
 ])
 def test_single_stage_plans_match_single_device_training(fix, shardings):
     plan = _plan(fix, shardings)
@@ -184,8 +185,9 @@ def test_pinned_plan_from_json_and_bad_batches(tmp_path):
         step(model, opt, wrong)
 
 
-def test_uniform_pipeline_parallel_plan_matches_single_device_training():
-    plan = _plan("dp=2,tp=2,pp=2", shardings=True)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_uniform_pipeline_parallel_plan_matches_single_device_training(overlap):
+    plan = _plan(f"dp=2,tp=2,pp=2,tp_overlap={overlap}", shardings=True)
     assert [len(p.stages) for p in plan.pipelines] == [2]
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
@@ -200,11 +202,16 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training():
     # ... with its activations split along the sequence between tensor-parallel matmuls
     # (layouts: the layer boundaries and row-parallel outputs split, gathers before the
     # column-parallel matmuls).
+    # With tp_overlap the column-parallel matmuls are all-gather rings (computed from the
+    # parameters: ``reads``), without it gathers then matmuls.
+    from hetshard.rewrite.attention import Replace
     for run in runner.runs[0]:
         layouts = run.fwd.fn.args[4]
-        assert any(callable(c) for c in layouts.values())
-        assert any(not callable(c) and tuple(c.spec)[1:2] == ("tensor",)
-                   for c in layouts.values())
+        assert any(isinstance(c, Replace) for c in layouts.values())
+        rings = [c for c in layouts.values() if isinstance(c, Replace) and c.reads]
+        assert bool(rings) == overlap
+        assert any(not isinstance(c, Replace) and tuple(c.spec)[1:2] == ("tensor",)
+                   for c in layouts.values())  # the boundaries split along the sequence
 
 
 def test_nan_loss_is_reported_and_not_applied():
@@ -362,22 +369,31 @@ def test_tensor_parallel_stage_splits_activations_along_the_sequence():
     def loss(p, b):
         return loss_fn(nnx.merge(graphdef, p, rest), b)
     got = {}
-    for seq in (True, False):
+    for seq, overlap in ((True, False), (False, False), (True, True)):
         f = jax.jit(jax.value_and_grad(constrain_layers(loss, mesh, stage, attention="flash",
-                                                        sequence_parallel=seq)))
+                                                        sequence_parallel=seq,
+                                                        tp_overlap=overlap)))
         compiled = f.lower(params, batch).compile()
+        hlo = compiled.as_text()
         # all-gathers of a [batch / data, seq, features] activation, by dimension
         gathers = re.findall(r"f32\[4,16,\d+\]\{[0-9,]+\} all-gather\(.*?dimensions=\{(\d)\}",
-                             compiled.as_text())
-        got[seq] = (f(params, batch), compiled.memory_analysis().temp_size_in_bytes, gathers)
-    (l1, g1), temp_seq, gathers_seq = got[True]
-    (l0, g0), temp_whole, gathers_whole = got[False]
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+                             hlo)
+        got[seq, overlap] = (f(params, batch), compiled.memory_analysis().temp_size_in_bytes,
+                             gathers, len(re.findall(r" collective-permute(-start)?\(", hlo)))
+    (l1, g1), temp_seq, gathers_seq, _ = got[True, False]
+    (l0, g0), temp_whole, gathers_whole, _ = got[False, False]
+    (l2, g2), temp_ring, gathers_ring, permutes = got[True, True]
+    for loss_, grads in ((l1, g1), (l2, g2)):
+        np.testing.assert_allclose(loss_, l0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g0), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert gathers_seq and set(gathers_seq) == {"1"}  # along the sequence only
     assert "1" not in gathers_whole
     assert temp_seq < 0.8 * temp_whole  # measured: 593 KB vs 822 KB
+    # Collective matmuls (tp_overlap): the sequence travels collective-permute rings,
+    # no activation is all-gathered along it.
+    assert permutes > 0 and "1" not in gathers_ring
+    assert temp_ring < 0.8 * temp_whole  # measured: 495 KB
 
 
 def test_pinned_plan_for_another_model_or_sequence_is_refused():

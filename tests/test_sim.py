@@ -522,7 +522,7 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 6
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 7
     # Schemas 3 (no ZB-H1 schedule yet), 4 (no remat_layers: the remat covers the whole
     # stage) and 5 (no split_blocks: layers are whole blocks) read unchanged.
     old = zero1.to_dict()

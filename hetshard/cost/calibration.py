@@ -40,6 +40,11 @@ class Efficiency:
     # scores, so a causal kernel that skips masked blocks can exceed 1). None: attention
     # runs at ``matmul_eff`` (the built-in assumption); ``hetshard profile`` measures it.
     attention_eff: float | None = None
+    # A transfer a collective matmul hides behind matmuls still slows them by this
+    # fraction of its time (its kernels take SMs and memory bandwidth); an assumption,
+    # not a measurement (TransformerEngine reports its overlapped GEMMs a few to ~15%
+    # slower).
+    overlap_interference: float = 0.2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -70,6 +70,13 @@ class LayerProfile:
     # matmuls' inputs) are recomputed by B and kept until W: bytes per sample under
     # (full, selective) remat.
     weight_input_bytes_per_sample: tuple[float, float] = (0.0, 0.0)
+    # Per tensor-parallel collective of a block (``tp_collectives`` of them), the forward
+    # equations of the matmuls a collective matmul overlaps it with: (column-parallel
+    # ones before it: q, k, v or up and gate; the row-parallel one after: the attention
+    # output or down projection), and the sequence length of their outputs (dimension
+    # 1). Empty for layers that are not blocks or do not have that structure.
+    tp_groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    tp_sequence: int = 0
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -189,6 +196,33 @@ def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float
     return {name: np.array(f, bool) for name, f in flags.items()}, carry, reads
 
 
+def _tp_groups(ops, collectives: int) -> tuple[tuple, int]:
+    """``(tp_groups, tp_sequence)`` of a block's forward ``ops`` (see ``LayerProfile``):
+    its dense matmuls (outside attention) before attention are column-parallel and the
+    first after it row-parallel; in the MLP every dense matmul but the last is
+    column-parallel, the last row-parallel."""
+    dense = [k for k, o in enumerate(ops)
+             if o.primitive in MATMULS and o.region != "hetshard_attention"]
+    attn = [k for k, o in enumerate(ops) if o.region == "hetshard_attention"]
+    groups, rest = [], dense
+    if attn:
+        before = [k for k in dense if k < attn[0]]
+        after = [k for k in dense if k > attn[-1]]
+        if not before or not after:
+            return (), 0
+        groups.append((tuple(before), (after[0],)))
+        rest = after[1:]
+    if rest:
+        if len(rest) < 2:
+            return (), 0
+        groups.append((tuple(rest[:-1]), (rest[-1],)))
+    shapes = [ops[k].out_shapes[0] if ops[k].out_shapes else () for k in dense]
+    seqs = {shape[1] for shape in shapes if len(shape) >= 3}
+    if len(groups) != collectives or len(seqs) != 1 or any(len(x) < 3 for x in shapes):
+        return (), 0
+    return tuple(groups), int(seqs.pop())
+
+
 def _boundary(graph: OpGraph) -> dict[str, float]:
     order = {name: i for i, name in enumerate(graph.layers)}
     seen: dict[str, set[int]] = {}
@@ -251,6 +285,8 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
         bnd = _linear(b1.get(name, 0.0), b2.get(name, 0.0))
         m = _BLOCK.match(name)
         kind = f"{m.group('stack')}/block{m.group('part') or ''}" if m else name
+        collectives = 1 if m and m.group("part") else 2
+        groups, sequence = _tp_groups(p1[name]["fwd"], collectives) if m else ((), 0)
         reduced_layers[name] = LayerProfile(
             name=name, kind=kind, **arrays,
             residual_bytes_per_sample=res[1], attention_residual_bytes_per_sample=attn[1],
@@ -259,7 +295,7 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
             bwd_weight=weight_only.get(name, np.zeros(len(p1[name]["bwd"]), bool)),
             weight_carry_bytes_per_sample=_linear(carry1.get(name, 0.0),
                                                   carry2.get(name, 0.0))[1],
-            tp_collectives=1 if m and m.group("part") else 2,
+            tp_collectives=collectives, tp_groups=groups, tp_sequence=sequence,
             selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
                                                         dots2.get(name, 0.0))[1],
             fwd_recomputed=np.array([o.index in recomputed for o in p1[name]["fwd"]], bool),

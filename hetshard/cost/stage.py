@@ -7,9 +7,16 @@ non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementw
 chains). Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's
 four activation all-reduces per block (two forward, two backward; a block half has
 one each way; Shoeybi et al. 2019, with sequence parallelism as reduce-scatter +
-all-gather of the same volume, Korthikanti et al. 2022). Context parallelism divides
-activations by ``cp`` and adds the K/V ring exchange, hidden behind compute where it is
-shorter (Liu et al. 2023).
+all-gather of the same volume, Korthikanti et al. 2022, whose backward also gathers the
+column-parallel inputs again: half an all-reduce more per collective, on blocks whose
+sequence the tensor degree divides, as the runtime runs them). With ``tp_overlap`` (the
+runtime's collective matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23)
+each block's reduce-scatters and all-gathers are hidden behind the matmuls next to them
+(``LayerProfile.tp_groups``) as far as ``(tp - 1) / tp`` of those matmuls' time allows,
+the hidden part still costing ``overlap_interference`` of itself; the backward also
+gathers the column-parallel inputs again (they are kept split). Not measured on a GPU.
+Context parallelism divides activations by ``cp`` and adds the K/V ring exchange, hidden
+behind compute where it is shorter (Liu et al. 2023).
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
 overlapped with the layer's compute, and turns the gradient all-reduce into a
 reduce-scatter. The distributed optimizer (ZeRO-1, ``shard_optimizer``) divides the
@@ -82,15 +89,27 @@ def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
     return float(_op_times(flops, nbytes, matmul, peak, bw, fusion).sum())
 
 
+def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
+    """Time a collective matmul adds to its matmuls: of ``tp`` steps, ``tp - 1`` transfer
+    a block while another block is multiplied, so ``(tp - 1) / tp`` of the matmul time
+    can hide the transfer; what is hidden still slows the matmuls by
+    ``overlap_interference`` of its time (the transfer's kernels take SMs and memory
+    bandwidth from them)."""
+    hide = matmuls * (tp - 1) / tp
+    return max(0.0, transfer - hide) + e.overlap_interference * min(transfer, hide)
+
+
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
                cp: int = 1, dp: int = 1, fsdp: bool = False, shard_optimizer: bool = False,
                mbs: int = 1,
                remat: str = "none", remat_layers: int | None = None,
                attention: str = "flash", cal: Calibration,
                tp_topo: Topology | None = None,
-               cp_topo: Topology | None = None, dp_topo: Topology | None = None) -> StageCost:
+               cp_topo: Topology | None = None, dp_topo: Topology | None = None,
+               tp_overlap: bool = False) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
-    ``remat`` applies to the first ``remat_layers`` of them (None: all)."""
+    ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
+    the tensor-parallel collectives run as collective matmuls."""
     if remat not in REMATS:
         raise SpecError("remat", remat, f"one of {REMATS}")
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -131,8 +150,24 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
         if tp > 1 and tp_topo is not None:
             ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
-            t_f += layer.tp_collectives * ar
-            t_b += layer.tp_collectives * ar
+            sequence = bool(layer.tp_groups) and layer.tp_sequence % tp == 0
+            if tp_overlap and sequence:
+                # Collective matmuls: a reduce-scatter or all-gather (half the ring of an
+                # all-reduce) per matmul group, each hidden behind its group's matmuls.
+                t_ops = _op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
+                half = ar / 2
+                for col, row in layer.tp_groups:
+                    mc, mr = float(t_ops[list(col)].sum()), float(t_ops[list(row)].sum())
+                    t_f += _exposed(half, mc, tp, e) + _exposed(half, mr, tp, e)
+                    # Backward: the column input gathered again and its cotangent
+                    # reduce-scattered behind the input- and weight-gradient matmuls (2x
+                    # the forward's), the row output's cotangent gathered behind its own.
+                    t_b += _exposed(2 * half, 2 * mc, tp, e) + _exposed(half, 2 * mr, tp, e)
+            else:
+                t_f += layer.tp_collectives * ar
+                # Sequence parallelism keeps the column-parallel inputs split: the
+                # backward gathers them again (half an all-reduce more per collective).
+                t_b += layer.tp_collectives * ar * (1.5 if sequence else 1.0)
         if cp > 1 and cp_topo is not None and layer.fwd_attention.any():
             # K and V chunks travel the ring (cp - 1 steps): the volume of an all-gather
             # of the sequence's K and V (~2x the activation), overlapped with attention.

@@ -253,13 +253,22 @@ def _same_strong_type(x, aval) -> bool:
             not aval.weak_type)
 
 
+class Replace:
+    """A ``constrain`` entry for ``eval_equations``, under an equation's first output:
+    compute that equation's outputs as ``fn(*inputs)`` (a list) instead of binding it;
+    ``reads``: the variables whose values ``fn`` takes (default: the equation's inputs)."""
+
+    def __init__(self, fn, reads=None):
+        self.fn, self.reads = fn, reads
+
+
 def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
     equations this way. ``constrain`` (var -> Sharding, or a function of the value) puts
     a sharding constraint on those variables as they are computed (the SPMD rewrite's
-    layouts)."""
+    layouts); a ``Replace`` entry computes the equation making the variable instead."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
@@ -271,7 +280,11 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
             continue
         causal = _attention_call(eqn)
         invals = [] if idx in patterns else [read(v) for v in eqn.invars]
-        if idx in patterns:
+        replace = constrain.get(eqn.outvars[0]) if constrain and eqn.outvars else None
+        if isinstance(replace, Replace):
+            outs = replace.fn(*(invals if replace.reads is None else
+                                [read(v) for v in replace.reads]))
+        elif idx in patterns:
             pat = patterns[idx]
             out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), None, pat["scale"],
                       False)
@@ -298,8 +311,10 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
                     outs = [outs]
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
-                if constrain and var in constrain:
-                    c = constrain[var]
+                c = constrain.get(var) if constrain else None
+                if isinstance(c, Replace):
+                    pass
+                elif c is not None:
                     val = c(val) if callable(c) else jax.lax.with_sharding_constraint(val, c)
                 env[var] = val
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as ext
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -87,7 +88,80 @@ def _gather_sequence(mesh: Mesh, shape):
     return gather
 
 
-def sequence_layouts(jaxpr, weights: dict, mesh: Mesh, indices=None) -> dict:
+def _dot(eqn):
+    """The matmul of a ``dot_general`` equation, to apply to other operands."""
+    p = eqn.params
+
+    def dot(a, b):
+        return jax.lax.dot_general(a, b, p["dimension_numbers"], precision=p["precision"],
+                                   preferred_element_type=p["preferred_element_type"])
+    return dot
+
+
+def _weight_spec(eqn, spec) -> tuple | None:
+    """The weight's spec padded to its rank; None when it is split over more than
+    ``tensor`` (FSDP: XLA's layouts then)."""
+    spec = tuple(spec) + (None,) * (len(eqn.invars[1].aval.shape) - len(spec))
+    return spec if all(a in (None, "tensor") for a in spec) else None
+
+
+def _row_matmul(eqn, mesh: Mesh, spec: tuple):
+    """A ``Replace`` computing the row-parallel ``eqn`` as a matmul + reduce-scatter ring
+    (``matmul_reducescatter``), or None."""
+    from hetshard.collectives.matmul import matmul_reducescatter
+    from hetshard.rewrite.attention import Replace
+    wspec = _weight_spec(eqn, spec)
+    if wspec is None:
+        return None
+    lhs = eqn.invars[0].aval
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    batch = _batch_axes(mesh, lhs.shape[0])
+    x = [batch] + [None] * (len(lhs.shape) - 1)
+    x[lc[list(rc).index(wspec.index("tensor"))]] = "tensor"
+    dot = _dot(eqn)
+    return Replace(lambda a, b: [matmul_reducescatter(
+        a, b, dot, mesh, PartitionSpec(*x), PartitionSpec(*wspec),
+        PartitionSpec(batch, "tensor"))])
+
+
+def _column_group(group, mesh: Mesh, spec_of: dict, made_from: dict) -> dict | None:
+    """``Replace`` entries computing the column-parallel matmuls ``group`` (equations
+    sharing their input) as one all-gather ring (``allgather_matmul``), or None. The
+    first computes them all, from the parameters the weights are made of (a cast or
+    transpose of one may come after it), and hands the others their results."""
+    from hetshard.collectives.matmul import allgather_matmul
+    from hetshard.rewrite.attention import Replace
+    wspecs, outs, makers = [], [], []
+    lhs = group[0].invars[0]
+    batch = _batch_axes(mesh, lhs.aval.shape[0])
+    for eqn in group:
+        rhs = eqn.invars[1]
+        wspec = _weight_spec(eqn, spec_of[rhs])
+        if wspec is None or rhs not in made_from:
+            return None
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        free = [i for i in range(len(rhs.aval.shape)) if i not in rc]
+        out = [batch] + [None] * (len(eqn.outvars[0].aval.shape) - 1)
+        out[len(lhs.aval.shape) - len(lc) + free.index(wspec.index("tensor"))] = "tensor"
+        wspecs.append(PartitionSpec(*wspec))
+        outs.append(PartitionSpec(*out))
+        makers.append(made_from[rhs])
+    dots = [_dot(eqn) for eqn in group]
+    box: list = []
+
+    def first(x, *sources):
+        ws = [make(src) for (_, make), src in zip(makers, sources, strict=True)]
+        box[:] = allgather_matmul(x, ws, dots, mesh, PartitionSpec(batch, "tensor"), wspecs,
+                                  outs)
+        return [box[0]]
+    entries = {group[0].outvars[0]: Replace(first, [lhs] + [src for src, _ in makers])}
+    for k, eqn in enumerate(group[1:], 1):
+        entries[eqn.outvars[0]] = Replace(lambda *_, k=k: [box[k]], [])
+    return entries
+
+
+def sequence_layouts(jaxpr, weights: dict, mesh: Mesh, indices=None,
+                     overlap: bool = False) -> dict:
     """Sequence-parallel layouts for the equations ``indices`` (all by default) of
     ``jaxpr`` on a mesh with a ``tensor`` axis: ``var -> constraint`` for
     ``eval_equations``. ``weights`` maps the variables holding parameters to their
@@ -96,11 +170,16 @@ def sequence_layouts(jaxpr, weights: dict, mesh: Mesh, indices=None) -> dict:
     partial sums' reduction into a reduce-scatter); one whose weight is split along a
     free dimension (column-parallel) gathers its input's sequence first. Between them
     (layer norms, residual adds, dropout) activations stay split, as the simulator
-    prices their memory (``hetshard.cost.stage``)."""
+    prices their memory (``hetshard.cost.stage``). With ``overlap`` each such matmul
+    runs as a collective matmul instead, its collective overlapped with its blocks
+    (``hetshard.collectives.matmul``; column-parallel matmuls of one input share a
+    ring)."""
     if mesh.shape.get("tensor", 1) == 1:
         return {}
     spec_of = {v: tuple(spec) for v, spec in weights.items()}
+    made_from = {v: (v, lambda w: w) for v in weights}  # var -> (parameter, make)
     out: dict = {}
+    columns: dict = {}  # input var -> its column-parallel matmuls, in order
     for idx in (range(len(jaxpr.eqns)) if indices is None else indices):
         eqn = jaxpr.eqns[idx]
         name = eqn.primitive.name
@@ -108,27 +187,56 @@ def sequence_layouts(jaxpr, weights: dict, mesh: Mesh, indices=None) -> dict:
         if name in ("convert_element_type", "copy", "copy_p") and \
                 isinstance(src, ext.Var) and src in spec_of:
             spec_of[eqn.outvars[0]] = spec_of[src]
+            if src in made_from:
+                root, make = made_from[src]
+                dtype = eqn.outvars[0].aval.dtype
+                made_from[eqn.outvars[0]] = (root, lambda w, m=make, t=dtype: m(w).astype(t))
         elif name == "transpose" and isinstance(src, ext.Var) and src in spec_of:
+            perm = tuple(eqn.params["permutation"])
             spec = spec_of[src] + (None,) * (len(src.aval.shape) - len(spec_of[src]))
-            spec_of[eqn.outvars[0]] = tuple(spec[p] for p in eqn.params["permutation"])
+            spec_of[eqn.outvars[0]] = tuple(spec[p] for p in perm)
+            if src in made_from:
+                root, make = made_from[src]
+                made_from[eqn.outvars[0]] = (root,
+                                             lambda w, m=make, p=perm: jnp.transpose(m(w), p))
         elif name == "dot_general" and isinstance(eqn.invars[1], ext.Var) and \
                 eqn.invars[1] in spec_of and "tensor" in spec_of[eqn.invars[1]]:
             lhs, rhs, res = eqn.invars[0], eqn.invars[1], eqn.outvars[0]
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             d = spec_of[rhs].index("tensor")
-            if 0 in lc or 0 in lb or 1 in lc or 1 in lb:
+            if 0 in lc or 0 in lb or 1 in lc or 1 in lb or lb:
                 continue  # not a [batch, seq, ...] activation times a weight
             if d in rc:
                 layout = _sequence_split(mesh, res.aval.shape)
                 if layout is not None:
-                    out[res] = layout
-            elif d not in rb and isinstance(lhs, ext.Var) and \
-                    _sequence_split(mesh, lhs.aval.shape) is not None:
-                out[lhs] = _gather_sequence(mesh, lhs.aval.shape)
+                    fused = _row_matmul(eqn, mesh, spec_of[rhs]) if overlap else None
+                    out[res] = fused or layout
+            elif isinstance(lhs, ext.Var) and _sequence_split(mesh, lhs.aval.shape) is not None:
+                columns.setdefault(lhs, []).append(eqn)
+    for group in columns.values():
+        fused = _column_group(group, mesh, spec_of, made_from) if overlap else None
+        out.update(fused or {eqn.outvars[0]: _gathered_matmul(eqn, mesh) for eqn in group})
     return out
 
 
-def stage_sequence_layouts(closed, eqns, weights: dict, mesh: Mesh) -> dict:
+def _gathered_matmul(eqn, mesh: Mesh):
+    """A ``Replace`` computing a column-parallel ``eqn`` on its input gathered along the
+    sequence (``_gather_sequence``), the gathered input not kept for the backward pass
+    (which gathers it again, as Megatron-LM does): it stays stored split."""
+    from hetshard.rewrite.attention import Replace
+    gather = _gather_sequence(mesh, eqn.invars[0].aval.shape)
+    params = eqn.params
+
+    def matmul(a, b):
+        return jax.lax.dot_general(gather(a), b, params["dimension_numbers"],
+                                   precision=params["precision"],
+                                   preferred_element_type=params["preferred_element_type"])
+    matmul = jax.checkpoint(matmul, policy=jax.checkpoint_policies.nothing_saveable)
+    return Replace(lambda a, b: [matmul(a, b)])
+
+
+def stage_sequence_layouts(closed, eqns, weights: dict, mesh: Mesh,
+                           overlap: bool = False) -> dict:
     """``sequence_layouts`` for one pipeline stage's equations ``eqns`` of the loss
     ``closed``, with the layer boundaries it computes split along the sequence too."""
     if mesh.shape.get("tensor", 1) == 1 or not any("tensor" in s for s in weights.values()):
@@ -139,7 +247,7 @@ def stage_sequence_layouts(closed, eqns, weights: dict, mesh: Mesh) -> dict:
     except StageSplitError:
         bounds = []
     out = {v: lay for v in bounds if (lay := _sequence_split(mesh, v.aval.shape)) is not None}
-    out.update(sequence_layouts(closed.jaxpr, weights, mesh, eqns))
+    out.update(sequence_layouts(closed.jaxpr, weights, mesh, eqns, overlap))
     return out
 
 
@@ -159,6 +267,7 @@ def layer_boundaries(closed) -> list:
 
 def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                      split_blocks: bool = False, sequence_parallel: bool = True,
+                     tp_overlap: bool = False,
                      **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
@@ -189,7 +298,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             weights = {var: _leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
                        for var, (path, x) in zip(jaxpr.invars, leaves, strict=True)
                        if path and getattr(path[0], "idx", None) == 0}
-            constrain.update(sequence_layouts(jaxpr, weights, mesh))
+            constrain.update(sequence_layouts(jaxpr, weights, mesh, overlap=tp_overlap))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
         wrap = remat_wrap(stage.remat)

@@ -350,7 +350,7 @@ class PipelineRunner:
         layouts = stage_sequence_layouts(
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
-            mesh)
+            mesh, overlap=self.plan.tp_overlap)
         run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
                                              stage.remat_layers, mesh, layouts),
                            program.cast_params)

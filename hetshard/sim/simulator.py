@@ -113,13 +113,13 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             mbs = pipe.stage_micro_batch(j)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
-                   mbs, plan.attention, plan.distributed_optimizer)
+                   mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap)
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
-                               plan.distributed_optimizer)
+                               plan.distributed_optimizer, plan.tp_overlap)
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -129,10 +129,10 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                shard_optimizer: bool = False) -> StageCost:
+                shard_optimizer: bool = False, tp_overlap: bool = False) -> StageCost:
     """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
-    the stage's data ways."""
+    the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``)."""
     gpu = _slowest(cluster, st.devices)
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
@@ -145,7 +145,7 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
-                      dp_topo=dp_topo)
+                      dp_topo=dp_topo, tp_overlap=tp_overlap)
 
 
 def recomputed_among(st, start: int, end: int) -> int | None:

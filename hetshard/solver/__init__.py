@@ -12,7 +12,7 @@ from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions, Planne
 def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     """Restricts the planner with ``--fix``-style constraints (tp, mbs, remat, schedule,
     vpp: stages per submesh, 1 for no interleaving; zero1: the distributed optimizer on
-    or off).
+    or off; tp_overlap: collective matmuls on tensor stages, on or off).
 
     Raises SpecError for keys the planner cannot honour (dp, pp, cp decide the layout,
     which is the planner's job: use ``hetshard simulate`` to price a fixed layout).
@@ -26,7 +26,8 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     layout = given & {"dp", "pp", "cp", "fsdp"}
     if layout:
         raise SpecError(f"--fix {sorted(layout)[0]}", getattr(fix, sorted(layout)[0]),
-                        "only tp, mbs, remat, schedule, vpp and zero1 for 'hetshard plan' (the "
+                        "only tp, mbs, remat, schedule, vpp, zero1 and tp_overlap for "
+                        "'hetshard plan' (the "
                         "planner chooses the layout; 'hetshard simulate --fix' prices a fixed one)")
     opts = base
     if "tp" in given:
@@ -41,6 +42,8 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
         opts = dataclasses.replace(opts, virtual_options=(fix.vpp,))
     if "zero1" in given:
         opts = dataclasses.replace(opts, distributed_optimizer=fix.zero1)
+    if "tp_overlap" in given:
+        opts = dataclasses.replace(opts, tp_overlap=fix.tp_overlap)
     return opts
 
 

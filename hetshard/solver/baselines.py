@@ -49,7 +49,8 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
                                             fix=Fix(dp, tp, pp, 1, False, mbs, remat,
                                                     opts.schedule,
                                                     zero1=opts.distributed_optimizer
-                                                    is not False),
+                                                    is not False,
+                                                    tp_overlap=opts.tp_overlap),
                                             dtype=opts.dtype, attention=opts.attention))
                 except HetshardError:
                     continue
@@ -163,7 +164,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     stage's predicted time on its own (slowest) GPU type."""
     from hetshard.solver.splits import LayerTables, split_layers
     tables = LayerTables(profile, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False)
+                         opts.distributed_optimizer is not False, opts.tp_overlap)
     out = []
     for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
         pipe = p.pipelines[0]
@@ -202,7 +203,7 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
                                                      for g in cluster.groups))
     import time
     tables = LayerTables(profile, homo, cal, opts.attention,
-                         opts.distributed_optimizer is not False)
+                         opts.distributed_optimizer is not False, opts.tp_overlap)
     fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
                           time.perf_counter() + opts.time_limit_s)
     plans = []

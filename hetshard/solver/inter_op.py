@@ -120,7 +120,9 @@ class PlannerOptions:
     context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
-    refine_top: int = 3  # best simulated candidates improved by local search
+    # best simulated candidates improved by local search (3 lost amp-t4-v100 gpt-1.3b
+    # 4.5 points once collective matmuls made tensor-parallel starts rank higher)
+    refine_top: int = 4
     variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
     layout_top: int = 12  # best simulated plans given a layout per GPU type
@@ -128,6 +130,10 @@ class PlannerOptions:
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     attention: str = "flash"
+    # Tensor-parallel stages as collective matmuls (``Plan.tp_overlap``; the runtime's
+    # ``hetshard.collectives.matmul``), priced with their collectives overlapped (never
+    # slower than without: what cannot hide is paid as the plain collective would be).
+    tp_overlap: bool = True
     dtype: str = "bfloat16"
     schedule: str = "1f1b"
     # With schedule "1f1b": the best plans also tried under ZB-H1 (backward split into B
@@ -424,7 +430,8 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
                 dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
-                attention=opts.attention, split_blocks=profile.split_blocks)
+                attention=opts.attention, split_blocks=profile.split_blocks,
+                tp_overlap=opts.tp_overlap)
 
 
 def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
@@ -484,7 +491,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
     tables = LayerTables(profile, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False)
+                         opts.distributed_optimizer is not False, opts.tp_overlap)
     heads = _heads(model)
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False
@@ -937,7 +944,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
     tables = LayerTables(halves, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False)
+                         opts.distributed_optimizer is not False, opts.tp_overlap)
     heads = _heads(plan.model)
     cache: dict = {}
     evaluate = _evaluator(halves, cluster, cal, opts, cache)

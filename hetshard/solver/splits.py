@@ -33,9 +33,10 @@ class LayerTables:
     """Per-layer costs for (gpu type, tp, mbs, remat), computed once per layer kind."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                 attention: str, shard_optimizer: bool = False):
+                 attention: str, shard_optimizer: bool = False, tp_overlap: bool = False):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
         self.shard_optimizer = shard_optimizer  # ZeRO-1 over the r data ways
+        self.tp_overlap = tp_overlap  # collective matmuls (Plan.tp_overlap)
         self._cache: dict = {}
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
@@ -53,7 +54,8 @@ class LayerTables:
                 per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
                                          dp=r, shard_optimizer=self.shard_optimizer,
                                          mbs=mbs, remat=remat, attention=self.attention,
-                                         cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo)
+                                         cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
+                                         tp_overlap=self.tp_overlap)
             c = per_kind[k]
             rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
                          c.memory_per_microbatch_bytes, c.memory_working_bytes))

@@ -21,7 +21,7 @@ from hetshard.errors import SpecError
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
-            "remat": str, "schedule": str, "vpp": int, "zero1": bool}
+            "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -37,6 +37,7 @@ class Fix:
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per pipeline submesh (interleaved schedule when > 1)
     zero1: bool = False  # the distributed optimizer: optimizer state sharded over dp
+    tp_overlap: bool = False  # collective matmuls on tensor-parallel stages
 
 
 def parse_fix(text: str) -> Fix:
@@ -141,4 +142,4 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
-                split_blocks=profile.split_blocks)
+                split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap)

@@ -69,11 +69,12 @@ def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
         for layer in range(profile.num_layers):
             mbs = pipe.stage_micro_batch(w)
             key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
-                   recomputed_among(st, layer, layer + 1), mbs, plan.fsdp, plan.attention)
+                   recomputed_among(st, layer, layer + 1), mbs, plan.fsdp, plan.attention,
+                   plan.tp_overlap)
             if key not in cache:
                 c = layers_cost(st, layer, layer + 1, mbs,
                                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
-                                cluster, cal)
+                                cluster, cal, tp_overlap=plan.tp_overlap)
                 cache[key] = c.fwd_s + c.bwd_s
             out.append(cache[key])
         return out
