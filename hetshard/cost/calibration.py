@@ -41,9 +41,9 @@ class Efficiency:
     # runs at ``matmul_eff`` (the built-in assumption); ``hetshard profile`` measures it.
     attention_eff: float | None = None
     # A transfer a collective matmul hides behind matmuls still slows them by this
-    # fraction of its time (its kernels take SMs and memory bandwidth); an assumption,
-    # not a measurement (TransformerEngine reports its overlapped GEMMs a few to ~15%
-    # slower).
+    # fraction of its time (its kernels take SMs and memory bandwidth). An assumption,
+    # set before the planner benchmark was run with it, not a measurement: a GPU run of
+    # experiments/tp_overlap_whatif.py's rows should replace it (a calibration file can).
     overlap_interference: float = 0.2
 
     def __post_init__(self):
