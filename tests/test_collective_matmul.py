@@ -63,3 +63,38 @@ def test_collective_matmuls_equal_the_plain_mlp_with_gradients(data, tp, rng):
     # of the forward is recomputed: 3 weights x tp blocks forward, twice that backward).
     jaxpr = str(jax.make_jaxpr(jax.grad(ring, argnums=(0, 1, 2, 3)))(*args))
     assert jaxpr.count("dot_general") == 3 * tp * 3
+
+
+def test_collective_matmul_backward_splits_into_input_and_weight_rings(rng):
+    # Under ZB-H1 a stage's backward runs as B (what the previous stage waits for) and W
+    # (the weights' gradients, deferred): a column group's input-cotangent ring and its
+    # weights' ring are separate shard_maps, so W takes its weight-gradient matmuls; a
+    # row-parallel matmul's one ring (both gradients) runs in B.
+    from hetshard.rewrite import backward
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+    x = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32)
+    up = jnp.asarray(rng.standard_normal((32, 24)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+    seq = P("data", "tensor")
+
+    def block(params, x):
+        up, down = params
+        (h,) = allgather_matmul(x, [up], [_dot], mesh, seq, [P(None, "tensor")],
+                                [P("data", None, "tensor")])
+        return [matmul_reducescatter(jnp.tanh(h), down, _dot, mesh,
+                                     P("data", None, "tensor"), P("tensor", None), seq)]
+    (out,), vjp = jax.vjp(block, (up, down), x)
+    closed, _, n_param = backward._traced(vjp, [jnp.ones_like(out)])
+    b_eqns, w_eqns, _ = backward._split(closed.jaxpr, n_param)
+
+    def rings(eqns):
+        return sum(e.primitive.name == "shard_map" for e in eqns)
+    assert n_param == 2 and rings(b_eqns) == 2 and rings(w_eqns) == 1
+    matmuls = [sum(str(e).count("dot_general") for e in eqns) for eqns in (b_eqns, w_eqns)]
+    assert matmuls[0] > 0 and matmuls[1] > 0
+    # Together: the gradients of the plain block.
+    want = jax.vjp(lambda p, x: jnp.tanh(x @ p[0]) @ p[1], (up, down), x)[1](
+        jnp.ones_like(out))
+    got = vjp([jnp.ones_like(out)])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)

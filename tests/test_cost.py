@@ -239,7 +239,11 @@ def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmul
     # is hidden still slows them (overlap_interference).
     assert free.fwd_s < over_quiet.fwd_s < over.fwd_s < base.fwd_s
     assert over_quiet.fwd_s - free.fwd_s < 0.2 * (base.fwd_s - free.fwd_s)
-    assert over_quiet.bwd_s == pytest.approx(free.bwd_s, rel=1e-6)  # 2x the matmuls
+    # Backward: a column group's two rings behind matmuls of the forward's size, a row
+    # matmul's one ring behind twice its forward matmul; the column groups' second
+    # ring belongs to ZB-H1's W pass, the row matmuls' weight gradients move to B.
+    assert free.bwd_s < over_quiet.bwd_s <= free.bwd_s + 2 * (over_quiet.fwd_s - free.fwd_s)
+    assert over_quiet.bwd_weight_s < free.bwd_weight_s
     assert free.bwd_s < over.bwd_s < base.bwd_s
     # Without overlap the backward gathers the column inputs again (sequence
     # parallelism keeps them split): 1.5 all-reduces per collective instead of 1.

@@ -268,16 +268,19 @@ def test_interleaved_schedule_with_a_micro_batch_count_the_submeshes_do_not_divi
     _assert_matches_one_device("gpt-tiny", plan, steps=2, batch=6)
 
 
-def test_zero_bubble_schedule_runs_b_and_w_passes():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero_bubble_schedule_runs_b_and_w_passes(overlap):
     # ZB-H1: four stages on mixed GPUs with remat, flash attention and a tensor-parallel
-    # stage; every backward runs as B (input cotangent, sent back at once) then W (the
-    # weights' gradients, later). Training matches one device.
+    # stage (with and without collective matmuls); every backward runs as B (input
+    # cotangent, sent back at once) then W (the weights' gradients, later). Training
+    # matches one device.
     plan = _plan("gpt-tiny", [Pipeline((
         Stage(0, 1, (0, 1), H, (("data", 2),)),
         Stage(1, 2, (2, 3), A, (("data", 1), ("tensor", 2))),
         Stage(2, 3, (4, 5), V, (("data", 2),), remat="full"),
         Stage(3, 4, (6, 7), V, (("data", 2),), remat="selective")), 8, 1, 4,
         schedule="zbh1", extra_warmup=(1, 0, 0, 0))], attention="flash")
+    plan = dataclasses.replace(plan, tp_overlap=overlap)
     from hetshard.sim.schedule import worker_order
     kinds = [k for k, _, _ in worker_order("zbh1", 4, 3, 4)]
     assert kinds.count("W") == 4 and kinds.index("W") > kinds.index("B")

@@ -37,57 +37,162 @@ def _ring(tp: int):
     return [(j, (j + 1) % tp) for j in range(tp)]
 
 
+def _shard(body, mesh: Mesh, in_specs, out_specs):
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=False)
+
+
+def _slice(x, j, block):
+    return jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
+
+
+def _axes(spec) -> set:
+    out = set()
+    for entry in spec:
+        out.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+    return out
+
+
+def _summed(dw, x_spec, w_spec):
+    """A weight's cotangent summed over the axes that split the samples but not the
+    weight (the data axes): each device computed its samples' part."""
+    axes = tuple(sorted(_axes(x_spec) - _axes(w_spec) - {AXIS}))
+    return jax.lax.psum(dw, axes) if axes else dw
+
+
+def _lhs_grad(dot, a, w, ct):
+    """The cotangent of ``a`` in ``dot(a, w)`` (the matmul is linear in ``a``: no primal
+    evaluated)."""
+    like = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    return jax.linear_transpose(lambda a: dot(a, w), like)(ct)[0]
+
+
+def _rhs_grad(dot, a, w, ct):
+    like = jax.ShapeDtypeStruct(w.shape, w.dtype)
+    return jax.linear_transpose(lambda w: dot(a, w), like)(ct)[0]
+
+
+def _reduce_scatter_ring(parts, tp: int):
+    """``sum over devices of parts(j)`` left on device j (``parts(j)``: this device's
+    contribution to sequence block j): the running sum for block idx - step - 1 travels
+    one device on per step, each adding its own; the last is the device's own block."""
+    idx = jax.lax.axis_index(AXIS)
+    acc = None
+    for step in range(tp):
+        part = parts((idx - step - 1) % tp)
+        acc = part if acc is None else jax.lax.ppermute(acc, AXIS, _ring(tp)) + part
+    return acc
+
+
+def _all_gather_ring(x, use, tp: int):
+    """Calls ``use(src, block)`` for every device's block of ``x`` (dimension 1), the
+    blocks passed around the ring, one transfer next to each use."""
+    idx = jax.lax.axis_index(AXIS)
+    held = x
+    for step in range(tp):
+        use((idx - step) % tp, held)
+        if step < tp - 1:
+            held = jax.lax.ppermute(held, AXIS, _ring(tp))
+
+
 def allgather_matmul(x, ws, dots, mesh: Mesh, x_spec: PartitionSpec, w_specs, out_specs):
     """``[dot(x, w) for w, dot in zip(ws, dots)]`` for ``x`` split along dimension 1 over
     ``tensor`` (``x_spec``) and each ``w`` split over ``tensor`` along a free dimension
     (``w_specs``); the results laid out as ``out_specs`` (whole sequence, the weight's
     split carried to the output). The matmuls sharing the input share one ring (q, k
-    and v; up and gate)."""
-    tp = mesh.shape[AXIS]
+    and v; up and gate).
 
-    def body(x, *ws):
-        idx = jax.lax.axis_index(AXIS)
+    The backward is two rings in two ``shard_map`` calls: the input's cotangent
+    (partial sums reduce-scattered block by block) and the weights' (the input's blocks
+    passed around again, not kept from the forward), so a zero-bubble schedule can defer
+    the second to its W pass."""
+    tp = mesh.shape[AXIS]
+    n = len(ws)
+
+    def forward(x, *ws):
         block = x.shape[1]
-        parts = []
-        held = x
-        for step in range(tp):
-            parts.append(((idx - step) % tp,
-                          [dot(held, w) for w, dot in zip(ws, dots, strict=True)]))
-            if step < tp - 1:
-                held = jax.lax.ppermute(held, AXIS, _ring(tp))
+        got = []
+        _all_gather_ring(x, lambda src, held: got.append(
+            (src, [dot(held, w) for w, dot in zip(ws, dots, strict=True)])), tp)
         outs = []
-        for k, first in enumerate(parts[0][1]):
+        for k, first in enumerate(got[0][1]):
             out = jnp.zeros(first.shape[:1] + (block * tp,) + first.shape[2:], first.dtype)
-            for src, got in parts:
-                out = jax.lax.dynamic_update_slice_in_dim(out, got[k], src * block, axis=1)
+            for src, parts in got:
+                out = jax.lax.dynamic_update_slice_in_dim(out, parts[k], src * block, axis=1)
             outs.append(out)
         return tuple(outs)
 
-    # The blocks received are recomputed by the backward's ring, not kept: the input
-    # stays stored split along the sequence, as sequence parallelism prices it.
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    return list(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *w_specs),
-                              out_specs=tuple(out_specs), check_vma=False)(x, *ws))
+    def input_grad(x_like, *args):
+        ws, cts = args[:n], args[n:]
+        block = cts[0].shape[1] // tp
+        return _reduce_scatter_ring(lambda j: sum(
+            _lhs_grad(dot, x_like, w, _slice(ct, j, block))
+            for w, ct, dot in zip(ws, cts, dots, strict=True)), tp)
+
+    def weight_grads(x, *args):
+        ws, cts = args[:n], args[n:]
+        block = x.shape[1]
+        acc = [jnp.zeros_like(w) for w in ws]
+
+        def use(src, held):
+            for k, (w, ct, dot) in enumerate(zip(ws, cts, dots, strict=True)):
+                acc[k] = acc[k] + _rhs_grad(dot, held, w, _slice(ct, src, block))
+        _all_gather_ring(x, use, tp)
+        return tuple(_summed(a, x_spec, spec) for a, spec in zip(acc, w_specs, strict=True))
+
+    @jax.custom_vjp
+    def run(x, *ws):
+        return _shard(forward, mesh, (x_spec, *w_specs), tuple(out_specs))(x, *ws)
+
+    def run_fwd(x, *ws):
+        return run(x, *ws), (x, ws)
+
+    def run_bwd(res, cts):
+        x, ws = res
+        dx = _shard(input_grad, mesh, (x_spec, *w_specs, *out_specs), x_spec)(x, *ws, *cts)
+        dws = _shard(weight_grads, mesh, (x_spec, *w_specs, *out_specs),
+                     tuple(w_specs))(x, *ws, *cts)
+        return (dx, *dws)
+    run.defvjp(run_fwd, run_bwd)
+    return list(run(x, *ws))
 
 
 def matmul_reducescatter(x, w, dot, mesh: Mesh, x_spec: PartitionSpec,
                          w_spec: PartitionSpec, out_spec: PartitionSpec):
     """``dot(x, w)`` summed over ``tensor`` (``x`` and ``w`` split along a contracting
     dimension, ``x_spec`` / ``w_spec``) and left split along dimension 1 over ``tensor``
-    (``out_spec``): a reduce-scatter of the partial sums, block by block."""
+    (``out_spec``): a reduce-scatter of the partial sums, block by block.
+
+    The backward is one all-gather ring of the output's cotangent, each block used for
+    both the input's and the weight's cotangent (passing it around twice to defer the
+    weight's to a zero-bubble W pass would double the transfers)."""
     tp = mesh.shape[AXIS]
 
-    def body(x, w):
-        idx = jax.lax.axis_index(AXIS)
+    def forward(x, w):
         block = x.shape[1] // tp
-        acc = None
-        for step in range(tp):
-            # Step ``step`` adds this device's part of block idx - step - 1 (mod tp) to
-            # the running sum received from the previous device; the last is its own.
-            j = (idx - step - 1) % tp
-            part = dot(jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1), w)
-            acc = part if acc is None else jax.lax.ppermute(acc, AXIS, _ring(tp)) + part
-        return acc
+        return _reduce_scatter_ring(lambda j: dot(_slice(x, j, block), w), tp)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
-                         check_vma=False)(x, w)
+    def grads(x, w, ct):
+        block = ct.shape[1]
+        dx, dw = jnp.zeros_like(x), jnp.zeros_like(w)
+
+        def use(src, held):
+            nonlocal dx, dw
+            part = _lhs_grad(dot, _slice(x, src, block), w, held)
+            dx = jax.lax.dynamic_update_slice_in_dim(dx, part, src * block, axis=1)
+            dw = dw + _rhs_grad(dot, _slice(x, src, block), w, held)
+        _all_gather_ring(ct, use, tp)
+        return dx, _summed(dw, x_spec, w_spec)
+
+    @jax.custom_vjp
+    def run(x, w):
+        return _shard(forward, mesh, (x_spec, w_spec), out_spec)(x, w)
+
+    def run_fwd(x, w):
+        return run(x, w), (x, w)
+
+    def run_bwd(res, ct):
+        x, w = res
+        return _shard(grads, mesh, (x_spec, w_spec, out_spec), (x_spec, w_spec))(x, w, ct)
+    run.defvjp(run_fwd, run_bwd)
+    return run(x, w)

@@ -13,8 +13,10 @@ sequence the tensor degree divides, as the runtime runs them). With ``tp_overlap
 runtime's collective matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23)
 each block's reduce-scatters and all-gathers are hidden behind the matmuls next to them
 (``LayerProfile.tp_groups``) as far as ``(tp - 1) / tp`` of those matmuls' time allows,
-the hidden part still costing ``overlap_interference`` of itself; the backward also
-gathers the column-parallel inputs again (they are kept split). Not measured on a GPU.
+the hidden part still costing ``overlap_interference`` of itself; in the backward a
+column group runs two rings (the input's cotangent, then the weights': ZB-H1's W pass),
+a row-parallel matmul one for both its gradients (its weight gradient then runs in B).
+Not measured on a GPU.
 Context parallelism divides activations by ``cp`` and adds the K/V ring exchange, hidden
 behind compute where it is shorter (Liu et al. 2023).
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
@@ -159,10 +161,15 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                 for col, row in layer.tp_groups:
                     mc, mr = float(t_ops[list(col)].sum()), float(t_ops[list(row)].sum())
                     t_f += _exposed(half, mc, tp, e) + _exposed(half, mr, tp, e)
-                    # Backward: the column input gathered again and its cotangent
-                    # reduce-scattered behind the input- and weight-gradient matmuls (2x
-                    # the forward's), the row output's cotangent gathered behind its own.
-                    t_b += _exposed(2 * half, 2 * mc, tp, e) + _exposed(half, 2 * mr, tp, e)
+                    # Backward. Column group: two rings, the input's cotangent
+                    # reduce-scattered behind its input-gradient matmuls, then the input
+                    # passed around again behind the weight-gradient ones (ZB-H1's W).
+                    # Row: one ring gathering the output's cotangent behind both of its
+                    # gradient matmuls, so its weight gradient runs in B (about its
+                    # forward matmul's time, taken from the W share).
+                    w_ring = _exposed(half, mc, tp, e)
+                    t_b += 2 * w_ring + _exposed(half, 2 * mr, tp, e)
+                    weight += w_ring - mr
             else:
                 t_f += layer.tp_collectives * ar
                 # Sequence parallelism keeps the column-parallel inputs split: the

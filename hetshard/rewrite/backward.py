@@ -6,9 +6,10 @@ can run later, in what would have been a bubble.
 
 The split is made on the backward's own jaxpr: the ``jax.vjp`` function a stage's forward
 returns is traced (``jax.make_jaxpr``) over its residuals and the sends' cotangents, ``B``
-is the dead-code-eliminated slice for the received values' cotangents, ``W`` every other
-equation the parameters' cotangents read, and what ``W`` reads from ``B``'s results (the
-activations' cotangents inside the stage) is handed over. Both run under ``jax.jit`` and
+is the dead-code-eliminated slice for the received values' cotangents (a ``shard_map``
+it needs kept whole), ``W`` every other equation the parameters' cotangents read, and
+what ``W`` reads from ``B``'s results (the activations' cotangents inside the stage) is
+handed over. Both run under ``jax.jit`` and
 trace the same jaxpr, so they agree on the split; together they evaluate each equation of
 the backward exactly once, so the gradients are those of the unsplit backward.
 """
@@ -76,7 +77,15 @@ def _split(jaxpr, n_param: int):
                               instantiate=True)
     w_all, _ = pe.dce_jaxpr(jaxpr, [True] * n_param + [False] * (n_out - n_param),
                             instantiate=True)
-    b_eqns = list(b_jaxpr.eqns)
+    # A shard_map B needs runs whole in B, W reading its other outputs: pruned to each
+    # side's outputs its collectives would run twice (a row-parallel collective
+    # matmul's one ring serves both its gradients).
+    whole = {v: e for e in jaxpr.eqns if e.primitive.name == "shard_map" for v in e.outvars
+             if not isinstance(v, DropVar)}
+    b_eqns = []
+    for e in b_jaxpr.eqns:
+        first = next((v for v in e.outvars if not isinstance(v, DropVar)), None)
+        b_eqns.append(whole.get(first, e) if e.primitive.name == "shard_map" else e)
     made_in_b = {v for e in b_eqns for v in e.outvars if not isinstance(v, DropVar)}
     w_eqns = [e for e in w_all.eqns
               if any(v not in made_in_b for v in e.outvars if not isinstance(v, DropVar))]
