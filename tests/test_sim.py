@@ -587,3 +587,39 @@ def test_plan_validation_and_load_errors(tmp_path):
     path.write_text("{bad json")
     with pytest.raises(SpecParseError, match="line 1"):
         Plan.load(path)
+
+
+def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
+    # gpt-175b on mix4-x1024 in one 8-stage pipeline (the planner's best 1F1B plan). Its
+    # 1F1B warm-up, tuned to the activations a held micro-batch keeps, does not fit an
+    # H100 stage under ZB-H1, whose W passes also keep what B computed; lowered stage by
+    # stage where memory is short, ZB-H1 fits and beats both 1F1B and ZB-H1 without
+    # extra warm-up.
+    from hetshard.sim.simulator import tune_warmup
+    from hetshard.solver.variants import zero_bubble
+    cluster = Cluster.load("mix4-x1024")
+    prof = profile_model("gpt-175b", 2048, "float16")
+    cuts = [(0, 11, 256, "A100-80GB"), (11, 21, 384, "A100-80GB"), (21, 25, 768, "V100-32GB"),
+            (25, 29, 896, "V100-32GB"), (29, 38, 512, "A100-40GB"),
+            (38, 47, 640, "A100-40GB"), (47, 72, 0, "H100-80GB"), (72, 98, 128, "H100-80GB")]
+    stages = tuple(Stage(a, b, tuple(range(d, d + 128)), gpu, (("data", 16), ("tensor", 8)))
+                   for a, b, d, gpu in cuts)
+    plan = Plan("gpt-175b", cluster.to_dict(), 2048, 2048,
+                (Pipeline(stages, 2048, 1, 128, extra_warmup=(6, 5, 4, 3, 2, 2, 1, 0)),),
+                dtype="float16", distributed_optimizer=True, tp_overlap=True)
+
+    def run(p):
+        return simulate(p, prof, cluster, trace=False, margin=0.05)
+    zb = zero_bubble(plan)
+    assert run(plan).fits and not run(zb).fits
+    tuned = tune_warmup(zb, prof, cluster, margin=0.05, zero_bubble_options=True)
+    got = run(tuned)
+    assert got.fits and tuned.pipelines[0].schedule == "zbh1"
+    bare = dataclasses.replace(zb, pipelines=(dataclasses.replace(zb.pipelines[0],
+                                                                  extra_warmup=()),))
+    assert got.step_time_s < run(plan).step_time_s
+    assert got.step_time_s < run(bare).step_time_s
+    # Only the stages short of memory gave up warm-up.
+    kept = [a == b for a, b in zip(tuned.pipelines[0].extra_warmup, (6, 5, 4, 3, 2, 2, 1, 0),
+                                   strict=True)]
+    assert kept[:6] == [True] * 6 and not all(kept)

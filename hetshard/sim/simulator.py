@@ -197,11 +197,41 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
     options = [tuned, zb_with(lambda q: ()),
                zb_with(lambda q: tuple(max(s, q.extra_warmup[s] if q.extra_warmup else 0)
                                        for s in range(len(q.stages))))]
+    fitted = _fit_zero_bubble(tuned, profile, cluster, cal, margin, cache)
+    if fitted is not None:
+        options.append(fitted)
     options = list({q.what_runs(): q for q in options}.values())
     keys = [(not r.fits, r.step_time_s) for r in
             (simulate(q, profile, cluster, cal, trace=False, cache=cache, margin=margin)
              for q in options)]
     return options[keys.index(min(keys))]
+
+
+def _fit_zero_bubble(plan: Plan, profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                     margin: float, cache: dict | None) -> Plan | None:
+    """``plan``'s ZB-H1 pipelines with the extra warm-up of each stage over memory (less
+    ``margin``) lowered one at a time until it fits, or None when that cannot make it
+    fit. The 1F1B warm-up the tuning starts from counts a held micro-batch's
+    activations, not what its W pass keeps from B as well."""
+    for _ in range(sum(sum(q.extra_warmup) for q in plan.pipelines) + 1):
+        r = simulate(plan, profile, cluster, cal, trace=False, cache=cache, margin=margin)
+        if r.fits:
+            return plan
+        over = {d for d, m in r.memory_per_device.items()
+                if m > _capacity(cluster, d) * (1 - margin)}
+        pipes, lowered = [], False
+        for q in plan.pipelines:
+            extra = list(q.extra_warmup)
+            if q.schedule == "zbh1":
+                for j, st in enumerate(q.stages[:len(extra)]):
+                    if extra[j] > 0 and over & set(st.devices):
+                        extra[j] -= 1
+                        lowered = True
+            pipes.append(dataclasses.replace(q, extra_warmup=tuple(extra)))
+        if not lowered:
+            return None
+        plan = dataclasses.replace(plan, pipelines=tuple(pipes))
+    return None
 
 
 def _warmup_problems(plan: Plan, profile: ModelProfile, cluster: Cluster, cal: Calibration,
