@@ -224,14 +224,9 @@ def _gathered_matmul(eqn, mesh: Mesh):
     sequence (``_gather_sequence``), the gathered input not kept for the backward pass
     (which gathers it again, as Megatron-LM does): it stays stored split."""
     from hetshard.rewrite.attention import Replace
-    gather = _gather_sequence(mesh, eqn.invars[0].aval.shape)
-    params = eqn.params
-
-    def matmul(a, b):
-        return jax.lax.dot_general(gather(a), b, params["dimension_numbers"],
-                                   precision=params["precision"],
-                                   preferred_element_type=params["preferred_element_type"])
-    matmul = jax.checkpoint(matmul, policy=jax.checkpoint_policies.nothing_saveable)
+    gather, dot = _gather_sequence(mesh, eqn.invars[0].aval.shape), _dot(eqn)
+    matmul = jax.checkpoint(lambda a, b: dot(gather(a), b),
+                            policy=jax.checkpoint_policies.nothing_saveable)
     return Replace(lambda a, b: [matmul(a, b)])
 
 
@@ -271,7 +266,9 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                      **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
-    ``split_blocks``: the plan counts block halves as layers (its remat_layers too)."""
+    ``split_blocks``: the plan counts block halves as layers (its remat_layers too);
+    ``sequence_parallel`` (on a stage with a tensor axis and parameter layouts): the
+    ``sequence_layouts``, with ``tp_overlap`` as collective matmuls."""
     if attention == "flash":
         options.setdefault("mesh", mesh)  # the kernel per device (``_flash_on_mesh``)
     run = attention_runner(attention, **options)
