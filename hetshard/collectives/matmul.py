@@ -15,9 +15,11 @@ Both act on activations ``[batch, seq, ...]`` split along ``seq`` over the mesh'
   dimension): the partial sums for one sequence block travel the ring, each device
   adding its own, so each device ends with its block's full sum.
 
-Their gradients are JAX's transposes of the rings (a reduce-scatter ring for the
-all-gather's input, an all-gather ring for the reduce-scatter's output), so the
-backward overlaps the same way. ``dot(lhs, rhs)`` is the matmul (``lax.dot_general``
+Their gradients are rings too (``jax.custom_vjp``), overlapping the same way: for the
+all-gather matmul, a reduce-scatter ring of the input's cotangent and, in its own
+``shard_map`` (ZB-H1's W pass can defer it), the input's blocks passed around again for
+the weights' cotangents; for the reduce-scatter matmul, one all-gather ring of the
+output's cotangent serving both gradients. ``dot(lhs, rhs)`` is the matmul (``lax.dot_general``
 with the caller's dimension numbers, which must keep ``lhs``'s dimensions 0 and 1 as
 the output's 0 and 1). On a mesh the transfers are ``ppermute`` steps XLA can run
 asynchronously next to the independent block matmuls; on one CPU they simply run in

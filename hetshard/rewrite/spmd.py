@@ -13,9 +13,8 @@ layout), so the program the plan priced is the program that runs, with the stage
 remat (each recomputed layer under its own checkpoint, as in the pipeline rewrite).
 The plan's ``activation:<layer>`` entries name the layout (batch over the data axes);
 a boundary whose leading dimension the data axes do not divide is left unconstrained.
-On a stage with a ``tensor`` axis the boundaries are also split along the sequence
-(sequence parallelism, ``sequence_layouts``), which pipeline stages share
-(``stage_sequence_layouts``).
+On a stage with tensor-split weights the boundaries are also split along the sequence
+(sequence parallelism, ``stage_sequence_layouts``, which pipeline stages share).
 """
 
 from __future__ import annotations
@@ -232,8 +231,9 @@ def _gathered_matmul(eqn, mesh: Mesh):
 
 def stage_sequence_layouts(closed, eqns, weights: dict, mesh: Mesh,
                            overlap: bool = False) -> dict:
-    """``sequence_layouts`` for one pipeline stage's equations ``eqns`` of the loss
-    ``closed``, with the layer boundaries it computes split along the sequence too."""
+    """``sequence_layouts`` for the equations ``eqns`` of the loss ``closed`` (a pipeline
+    stage's, or all of a single-stage plan's), with the layer boundaries they compute
+    split along the sequence too; nothing when no weight is split over ``tensor``."""
     if mesh.shape.get("tensor", 1) == 1 or not any("tensor" in s for s in weights.values()):
         return {}
     made = {v for i in eqns for v in closed.jaxpr.eqns[i].outvars}
@@ -284,18 +284,15 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             bounds = layer_boundaries(closed)
         except StageSplitError:
             bounds = []
-        constrain = {}
-        for v in bounds:
-            layout = (_sequence_split(mesh, v.aval.shape) if sequence else None) or \
-                boundary_layout(stage, mesh, v.aval.shape)
-            if layout is not None:
-                constrain[v] = layout
+        constrain = {v: layout for v in bounds
+                     if (layout := boundary_layout(stage, mesh, v.aval.shape)) is not None}
         leaves = jax.tree_util.tree_flatten_with_path(args)[0]
         if sequence:
             weights = {var: _leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
                        for var, (path, x) in zip(jaxpr.invars, leaves, strict=True)
                        if path and getattr(path[0], "idx", None) == 0}
-            constrain.update(sequence_layouts(jaxpr, weights, mesh, overlap=tp_overlap))
+            constrain.update(stage_sequence_layouts(closed, range(len(jaxpr.eqns)), weights,
+                                                    mesh, tp_overlap))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
         wrap = remat_wrap(stage.remat)
