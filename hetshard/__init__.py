@@ -5,6 +5,7 @@ but not promised.
 """
 
 from hetshard import nn
+from hetshard.autodiff import value_and_grad
 from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group
 from hetshard.distributed import init_distributed
 from hetshard.errors import (
@@ -14,7 +15,8 @@ from hetshard.errors import (
     SpecParseError,
     UnknownNameError,
 )
-from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit, value_and_grad
+from hetshard.ir.program import Program
+from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit
 from hetshard.plan import Plan
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __all__ = [
     "HetshardError",
     "NonFiniteLossError",
     "Plan",
+    "Program",
     "PlanNotExecutableError",
     "SpecError",
     "SpecParseError",

@@ -2,7 +2,9 @@
 
 Plans are stored as JSON under ``$HETSHARD_CACHE_DIR/plans/<key>.json`` (default: the
 user cache directory, ``~/.cache/hetshard``), keyed by a fingerprint of the traced
-step, the input shapes and dtypes, the cluster and the planner options. Writes are
+program (``hetshard.Program.fingerprint``: its loss's equations, state and batch
+shapes), the cluster, the planner options, the calibration and the hetshard version, so
+an upgrade never reuses a stale plan. Writes are
 atomic (temporary file + rename). A file that does not parse or does not match its key
 is reported once, ignored and replaced by the recomputed plan; nothing else is touched.
 """
@@ -61,10 +63,19 @@ def load(key: str) -> Plan | None:
 
 
 def store(key: str, plan: Plan) -> None:
+    """Keeps ``plan`` in memory and on disk; a cache directory that cannot be written is
+    reported once and the plan is only kept in memory (the caller's work goes on)."""
     _MEMORY[key] = plan
     folder = cache_dir() / "plans"
-    folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / f"{key}.json", json.dumps({"key": key, "plan": plan.to_dict()}))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / f"{key}.json", json.dumps({"key": key, "plan": plan.to_dict()}))
+    except OSError as e:
+        if str(folder) not in _REPORTED:
+            _REPORTED.add(str(folder))
+            warnings.warn(f"hetshard plan cache: cannot write under {folder} ({e}); plans "
+                          f"are kept in memory only (set HETSHARD_CACHE_DIR to a writable "
+                          f"directory)", stacklevel=3)
 
 
 def clear_memory() -> None:

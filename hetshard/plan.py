@@ -22,13 +22,14 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
 # ``Plan.split_blocks`` (absent: layers are whole blocks), 7 ``Plan.tp_overlap``
-# (absent: no collective matmuls, as those plans ran).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# (absent: no collective matmuls, as those plans ran), 8 ``Plan.fingerprint`` (absent:
+# the plan names no traced program, and is run on any program whose layers it covers).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
@@ -160,6 +161,9 @@ class Plan:
     # Tensor-parallel stages run their matmuls as collective matmuls (the sequence-
     # parallel reduce-scatters and all-gathers overlapped with the matmul blocks).
     tp_overlap: bool = False
+    # The traced program the plan was made for (``hetshard.Program.fingerprint``: its
+    # loss's equations, state and batch shapes); "" for a plan written by hand.
+    fingerprint: str = ""
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
     version: int = SCHEMA_VERSION

@@ -1,11 +1,14 @@
-"""Per-layer cost profile of a model, linear in the micro-batch size.
+"""Per-layer cost profile of a traced train step, linear in the micro-batch size.
 
 Every quantity ``q`` of a layer (per-op flops and bytes, saved residual bytes,
-...) is ``q(b) = q0 + q1 * b`` for micro-batch size ``b``: the model is traced
+...) is ``q(b) = q0 + q1 * b`` for micro-batch size ``b``: the step's loss is traced
 at b=2 and b=4 and the two traces (same equations, other shapes) are
 differenced (b=1 is avoided: size-1 dimensions trace to other equations).
-Identical blocks are traced twice at most (a 2-block copy of the model) and
-replicated, so profiling llama-70b costs the same as a 2-layer model.
+The layers are the program's own (``hetshard.ir.layers``); identical blocks are
+differentiated twice at most (the loss with each stack cut to two blocks,
+``hetshard.ir.program.reduced_graph``) and replicated, so profiling llama-70b costs a
+forward trace of the model and the autodiff of two blocks. The optimizer's state is the
+step's own (whatever optax chain it built).
 The batch-independent part of the residuals (the compute-dtype copies of the
 weights that autodiff keeps) is reported separately.
 """
@@ -14,14 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import numpy as np
 
-import models
 from hetshard.errors import SpecError
 from hetshard.ir.graph import OpGraph
-from hetshard.ir.train_step import trace_train_step, with_layers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,6 +77,8 @@ class LayerProfile:
     # 1). Empty for layers that are not blocks or do not have that structure.
     tp_groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     tp_sequence: int = 0
+    # A whole block of a repeated stack (not a half, not an embedding or head).
+    block: bool = False
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -106,6 +108,11 @@ class ModelProfile:
     opt_update_bytes_per_param_byte: float  # HBM traffic of the optimizer update
     tokens_per_sample: int
     split_blocks: bool = False  # layers are block halves (attention, MLP)
+    # Attention heads (a tensor degree must divide them; None: no attention) and the
+    # traced program's fingerprint; how its layers were found (``hetshard.ir.layers``).
+    heads: int | None = None
+    fingerprint: str = ""
+    layering: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -127,9 +134,16 @@ class ModelProfile:
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
+    def block_indices(self) -> list[int]:
+        """The layers that are whole blocks of a repeated stack; every layer for a program
+        without repeats (its layers were cut by cost)."""
+        found = [i for i, layer in enumerate(self.layers) if layer.block]
+        if found or any(layer.kind.endswith("/0") for layer in self.layers):
+            return found
+        return list(range(len(self.layers)))
+
 
 MATMULS = ("dot_general", "conv_general_dilated")
-_BLOCK = re.compile(r"^(?P<stack>.+)/layer_(?P<i>\d+)(?P<part>/attn|/mlp)?$")
 
 
 def _split(graph: OpGraph) -> dict[str, dict[str, list]]:
@@ -196,29 +210,29 @@ def _weight_only(graph: OpGraph) -> tuple[dict[str, np.ndarray], dict[str, float
     return {name: np.array(f, bool) for name, f in flags.items()}, carry, reads
 
 
-def _tp_groups(ops, collectives: int) -> tuple[tuple, int]:
+def _tp_groups(ops) -> tuple[tuple, int]:
     """``(tp_groups, tp_sequence)`` of a block's forward ``ops`` (see ``LayerProfile``):
-    its dense matmuls (outside attention) before attention are column-parallel and the
-    first after it row-parallel; in the MLP every dense matmul but the last is
-    column-parallel, the last row-parallel."""
-    dense = [k for k, o in enumerate(ops)
-             if o.primitive in MATMULS and o.region != "hetshard_attention"]
-    attn = [k for k, o in enumerate(ops) if o.region == "hetshard_attention"]
-    groups, rest = [], dense
-    if attn:
-        before = [k for k in dense if k < attn[0]]
-        after = [k for k in dense if k > attn[-1]]
-        if not before or not after:
+    Megatron's pattern read off the weight matmuls (``dot_general`` equations without batch
+    dimensions, outside attention): the consecutive ones reading one input (q, k, v; up
+    and gate) are column-parallel, the next one row-parallel (the attention output, the
+    down projection). Empty when the matmuls do not pair up that way."""
+    dense = [k for k, o in enumerate(ops) if o.primitive == "dot_general" and
+             o.region != "hetshard_attention" and o.params.get("dimension_numbers")
+             is not None and not o.params["dimension_numbers"][1][0]]
+    groups, i = [], 0
+    while i < len(dense):
+        source = ops[dense[i]].inputs[0][0] if ops[dense[i]].inputs else None
+        j = i + 1
+        while j < len(dense) and ops[dense[j]].inputs and \
+                ops[dense[j]].inputs[0][0] == source and source is not None and source >= 0:
+            j += 1
+        if j >= len(dense):
             return (), 0
-        groups.append((tuple(before), (after[0],)))
-        rest = after[1:]
-    if rest:
-        if len(rest) < 2:
-            return (), 0
-        groups.append((tuple(rest[:-1]), (rest[-1],)))
+        groups.append((tuple(dense[i:j]), (dense[j],)))
+        i = j + 1
     shapes = [ops[k].out_shapes[0] if ops[k].out_shapes else () for k in dense]
     seqs = {shape[1] for shape in shapes if len(shape) >= 3}
-    if len(groups) != collectives or len(seqs) != 1 or any(len(x) < 3 for x in shapes):
+    if not groups or len(seqs) != 1 or any(len(x) < 3 for x in shapes):
         return (), 0
     return tuple(groups), int(seqs.pop())
 
@@ -237,18 +251,30 @@ def _boundary(graph: OpGraph) -> dict[str, float]:
     return out
 
 
-@functools.lru_cache(maxsize=32)
-def profile_model(model, seq_len: int, dtype: str = "bfloat16",
-                  split_blocks: bool = False) -> ModelProfile:
-    """Traces ``model`` (name, spec or config) and returns its :class:`ModelProfile`;
-    with ``split_blocks`` each block is two layers, its attention and its MLP half (a
-    stage boundary may then fall inside a block)."""
-    config = models.resolve(model)
-    reduced = with_layers(config, 2)
-    g1 = trace_train_step(reduced, micro_batch=2, seq_len=seq_len, dtype=dtype,
-                          split_blocks=split_blocks)
-    g2 = trace_train_step(reduced, micro_batch=4, seq_len=seq_len, dtype=dtype,
-                          split_blocks=split_blocks)
+_PROFILES: dict[tuple, ModelProfile] = {}
+
+
+def profile_program(program, split_blocks: bool = False) -> ModelProfile:
+    """The :class:`ModelProfile` of a traced train step (``hetshard.ir.program.Program``):
+    its loss differentiated at micro-batches of 2 and 4 samples, every stack cut to two
+    blocks (``reduced_graph``; the blocks after the second are priced as the second), the
+    optimizer's state read from the step's own state. With ``split_blocks`` each block of
+    a stack is two layers (``hetshard.ir.layers``), so a stage boundary may fall inside
+    a block. Cached per program fingerprint."""
+    key = (program.fingerprint, split_blocks)
+    if key not in _PROFILES:
+        _PROFILES[key] = _profile(program, split_blocks)
+    return _PROFILES[key]
+
+
+def _profile(program, split_blocks: bool) -> ModelProfile:
+    from hetshard.ir.program import reduced_graph
+    g1, lay, rep, _ = reduced_graph(program, 2, split_blocks)
+    g2, lay2, _, _ = reduced_graph(program, 4, split_blocks)
+    if lay2.kinds != lay.kinds and lay2.names != lay.names:
+        raise SpecError("model", program.name, "a step whose layers are the same at every "
+                        f"micro-batch size ({lay.describe()} at 2 samples, "
+                        f"{lay2.describe()} at 4)")
     p1, p2 = _split(g1), _split(g2)
     t1, t2 = g1.layer_totals(), g2.layer_totals()
     b1, b2 = _boundary(g1), _boundary(g2)
@@ -263,92 +289,78 @@ def profile_model(model, seq_len: int, dtype: str = "bfloat16",
     w_full1, w_full2 = w_inputs(reads1), w_inputs(reads2)
     w_sel1, w_sel2 = w_inputs(reads1, recomputed), w_inputs(reads2, recomputed2)
     foreign = g1.foreign_params()
-    reduced_layers: dict[str, LayerProfile] = {}
-    for name in g1.layers:
+    priced: dict[str, LayerProfile] = {}
+    for k, name in enumerate(lay.names):
+        if rep[k] != k:
+            continue
+        empty = {"fwd": [], "bwd": []}
+        q1, q2 = p1.get(name, empty), p2.get(name, empty)
         arrays = {}
         for phase in ("fwd", "bwd"):
-            o1, o2 = p1[name][phase], p2[name][phase]
+            o1, o2 = q1[phase], q2[phase]
             if [o.primitive for o in o1] != [o.primitive for o in o2]:
-                raise SpecError("model", str(model), "a model whose traced step has the same "
-                                f"equations at every batch size (layer {name} differs)")
+                raise SpecError("model", program.name, "a step whose traced loss has the "
+                                f"same equations at every batch size (layer {name} "
+                                "differs)")
             for q in ("flops", "bytes"):
                 a1 = np.array([getattr(o, q) for o in o1])
                 a2 = np.array([getattr(o, q) for o in o2])
                 arrays[f"{phase}_{q}"] = _linear(a1, a2)
             arrays[f"{phase}_matmul"] = np.array([o.primitive in MATMULS for o in o1], bool)
-        for phase in ("fwd", "bwd"):
             arrays[f"{phase}_attention"] = np.array(
-                [o.region == "hetshard_attention" for o in p1[name][phase]], bool)
-        res = _linear(t1[name].get("residual_bytes", 0.0), t2[name].get("residual_bytes", 0.0))
-        attn = _linear(t1[name].get("attention_residual_bytes", 0.0),
-                       t2[name].get("attention_residual_bytes", 0.0))
+                [o.region == "hetshard_attention" for o in o1], bool)
+        t1n, t2n = t1.get(name, {}), t2.get(name, {})
+        res = _linear(t1n.get("residual_bytes", 0.0), t2n.get("residual_bytes", 0.0))
+        attn = _linear(t1n.get("attention_residual_bytes", 0.0),
+                       t2n.get("attention_residual_bytes", 0.0))
         bnd = _linear(b1.get(name, 0.0), b2.get(name, 0.0))
-        m = _BLOCK.match(name)
-        kind = f"{m.group('stack')}/block{m.group('part') or ''}" if m else name
-        collectives = 1 if m and m.group("part") else 2
-        groups, sequence = _tp_groups(p1[name]["fwd"], collectives) if m else ((), 0)
-        reduced_layers[name] = LayerProfile(
-            name=name, kind=kind, **arrays,
+        block = lay.stacks[k] >= 0
+        default = 1 if block and lay.split_blocks else 2
+        groups, sequence = _tp_groups(q1["fwd"]) if block else ((), 0)
+        collectives = len(groups) if groups else default
+        if groups and collectives != default:
+            groups, sequence, collectives = (), 0, default
+        priced[name] = LayerProfile(
+            name=name, kind=lay.kinds[k], **arrays,
             residual_bytes_per_sample=res[1], attention_residual_bytes_per_sample=attn[1],
             weight_copy_bytes=max(res[0], 0.0), boundary_bytes_per_sample=bnd[1],
-            param_bytes=int(t1[name].get("params", 0)), param_count=counts.get(name, 0),
-            bwd_weight=weight_only.get(name, np.zeros(len(p1[name]["bwd"]), bool)),
+            param_bytes=int(t1n.get("params", 0)), param_count=counts.get(name, 0),
+            bwd_weight=weight_only.get(name, np.zeros(len(q1["bwd"]), bool)),
             weight_carry_bytes_per_sample=_linear(carry1.get(name, 0.0),
                                                   carry2.get(name, 0.0))[1],
             tp_collectives=collectives, tp_groups=groups, tp_sequence=sequence,
+            block=block and not lay.split_blocks,
             selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
                                                         dots2.get(name, 0.0))[1],
-            fwd_recomputed=np.array([o.index in recomputed for o in p1[name]["fwd"]], bool),
+            fwd_recomputed=np.array([o.index in recomputed for o in q1["fwd"]], bool),
             attention_input_residual_bytes_per_sample=_linear(
-                t1[name].get("attention_input_residual_bytes", 0.0),
-                t2[name].get("attention_input_residual_bytes", 0.0))[1],
+                t1n.get("attention_input_residual_bytes", 0.0),
+                t2n.get("attention_input_residual_bytes", 0.0))[1],
             flash_residual_bytes_per_sample=_linear(
-                t1[name].get("flash_residual_bytes", 0.0),
-                t2[name].get("flash_residual_bytes", 0.0))[1],
-            foreign_params=tuple((k, owner, nbytes) for k, (owner, nbytes)
+                t1n.get("flash_residual_bytes", 0.0),
+                t2n.get("flash_residual_bytes", 0.0))[1],
+            foreign_params=tuple((k2, owner, nbytes) for k2, (owner, nbytes)
                                  in sorted(foreign.get(name, {}).items())),
             weight_input_bytes_per_sample=(
                 _linear(w_full1.get(name, 0.0), w_full2.get(name, 0.0))[1],
                 _linear(w_sel1.get(name, 0.0), w_sel2.get(name, 0.0))[1]))
-    layers = []
-    for name in g1.layers:
-        m = _BLOCK.match(name)
-        if not m:
-            layers.append(reduced_layers[name])
-            continue
-        if m.group("i") != "0":
-            continue  # replicate the first block of each stack to the full depth
-        stack, part = m.group("stack"), m.group("part")
-        if part is not None and part != "/attn":
-            continue  # the halves are replicated with the first
-        parts = ("/attn", "/mlp") if part else ("",)
-        depth = _depth(config, stack)
-        for i in range(depth):
-            for half in parts:
-                src = reduced_layers[f"{stack}/layer_{min(1, depth - 1)}{half}"] \
-                    if f"{stack}/layer_1{half}" in reduced_layers else \
-                    reduced_layers[f"{stack}/layer_0{half}"]
-                layers.append(dataclasses.replace(src, name=f"{stack}/layer_{i}{half}"))
-    opt_ratio = g1.opt_state_bytes / max(sum(g1.param_bytes), 1)
+    layers = tuple(dataclasses.replace(priced[lay.names[rep[k]]], name=name)
+                   for k, name in enumerate(lay.names))
+    opt_ratio = program.opt_state_bytes / max(program.param_bytes, 1)
     return ModelProfile(
-        model=str(model), seq_len=seq_len, dtype=dtype, layers=tuple(layers),
+        model=program.name, seq_len=program.seq_len, dtype=program.dtype, layers=layers,
         opt_bytes_per_param_byte=opt_ratio,
         # A fused update reads parameter, gradient and state and writes parameter and
         # state once; the traced (unfused) equation bytes would overcount it ~6x.
         opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
-        tokens_per_sample=seq_len, split_blocks=split_blocks)
+        tokens_per_sample=program.seq_len, split_blocks=split_blocks,
+        heads=program.heads, fingerprint=program.fingerprint, layering=lay.source)
 
 
 def _linear(at2, at4):
     """(q0, q1) with q(b) = q0 + q1 * b from values at b=2 and b=4."""
     q1 = (np.asarray(at4) - np.asarray(at2)) / 2.0
     return np.asarray(at2) - 2.0 * q1, q1
-
-
-def _depth(config, stack: str) -> int:
-    if isinstance(config, models.MLLMConfig):
-        return config.vision.layers if stack == "vision" else config.text.layers
-    return config.layers
 
 
 def _param_counts(graph: OpGraph) -> dict[str, int]:

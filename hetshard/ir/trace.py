@@ -116,8 +116,8 @@ def _rule_params(eqn) -> dict:
 
 
 class _Builder:
-    def __init__(self, split_blocks: bool = False):
-        self.split_blocks = split_blocks
+    def __init__(self, layer_name: Callable[[str], str]):
+        self.layer_name = layer_name
         self.ops: list[Op] = []
         self.edges: list[tuple[int, int, float]] = []
         self.producer: dict = {}  # var -> op index (after inlining)
@@ -153,7 +153,7 @@ class _Builder:
                    tuple(tuple(v.aval.shape) for v in eqn.outvars))
             inputs = tuple((env.get(v, -1) if isinstance(v, jcore.Var) else -1,
                             tuple(getattr(_aval(v), "shape", ()))) for v in eqn.invars)
-            self.ops.append(Op(idx, eqn.primitive.name, layer_of(stack, self.split_blocks),
+            self.ops.append(Op(idx, eqn.primitive.name, self.layer_name(stack),
                                phase_of(stack),
                                flops * scale, nbytes * scale,
                                sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig,
@@ -190,17 +190,18 @@ def _open(j):
 
 
 def trace(fn: Callable, *args, param_argnum: int | None = 0,
-          opt_state_argnum: int | None = None, split_blocks: bool = False) -> OpGraph:
+          opt_state_argnum: int | None = None,
+          layer_name: Callable[[str], str] = layer_of) -> OpGraph:
     """Traces ``fn(*args)`` (arrays or ``ShapeDtypeStruct``\\ s) to an :class:`OpGraph`.
 
     ``args[param_argnum]`` (a pytree) holds the parameters: each is attributed
     to the layer that first reads it. ``args[opt_state_argnum]``, if given,
-    holds optimizer state, whose bytes are recorded. ``split_blocks``: layers are block
-    halves (see ``layer_of``).
+    holds optimizer state, whose bytes are recorded. ``layer_name(name_stack)`` names
+    each equation's layer ('' for none; default: the scopes ``layer_of`` reads).
     """
     closed = jax.make_jaxpr(fn)(*args)
     jaxpr = closed.jaxpr
-    b = _Builder(split_blocks)
+    b = _Builder(layer_name)
     env = {v: -1 for v in jaxpr.invars}
     leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
     if param_argnum is not None:
@@ -250,7 +251,7 @@ def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:
                 continue
             for v in eqn.invars:
                 if isinstance(v, jcore.Var) and v in env and env[v] not in readers:
-                    readers[env[v]] = layer_of(stack, builder.split_blocks)
+                    readers[env[v]] = builder.layer_name(stack)
             # Casts and copies of a parameter still identify it.
             if eqn.primitive.name in ("convert_element_type", "copy", "copy_p") and \
                     isinstance(eqn.invars[0], jcore.Var) and eqn.invars[0] in env:

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax._src import core as jcore
+from jax._src import source_info_util
 from jax.extend import core as ext
 
 from hetshard.errors import SpecError
@@ -268,47 +269,22 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
     equations this way. ``constrain`` (var -> Sharding, or a function of the value) puts
     a sharding constraint on those variables as they are computed (the SPMD rewrite's
-    layouts); a ``Replace`` entry computes the equation making the variable instead."""
+    layouts); a ``Replace`` entry computes the equation making the variable instead.
+    ``run`` None: attention is bound as traced (nothing swapped). Each equation keeps its
+    own name stack (under the caller's), so scopes survive the re-interpretation."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
-    patterns = _patterns_of(jaxpr)
-    skip = skipped_equations(jaxpr)
+    patterns = _patterns_of(jaxpr) if run is not None else {}
+    skip = skipped_equations(jaxpr) if run is not None else set()
+    outer = source_info_util.current_name_stack()
     for idx in (range(len(jaxpr.eqns)) if indices is None else indices):
         eqn = jaxpr.eqns[idx]
         if idx in skip:
             continue
-        causal = _attention_call(eqn)
-        invals = [] if idx in patterns else [read(v) for v in eqn.invars]
-        replace = constrain.get(eqn.outvars[0]) if constrain and eqn.outvars else None
-        if isinstance(replace, Replace):
-            outs = replace.fn(*(invals if replace.reads is None else
-                                [read(v) for v in replace.reads]))
-        elif idx in patterns:
-            pat = patterns[idx]
-            out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), None, pat["scale"],
-                      False)
-            outs = [out.astype(eqn.outvars[0].aval.dtype)]
-        elif causal is not None:
-            if len(invals) == 5:
-                q, k, v, seg, scale = invals
-            else:
-                (q, k, v, scale), seg = invals, None
-            outs = [run(q, k, v, seg, float(scale) if not isinstance(scale, jax.core.Tracer)
-                        else scale, causal)]
-        else:
-            inner = _inner(eqn)
-            if inner is not None and _contains(inner[0]):
-                outs = _eval(inner[0], inner[1], invals, run)
-            elif eqn.primitive.name == "convert_element_type" and \
-                    _same_strong_type(invals[0], eqn.outvars[0].aval):
-                outs = [invals[0]]  # already cast (a pipeline stage's parameters are)
-            else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=outer + eqn.source_info.name_stack):
+            outs = _evaluate(eqn, idx, read, run, patterns, constrain)
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 c = constrain.get(var) if constrain else None
@@ -317,6 +293,42 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
                 elif c is not None:
                     val = c(val) if callable(c) else jax.lax.with_sharding_constraint(val, c)
                 env[var] = val
+
+
+def _evaluate(eqn, idx, read, run, patterns, constrain) -> list:
+    """One equation's outputs (see ``eval_equations``)."""
+    causal = _attention_call(eqn) if run is not None else None
+    invals = [] if idx in patterns else [read(v) for v in eqn.invars]
+    replace = constrain.get(eqn.outvars[0]) if constrain and eqn.outvars else None
+    if isinstance(replace, Replace):
+        outs = replace.fn(*(invals if replace.reads is None else
+                            [read(v) for v in replace.reads]))
+    elif idx in patterns:
+        pat = patterns[idx]
+        out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), None, pat["scale"],
+                  False)
+        outs = [out.astype(eqn.outvars[0].aval.dtype)]
+    elif causal is not None:
+        if len(invals) == 5:
+            q, k, v, seg, scale = invals
+        else:
+            (q, k, v, scale), seg = invals, None
+        outs = [run(q, k, v, seg, float(scale) if not isinstance(scale, jax.core.Tracer)
+                    else scale, causal)]
+    else:
+        inner = _inner(eqn)
+        if run is not None and inner is not None and _contains(inner[0]):
+            outs = _eval(inner[0], inner[1], invals, run)
+        elif eqn.primitive.name == "convert_element_type" and \
+                _same_strong_type(invals[0], eqn.outvars[0].aval):
+            outs = [invals[0]]  # already cast (a pipeline stage's parameters are)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+    return outs
 
 
 def attention_runner(impl: str = "flash", **options):

@@ -1,13 +1,13 @@
 """The pipeline rewrite: a loss function split at layer boundaries into stage programs.
 
 ``split_stages`` traces ``loss(state_leaves, batch_leaves)`` (one micro-batch) to a
-jaxpr and assigns every equation to a stage: its layer (the ``named_scope`` tags the
-tracer reads, ``decoder/layer_7``; untagged equations join the nearest tagged one
-before them, loss equations after the head join the head) is looked up in the plan's
-layer ranges, and an equation never runs before a stage that produces one of its
-operands. Each stage then evaluates only its equations; the values it hands to later
-stages (the boundary activations, plus whatever else crosses, such as position ids)
-are its ``sends``, and what it reads from earlier stages its ``recvs``.
+jaxpr and assigns every equation to a stage: its layer (``hetshard.ir.layers.discover``,
+the same function the planner priced the layers with: named scopes, repeated blocks or
+cuts by cost) is looked up in the plan's layer ranges, and an equation never runs
+before a stage that produces one of its operands. Each stage then evaluates only its
+equations; the values it hands to later stages (the boundary activations, plus
+whatever else crosses, such as position ids) are its ``sends``, and what it reads from
+earlier stages its ``recvs``.
 
 A :class:`StageProgram` is differentiable on its own: ``forward`` returns the stage's
 sends and a ``jax.vjp`` function (a pytree that ``jax.jit`` can return, so residuals
@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
-from hetshard.ir.trace import layer_of
+from hetshard.ir.layers import LayerDiscoveryError, discover
 from hetshard.rewrite.attention import attention_runner, eval_equations, skipped_equations
 
 
@@ -247,28 +247,18 @@ def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None) -> None
 
 
 def layer_sequence(closed, split_blocks: bool = False) -> tuple[list[str], list[int]]:
-    """Layer names in execution order and each equation's layer index (untagged
-    equations join the nearest tagged equation before them, or after at the start);
-    ``split_blocks``: a block's attention and MLP halves are layers of their own."""
-    names: list[str] = []
-    tags: list[int | None] = []
-    for eqn in closed.jaxpr.eqns:
-        name = layer_of(str(eqn.source_info.name_stack), split_blocks)
-        if not name:
-            tags.append(None)
-            continue
-        if name not in names:
-            names.append(name)
-        tags.append(names.index(name))
-    if not names:
-        raise StageSplitError("the loss has no layer scopes (jax.named_scope('stack/layer_i')"
-                              " around each block) to split into pipeline stages")
-    first = next(t for t in tags if t is not None)
-    out, last = [], first
-    for t in tags:
-        last = last if t is None else t
-        out.append(last)
-    return names, out
+    """Layer names in execution order and each equation's layer index, as the planner
+    found them (``hetshard.ir.layers.discover``: named scopes, repeated blocks, or cuts
+    by cost); ``split_blocks``: blocks of repeated stacks are cut in halves.
+
+    Raises:
+      StageSplitError: the loss has no equations.
+    """
+    try:
+        lay = discover(closed, split_blocks)
+    except LayerDiscoveryError as e:
+        raise StageSplitError(str(e)) from None
+    return list(lay.names), list(lay.eqn_layer)
 
 
 def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetshard.autodiff import entered
 from hetshard.collectives import (
     congruent,
     empty,
@@ -56,30 +57,18 @@ from hetshard.collectives import (
 )
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.dependencies import output_dependencies
+from hetshard.ir.program import Program
 from hetshard.plan import Plan
 from hetshard.rewrite.backward import input_backward, weight_backward
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
-from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
+from hetshard.runtime.spmd import leaf_spec, mesh_of
 from hetshard.sim.schedule import schedule_walk
 
 
 class PipelineSetupError(HetshardError, ValueError):
     """The step cannot run under this plan's pipelines (the message says why and what
     would work)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LossCall:
-    """How the step called ``hetshard.value_and_grad(fn)``: ``args`` holds, per
-    argument, ``("model", i)`` (the step's i-th NNX argument, batch excluded),
-    ``("batch", treedef, leaf_indices)`` (the batch or part of it) or
-    ``("static", value)``."""
-
-    fn: Callable
-    argnums: int
-    has_aux: bool
-    args: tuple
 
 
 def _batch_axes(mesh: Mesh) -> tuple:
@@ -130,22 +119,20 @@ class _StageRun:
 
 
 class PipelineRunner:
-    """Runs a step under ``plan`` (see the module docstring)."""
+    """Runs a step under ``plan`` (see the module docstring); ``program`` is the step with
+    its arguments (``hetshard.ir.program.Program``)."""
 
-    def __init__(self, plan: Plan, devices, step_fn, graphdef, state, batch, batch_index: int,
-                 call: LossCall, mark):
-        self.plan, self.step_fn, self.graphdef = plan, step_fn, graphdef
-        self.batch_index, self.call, self.mark = batch_index, call, mark
-        flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state)
-        self.paths = [path_string(p) for p, _ in flat]
-        self.state_avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-                            for _, x in flat]
-        batch_leaves, self.batch_tree = jax.tree.flatten(batch)
-        self.batch_avals = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-                            for x in batch_leaves]
-        self.global_batch = int(np.shape(batch_leaves[0])[0])
+    def __init__(self, plan: Plan, devices, program: Program):
+        if program.call is None:
+            raise PipelineSetupError("pipeline plans need a step that calls "
+                                     "hetshard.value_and_grad (or plan with max_stages=1)")
+        self.plan, self.program = plan, program
+        self.state_tree, self.paths = program.state_tree, program.paths
+        self.state_avals = program.state_avals
+        self.batch_tree, self.batch_avals = program.batch_tree, program.batch_avals
+        self.global_batch = program.global_batch
         self._check_batch()
-        self.grad_index = self._param_leaves(state)
+        self.grad_index = list(program.diff)
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
         self.meshes = [[mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
@@ -164,6 +151,10 @@ class PipelineRunner:
         self.views = None  # per (pipeline, stage): leaf -> array
         self.published: list | None = None
 
+    def state_of(self, others):
+        """The step's non-batch arguments as flat state (what ``step`` takes)."""
+        return nnx.state(others) if self.program.kind == "nnx" else others
+
     # ---- set-up ----------------------------------------------------------------------
     def _check_batch(self):
         plan, b = self.plan, self.global_batch
@@ -177,69 +168,50 @@ class PipelineRunner:
                 raise SpecError("plan.pipelines", f"batch share {p.batch_share}",
                                 f"a multiple of its {p.num_micro_batches} micro-batches")
 
-    def _param_leaves(self, state) -> list[int]:
-        """Full-state index of each leaf of the model's ``nnx.Param`` state (the
-        gradient structure ``nnx.value_and_grad`` returns)."""
-        objs = nnx.merge(self.graphdef, state)
-        model = objs[self.call.args[self.call.argnums][1]]
-        prefix = str(self.call.args[self.call.argnums][1])
-        where = {p: i for i, p in enumerate(self.paths)}
-        flat, self.grad_tree = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
-        out = []
-        for p, _ in flat:
-            key = f"{prefix}/{path_string(p)}" if path_string(p) else prefix
-            if key not in where:
-                raise PipelineSetupError(f"parameter {key} of the model is not in the step's "
-                                         f"state; pass the model to the step directly")
-            out.append(where[key])
-        return out
-
-    def _loss_flat(self, state_leaves, batch_leaves):
-        objs = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_tree, state_leaves))
-        args = []
-        for kind, *rest in self.call.args:
-            if kind == "model":
-                args.append(objs[rest[0]])
-            elif kind == "batch":
-                args.append(jax.tree.unflatten(rest[0], [batch_leaves[i] for i in rest[1]]))
-            else:
-                args.append(rest[0])
-        return self.call.fn(*args)
-
     def _split(self, pipeline):
         mbs = _samples_per_micro_batch(pipeline)
-        mb_avals = [jax.ShapeDtypeStruct((mbs, *a.shape[1:]), a.dtype)
-                    for a in self.batch_avals]
+        mb_avals = self.program.batch_at(mbs)
         ranges = [(s.start, s.end) for s in pipeline.stages]
         try:
-            return split_stages(self._loss_flat, self.state_avals, mb_avals, ranges,
+            return split_stages(self.program.loss_flat, self.state_avals, mb_avals, ranges,
                                 self.diff, attention=self.plan.attention,
                                 split_blocks=self.plan.split_blocks)
         except StageSplitError as e:
             raise PipelineSetupError(str(e)) from None
 
     def _apply_fn(self):
-        """The user's step as a function of flat leaves, value_and_grad provided."""
-        mark, call = self.mark, self.call
+        """The user's step as a function of flat leaves, value_and_grad provided:
+        ``(outputs, new state leaves)``. An NNX step's state is its objects after the
+        step; a pytree step's is read from its outputs (``Program.state_outputs``), and
+        ``outputs`` are its other output leaves."""
+        program = self.program
 
         def apply(state_leaves, grad_leaves, loss_leaves, batch_leaves):
-            objs = list(nnx.merge(self.graphdef,
-                                  jax.tree.unflatten(self.state_tree, state_leaves)))
-            model = objs[call.args[call.argnums][1]]
-            grads = jax.tree.unflatten(jax.tree.structure(nnx.state(model, nnx.Param)),
-                                       grad_leaves)
+            grads = program.gradient_tree(grad_leaves)
             value = jax.tree.unflatten(self._loss_tree, loss_leaves)
-            objs.insert(self.batch_index,
-                        jax.tree.unflatten(self.batch_tree, batch_leaves))
-            previous = getattr(mark, "mode", None), getattr(mark, "provided", None)
-            mark.mode, mark.provided = "provide", (value, grads)
-            try:
-                out = self.step_fn(*objs)
-            finally:
-                mark.mode, mark.provided = previous
-            del objs[self.batch_index]
-            return out, jax.tree.leaves(nnx.state(tuple(objs)))
+            with entered(mode="provide", provided=(value, grads)):
+                out, objs = program.call_step(state_leaves, batch_leaves)
+            if program.kind == "nnx":
+                return out, program.updated_state(objs)
+            _, outputs = program.state_outputs()
+            leaves = jax.tree.leaves(out)
+            new = [state_leaves[i] if m is None else leaves[m] for i, m in enumerate(outputs)]
+            taken = {m for m in outputs if m is not None}
+            return [x for k, x in enumerate(leaves) if k not in taken], new
         return apply
+
+    def full_output(self, out, new_state_leaves):
+        """A pytree step's whole output: its other outputs with the new state put back."""
+        if self.program.kind == "nnx":
+            return out
+        tree, outputs = self.program.state_outputs()
+        leaves: list = [None] * tree.num_leaves
+        for i, m in enumerate(outputs):
+            if m is not None:
+                leaves[m] = new_state_leaves[i]
+        it = iter(out)
+        leaves = [next(it) if x is None else x for x in leaves]
+        return jax.tree.unflatten(tree, leaves)
 
     def _ownership(self):
         """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
@@ -255,7 +227,7 @@ class PipelineRunner:
         self._out_tree = jax.tree.structure(out_shape[0])
         n_out = len(jax.tree.leaves(out_shape[0]))
         if len(jax.tree.leaves(out_shape[1])) != len(self.state_avals):
-            raise PipelineSetupError("the step changes the structure of its NNX state")
+            raise PipelineSetupError("the step changes the structure of its state")
         deps = output_dependencies(traced)
         ns, ng, nl = len(self.state_avals), len(grad_avals), len(loss_avals)
         grad_of = {ns + k: self.grad_index[k] for k in range(ng)}
@@ -456,7 +428,8 @@ class PipelineRunner:
                 row.append(new)
             new_views.append(row)
         if not check_loss(out):
-            return out, None
+            # The update is refused: a pytree step's output carries the state it had.
+            return self.full_output(out, leaves), None
         # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
         for pi, stages in enumerate(self.runs):
             for si, run in enumerate(stages):
@@ -477,7 +450,8 @@ class PipelineRunner:
                         new_views[pi][si].update(zip(idx, got, strict=True))
         self.views = new_views
         self.published = self._publish(new_views)
-        return out, jax.tree.unflatten(self.state_tree, self.published)
+        return (self.full_output(out, self.published),
+                jax.tree.unflatten(self.state_tree, self.published))
 
     def _run_pipeline(self, pi, pipeline, batch_leaves, start):
         """Every process walks the same schedule; it runs its own stages' tasks and joins

@@ -47,53 +47,58 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     return opts
 
 
-def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = None,
+def make_plan(program, cluster, *, global_batch: int | None = None,
               options: PlannerOptions | None = None, calibration=None, shardings: bool = True):
-    """Plans ``model`` on ``cluster``: profile, inter-op search, intra-op shardings.
+    """Plans ``program`` (a :class:`hetshard.Program`: the user's traced train step) on
+    ``cluster``: profile, inter-op search, intra-op shardings. ``global_batch`` defaults
+    to the program's batch.
 
     Raises:
       NoFeasiblePlanError: nothing fits (names the tightest stage's need vs capacity).
-      SpecError: a batch, sequence or constraint the model or cluster cannot take.
+      SpecError: a batch or constraint the program or cluster cannot take.
 
     Warns:
       PlannerTimeLimitWarning: ``options.time_limit_s`` cut the search; the plan is the
       best found, and the warning (and ``plan.solver``) gives its gap to the compute bound.
     """
-    import models
     from hetshard.cluster import Cluster
     from hetshard.cost.calibration import DEFAULT
-    from hetshard.cost.profile import profile_model
+    from hetshard.cost.profile import profile_program
     from hetshard.errors import SpecError
-    from hetshard.solver.inter_op import _heads
+    from hetshard.ir.program import Program
     from hetshard.solver.shardings import attach_shardings
+    if not isinstance(program, Program):
+        raise SpecError("program", type(program).__name__,
+                        "a hetshard.Program (hetshard.Program(step, args), or "
+                        "models.program(name) for the zoo)", where="make_plan")
     cluster = Cluster.load(cluster)
     opts = options or PlannerOptions()
-    config = models.resolve(model)
-    seq_len = seq_len or getattr(config, "seq", None) or config.text.seq
+    if global_batch is None:
+        global_batch = program.global_batch
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
-    heads = _heads(model)
+    seq_len = program.seq_len
+    t0 = time.perf_counter()
+    split = opts.split_blocks
+    profile = profile_program(program, split_blocks=bool(split))
+    heads = profile.heads or 1
     max_gpn = max(g.gpus_per_node for g in cluster.groups)
     usable = [t for t in opts.tp_options if heads % t == 0 and t <= max_gpn]
     if not usable:
         raise SpecError("tp", opts.tp_options, f"a tensor degree dividing the model's {heads} "
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
-    t0 = time.perf_counter()
     # One budget: the inter-op search gets 85% of it, the intra-op shardings the rest
     # (one CP-SAT model per block and layout: about a second); where the whole-block plan
     # is then refined in halves, the search keeps a quarter of its share for that.
     inter = opts.time_limit_s * (0.85 if shardings else 1.0)
-    name = model if isinstance(model, str) else config.name
-    split = opts.split_blocks
     refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
-    profile = profile_model(model, seq_len, opts.dtype, split_blocks=bool(split))
     # The searches' own time-limit warnings name their share of the budget and the gap
     # before refinement: one warning below names the caller's limit and the final gap.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlannerTimeLimitWarning)
-        result, profile = _searched(model, name, profile, cluster, global_batch, seq_len,
+        result, profile = _searched(program, profile, cluster, global_batch, seq_len,
                                     cal, narrowed, inter, refine, t0)
     if result.solver.status == "time_limit":
         warnings.warn(PlannerTimeLimitWarning(
@@ -101,23 +106,23 @@ def make_plan(model: str, cluster, *, global_batch: int, seq_len: int | None = N
             f"compute bound {result.solver.gap:.1%}"), stacklevel=2)
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
-        result = attach_shardings(result, profile, cluster, cal, time_limit_s=max(1.0, left))
-    return result
+        result = attach_shardings(result, program, cluster, cal, time_limit_s=max(1.0, left))
+    return dataclasses.replace(result, fingerprint=program.fingerprint)
 
 
-def _searched(model, name, profile, cluster, global_batch, seq_len, cal, narrowed, inter,
+def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, inter,
               refine, t0):
     """(plan, its profile): the whole-block search, refined in block halves when
     ``refine`` (kept when faster)."""
-    from hetshard.cost.profile import profile_model
+    from hetshard.cost.profile import profile_program
     from hetshard.solver.inter_op import plan, refine_halves
-    result = plan(name, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                  cal=cal, options=dataclasses.replace(
+    result = plan(profile.model, profile, cluster, global_batch=global_batch,
+                  seq_len=seq_len, cal=cal, options=dataclasses.replace(
                       narrowed, time_limit_s=inter * (0.75 if refine else 1.0)))
-    if refine:
+    if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
-        halves = profile_model(model, seq_len, narrowed.dtype, split_blocks=True)
+        halves = profile_program(program, split_blocks=True)
         left = max(1.0, t0 + inter - time.perf_counter())
         refined = refine_halves(result, profile, halves, cluster, cal=cal,
                                 options=dataclasses.replace(narrowed, time_limit_s=left))

@@ -23,14 +23,14 @@ BASELINES = ("megatron-uniform", "fastest-only", "metis-like", "amp-like", "alpa
 
 
 def _blocks(profile: ModelProfile) -> int:
-    return sum(1 for layer in profile.layers if layer.kind.endswith("/block"))
+    return len(profile.block_indices())
 
 
 def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> list[Plan]:
     """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats)."""
     from hetshard.solver.inter_op import _heads
     n = cluster.num_devices
-    heads = _heads(model)
+    heads = _heads(profile)
     max_tp = min(g.gpus_per_node for g in cluster.groups)
     out = []
     for tp in opts.tp_options:
@@ -51,7 +51,7 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
                                                     zero1=opts.distributed_optimizer
                                                     is not False,
                                                     tp_overlap=opts.tp_overlap),
-                                            dtype=opts.dtype, attention=opts.attention))
+                                            attention=opts.attention))
                 except HetshardError:
                     continue
     return out
@@ -105,8 +105,8 @@ def _shift(plan: Plan, offset: int, cluster: Cluster) -> Plan:
 
 def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
     """The best uniform plan on the fastest GPU group alone (the rest idle)."""
-    g = max(cluster.groups, key=lambda g: g.gpu.peak_flops(opts.dtype) * g.num_devices)
-    fastest = max(cluster.groups, key=lambda g: g.gpu.peak_flops(opts.dtype))
+    g = max(cluster.groups, key=lambda g: g.gpu.peak_flops(profile.dtype) * g.num_devices)
+    fastest = max(cluster.groups, key=lambda g: g.gpu.peak_flops(profile.dtype))
     g = fastest
     sub = _sub_cluster(cluster, g.name)
     plans = uniform_candidates(model, profile, sub, global_batch, seq_len, opts)
@@ -124,8 +124,8 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
     import math
 
     from hetshard.solver.inter_op import Family, _divisors, _heads, build_plan
-    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
-    heads = _heads(model)
+    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
+    heads = _heads(profile)
     n_layers = profile.num_layers
     plans = []
     gcd = math.gcd(*[g.num_devices for g in groups])
@@ -137,7 +137,7 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
             ks = [g.num_devices // (r * tp) for g in groups]
             if sum(ks) > n_layers:
                 continue
-            speeds = [g.gpu.peak_flops(opts.dtype) for g, k in zip(groups, ks, strict=True)
+            speeds = [g.gpu.peak_flops(profile.dtype) for g, k in zip(groups, ks, strict=True)
                       for _ in range(k)]
             names = [g.name for g, k in zip(groups, ks, strict=True) for _ in range(k)]
             cuts, acc, total = [0], 0.0, sum(speeds)
@@ -171,7 +171,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
         stages, caps = [], []
         for st in pipe.stages:
             g = min((cluster.group(cluster.slot(d).group) for d in st.devices),
-                    key=lambda g: g.gpu.peak_flops(opts.dtype))
+                    key=lambda g: g.gpu.peak_flops(profile.dtype))
             stages.append(tables.get(g, st.axis("tensor"), pipe.micro_batch_size, st.remat,
                                      st.axis("data")))
             caps.append(g.gpu.memory_bytes * (1 - opts.memory_margin))
@@ -204,7 +204,7 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     import time
     tables = LayerTables(profile, homo, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
-    fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(model),
+    fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(profile),
                           time.perf_counter() + opts.time_limit_s)
     plans = []
     for fam in sorted(fams, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)[:8]:

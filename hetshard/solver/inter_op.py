@@ -63,7 +63,6 @@ import warnings
 import numpy as np
 from ortools.sat.python import cp_model
 
-import models
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import p2p_time
@@ -134,7 +133,6 @@ class PlannerOptions:
     # ``hetshard.collectives.matmul``), priced with their collectives overlapped (never
     # slower than without: what cannot hide is paid as the plain collective would be).
     tp_overlap: bool = True
-    dtype: str = "bfloat16"
     schedule: str = "1f1b"
     # With schedule "1f1b": the best plans also tried under ZB-H1 (backward split into B
     # and W passes, W filling the bubbles), and kept where faster within memory.
@@ -208,9 +206,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _heads(model: str) -> int:
-    c = models.resolve(model)
-    return c.text.heads if isinstance(c, models.MLLMConfig) else getattr(c, "heads", 1)
+def _heads(profile: ModelProfile) -> int:
+    """What a tensor degree must divide: the attention heads (``ModelProfile.heads``)."""
+    return profile.heads or 1
 
 
 def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: ModelProfile,
@@ -429,7 +427,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     context = Context(cp, (seq_len // cp,) * cp if cp > 1 else (), True)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
-                dtype=opts.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
+                dtype=profile.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
                 attention=opts.attention, split_blocks=profile.split_blocks,
                 tp_overlap=opts.tp_overlap)
 
@@ -492,7 +490,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         raise SpecError("global_batch", global_batch, "a positive integer")
     tables = LayerTables(profile, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
-    heads = _heads(model)
+    heads = _heads(profile)
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False
 
@@ -515,11 +513,11 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             if seed is not None:
                 seeds.append(dataclasses.replace(
                     seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))
-    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype)))
+    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
     fam_cache: dict[tuple, list[Family]] = {}
     combos = []
     deadline = t0 + opts.time_limit_s * 0.6
-    for assignment in _assignments(groups, opts.dtype, opts.stage_orders):
+    for assignment in _assignments(groups, profile.dtype, opts.stage_orders):
         if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
             continue
         per_family = []
@@ -945,7 +943,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     t0 = time.perf_counter()
     tables = LayerTables(halves, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
-    heads = _heads(plan.model)
+    heads = _heads(halves)
     cache: dict = {}
     evaluate = _evaluator(halves, cluster, cal, opts, cache)
     found = [evaluate(as_halves(plan, blocks, halves))]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import models
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
@@ -83,7 +82,7 @@ def parse_fix(text: str) -> Fix:
 
 def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
     """Layer ranges of ``pp`` stages with equal numbers of blocks."""
-    blocks = [i for i, layer in enumerate(profile.layers) if layer.kind.endswith("/block")]
+    blocks = profile.block_indices()
     if len(blocks) % pp:
         raise SpecError("--fix pp", pp, f"a divisor of the model's {len(blocks)} blocks")
     per = len(blocks) // pp
@@ -91,15 +90,14 @@ def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
     # Non-block layers just before a stage's first block belong to that stage.
     for k in range(1, pp):
         j = starts[k]
-        while j - 1 > starts[k - 1] and not profile.layers[j - 1].kind.endswith("/block"):
+        while j - 1 > starts[k - 1] and j - 1 not in set(blocks):
             j -= 1
         starts[k] = j
     return list(zip(starts, starts[1:] + [profile.num_layers], strict=True))
 
 
 def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
-                 seq_len: int, fix: Fix, dtype: str = "bfloat16",
-                 attention: str = "flash") -> Plan:
+                 seq_len: int, fix: Fix, attention: str = "flash") -> Plan:
     """The uniform plan ``fix`` describes on ``cluster`` (errors name what does not divide)."""
     n = fix.dp * fix.tp * fix.pp * fix.cp
     if n != cluster.num_devices:
@@ -111,8 +109,7 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                         f"a multiple of dp*mbs={fix.dp * fix.mbs} (e.g. {valid})")
     if seq_len % fix.cp:
         raise SpecError("--seq-len", seq_len, f"a multiple of cp={fix.cp}")
-    config = models.resolve(model)
-    heads = config.text.heads if isinstance(config, models.MLLMConfig) else config.heads
+    heads = profile.heads or 1
     if heads % fix.tp:
         raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
     m = global_batch // (fix.dp * fix.mbs)
@@ -124,7 +121,7 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
     try:
         bounds = stage_bounds(profile, fix.pp * fix.vpp)
     except SpecError:
-        blocks = sum(1 for layer in profile.layers if layer.kind.endswith("/block"))
+        blocks = len(profile.block_indices())
         raise SpecError("--fix pp" if fix.vpp == 1 else "--fix pp*vpp", fix.pp * fix.vpp,
                         f"a divisor of the model's {blocks} blocks") from None
     per_stage = fix.dp * fix.cp * fix.tp
@@ -140,6 +137,6 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
     pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,
                     num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
-                seq_len=seq_len, pipelines=(pipe,), dtype=dtype, fsdp=fix.fsdp,
+                seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
                 split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap)

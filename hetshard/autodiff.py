@@ -1,0 +1,206 @@
+"""``hetshard.value_and_grad``: the marked per-micro-batch region of a train step.
+
+A step that differentiates its loss with :func:`value_and_grad` (a drop-in for
+``nnx.value_and_grad`` and ``jax.value_and_grad``) tells hetshard where its loss is. The
+compiler then plans and runs that loss in pieces: per pipeline stage, per micro-batch,
+per batch share. What the wrapper does depends on the :class:`StepContext` the caller
+(``hetshard.jit``, the program tracer, the pipeline runtime) has entered:
+
+* ``record``: the call is captured as a :class:`LossCall` (how the loss reads the step's
+  state and batch) and tracing stops there;
+* ``capture``: the value and gradients are computed and kept for the caller;
+* ``provide``: the caller's value and gradients are returned instead (the pipeline
+  computed them stage by stage), so the rest of the step (the optimizer update) runs on
+  them;
+* ``rewrite``: the loss is replaced by ``rewrite(loss)`` before it is differentiated
+  (the attention swap, the SPMD layouts, the tracer's layer scopes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hetshard.errors import HetshardError
+
+
+class LossCallError(HetshardError, ValueError):
+    """The step's ``hetshard.value_and_grad`` call cannot be cut per micro-batch (the
+    message says why and what would work)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+    """How the step called ``hetshard.value_and_grad(fn)``: ``args`` holds, per argument,
+    ``("object", i)`` (the step's i-th non-batch argument itself, an NNX object or a
+    pytree), ``("state", treedef, leaf_indices)`` (a pytree of the step's state leaves),
+    ``("batch", treedef, leaf_indices)`` (the batch or part of it) or ``("static",
+    value)``."""
+
+    fn: Callable
+    argnums: int
+    has_aux: bool
+    args: tuple
+
+    @property
+    def differentiated(self) -> tuple:
+        return self.args[self.argnums]
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What ``value_and_grad`` does in the current thread (see the module docstring)."""
+
+    mode: str | None = None  # None, "record", "capture" or "provide"
+    rewrite: Callable | None = None  # loss -> loss, applied before differentiation
+    provided: object = None
+    captured: object = None
+    used: bool = False
+    # record mode: the step's non-batch arguments (as the step sees them) and batch
+    record_args: tuple = ()
+    record_state: tuple = ()
+    record_batch: object = None
+
+
+_LOCAL = threading.local()
+
+
+def context() -> StepContext:
+    ctx = getattr(_LOCAL, "ctx", None)
+    if ctx is None:
+        ctx = _LOCAL.ctx = StepContext()
+    return ctx
+
+
+@contextlib.contextmanager
+def entered(**fields):
+    """Sets fields of the thread's :class:`StepContext` for the block, restoring them
+    after."""
+    ctx = context()
+    previous = {k: getattr(ctx, k) for k in fields}
+    for k, v in fields.items():
+        setattr(ctx, k, v)
+    try:
+        yield ctx
+    finally:
+        for k, v in previous.items():
+            setattr(ctx, k, v)
+
+
+class _Recorded(Exception):  # noqa: N818 (control flow, never escapes hetshard)
+    def __init__(self, call):
+        super().__init__("recorded")
+        self.call = call
+
+
+def _is_graph(x) -> bool:
+    return isinstance(x, (nnx.Module, nnx.Optimizer)) or isinstance(
+        x, nnx.Variable) or _graph_node(x)
+
+
+def _graph_node(x) -> bool:
+    fn = getattr(nnx, "is_graph_node", None) or getattr(nnx.graph, "is_graph_node", None)
+    return bool(fn(x)) if fn is not None else False
+
+
+def is_graph(x) -> bool:
+    """An NNX object (module, optimizer or other graph node)."""
+    return _is_graph(x)
+
+
+def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
+    """Drop-in for ``nnx.value_and_grad`` (an NNX model at ``argnums``: gradients of its
+    ``nnx.Param`` state) and ``jax.value_and_grad`` (a pytree at ``argnums``) that marks
+    the per-micro-batch region of the step for hetshard (see the module docstring)."""
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise LossCallError(f"hetshard.value_and_grad takes one integer argnums, got "
+                            f"{argnums!r}")
+
+    def plain(*args):
+        if _is_graph(args[argnums]):
+            return nnx.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
+        return jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
+
+    def rewritten(rewrite, args):
+        # The loss as a function of the differentiated leaves, rewritten, then
+        # differentiated: gradients keep the structure nnx/jax.value_and_grad return.
+        target = args[argnums]
+        others = args[:argnums] + args[argnums + 1:]
+        if _is_graph(target):
+            graphdef, params, rest = nnx.split(target, nnx.Param, ...)
+
+            def rebuild(p):
+                return nnx.merge(graphdef, p, rest)
+        else:
+            params = target
+
+            def rebuild(p):
+                return p
+
+        def loss_of(params, *others):
+            full = list(others)
+            full.insert(argnums, rebuild(params))
+            return fn(*full)
+        return jax.value_and_grad(rewrite(loss_of), has_aux=has_aux)(params, *others)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        ctx = context()
+        ctx.used = True
+        if ctx.mode == "record":
+            raise _Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx))
+        if ctx.mode == "provide":
+            return ctx.provided
+        if ctx.rewrite is None or kwargs:
+            out = plain(*args, **kwargs)
+        else:
+            out = rewritten(ctx.rewrite, args)
+        if ctx.mode == "capture":
+            ctx.captured = out
+        return out
+
+    return wrapped
+
+
+def _loss_call(fn, argnums, has_aux, args, kwargs, ctx) -> LossCall:
+    """How the step called the loss, relative to its arguments and batch."""
+    if kwargs:
+        raise LossCallError("hetshard.value_and_grad takes positional arguments only "
+                            "(keywords cannot be cut per micro-batch)")
+    batch_ids = {id(x): k for k, x in enumerate(jax.tree.leaves(ctx.record_batch))}
+    state_ids = {id(x): k for k, x in enumerate(ctx.record_state)}
+    spec = []
+    for i, a in enumerate(args):
+        j = next((j for j, o in enumerate(ctx.record_args) if o is a), None)
+        if j is not None:
+            spec.append(("object", j))
+            continue
+        leaves, tree = jax.tree.flatten(a)
+        if _is_graph(a):
+            raise LossCallError(
+                f"argument {i} of the loss is an NNX object the step does not receive as "
+                f"an argument (pass the model itself, not a part of it, to the loss)")
+        if leaves and all(id(x) in batch_ids for x in leaves):
+            spec.append(("batch", tree, [batch_ids[id(x)] for x in leaves]))
+        elif leaves and all(id(x) in state_ids for x in leaves):
+            spec.append(("state", tree, [state_ids[id(x)] for x in leaves]))
+        elif i == argnums:
+            raise LossCallError(
+                "the differentiated argument of hetshard.value_and_grad must be an NNX "
+                "model or a pytree of parameters the step receives as an argument")
+        elif not any(isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+                     for x in leaves):
+            spec.append(("static", a))
+        else:
+            raise LossCallError(
+                f"argument {i} of the loss is computed inside the step; the loss's "
+                f"arguments must be the step's model or parameters and its batch (or "
+                f"parts of them), so that each micro-batch can be cut from the batch")
+    return LossCall(fn, argnums, has_aux, tuple(spec))

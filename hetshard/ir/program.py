@@ -1,0 +1,570 @@
+"""The user's train step and its arguments: what hetshard plans, prices and runs.
+
+``Program(step, args)`` takes a train step exactly as the user wrote it, with the
+arguments of one call: NNX objects (a model, an ``nnx.Optimizer``) or pytrees (a params
+dict, an optax state), and a batch. Any of them may be shape-only
+(``nnx.eval_shape``/``jax.eval_shape``/``jax.ShapeDtypeStruct``), so a 175B model is
+planned without weights. The program
+
+* flattens the step's non-batch arguments to state leaves with paths
+  (``layers/3/attn/q_proj/kernel``) and rebuilds them (:meth:`merge`);
+* records the step's ``hetshard.value_and_grad`` call (:class:`~hetshard.autodiff.
+  LossCall`), which isolates the loss (the per-micro-batch part) from the optimizer
+  update, and the state leaves it differentiates;
+* traces the loss of one micro-batch on flat leaves (:meth:`loss_jaxpr`) and finds its
+  layers there (:meth:`layering`, ``hetshard.ir.layers``): the planner prices them and
+  the runtime cuts stages between them, both from this one function.
+
+A step without ``hetshard.value_and_grad`` is still planned and run, as one layer
+(single-stage plans only: its loss cannot be cut per micro-batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.extend import core as ext
+
+from hetshard.autodiff import LossCall, _Recorded, entered, is_graph
+from hetshard.errors import SpecError
+from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
+
+_INT_KINDS = ("i", "u")
+
+
+def path_string(path) -> str:
+    """``a/b/3/kernel`` for a pytree key path (NNX's ``value`` wrappers dropped)."""
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        if str(k) not in ("value", ".value"):
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _aval(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(np.shape(x)), jnp.result_type(x))
+
+
+def check_batch(batch, where: str = "hetshard.jit") -> int:
+    """The batch's leading size; every leaf must have one and they must agree.
+
+    Raises:
+      SpecError: naming the leaf without a batch dimension, or the two leaves whose
+      leading sizes differ.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(batch)
+    if not flat:
+        raise SpecError("batch", type(batch).__name__,
+                        "a pytree of arrays with a leading batch dimension", where=where)
+    size, first = None, None
+    for path, x in flat:
+        name = f"batch[{path_string(path)!r}]" if path else "batch"
+        if not hasattr(x, "shape") or not np.ndim(x):
+            raise SpecError(name, f"shape {tuple(np.shape(x))}",
+                            "an array with a leading batch dimension", where=where)
+        n = int(np.shape(x)[0])
+        if size is None:
+            size, first = n, name
+        elif n != size:
+            raise SpecError(name, f"leading size {n}",
+                            f"the leading size {size} of {first} (every batch leaf holds "
+                            f"the same samples)", where=where)
+    return size
+
+
+class Program:
+    """A train step with one call's arguments (see the module docstring).
+
+    Args:
+      step: the train step, ``step(*args)``.
+      args: its arguments; ``args[batch_argnum]`` is the batch (default: the last).
+      name: a label for plans and tables (default: the step's qualified name).
+
+    Raises:
+      SpecError: a batch without one common leading size, a batch_argnum out of range.
+      LossCallError: a ``hetshard.value_and_grad`` call whose loss cannot be cut per
+        micro-batch.
+    """
+
+    def __init__(self, step, args, *, batch_argnum: int | None = None,
+                 name: str | None = None):
+        args = tuple(args)
+        if not args:
+            raise SpecError("args", "()", "the step's arguments, the batch among them",
+                            where="hetshard.plan")
+        idx = len(args) - 1 if batch_argnum is None else batch_argnum
+        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
+                args):
+            raise SpecError("batch_argnums", batch_argnum,
+                            f"an argument index below {len(args)}", where="hetshard.jit")
+        self.step = step
+        self.batch_index = idx % len(args)
+        self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
+        batch = args[self.batch_index]
+        self.global_batch = check_batch(batch)
+        others = tuple(a for i, a in enumerate(args) if i != self.batch_index)
+        self.kind = "nnx" if any(is_graph(a) for a in others) else "tree"
+        if self.kind == "nnx":
+            self.graphdef, state = nnx.split(others)
+        else:
+            self.graphdef, state = None, others
+        flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state)
+        self.paths = [path_string(p) for p, _ in flat]
+        self.state_avals = [_aval(x) for _, x in flat]
+        batch_leaves, self.batch_tree = jax.tree.flatten(batch)
+        self.batch_avals = [_aval(x) for x in batch_leaves]
+        self.batch_paths = [path_string(p) for p, _ in
+                            jax.tree_util.tree_flatten_with_path(batch)[0]]
+        self.call = self._record()
+        self.diff, self.diff_prefix = self._differentiated(state)
+
+    # ---- state ----------------------------------------------------------------------
+    def merge(self, state_leaves) -> list:
+        """The step's non-batch arguments rebuilt from flat state leaves."""
+        tree = jax.tree.unflatten(self.state_tree, list(state_leaves))
+        return list(nnx.merge(self.graphdef, tree) if self.kind == "nnx" else tree)
+
+    def updated_state(self, objs) -> list:
+        """Flat state leaves of NNX objects after the step changed them."""
+        return jax.tree.leaves(nnx.state(tuple(objs)))
+
+    def batch_at(self, mbs: int) -> list[jax.ShapeDtypeStruct]:
+        """Batch leaf avals with ``mbs`` samples."""
+        return [jax.ShapeDtypeStruct((mbs, *a.shape[1:]), a.dtype) for a in self.batch_avals]
+
+    def call_step(self, state_leaves, batch_leaves):
+        """``step(*args)`` on flat leaves; returns (output, the objects after the step)."""
+        objs = self.merge(state_leaves)
+        objs.insert(self.batch_index, jax.tree.unflatten(self.batch_tree, list(batch_leaves)))
+        out = self.step(*objs)
+        del objs[self.batch_index]
+        return out, objs
+
+    def _record(self) -> LossCall | None:
+        def probe(state_leaves, batch_leaves):
+            objs = self.merge(state_leaves)
+            batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
+            with entered(mode="record", record_args=tuple(objs),
+                         record_state=tuple(state_leaves), record_batch=batch):
+                objs.insert(self.batch_index, batch)
+                self.step(*objs)
+
+        try:
+            jax.eval_shape(probe, self.state_avals, self.batch_avals)
+        except _Recorded as rec:
+            return rec.call
+        return None
+
+    def _differentiated(self, state) -> tuple[list[int], str]:
+        """State indices of the leaves the loss is differentiated in (the gradient's
+        leaves, in its order), and their common path prefix."""
+        call = self.call
+        if call is None:
+            # Without the loss call: the NNX parameters, or the first argument's leaves.
+            if self.kind == "nnx":
+                params = nnx.state(tuple(self.merge(self.state_avals)), nnx.Param)
+                wanted = {path_string(p) for p, _ in
+                          jax.tree_util.tree_flatten_with_path(params)[0]}
+                return [i for i, p in enumerate(self.paths) if p in wanted], ""
+            first = len(jax.tree.leaves(state[0])) if state else 0
+            return list(range(first)), "0" if first else ""
+        kind, *rest = call.differentiated
+        where = {p: i for i, p in enumerate(self.paths)}
+        if kind == "state":
+            return list(rest[1]), ""
+        j = rest[0]
+        objs = self.merge(self.state_avals)
+        target = objs[j]
+        prefix = str(j)
+        if self.kind == "nnx" and is_graph(target):
+            tree = nnx.state(target, nnx.Param)
+        else:
+            tree = target
+        out = []
+        for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            rel = path_string(p)
+            key = f"{prefix}/{rel}" if rel else prefix
+            if key not in where:
+                raise SpecError("model", key, "a parameter the step receives in its "
+                                "arguments", where="hetshard.plan")
+            out.append(where[key])
+        return out, prefix
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def layer_params(self, mbs: int = 2, split_blocks: bool = False) -> list[list[int]]:
+        """Per layer, the state leaves its equations read, in the order first read: the
+        same position in two layers of one kind is the same parameter of each."""
+        closed, _ = self.loss_jaxpr(mbs)
+        lay = self.layering(mbs, split_blocks)
+        pos = {v: i for i, v in enumerate(closed.jaxpr.invars[:len(self.state_avals)])}
+        out: list[list[int]] = [[] for _ in range(lay.num_layers)]
+        seen: list[set] = [set() for _ in range(lay.num_layers)]
+        for i, eqn in enumerate(closed.jaxpr.eqns):
+            k = lay.eqn_layer[i]
+            for v in eqn.invars:
+                if not isinstance(v, ext.Literal) and v in pos and pos[v] not in seen[k]:
+                    seen[k].add(pos[v])
+                    out[k].append(pos[v])
+        return out
+
+    def param_path(self, i: int) -> str:
+        """Path of state leaf ``i`` inside the differentiated argument (the model's own
+        path: ``layers/3/attn/q_proj/kernel``), the full path for other leaves."""
+        p = self.paths[i]
+        pre = self.diff_prefix
+        if pre and (p == pre or p.startswith(pre + "/")):
+            return p[len(pre) + 1:]
+        return p
+
+    # ---- the loss -------------------------------------------------------------------
+    def loss_flat(self, state_leaves, batch_leaves):
+        """The recorded loss on flat leaves (what ``hetshard.value_and_grad``
+        differentiates), for one micro-batch."""
+        call = self.call
+        objs = self.merge(state_leaves)
+        args = []
+        for kind, *rest in call.args:
+            if kind == "object":
+                args.append(objs[rest[0]])
+            elif kind == "batch":
+                args.append(jax.tree.unflatten(rest[0], [batch_leaves[i] for i in rest[1]]))
+            elif kind == "state":
+                args.append(jax.tree.unflatten(rest[0], [state_leaves[i] for i in rest[1]]))
+            else:
+                args.append(rest[0])
+        return call.fn(*args)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (one program, a few batch sizes)
+    def loss_jaxpr(self, mbs: int):
+        """``(ClosedJaxpr, output shape)`` of the loss on flat leaves at ``mbs`` samples."""
+        if self.call is None:
+            def whole(state_leaves, batch_leaves):
+                return self.call_step(state_leaves, batch_leaves)[0]
+            return jax.make_jaxpr(whole, return_shape=True)(self.state_avals,
+                                                            self.batch_at(mbs))
+        return jax.make_jaxpr(self.loss_flat, return_shape=True)(self.state_avals,
+                                                                 self.batch_at(mbs))
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:
+        """The loss's layers at ``mbs`` samples (one layer for a step without
+        ``hetshard.value_and_grad``)."""
+        closed, _ = self.loss_jaxpr(mbs)
+        if self.call is None:
+            n = len(closed.jaxpr.eqns)
+            return Layering(("step",), ("step",), (0,) * n, (-1,), (0,), "single",
+                            split_blocks)
+        return discover(closed, split_blocks)
+
+    # ---- facts the planner reads ------------------------------------------------------
+    @functools.cached_property
+    def seq_len(self) -> int:
+        """Tokens per sample: dimension 1 of the first integer batch leaf of rank >= 2
+        (the tokens); 1 for a batch without tokens (images: throughput in samples)."""
+        for a in self.batch_avals:
+            if len(a.shape) >= 2 and np.dtype(a.dtype).kind in _INT_KINDS:
+                return int(a.shape[1])
+        return 1
+
+    @functools.cached_property
+    def heads(self) -> int | None:
+        """Attention heads (the greatest common divisor over the loss's attention ops),
+        or None without attention: a tensor degree must divide it."""
+        found: list[int] = []
+        _attention_heads(self.loss_jaxpr(2)[0].jaxpr, found)
+        return math.gcd(*found) if found else None
+
+    @functools.cached_property
+    def dtype(self) -> str:
+        """The compute dtype: that of the matmuls with the most flops."""
+        weights: dict[str, float] = {}
+        _matmul_dtypes(self.loss_jaxpr(2)[0].jaxpr, weights, 1.0)
+        if not weights:
+            return "float32"
+        return max(weights, key=lambda d: (weights[d], d))
+
+    @functools.cached_property
+    def opt_state_bytes(self) -> int:
+        """Bytes of the optimizer's per-parameter state: every state leaf with a shape
+        outside the differentiated argument (AdamW's moments, Lion's momentum,
+        Adafactor's factored second moments; a masked transform's masked-out leaves hold
+        none)."""
+        pre, diff = self.diff_prefix, set(self.diff)
+        total = 0
+        for i, (p, a) in enumerate(zip(self.paths, self.state_avals, strict=True)):
+            inside = i in diff or (pre and (p == pre or p.startswith(pre + "/")))
+            if not inside and a.shape:
+                total += math.prod(a.shape) * np.dtype(a.dtype).itemsize
+        return int(total)
+
+    @functools.cached_property
+    def param_bytes(self) -> int:
+        return int(sum(math.prod(self.state_avals[i].shape) *
+                       np.dtype(self.state_avals[i].dtype).itemsize for i in self.diff))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of what a plan depends on: the loss's equations, the state's and the
+        batch's shapes, dtypes and paths (the optimizer's state among them: its kind and
+        size, not its hyperparameters, which no plan depends on)."""
+        h = hashlib.blake2b(digest_size=16)
+        closed, _ = self.loss_jaxpr(2)
+        for eqn in closed.jaxpr.eqns:
+            h.update(eqn_signature(eqn).encode())
+        for p, a in zip(self.paths, self.state_avals, strict=True):
+            h.update(f"{p}:{a.shape}:{a.dtype};".encode())
+        for p, a in zip(self.batch_paths, self.batch_avals, strict=True):
+            h.update(f"batch {p}:{a.shape}:{a.dtype};".encode())
+        h.update(f"diff {self.diff};call {self.call is not None}".encode())
+        return h.hexdigest()
+
+    def update_jaxpr(self):
+        """The step with its ``hetshard.value_and_grad`` answered (the optimizer update
+        and whatever else the step does besides the loss), traced."""
+        if self.call is None:
+            return self.loss_jaxpr(2)[0]
+        closed, shape = self.loss_jaxpr(2)
+        loss_avals = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shape)
+
+        def update(state_leaves, grad_leaves, loss, batch_leaves):
+            grads = self.gradient_tree(grad_leaves)
+            value = loss
+            with entered(mode="provide", provided=(value, grads)):
+                out, objs = self.call_step(state_leaves, batch_leaves)
+            return out, (self.updated_state(objs) if self.kind == "nnx" else None)
+
+        grads = [self.state_avals[i] for i in self.diff]
+        return jax.make_jaxpr(update)(self.state_avals, grads, loss_avals,
+                                      self.batch_at(self.global_batch))
+
+    @functools.cached_property
+    def _state_outputs(self):
+        loss_shape = self.loss_jaxpr(2)[1]
+        grads = self.gradient_tree([self.state_avals[i] for i in self.diff])
+
+        def run(state_leaves, batch_leaves):
+            with entered(mode="provide", provided=(loss_shape, grads)):
+                return self.call_step(state_leaves, batch_leaves)[0]
+        out = jax.eval_shape(run, self.state_avals, self.batch_at(self.global_batch))
+        tree = jax.tree.structure(out)
+        candidates = list(_subtrees(out, 0))
+        used: list[tuple[int, int]] = []
+        mapping: list[int | None] = []
+        others = jax.tree.unflatten(self.state_tree, self.state_avals)
+        for arg in others:
+            leaves, arg_tree = jax.tree.flatten(arg)
+            sig = (arg_tree, [(a.shape, a.dtype) for a in leaves])
+            hit = None
+            for start, sub in candidates:
+                sub_leaves, sub_tree = jax.tree.flatten(sub)
+                span = (start, start + len(sub_leaves))
+                if (sub_tree, [(a.shape, a.dtype) for a in sub_leaves]) == sig and leaves \
+                        and not any(a < span[1] and span[0] < b for a, b in used):
+                    hit = span
+                    break
+            if hit is None:
+                mapping += [None] * len(leaves)
+            else:
+                used.append(hit)
+                mapping += list(range(*hit))
+        return tree, mapping
+
+    def state_outputs(self) -> tuple[object, list[int | None]]:
+        """For a pytree step (``step(params, opt_state, batch) -> (loss, params,
+        opt_state)`` and the like): the output's treedef and, per state leaf, the output
+        leaf that is its new value (None: the step does not return it; it is kept). An
+        argument's new value is the first output subtree of its structure, shapes and
+        dtypes."""
+        return self._state_outputs
+
+    def gradient_tree(self, grad_leaves):
+        """Gradients in the structure ``hetshard.value_and_grad`` returns them."""
+        kind, *rest = self.call.differentiated
+        if kind == "state":
+            return jax.tree.unflatten(rest[0], list(grad_leaves))
+        objs = self.merge(self.state_avals)
+        target = objs[rest[0]]
+        tree = (nnx.state(target, nnx.Param) if self.kind == "nnx" and is_graph(target)
+                else target)
+        return jax.tree.unflatten(jax.tree.structure(tree), list(grad_leaves))
+
+
+def _subtrees(x, start: int):
+    """``(leaf offset, subtree)`` of ``x`` and of every tuple, list or dict inside it, in
+    pre-order."""
+    yield start, x
+    if isinstance(x, (tuple, list)):
+        children = list(x)
+    elif isinstance(x, dict):
+        children = [x[k] for k in sorted(x)]
+    else:
+        return
+    for c in children:
+        yield from _subtrees(c, start)
+        start += len(jax.tree.leaves(c))
+
+
+def _inner(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            j = eqn.params[key]
+            return getattr(j, "jaxpr", j)
+    if eqn.primitive.name == "scan":
+        return eqn.params["jaxpr"].jaxpr
+    return None
+
+
+def _attention_heads(jaxpr, found: list[int]) -> None:
+    for eqn in jaxpr.eqns:
+        name = eqn.params.get("name", "") if eqn.primitive.name in ("jit", "pjit") else ""
+        if str(name).startswith("hetshard_attention"):
+            found.append(int(eqn.invars[0].aval.shape[2]))
+            continue
+        if eqn.primitive.name == "dot_general":
+            (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            # Attention's scores or weighted values: batched over (batch, heads) on
+            # rank-4 operands ([b, s, h, d] . [b, s, h, d]).
+            if len(lb) == 2 and len(lhs) == 4 and len(rhs) == 4 and lb[0] == 0:
+                found.append(int(lhs[lb[1]]))
+            continue
+        inner = _inner(eqn)
+        if inner is not None:
+            _attention_heads(inner, found)
+
+
+def _matmul_dtypes(jaxpr, weights: dict, mult: float) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            d = str(np.dtype(eqn.invars[0].aval.dtype))
+            weights[d] = weights.get(d, 0.0) + mult * eqn_flops(eqn)
+            continue
+        inner = _inner(eqn)
+        if inner is not None:
+            m = float(eqn.params["length"]) if eqn.primitive.name == "scan" else 1.0
+            _matmul_dtypes(inner, weights, mult * m)
+
+
+# ---- the step traced per layer, for the cost model ------------------------------------
+
+_LAYER_TAG = "hs_layer"
+
+
+def _tagged_layer(names: tuple[str, ...]):
+    """``layer_name`` for ``hetshard.ir.trace.trace``: the layer an injected
+    ``hs_layer<k>`` scope names ('' outside every layer)."""
+    import re
+    pattern = re.compile(rf"{_LAYER_TAG}(\d+)")
+
+    def name(stack: str) -> str:
+        found = pattern.findall(stack)
+        return names[int(found[-1])] if found else ""
+    return name
+
+
+def representatives(layering: Layering) -> dict[int, int]:
+    """Layer -> the layer whose costs stand for it: every layer of a stack after its
+    second block is priced as the second block (their equations are identical); other
+    layers stand for themselves."""
+    unit = 2 if layering.split_blocks else 1
+    first: dict[tuple[int, int], int] = {}
+    for k, (s, p) in enumerate(zip(layering.stacks, layering.positions, strict=True)):
+        if s >= 0 and p < 2 * unit:
+            first[(s, p)] = k
+    out = {}
+    for k, (s, p) in enumerate(zip(layering.stacks, layering.positions, strict=True)):
+        out[k] = k if s < 0 or p < 2 * unit else first[(s, unit + p % unit)]
+    return out
+
+
+def reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
+    """Cached :func:`_reduced_graph` (see there)."""
+    key = (mbs, split_blocks)
+    cache = program.__dict__.setdefault("_reduced", {})
+    if key not in cache:
+        cache[key] = _reduced_graph(program, mbs, split_blocks)
+    return cache[key]
+
+
+def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
+    """``(OpGraph, Layering, representatives, param_index)``: the loss of ``mbs``
+    samples with every stack cut to its first two blocks, differentiated (forward and
+    backward equations tagged with their layer), as ``hetshard.ir.trace`` sees it.
+    ``param_index[k]`` is the state leaf of the graph's parameter ``k``.
+
+    A dropped block's results are the kept second block's (same equations, same
+    shapes), so what follows the stack reads values of the right shapes; a step without
+    ``hetshard.value_and_grad`` is traced whole, as one layer.
+    """
+    from hetshard.ir.trace import trace
+    from hetshard.rewrite.attention import eval_equations
+
+    closed, out_shape = program.loss_jaxpr(mbs)
+    lay = program.layering(mbs, split_blocks)
+    rep = representatives(lay)
+    jaxpr = closed.jaxpr
+    segments = [lay.equations(k) for k in range(lay.num_layers)]
+    read_by_kept: set[int] = set()
+    invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
+    for k, seg in enumerate(segments):
+        if rep[k] != k:
+            continue
+        for i in seg:
+            for v in jaxpr.eqns[i].invars:
+                if not isinstance(v, ext.Literal) and v in invar_pos:
+                    read_by_kept.add(invar_pos[v])
+    diff = [i for i in program.diff
+            if (program.call is None or i in read_by_kept) and
+            jnp.issubdtype(program.state_avals[i].dtype, jnp.inexact)]
+    diff_set = set(diff)
+    rest = [i for i in range(len(program.state_avals)) if i not in diff_set]
+    n_state = len(program.state_avals)
+
+    def reduced(diff_vals, rest_vals, batch_leaves):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        state = [None] * n_state
+        for i, x in zip(diff, diff_vals, strict=True):
+            state[i] = x
+        for i, x in zip(rest, rest_vals, strict=True):
+            state[i] = x
+        env.update(zip(jaxpr.invars, [*state, *batch_leaves], strict=True))
+        for k, seg in enumerate(segments):
+            if rep[k] == k:
+                with jax.named_scope(f"{_LAYER_TAG}{k}"):
+                    eval_equations(jaxpr, env, None, seg)
+                continue
+            for i, j in zip(seg, segments[rep[k]], strict=True):
+                for a, b in zip(jaxpr.eqns[i].outvars, jaxpr.eqns[j].outvars, strict=True):
+                    if b in env:
+                        env[a] = env[b]
+        outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
+        out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return out[0] if program.call.has_aux else out
+
+    def step(diff_vals, rest_vals, batch_leaves):
+        with jax.named_scope("hs"):
+            if program.call is None:  # the whole step, its own differentiation inside
+                with jax.named_scope(f"{_LAYER_TAG}0"):
+                    return reduced_whole(diff_vals, rest_vals, batch_leaves)
+            return jax.value_and_grad(reduced)(diff_vals, rest_vals, batch_leaves)
+
+    def reduced_whole(diff_vals, rest_vals, batch_leaves):
+        state = [None] * n_state
+        for i, x in zip(diff, diff_vals, strict=True):
+            state[i] = x
+        for i, x in zip(rest, rest_vals, strict=True):
+            state[i] = x
+        return program.call_step(state, batch_leaves)[0]
+
+    diff_avals = [program.state_avals[i] for i in diff]
+    rest_avals = [program.state_avals[i] for i in rest]
+    graph = trace(step, diff_avals, rest_avals, program.batch_at(mbs), param_argnum=0,
+                  layer_name=_tagged_layer(lay.names))
+    return graph, lay, rep, diff
