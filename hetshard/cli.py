@@ -3,7 +3,7 @@
   hetshard devices  [--json [FILE]]          GPU catalog
   hetshard clusters [NAME] [--json [FILE]]   cluster presets, or one cluster's spec
   hetshard models   [NAME] [--json [FILE]]   model presets with parameter counts
-  hetshard simulate --model M --cluster C --global-batch B --fix dp=..,tp=..,pp=..
+  hetshard simulate --plan FILE | --model M --cluster C --global-batch B --fix dp=..
   hetshard profile  [--out FILE]             calibrate the cost model on this backend
   hetshard plan     --model M --cluster C --global-batch B [--time-limit T] [--json F]
   hetshard compare  --model M --cluster C --global-batch B --json F
@@ -134,23 +134,55 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _program(args, *, dtype_default: str | None = "bfloat16"):
+    """The program ``--model`` names: a factory (``file.py:fn``, ``pkg.mod:fn``:
+    ``hetshard.factory``) called with the given ``--seq-len``/``--dtype``, or a zoo preset
+    or spec built shape-only through the same path (``models.steps.program``)."""
+    from hetshard.factory import is_factory, load_program
+    dtype = getattr(args, "dtype", None)
+    if is_factory(args.model):
+        return load_program(args.model, seq_len=args.seq_len, dtype=dtype)
+    from models import steps
+    return steps.program(args.model, seq_len=args.seq_len, dtype=dtype or dtype_default)
+
+
 def cmd_simulate(args) -> int:
-    import models
     from hetshard.cluster import Cluster
     from hetshard.cost.calibration import DEFAULT, Calibration
-    from hetshard.cost.profile import profile_model
+    from hetshard.cost.profile import profile_program
+    from hetshard.plan import Plan
     from hetshard.sim import simulate, upper_bound_tokens_per_s
     from hetshard.sim.export import write_chrome_trace, write_timeline_png
     from hetshard.sim.simulator import annotate
     from hetshard.solver.uniform import parse_fix, uniform_plan
-    cluster = Cluster.load(args.cluster)
-    config = models.resolve(args.model)
-    fix = parse_fix(args.fix)
-    seq_len = args.seq_len or config.seq
+    if (args.plan is None) == (args.fix is None):
+        from hetshard.errors import SpecError
+        raise SpecError("--plan/--fix", args.plan or args.fix,
+                        "exactly one of --plan FILE (price a plan) or --fix dp=..,tp=..,pp=.. "
+                        "(price a uniform plan)")
     cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
-    profile = profile_model(args.model, seq_len, args.dtype)
-    plan = uniform_plan(args.model, profile, cluster, global_batch=args.global_batch,
-                        seq_len=seq_len, fix=fix, dtype=args.dtype, attention=args.attention)
+    if args.plan is not None:
+        plan = Plan.load(args.plan)
+        if args.model is None:
+            args.model = plan.model
+        if args.seq_len is None:
+            args.seq_len = plan.seq_len
+        cluster = Cluster.load(args.cluster or plan.cluster)
+        program = _program(args, dtype_default=plan.dtype)
+        profile = profile_program(program, plan.split_blocks)
+        _check_covers(plan, profile, cluster)
+    else:
+        from hetshard.errors import SpecError
+        for flag, value in (("--model", args.model), ("--cluster", args.cluster),
+                            ("--global-batch", args.global_batch)):
+            if value is None:
+                raise SpecError(flag, None, "a value (required with --fix)")
+        cluster = Cluster.load(args.cluster)
+        program = _program(args)
+        profile = profile_program(program)
+        plan = uniform_plan(program.name, profile, cluster, global_batch=args.global_batch,
+                            seq_len=program.seq_len, fix=parse_fix(args.fix),
+                            attention=args.attention)
     result = simulate(plan, profile, cluster, cal)
     upper = upper_bound_tokens_per_s(profile, cluster, cal)
     plan = annotate(plan, result, upper)
@@ -168,10 +200,24 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _check_covers(plan, profile, cluster) -> None:
+    """A plan priced on another model or cluster is an error naming what differs."""
+    from hetshard.errors import SpecError
+    ends = {p.stages[-1].end for p in plan.pipelines}
+    if ends != {profile.num_layers}:
+        raise SpecError("plan.pipelines[*].stages[-1].end", sorted(ends),
+                        f"the model's {profile.num_layers} layers"
+                        + (" (block halves)" if plan.split_blocks else ""), where="--plan")
+    used = sorted({d for p in plan.pipelines for s in p.stages for d in s.devices})
+    if used and used[-1] >= cluster.num_devices:
+        raise SpecError("plan.pipelines[*].stages[*].devices", used[-1],
+                        f"device ids below the cluster's {cluster.num_devices}",
+                        where="--plan")
+
+
 def _planner_options(args):
     from hetshard.solver import PlannerOptions, options_from_fix
-    base = PlannerOptions(time_limit_s=args.time_limit, dtype=args.dtype,
-                          attention=args.attention,
+    base = PlannerOptions(time_limit_s=args.time_limit, attention=args.attention,
                           split_blocks={"auto": None, "yes": True, "no": False}[
                               args.split_blocks])
     return options_from_fix(args.fix, base)
@@ -181,8 +227,9 @@ def cmd_plan(args) -> int:
     from hetshard.cost.calibration import Calibration
     from hetshard.solver import make_plan
     cal = Calibration.load(args.calibration) if args.calibration else None
-    plan = make_plan(args.model, args.cluster, global_batch=args.global_batch,
-                     seq_len=args.seq_len, options=_planner_options(args), calibration=cal)
+    options = _planner_options(args)
+    plan = make_plan(_program(args), args.cluster, global_batch=args.global_batch,
+                     options=options, calibration=cal)
     if args.json:
         _emit_json(plan.to_dict(), args.json)
     if args.json != "-":
@@ -191,25 +238,24 @@ def cmd_plan(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    import models
     from hetshard.cluster import Cluster
     from hetshard.cost.calibration import DEFAULT, Calibration
-    from hetshard.cost.profile import profile_model
+    from hetshard.cost.profile import profile_program
     from hetshard.sim import upper_bound_tokens_per_s
     from hetshard.solver import make_plan
     from hetshard.solver.baselines import BASELINES, run_baseline
     cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
     cluster = Cluster.load(args.cluster)
     opts = _planner_options(args)
-    config = models.resolve(args.model)
-    seq_len = args.seq_len or getattr(config, "seq", None) or config.text.seq
-    profile = profile_model(args.model, seq_len, opts.dtype)
+    program = _program(args)
+    seq_len = program.seq_len
+    profile = profile_program(program)
     rows = []
-    ours = make_plan(args.model, cluster, global_batch=args.global_batch, seq_len=seq_len,
-                     options=opts, calibration=cal)
+    ours = make_plan(program, cluster, global_batch=args.global_batch, options=opts,
+                     calibration=cal)
     rows.append(("hetshard", ours))
     for name in BASELINES:
-        rows.append((name, run_baseline(name, args.model, profile, cluster,
+        rows.append((name, run_baseline(name, program.name, profile, cluster,
                                         args.global_batch, seq_len, opts, cal)))
     upper = upper_bound_tokens_per_s(profile, cluster, cal)
     fitting = [p.predicted.tokens_per_s for n, p in rows[1:] if p and p.predicted.fits]
@@ -269,15 +315,20 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(sp)
     sp.set_defaults(func=cmd_models)
 
-    sp = sub.add_parser("simulate", help="price a user-fixed uniform plan on a cluster")
-    sp.add_argument("--model", required=True, help="preset name or 'gpt:key=value,...' spec")
-    sp.add_argument("--cluster", required=True, help="preset name or spec file")
-    sp.add_argument("--global-batch", type=int, required=True)
+    model_help = ("a zoo preset or 'gpt:key=value,...' spec, or a factory: file.py:fn or "
+                  "package.module:fn returning (step, args) (see docs/cli.md)")
+    sp = sub.add_parser("simulate", help="price a plan file, or a user-fixed uniform plan")
+    sp.add_argument("--plan", default=None, help="a Plan JSON to price (exported, "
+                    "hand-edited or converted); its model, cluster and sequence by default")
+    sp.add_argument("--model", default=None, help=model_help)
+    sp.add_argument("--cluster", default=None, help="preset name or spec file")
+    sp.add_argument("--global-batch", type=int, default=None)
     sp.add_argument("--seq-len", type=int, default=None, help="default: the model's seq")
-    sp.add_argument("--fix", required=True,
+    sp.add_argument("--fix", default=None,
                     help="dp=,tp=,pp=,cp=,fsdp=true|false,mbs=,remat=none|selective|full,"
                          "schedule=1f1b|gpipe")
-    sp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
     sp.add_argument("--calibration", default=None, help="a file written by hetshard profile")
     sp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
@@ -288,15 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd, fn, hlp in (("plan", cmd_plan, "plan a model on a cluster"),
                          ("compare", cmd_compare, "plan with hetshard and every baseline")):
         sp = sub.add_parser(cmd, help=hlp)
-        sp.add_argument("--model", required=True)
+        sp.add_argument("--model", required=True, help=model_help)
         sp.add_argument("--cluster", required=True)
         sp.add_argument("--global-batch", type=int, required=True)
         sp.add_argument("--seq-len", type=int, default=None)
         sp.add_argument("--time-limit", type=float, default=60.0, help="seconds")
         sp.add_argument("--fix", default=None,
                         help="constraints: tp=,mbs=,remat=,schedule=,vpp=,zero1=,tp_overlap=")
-        sp.add_argument("--dtype", default="bfloat16",
-                        choices=["bfloat16", "float16", "float32"])
+        sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="zoo models: compute dtype (default bfloat16); a factory "
+                             "gets it as its dtype argument")
         sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
         sp.add_argument("--split-blocks", default="auto", choices=["auto", "yes", "no"],
                         help="stage boundaries inside blocks (attention | MLP): auto "

@@ -188,8 +188,9 @@ class HetshardJit:
         options = _restricted(self.options, program)
         if program.call is None and options is not self.options and not self._warned_vg:
             self._warned_vg = True
-            warnings.warn("the step does not call hetshard.value_and_grad: hetshard "
-                          "restricts itself to single-stage plans for it", stacklevel=4)
+            warnings.warn(f"the step's loss cannot be cut per micro-batch "
+                          f"({program.call_error}): hetshard restricts itself to "
+                          f"single-stage plans for it", stacklevel=4)
         key = cache.fingerprint(program.fingerprint, str(batch_size), self.cluster.to_json(),
                                 repr(options), repr(DEFAULT), __version__)
         found = cache.load(key)
@@ -258,8 +259,9 @@ class HetshardJit:
             if (multi_stage or len(plan.pipelines) > 1) and program.call is None:
                 raise PlanNotExecutableError(
                     f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
-                    f"pipeline; pipeline plans and several pipelines need a step that "
-                    f"calls hetshard.value_and_grad (or plan with max_stages=1 and "
+                    f"pipeline; pipeline plans and several pipelines need a step whose "
+                    f"hetshard.value_and_grad loss can be cut per micro-batch, and "
+                    f"{program.call_error} (or plan with max_stages=1 and "
                     f"max_pipelines=1)")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner

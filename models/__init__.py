@@ -74,6 +74,10 @@ def param_count(model) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+from models import steps  # noqa: E402 (the zoo's train steps use the model classes above)
+from models.steps import example_batch, loss_of, profile, program, train_step  # noqa: E402
+
 __all__ = ["GPT", "GPTConfig", "MLLM", "MLLMConfig", "ViT", "ViTConfig", "PRESETS",
            "PUBLISHED_PARAMS", "ModelConfig", "abstract", "build", "param_count", "resolve",
-           "parse_model_spec"]
+           "parse_model_spec", "example_batch", "loss_of", "profile", "program", "steps",
+           "train_step"]

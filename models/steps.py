@@ -125,3 +125,13 @@ def profile(model, seq_len: int | None = None, dtype: str | None = "bfloat16",
     it)."""
     from hetshard.cost.profile import profile_program
     return profile_program(program(model, seq_len=seq_len, dtype=dtype), split_blocks)
+
+
+def make_plan(model, cluster, *, global_batch: int, seq_len: int | None = None,
+              dtype: str | None = "bfloat16", options=None, calibration=None,
+              shardings: bool = True):
+    """``hetshard.solver.make_plan`` of the zoo model's train step (``program``)."""
+    from hetshard.solver import make_plan as plan
+    return plan(program(model, seq_len=seq_len, dtype=dtype), cluster,
+                global_batch=global_batch, options=options, calibration=calibration,
+                shardings=shardings)

@@ -10,11 +10,11 @@ import models
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
 from hetshard.cost.comm import collective_time, p2p_time, topology
-from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
-from hetshard.ir.train_step import abstract_batch, model_loss, with_layers
 from hetshard.rewrite.pipeline import remat_wrap, split_stages
+from models import profile as profile_model
+from models.steps import example_batch, loss_of
 
 CAL = Calibration(default=Efficiency(comm_eff=0.5, intra_latency_s=1e-5,
                                      inter_latency_s=2e-5))
@@ -93,7 +93,7 @@ def test_memory_model_matches_hand_computed_totals(prof):
     full = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="full", cal=DEFAULT)
     # Full remat keeps each layer's input, the layer before's output ([seq=32, hidden=64]
     # float32 per sample after the embedding and each block; the token ids before it).
-    blocks = [layer for layer in prof.layers if layer.kind.endswith("block")]
+    blocks = [layer for layer in prof.layers if layer.block]
     kept = sum(layer.boundary_bytes_per_sample for layer in prof.layers[:-1]) * 2
     assert full.memory_per_microbatch_bytes == pytest.approx(kept)
     assert blocks[0].boundary_bytes_per_sample == 32 * 64 * 4
@@ -111,14 +111,14 @@ def _vjp_residual_bytes(spec, layers, samples, remat):
     """Bytes of the residuals ``jax.vjp`` keeps for a one-stage pipeline program of
     ``spec`` with ``layers`` blocks, as the runtime builds it (flash kernel, the remat's
     checkpoint per layer); shapes only, nothing computed."""
-    config = with_layers(models.resolve(spec), layers)
+    config = dataclasses.replace(models.resolve(spec), layers=layers)
     graphdef, state = nnx.split(models.abstract(config))
     leaves, tree = jax.tree.flatten(state)
-    batch, btree = jax.tree.flatten(abstract_batch(config, samples, 32))
+    batch, btree = jax.tree.flatten(example_batch(config, samples, 32))
 
     def loss(sl, bl):
-        return model_loss(nnx.merge(graphdef, jax.tree.unflatten(tree, sl)),
-                          jax.tree.unflatten(btree, bl))
+        return loss_of(config)(nnx.merge(graphdef, jax.tree.unflatten(tree, sl)),
+                               jax.tree.unflatten(btree, bl))
     split = split_stages(loss, leaves, batch, [(0, layers + 2)], list(range(len(leaves))),
                          attention="flash", interpret=True)
     st, wrap = split.stages[0], remat_wrap(remat)
@@ -180,7 +180,7 @@ def test_split_blocks_profile_halves_add_up_to_the_blocks(prof):
     # a simulation refuses a profile of the other granularity.
     halves = profile_model(SPEC, 32, "float32", split_blocks=True)
     assert halves.split_blocks and halves.num_layers == 2 * prof.num_layers - 2
-    assert halves.layer_names()[1:3] == ["decoder/layer_0/attn", "decoder/layer_0/mlp"]
+    assert halves.layer_names()[1:3] == ["decoder/layer_0/half_0", "decoder/layer_0/half_1"]
     for i, block in enumerate(prof.layers[1:-1]):
         attn, mlp = halves.layers[1 + 2 * i], halves.layers[2 + 2 * i]
         assert attn.flops(2) + mlp.flops(2) == pytest.approx(block.flops(2))

@@ -15,13 +15,12 @@ from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.comm import p2p_time, topology
-from hetshard.cost.profile import profile_model
 from hetshard.errors import SpecError
+from hetshard.ir.program import reduced_graph
 from hetshard.ir.trace import trace
-from hetshard.ir.train_step import trace_train_step, with_layers
 from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
-from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan, options_from_fix
+from hetshard.solver import NoFeasiblePlanError, PlannerOptions, options_from_fix
 from hetshard.solver.baselines import BASELINES, run_baseline
 from hetshard.solver.inter_op import PlannerTimeLimitWarning, plan
 from hetshard.solver.intra_op import solve, spec_of
@@ -35,6 +34,8 @@ from hetshard.solver.splits import (
     split_layers_mixed,
     with_partial,
 )
+from models import profile as profile_model
+from models.steps import make_plan as zoo_plan
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
 
@@ -63,11 +64,10 @@ def test_intra_op_mlp_picks_megatron_split_when_cheapest(batch, hidden, expect):
 
 def test_intra_op_transformer_block_is_megatron():
     # Realistic shapes: weights (2-8 MB each) outweigh a 1 MB activation, as in training.
-    cfg = with_layers(models.resolve("gpt:layers=2,hidden=1024,heads=8,vocab=256,seq=512"),
-                      2)
-    g = trace_train_step(cfg, micro_batch=1, seq_len=512, dtype="bfloat16")
-    from hetshard.ir.train_step import param_paths
-    paths = param_paths(cfg)
+    program = models.program("gpt:layers=2,hidden=1024,heads=8,vocab=256,seq=512",
+                             dtype="bfloat16")
+    g, _, _, leaves = reduced_graph(program, 1)
+    paths = [program.param_path(i) for i in leaves]
     ops = [op for op in g.ops if op.layer == "decoder/layer_0" and op.phase == "fwd"]
     c = Cluster.load("dgx-a100-80gb-x8")
     r = solve(ops, tp=4, gpu=A100, topo=topology(c, range(4)),
@@ -80,6 +80,11 @@ def test_intra_op_transformer_block_is_megatron():
                      "mlp/up/kernel": col, "mlp/down/kernel": row}
 
 
+def make_plan(model, cluster, *, dtype="float16", **kw):
+    """The zoo model's plan, in float16 unless told (the tests' GPUs include V100s)."""
+    return zoo_plan(model, cluster, dtype=dtype, **kw)
+
+
 # ---- inter-op: exact on tiny instances --------------------------------------------------
 
 TINY = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64"
@@ -88,7 +93,7 @@ TINY_CLUSTER = {"name": "tiny", "groups": [
     {"name": "slow", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2}],
     "inter_group_gbs": 12.5}
 OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_options=(1, 2),
-                      dtype="float16", time_limit_s=60)
+                      time_limit_s=60)
 
 
 # Two GPU types as short of memory (16 GB), the V100s twice as fast.
@@ -102,7 +107,7 @@ def _brute_force(profile, cluster, global_batch, opts, partial=True):
     ``partial``: stages may also recompute only their first k layers."""
     tables = LayerTables(profile, cluster, DEFAULT, opts.attention, opts.distributed_optimizer,
                          opts.tp_overlap is not False)
-    groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(opts.dtype))
+    groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype))
     n_layers = profile.num_layers
     best = float("inf")
     for labels in itertools.product(range(len(groups) + 1), repeat=len(groups)):
@@ -370,7 +375,7 @@ def test_planner_plans_with_blocks_split_or_whole_and_keeps_the_faster():
     # whole-block plan with boundaries allowed inside blocks and keeps it when faster.
     from hetshard.solver.inter_op import as_halves
     cluster = Cluster.load("a100-v100-x16")
-    base = PlannerOptions(time_limit_s=30, dtype="float16")
+    base = PlannerOptions(time_limit_s=30)
     plans = {split: make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
                               options=dataclasses.replace(base, split_blocks=split))
              for split in (False, True, None)}
@@ -434,7 +439,7 @@ def test_layout_descent_keeps_memory_for_the_warm_up_a_slow_link_needs():
     start = Plan("gpt-6.7b", cluster.to_dict(), 256, 2048, (Pipeline(stages, 256, 1, 256),),
                  dtype="float16", distributed_optimizer=True, split_blocks=True)
     tables = LayerTables(profile, cluster, DEFAULT, "flash", True)
-    opts = PlannerOptions(dtype="float16")
+    opts = PlannerOptions()
     evaluate = _evaluator(profile, cluster, DEFAULT, opts, {})
     plain, roomy = relayout(start, 0, (6, 8), (1, 4), tables, cluster,
                             remats=("none", "full"), margin=0.05, partial=True,
@@ -530,7 +535,7 @@ def test_every_plan_is_valid(groups, layers, batch):
     cluster = Cluster.load(spec)
     model = f"gpt:layers={layers},hidden=64,heads=4,vocab=128,seq=32"
     opts = PlannerOptions(mbs_options=(1, 2), remat_options=("none",), tp_options=(1, 2),
-                          time_limit_s=20, dtype="float16")
+                          time_limit_s=20)
     p = make_plan(model, cluster, global_batch=batch, seq_len=32, options=opts,
                   shardings=False)
     n_layers = profile_model(model, 32, "float16", split_blocks=p.split_blocks).num_layers
@@ -553,7 +558,7 @@ def test_model_that_fits_nowhere_names_the_tightest_stage():
     cluster = Cluster.load({"name": "small", "groups": [
         {"name": "t4", "gpu": "T4", "nodes": 1, "gpus_per_node": 2}]})
     with pytest.raises(NoFeasiblePlanError, match=r"needs [\d.]+ GB per GPU against [\d.]+ GB"):
-        make_plan("gpt-13b", cluster, global_batch=8, seq_len=256,
+        make_plan("gpt-13b", cluster, global_batch=8, seq_len=256, dtype="bfloat16",
                   options=PlannerOptions(time_limit_s=10, mbs_options=(1,)))
 
 
@@ -593,7 +598,7 @@ def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
     # most refine_evals simulations), not by the clock: a looser limit changes nothing.
     cluster = Cluster.load("a100-v100-x16")
     plans = [make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
-                       options=PlannerOptions(time_limit_s=limit, dtype="float16"))
+                       options=PlannerOptions(time_limit_s=limit))
              for limit in (30, 300)]
     assert [p.solver.status for p in plans] == ["searched", "searched"]
     assert plans[0].what_runs() == plans[1].what_runs()
@@ -626,7 +631,7 @@ def test_interleave_cuts_by_count_or_time_and_rounds_micro_batches():
 
 def test_fix_vpp_asks_for_interleaving_or_forbids_it():
     cluster = Cluster.load("a100-v100-x16")
-    base = PlannerOptions(time_limit_s=30, dtype="float16")
+    base = PlannerOptions(time_limit_s=30)
     inter = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
                       options=options_from_fix("vpp=2", base))
     multi = [q for q in inter.pipelines if q.num_workers > 1]
@@ -645,7 +650,7 @@ def test_fix_remat_holds_on_every_stage(remat):
     # under --fix remat=full they had ended at partial or no remat (faster where memory
     # allows), which --fix forbids.
     cluster = Cluster.load("amp-t4-v100")
-    base = PlannerOptions(time_limit_s=30, dtype="float16", split_blocks=False)
+    base = PlannerOptions(time_limit_s=30, split_blocks=False)
     p = make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
                   options=options_from_fix(f"remat={remat}", base))
     stages = [s for q in p.pipelines for s in q.stages]
@@ -658,7 +663,7 @@ def test_fix_mbs_holds_on_every_stage():
     # ways: under --fix mbs=2 every device must still run 2 samples per micro-batch.
     from hetshard.plan import data_ways
     cluster = Cluster.load("amp-t4-v100")
-    base = PlannerOptions(time_limit_s=30, dtype="float16", split_blocks=False)
+    base = PlannerOptions(time_limit_s=30, split_blocks=False)
     p = make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
                   options=options_from_fix("tp=2,mbs=2", base))
     assert {q.samples_per_micro_batch // data_ways(s) for q in p.pipelines
@@ -670,7 +675,7 @@ def test_fix_schedule_zbh1_or_1f1b():
     # --fix schedule=zbh1: every pipelined pipeline runs ZB-H1 (the simulator prices its B
     # and W passes); --fix schedule=1f1b keeps the planner from trying it.
     cluster = Cluster.load("a100-v100-x16")
-    base = PlannerOptions(time_limit_s=30, dtype="float16", max_pipelines=1)
+    base = PlannerOptions(time_limit_s=30, max_pipelines=1)
     zb = make_plan("gpt-1.3b", cluster, global_batch=64, shardings=False,
                    options=options_from_fix("schedule=zbh1", base))
     multi = [q for q in zb.pipelines if q.num_workers > 1]
@@ -688,7 +693,7 @@ def test_time_limit_returns_best_found_with_a_warning():
     cluster = Cluster.load("a100-v100")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        p = make_plan("gpt-1.3b", cluster, global_batch=64, seq_len=2048,
+        p = make_plan("gpt-1.3b", cluster, global_batch=64, seq_len=2048, dtype="bfloat16",
                       options=PlannerOptions(time_limit_s=0.05), shardings=False)
     assert p.predicted.fits and p.solver.status == "time_limit"
     # One warning, naming the caller's limit and the returned plan's gap.
@@ -726,10 +731,10 @@ def test_long_sequences_get_context_parallelism():
     opts = PlannerOptions(time_limit_s=30, mbs_options=(1,), remat_options=("full",),
                           tp_options=(1,))
     p = make_plan(long_llama, cluster, global_batch=1, seq_len=65536, options=opts,
-                  shardings=False)
+                  shardings=False, dtype="bfloat16")
     assert p.context.degree == 8 and sum(p.context.chunk_lengths) == 65536
     assert {s.axis("context") for q in p.pipelines for s in q.stages} == {8}
     assert p.predicted.fits
     short = make_plan(long_llama, cluster, global_batch=1, seq_len=2048, options=opts,
-                      shardings=False)
+                      shardings=False, dtype="bfloat16")
     assert short.context.degree == 1  # below context_min_seq no ring is considered

@@ -13,11 +13,11 @@ import hetshard
 import models
 from hetshard import cache
 from hetshard.cluster import Cluster
-from hetshard.cost.profile import profile_model
 from hetshard.plan import SCHEMA_VERSION
 from hetshard.solver.shardings import attach_shardings
 from hetshard.solver.uniform import parse_fix, uniform_plan
 from models import data, losses
+from models import profile as profile_model
 
 MODEL = "gpt-tiny"
 CLUSTER = "dgx-a100-80gb-x8"
@@ -73,12 +73,15 @@ def _matches_one_device(plan, cluster, steps=3):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _program():
+    return models.program(MODEL, seq_len=16, dtype="float32")
+
+
 def _plan(fix, shardings=False):
     prof = profile_model(MODEL, 16, "float32")
     c = Cluster.load(CLUSTER)
-    p = uniform_plan(MODEL, prof, c, global_batch=8, seq_len=16, fix=parse_fix(fix),
-                     dtype="float32")
-    return attach_shardings(p, prof, c) if shardings else p
+    p = uniform_plan(MODEL, prof, c, global_batch=8, seq_len=16, fix=parse_fix(fix))
+    return attach_shardings(p, _program(), c) if shardings else p
 
 
 @pytest.mark.parametrize("fix,shardings", [
@@ -104,8 +107,7 @@ def test_single_stage_plans_match_single_device_training(fix, shardings):
 def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     monkeypatch.setenv("HETSHARD_CACHE_DIR", str(tmp_path))
     cache.clear_memory()
-    losses, params, step, batches, (model, opt) = _run(time_limit_s=10, dtype="float32",
-                                                       tx="adamw")
+    losses, params, step, batches, (model, opt) = _run(time_limit_s=10, tx="adamw")
     want, _ = _reference(batches, 3, tx="adamw")
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     assert int(opt.step[...]) == 3  # the NNX optimizer was updated in place
@@ -116,7 +118,7 @@ def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     files[0].write_text("{not json")
     cache.clear_memory()
     with pytest.warns(UserWarning, match="corrupted"):
-        _run(time_limit_s=10, dtype="float32", steps=1, tx="adamw")
+        _run(time_limit_s=10, steps=1, tx="adamw")
     assert json.loads(files[0].read_text())["plan"]["version"] == SCHEMA_VERSION
 
 
@@ -158,17 +160,16 @@ def test_tensor_stage_without_shardings_runs_tensor_parallel():
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    prof = profile_model(MODEL, 16, "float32")
-    solved = attach_shardings(plan, prof, Cluster.load(CLUSTER))
+    solved = attach_shardings(plan, _program(), Cluster.load(CLUSTER))
     assert step.plan.pipelines[0].stages[0].shardings == solved.pipelines[0].stages[0].shardings
     split = [x for x in jax.tree.leaves(params)
              if "tensor" in jax.tree.leaves(tuple(x.sharding.spec))]
     assert split and all(x.addressable_shards[0].data.size * 4 == x.size
                          for x in split if "data" not in jax.tree.leaves(tuple(x.sharding.spec)))
-    # A plan for a model outside models/ cannot be solved: the field is named.
-    outside = dataclasses.replace(plan, model="my-own-net")
-    with pytest.raises(hetshard.SpecError, match=r"stages\[0\]\.shardings"):
-        _run(outside, steps=1)
+    # A plan made for another program (its fingerprint) is refused, naming the field.
+    other = dataclasses.replace(plan, fingerprint="0" * 32)
+    with pytest.raises(hetshard.SpecError, match=r"plan\.fingerprint"):
+        _run(other, steps=1)
 
 
 def test_pinned_plan_from_json_and_bad_batches(tmp_path):
@@ -273,7 +274,7 @@ def test_pipeline_with_its_slowest_gpus_first_matches_one_device():
 def test_runtime_runs_the_plans_attention_choice(attention, kernels):
     prof = profile_model(MODEL, 16, "float32")
     plan = uniform_plan(MODEL, prof, Cluster.load(CLUSTER), global_batch=8, seq_len=16,
-                        fix=parse_fix("dp=8,tp=1,pp=1"), dtype="float32", attention=attention)
+                        fix=parse_fix("dp=8,tp=1,pp=1"), attention=attention)
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
     jaxpr = str(entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),

@@ -12,7 +12,6 @@ from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.comm import collective_time, p2p_time, topology
-from hetshard.cost.profile import profile_model
 from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import (
@@ -42,6 +41,7 @@ from hetshard.sim.schedule import (
 )
 from hetshard.sim.simulator import _slowest, annotate, layers_cost, worker_memory
 from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
+from models import profile as profile_model
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
 
@@ -271,7 +271,7 @@ def prof():
 def test_uniform_plan_simulates_and_exports(prof, tmp_path):
     c = Cluster.load("h100-a100-v100-x8")
     plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
-                        fix=parse_fix("dp=2,tp=2,pp=2,mbs=2"), dtype="float32")
+                        fix=parse_fix("dp=2,tp=2,pp=2,mbs=2"))
     r = simulate(plan, prof, c)
     assert r.step_time_s > 0 and 0 <= r.bubble_fraction < 1 and r.fits
     assert r.tokens_per_s == pytest.approx(16 * 32 / r.step_time_s)
@@ -286,7 +286,7 @@ def test_uniform_plan_simulates_and_exports(prof, tmp_path):
     assert "pipeline 0" in annotated.explain()
     # ZB-H1: W passes in the trace and the timeline; the first stage's whole backward is W.
     zb = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
-                      fix=parse_fix("dp=2,tp=2,pp=2,mbs=2,schedule=zbh1"), dtype="float32")
+                      fix=parse_fix("dp=2,tp=2,pp=2,mbs=2,schedule=zbh1"))
     rz = simulate(zb, prof, c)
     spans = [e for e in chrome_trace(rz)["traceEvents"] if e["ph"] == "X"]
     assert {e["name"][0] for e in spans} >= {"F", "B", "W"}
@@ -300,7 +300,7 @@ def test_uniform_plan_simulates_and_exports(prof, tmp_path):
 def test_slow_gpus_pace_a_uniform_plan(prof):
     c = Cluster.load("h100-a100-v100-x8")
     plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
-                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"), dtype="float32")
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
     # Stage 0 mixes H100s and A100s (devices 0-3): one SPMD program runs at the A100's pace.
     assert plan.pipelines[0].stages[0].gpu == "A100-80GB+H100-80GB"
     r = simulate(plan, prof, c)
@@ -318,7 +318,7 @@ def test_stages_price_their_own_share_of_the_micro_batch(prof):
     c = Cluster.load("h100-a100-v100-x8")
     stages = (Stage(0, 3, (0, 1), "H100-80GB", (("data", 2),)),
               Stage(3, 6, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
-    plan = Plan(SPEC, c.to_dict(), 16, 32, (Pipeline(stages, 16, 2, 4),), dtype="float32")
+    plan = Plan(SPEC, c.to_dict(), 16, 32, (Pipeline(stages, 16, 2, 4),))
     r = simulate(plan, prof, c)
     for j, mbs in ((0, 2), (1, 1)):
         st = stages[j]
@@ -335,9 +335,9 @@ def test_stages_price_their_own_share_of_the_micro_batch(prof):
 def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
     c = Cluster.load("h100-a100-v100-x8")
     base = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
-                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"), dtype="float32")
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
     zero1 = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
-                         fix=parse_fix("dp=4,tp=1,pp=2,mbs=2,zero1=true"), dtype="float32")
+                         fix=parse_fix("dp=4,tp=1,pp=2,mbs=2,zero1=true"))
     assert zero1.distributed_optimizer and not base.distributed_optimizer
     a, b = simulate(base, prof, c), simulate(zero1, prof, c)
     for s, (ca, cb) in enumerate(zip(a.stage_costs[0], b.stage_costs[0], strict=True)):
@@ -522,7 +522,13 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 7
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 8
+    # Schema 7 (no fingerprint: a plan naming no traced program) reads with an empty one.
+    old = dataclasses.replace(zero1, fingerprint="abc").to_dict()
+    del old["fingerprint"]
+    old["version"] = 7
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == zero1 and Plan.load(path).fingerprint == ""
     # Schemas 3 (no ZB-H1 schedule yet), 4 (no remat_layers: the remat covers the whole
     # stage) and 5 (no split_blocks: layers are whole blocks) read unchanged.
     old = zero1.to_dict()

@@ -4,9 +4,14 @@ import numpy as np
 import pytest
 
 import models
-from hetshard.cost.profile import profile_model
+from hetshard.ir.program import traced_graph
 from hetshard.ir.trace import layer_of, phase_of, trace
-from hetshard.ir.train_step import trace_train_step
+from models import profile as profile_model
+
+
+def trace_train_step(config, *, micro_batch, seq_len, dtype):
+    """The zoo step's loss differentiated whole (every layer traced)."""
+    return traced_graph(models.program(config, seq_len=seq_len, dtype=dtype), micro_batch)
 
 SMALL_GPT = "gpt:layers=2,hidden=256,heads=4,vocab=512,seq=128"
 
@@ -31,8 +36,8 @@ def test_scan_body_counted_length_times():
 
 
 def test_name_stack_parsing():
-    assert layer_of("jvp(decoder/layer_7)/attn") == "decoder/layer_7"
-    assert layer_of("transpose(jvp(vision/layer_3))") == "vision/layer_3"
+    assert layer_of("jvp(encoder)/block") == "block"
+    assert layer_of("transpose(jvp(tower))") == "tower" and layer_of("transpose(jvp())") == ""
     assert phase_of("transpose(jvp(decoder/layer_0))") == "bwd"
     assert phase_of("jvp(decoder/head)") == "fwd" and phase_of("") == "opt"
 
@@ -79,8 +84,12 @@ def test_mllm_profile_has_both_stacks():
 
 
 @pytest.mark.slow
-def test_gpt_175b_traces_abstractly():
-    g = trace_train_step("gpt-175b", micro_batch=1, seq_len=2048, dtype="bfloat16")
-    assert len(g.layers) == 98 and [len(x) for x in g.identical_layers()] == [1, 96, 1]
-    assert sum(g.param_bytes) == models.resolve("gpt-175b").num_params() * 4
-    assert np.isfinite(g.flops_array()).all()
+def test_gpt_175b_plans_from_its_traced_program():
+    # Shape-only: the model, its optimizer and batch are ShapeDtypeStructs.
+    program = models.program("gpt-175b", seq_len=2048, dtype="bfloat16")
+    lay = program.layering(2)
+    assert lay.num_layers == 98 and lay.source == "scopes" and len(set(lay.kinds)) == 3
+    prof = profile_model("gpt-175b", 2048, "bfloat16")
+    assert prof.param_bytes == models.resolve("gpt-175b").num_params() * 4
+    assert prof.opt_bytes_per_param_byte == 2.0  # AdamW's two float32 moments
+    assert np.isfinite([layer.flops(1) for layer in prof.layers]).all()

@@ -344,7 +344,10 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
             weight_input_bytes_per_sample=(
                 _linear(w_full1.get(name, 0.0), w_full2.get(name, 0.0))[1],
                 _linear(w_sel1.get(name, 0.0), w_sel2.get(name, 0.0))[1]))
-    layers = tuple(dataclasses.replace(priced[lay.names[rep[k]]], name=name)
+    # What each layer owns, from the program (a stacked weight's slices per layer).
+    sizes = program.layer_param_sizes(2, split_blocks)
+    layers = tuple(dataclasses.replace(priced[lay.names[rep[k]]], name=name,
+                                       param_bytes=sizes[k][0], param_count=sizes[k][1])
                    for k, name in enumerate(lay.names))
     opt_ratio = program.opt_state_bytes / max(program.param_bytes, 1)
     return ModelProfile(

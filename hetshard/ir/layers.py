@@ -128,14 +128,28 @@ def _param_sig(value) -> str:
     return repr(value)
 
 
+# Where a slice starts says which block of a stacked weight it reads, not what the block
+# does: two blocks of an unrolled scan differ only there.
+_POSITIONS = {"slice": ("start_indices", "limit_indices")}
+
+
+def _literal_sig(v) -> str:
+    val = v.val
+    if isinstance(val, (int, np.integer)) and not isinstance(val, bool):
+        return f"int:{np.asarray(val).dtype}"  # an index, as above
+    return f"lit:{val!r}"
+
+
 def eqn_signature(eqn) -> str:
     """Primitive, operand and result avals, parameters (bodies hashed): equal for the
-    same equation in two identical blocks."""
-    ins = ",".join(repr(_aval_sig(v)) if isinstance(v, ext.Var) else f"lit:{v.val!r}"
+    same equation in two identical blocks (slice positions and integer literals, which
+    pick a block's slice of a stacked weight, are left out)."""
+    ins = ",".join(repr(_aval_sig(v)) if isinstance(v, ext.Var) else _literal_sig(v)
                    for v in eqn.invars)
     outs = ",".join(repr(_aval_sig(v)) for v in eqn.outvars)
+    skip = ("name_stack", "source_info", *_POSITIONS.get(eqn.primitive.name, ()))
     params = ";".join(f"{k}={_param_sig(v)}" for k, v in sorted(eqn.params.items())
-                      if k not in ("name_stack", "source_info"))
+                      if k not in skip)
     return f"{eqn.primitive.name}[{params}]({ins})->({outs})"
 
 

@@ -15,8 +15,9 @@ planned without weights. The program
   layers there (:meth:`layering`, ``hetshard.ir.layers``): the planner prices them and
   the runtime cuts stages between them, both from this one function.
 
-A step without ``hetshard.value_and_grad`` is still planned and run, as one layer
-(single-stage plans only: its loss cannot be cut per micro-batch).
+A step without ``hetshard.value_and_grad``, or whose loss reads values the step computes
+(so that it cannot be cut per micro-batch), is still planned and run, as one layer
+(single-stage plans only; ``call_error`` says why).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as ext
 
-from hetshard.autodiff import LossCall, _Recorded, entered, is_graph
+from hetshard.autodiff import LossCall, LossCallError, _Recorded, entered, is_graph
 from hetshard.errors import SpecError
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 
@@ -156,10 +157,16 @@ class Program:
                 objs.insert(self.batch_index, batch)
                 self.step(*objs)
 
+        self.call_error = "it does not call hetshard.value_and_grad"
         try:
             jax.eval_shape(probe, self.state_avals, self.batch_avals)
         except _Recorded as rec:
+            self.call_error = ""
             return rec.call
+        except LossCallError as e:
+            # The loss cannot be cut per micro-batch: single-stage plans only.
+            self.call_error = str(e)
+            return None
         return None
 
     def _differentiated(self, state) -> tuple[list[int], str]:
@@ -214,6 +221,42 @@ class Program:
                     out[k].append(pos[v])
         return out
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def layer_param_sizes(self, mbs: int = 2, split_blocks: bool = False) -> list[tuple]:
+        """Per layer, (bytes, elements) of the parameters it owns: a parameter belongs to
+        the first layer reading it whole; a stacked weight that layers read slice by
+        slice (an unrolled scan's) gives each layer its slices."""
+        closed, _ = self.loss_jaxpr(mbs)
+        lay = self.layering(mbs, split_blocks)
+        n_state = len(self.state_avals)
+        pos = {v: i for i, v in enumerate(closed.jaxpr.invars[:n_state])}
+        params = set(self.diff)
+        whole: dict[int, int] = {}  # leaf -> first layer reading it whole
+        slices: dict[int, list[tuple[int, int, int]]] = {}  # leaf -> (layer, bytes, n)
+        for i, eqn in enumerate(closed.jaxpr.eqns):
+            k = lay.eqn_layer[i]
+            for v in eqn.invars:
+                if isinstance(v, ext.Literal) or pos.get(v) not in params:
+                    continue
+                if eqn.primitive.name in ("slice", "dynamic_slice") and v is eqn.invars[0]:
+                    out = eqn.outvars[0].aval
+                    n = math.prod(out.shape)
+                    slices.setdefault(pos[v], []).append(
+                        (k, n * np.dtype(out.dtype).itemsize, n))
+                else:
+                    whole.setdefault(pos[v], k)
+        out = [[0, 0] for _ in range(lay.num_layers)]
+        for j in params:
+            a = self.state_avals[j]
+            if j in whole:
+                out[whole[j]][0] += math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                out[whole[j]][1] += math.prod(a.shape)
+            else:
+                for k, nbytes, n in slices.get(j, ()):
+                    out[k][0] += nbytes
+                    out[k][1] += n
+        return [(int(b), int(n)) for b, n in out]
+
     def param_path(self, i: int) -> str:
         """Path of state leaf ``i`` inside the differentiated argument (the model's own
         path: ``layers/3/attn/q_proj/kernel``), the full path for other leaves."""
@@ -224,9 +267,15 @@ class Program:
         return p
 
     # ---- the loss -------------------------------------------------------------------
-    def loss_flat(self, state_leaves, batch_leaves):
+    @functools.cached_property
+    def loss_flat(self):
         """The recorded loss on flat leaves (what ``hetshard.value_and_grad``
-        differentiates), for one micro-batch."""
+        differentiates), for one micro-batch: ``loss_flat(state_leaves, batch_leaves)``,
+        its stacks of scanned blocks unrolled (``hetshard.rewrite.unroll``)."""
+        from hetshard.rewrite.unroll import unroll_scans
+        return unroll_scans(self._loss_flat)
+
+    def _loss_flat(self, state_leaves, batch_leaves):
         call = self.call
         objs = self.merge(state_leaves)
         args = []
@@ -275,11 +324,22 @@ class Program:
 
     @functools.cached_property
     def heads(self) -> int | None:
-        """Attention heads (the greatest common divisor over the loss's attention ops),
-        or None without attention: a tensor degree must divide it."""
+        """What a tensor degree must divide: the attention heads (greatest common divisor
+        over the loss's attention ops); without attention, the greatest common divisor of
+        the last dimensions of the blocks' weight matrices (their output features).
+        None for a program with neither."""
         found: list[int] = []
         _attention_heads(self.loss_jaxpr(2)[0].jaxpr, found)
-        return math.gcd(*found) if found else None
+        if found:
+            return math.gcd(*found)
+        lay = self.layering(2)
+        reads = self.layer_params(2)
+        blocks = [k for k in range(lay.num_layers) if lay.stacks[k] >= 0] or \
+            list(range(lay.num_layers))
+        params = set(self.diff)
+        dims = [self.state_avals[i].shape[-1] for k in blocks for i in reads[k]
+                if i in params and len(self.state_avals[i].shape) >= 2]
+        return math.gcd(*dims) if dims else None
 
     @functools.cached_property
     def dtype(self) -> str:
@@ -493,7 +553,14 @@ def reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
     return cache[key]
 
 
-def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
+def traced_graph(program: Program, mbs: int, split_blocks: bool = False):
+    """The whole loss of ``mbs`` samples differentiated, every layer traced (no block
+    priced for another): the reference the reduced trace stands for (tests)."""
+    return _reduced_graph(program, mbs, split_blocks, reduce=False)[0]
+
+
+def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
+                   reduce: bool = True):
     """``(OpGraph, Layering, representatives, param_index)``: the loss of ``mbs``
     samples with every stack cut to its first two blocks, differentiated (forward and
     backward equations tagged with their layer), as ``hetshard.ir.trace`` sees it.
@@ -508,7 +575,7 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
 
     closed, out_shape = program.loss_jaxpr(mbs)
     lay = program.layering(mbs, split_blocks)
-    rep = representatives(lay)
+    rep = representatives(lay) if reduce else {k: k for k in range(lay.num_layers)}
     jaxpr = closed.jaxpr
     segments = [lay.equations(k) for k in range(lay.num_layers)]
     read_by_kept: set[int] = set()

@@ -25,23 +25,16 @@ from hetshard.ir.graph import Op, OpGraph
 
 _rl = importlib.import_module("jax.experimental.roofline.roofline")
 
-_LAYER_RE = re.compile(r"([A-Za-z_][\w\-]*/(?:layer_\d+|embed|head)|projector)")
-# With blocks split: a block's attention and MLP halves (the "attn" and "mlp" scopes
-# inside its layer scope, after autodiff's closing parentheses) as layers of their own.
-_HALF_RE = re.compile(
-    r"([A-Za-z_][\w\-]*/(?:layer_\d+|embed|head)|projector)(?:\)*/(attn|mlp)\b)?")
+def layer_of(name_stack: str) -> str:
+    """The innermost named scope of a name stack, autodiff's wrappers stripped ('' when
+    there is none): a plain function's layers for :func:`trace` (programs tag their
+    layers themselves: ``hetshard.ir.program.reduced_graph``)."""
+    parts = [p for p in re.split(r"[/()]", name_stack) if p and p not in _TRANSFORMS]
+    return parts[-1] if parts else ""
+
+
+_TRANSFORMS = {"jvp", "transpose", "vmap", "checkpoint", "remat"}
 _NESTED = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-
-def layer_of(name_stack: str, split_blocks: bool = False) -> str:
-    """The innermost layer scope in a name stack ('' when there is none); with
-    ``split_blocks``, a block's half (``decoder/layer_3/attn``, ``decoder/layer_3/mlp``)."""
-    if split_blocks:
-        found = [f"{a}/{b}" if b and "/layer_" in a else a
-                 for a, b in _HALF_RE.findall(name_stack)]
-    else:
-        found = _LAYER_RE.findall(name_stack)
-    return found[-1] if found else ""
 
 
 def phase_of(name_stack: str) -> str:

@@ -20,11 +20,11 @@ from flax import nnx  # noqa: E402
 
 import hetshard  # noqa: E402
 import models  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.errors import DeviceBindingError  # noqa: E402
 from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
 from models import data, losses  # noqa: E402
+from models import profile as profile_model  # noqa: E402
 
 MODEL = "gpt-tiny"
 
@@ -175,7 +175,7 @@ def main(mode: str) -> int:
                                  for g in cluster.groups]), flush=True)
     prof = profile_model(MODEL, 16, "float32")
     plan = uniform_plan(MODEL, prof, cluster, global_batch=8, seq_len=16,
-                        fix=parse_fix("dp=8,tp=1,pp=1"), dtype="float32")
+                        fix=parse_fix("dp=8,tp=1,pp=1"))
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
     losses, _ = _train(MODEL, loss_fn, cluster, plan, batches, 3)

@@ -1,0 +1,212 @@
+"""hetshard plans and runs the program it is given: five models written in the tests
+(``tests/user_models.py``, nothing from ``models/``), each trained under pipelines on
+uneven submeshes of a mixed cluster, a tensor-parallel SPMD plan and the planner's own
+choice, equal to single-device training."""
+
+import ast
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import user_models
+from flax import nnx
+
+import hetshard
+import models
+from hetshard.cluster import Cluster
+from hetshard.cost.profile import profile_program
+from hetshard.plan import Pipeline, Plan, Stage
+from hetshard.solver.uniform import parse_fix, uniform_plan
+
+CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
+STEPS = 3
+
+
+def _fresh(name):
+    return user_models.MODELS[name]()
+
+
+def _train(step, args, batches, steps=STEPS):
+    """Per-step losses of ``step`` (a jitted or hetshard.jit'ed step) from ``args``."""
+    args, losses = list(args), []
+    for i in range(steps):
+        args[-1] = batches[i % len(batches)]
+        out = step(*args)
+        if isinstance(out, tuple):  # a functional step: (loss, params, opt_state)
+            loss, *state = out
+            args[:len(state)] = state
+        else:
+            loss = out
+        losses.append(float(loss))
+    return losses
+
+
+def _reference(name):
+    step, args, batches = _fresh(name)
+    jitted = nnx.jit(step) if isinstance(args[0], nnx.Module) else jax.jit(step)
+    return _train(jitted, args, batches)
+
+
+def _hetshard(name, plan=None, **options):
+    step, args, batches = _fresh(name)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, **options)
+    return _train(jitted, args, batches), jitted
+
+
+def _stages(layers, cuts, meshes):
+    """Stages over ``cuts`` (layer boundaries) on ``meshes`` ((devices, gpu) pairs), each
+    device a data way."""
+    bounds = [0, *cuts, layers]
+    ranges = zip(bounds[:-1], bounds[1:], strict=True)
+    return tuple(Stage(a, b, devs, gpu, (("data", len(devs)),))
+                 for (a, b), (devs, gpu) in zip(ranges, meshes, strict=True))
+
+
+H100, A100, V100 = (0, 1), (2, 3), (4, 5, 6, 7)
+
+
+def _pipeline_plan(program, stages):
+    """Global batch 8 in 2 micro-batches of 4 samples (2 per data way of the first
+    stage); other stages split each micro-batch over their own data ways."""
+    cluster = Cluster.load(CLUSTER)
+    return Plan(program.name, cluster.to_dict(), 8, program.seq_len,
+                (Pipeline(stages, 8, 2, 2),), dtype=program.dtype, attention="reference")
+
+
+@pytest.fixture(scope="module", params=sorted(user_models.MODELS))
+def case(request):
+    name = request.param
+    step, args, _ = _fresh(name)
+    program = hetshard.Program(step, args)
+    return name, program, _reference(name)
+
+
+def test_layers_are_found_in_the_program(case):
+    name, program, _ = case
+    lay = program.layering(2)
+    stacks = {s for s in lay.stacks if s >= 0}
+    # No named scopes anywhere: the blocks are found as repeated structure.
+    assert lay.source == "structure"
+    assert len(stacks) == (2 if name == "two_tower" else 1)
+    assert sum(s >= 0 for s in lay.stacks) == 4
+    # Every parameter is owned by exactly one layer (a scanned stack's slices split).
+    prof = profile_program(program)
+    total = sum(np.prod(program.state_avals[i].shape) for i in program.diff)
+    assert prof.param_count == total
+
+
+def test_two_uneven_stages_on_two_gpu_types(case):
+    # Stage 0 on the two H100s (2 data ways), stage 1 on the four V100s (4 data ways).
+    name, program, want = case
+    n = program.layering(2).num_layers
+    plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+    got, jitted = _hetshard(name, plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert [len(s.devices) for s in jitted.plan.pipelines[0].stages] == [2, 4]
+
+
+def test_four_uneven_stages_on_three_gpu_types(case):
+    name, program, want = case
+    n = program.layering(2).num_layers
+    cuts = [max(1, n // 4), n // 2, n // 2 + max(1, n // 4)]
+    plan = _pipeline_plan(program, _stages(n, cuts, [
+        (H100, "H100-80GB"), ((2,), "A100-80GB"), ((3,), "A100-80GB"),
+        (V100, "V100-32GB")]))
+    got, _ = _hetshard(name, plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_tensor_parallel_spmd_plan(case):
+    name, program, want = case
+    cluster = Cluster.load(CLUSTER)
+    profile = profile_program(program)
+    tp = 4 if (profile.heads or 1) % 4 == 0 else 2
+    plan = uniform_plan(program.name, profile, cluster, global_batch=8,
+                        seq_len=program.seq_len, fix=parse_fix(f"dp={8 // tp},tp={tp},pp=1"),
+                        attention="reference")
+    got, jitted = _hetshard(name, plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # hetshard.jit solved the stage's parameter layouts on the program's own blocks.
+    assert any(not n.startswith("activation:")
+               for n, _ in jitted.plan.pipelines[0].stages[0].shardings)
+
+
+@pytest.mark.slow
+def test_the_planners_own_choice_runs(case):
+    name, _, want = case
+    got, jitted = _hetshard(name, time_limit_s=5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert jitted.plan.fingerprint == jitted.program.fingerprint
+
+
+def test_a_user_block_gets_megatron_layouts_from_the_intra_op_solver():
+    # The einsum block at a realistic width (shapes only): q, k, v and the MLP's first
+    # matmul split by columns, the attention output and the MLP's second by rows.
+    step, args, _ = user_models.make_transformer()
+    model = nnx.eval_shape(lambda: user_models.TinyLM(nnx.Rngs(0), layers=2, d=1024,
+                                                      heads=8))
+    opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, __import__("optax").adamw(1e-3),
+                                                 wrt=nnx.Param), model)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, 16), x.dtype), args[2])
+    program = hetshard.Program(step, (model, opt, batch))
+    cluster = Cluster.load("dgx-a100-80gb-x8")
+    plan = uniform_plan(program.name, profile_program(program), cluster, global_batch=8,
+                        seq_len=16, fix=parse_fix("dp=2,tp=4,pp=1"))
+    from hetshard.solver.shardings import attach_shardings
+    specs = dict(attach_shardings(plan, program, cluster).pipelines[0].stages[0].shardings)
+    col, row = (None, "tensor"), ("tensor", None)
+    for w in ("wq", "wk", "wv", "up"):
+        assert specs[f"blocks/0/{w}/kernel"] == col, w
+    for w in ("wo", "down"):
+        assert specs[f"blocks/1/{w}/kernel"] == row, w
+
+
+def test_the_zoo_plans_through_the_same_path_unchanged():
+    # gpt-1.3b traced as a user program (its own scopes, AdamW in nnx.Optimizer): flops,
+    # parameter, optimizer and activation bytes as the zoo-only profile gave them before
+    # (figures of commit 8b31bac's profile_model, seq 2048, bfloat16), within 2%.
+    prof = models.profile("gpt-1.3b", 2048, "bfloat16")
+    before = {"flops_b4": 7.448e13, "params": 5.263e9, "residual": 2.826e10,
+              "flash": 8.092e8, "selective": 2.026e9, "weight_copies": 2.622e9}
+    got = {"flops_b4": sum(x.flops(4) for x in prof.layers),
+           "params": prof.param_bytes,
+           "residual": sum(x.residual_bytes_per_sample for x in prof.layers),
+           "flash": sum(x.flash_residual_bytes_per_sample for x in prof.layers),
+           "selective": sum(x.selective_residual_bytes_per_sample for x in prof.layers),
+           "weight_copies": sum(x.weight_copy_bytes for x in prof.layers)}
+    for k, v in before.items():
+        assert got[k] == pytest.approx(v, rel=0.02), k
+    assert prof.opt_bytes_per_param_byte == 2.0 and prof.num_layers == 26
+
+
+def test_optimizer_state_is_the_programs_own():
+    # Lion keeps one moment, AdamW two, SGD without momentum none: what the planner
+    # prices is what the step's optimizer holds.
+    import optax
+    ratios = {}
+    for name, tx in (("adamw", optax.adamw(1e-3)), ("lion", optax.lion(1e-3)),
+                     ("sgd", optax.sgd(1e-3)),
+                     ("adafactor", optax.adafactor(1e-3))):
+        step, args, _ = user_models.make_transformer()
+        model = args[0]
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        ratios[name] = profile_program(hetshard.Program(
+            step, (model, opt, args[2]))).opt_bytes_per_param_byte
+    assert ratios["adamw"] == pytest.approx(2.0) and ratios["lion"] == pytest.approx(1.0)
+    assert ratios["sgd"] == 0.0 and 0.0 < ratios["adafactor"] < 1.0
+
+
+def test_no_compiler_module_imports_the_zoo():
+    root = pathlib.Path(hetshard.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "models" or n.startswith("models.") for n in names):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []

@@ -1,0 +1,255 @@
+"""Models written the way users write them: nothing from ``models/`` or ``hetshard.nn``.
+
+Each ``make_*`` returns ``(step, args, batches)``: a train step, the arguments of its
+first call (the batch last) and a few batches to train on. Every loss is a mean over
+samples of per-sample values, so micro-batches and batch shares weighted by their sizes
+give the global loss exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import hetshard
+
+VOCAB, SEQ, DIM, HEADS = 64, 16, 32, 4
+
+
+def _text_batches(rng, n=2, batch=8, seq=SEQ, vocab=VOCAB):
+    out = []
+    for _ in range(n):
+        start = rng.integers(0, vocab, (batch, 1))
+        rows = (start * 5 + 3 * np.arange(seq + 1)) % vocab
+        out.append({"tokens": jnp.asarray(rows[:, :-1], jnp.int32),
+                    "targets": jnp.asarray(rows[:, 1:], jnp.int32)})
+    return out
+
+
+def lm_loss(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def nnx_step(loss):
+    def step(model, optimizer, batch):
+        value, grads = hetshard.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+    return step
+
+
+# ---- (a) a pre-norm transformer, einsum attention, no named scopes ---------------------
+
+class Block(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.heads = heads
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.wq = nnx.Linear(d, d, rngs=rngs)
+        self.wk = nnx.Linear(d, d, rngs=rngs)
+        self.wv = nnx.Linear(d, d, rngs=rngs)
+        self.wo = nnx.Linear(d, d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        b, s, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (w(h).reshape(b, s, self.heads, d // self.heads)
+                   for w in (self.wq, self.wk, self.wv))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        x = x + self.wo(y.reshape(b, s, d))
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(nnx.Module):
+    def __init__(self, rngs, layers=4, d=DIM, heads=HEADS):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (SEQ, d)))
+        self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) + self.pos[None, :tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_transformer(seed=0):
+    model = TinyLM(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batches = _text_batches(np.random.default_rng(seed))
+    return nnx_step(lm_loss), (model, opt, batches[0]), batches
+
+
+# ---- (b) the same blocks stacked and run by nnx.scan -----------------------------------
+
+class ScanLM(nnx.Module):
+    def __init__(self, rngs, layers=4, d=DIM, heads=HEADS):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(d, heads, rngs)
+        self.blocks = create(rngs)
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+        return self.head(self.norm(run(self.embed(tokens), self.blocks)))
+
+
+def make_scanned(seed=0):
+    model = ScanLM(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+    batches = _text_batches(np.random.default_rng(seed))
+    return nnx_step(lm_loss), (model, opt, batches[0]), batches
+
+
+# ---- (c) an MLP-Mixer: no attention ------------------------------------------------------
+
+class MixerBlock(nnx.Module):
+    def __init__(self, tokens, d, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.tok1, self.tok2 = nnx.Linear(tokens, 2 * tokens, rngs=rngs), nnx.Linear(
+            2 * tokens, tokens, rngs=rngs)
+        self.ch1, self.ch2 = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):  # [batch, tokens, channels]
+        y = jnp.swapaxes(self.ln1(x), 1, 2)
+        x = x + jnp.swapaxes(self.tok2(jax.nn.gelu(self.tok1(y))), 1, 2)
+        return x + self.ch2(jax.nn.gelu(self.ch1(self.ln2(x))))
+
+
+class Mixer(nnx.Module):
+    def __init__(self, rngs, layers=4, patch=4, image=16, d=DIM, classes=10):
+        self.patch = patch
+        tokens = (image // patch) ** 2
+        self.stem = nnx.Linear(patch * patch * 3, d, rngs=rngs)
+        self.blocks = nnx.List([MixerBlock(tokens, d, rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, images):
+        b, h, w, c = images.shape
+        p = self.patch
+        x = images.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+        x = self.stem(x.reshape(b, (h // p) * (w // p), p * p * c))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(axis=1))
+
+
+def image_loss(model, batch):
+    logits = model(batch["images"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def _image_batches(rng, n=2, batch=8, image=16, classes=10):
+    out = []
+    for _ in range(n):
+        labels = rng.integers(0, classes, batch)
+        images = rng.standard_normal((batch, image, image, 3)) + labels[:, None, None, None]
+        out.append({"images": jnp.asarray(images, jnp.float32),
+                    "labels": jnp.asarray(labels, jnp.int32)})
+    return out
+
+
+def make_mixer(seed=0):
+    model = Mixer(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batches = _image_batches(np.random.default_rng(seed))
+    return nnx_step(image_loss), (model, opt, batches[0]), batches
+
+
+# ---- (d) a pure-pytree functional step: a params dict and optax.lion --------------------
+
+def init_params(key, layers=4, d=DIM, ffn=2 * DIM):
+    keys = jax.random.split(key, 2 * layers + 2)
+    normal = lambda k, shape: 0.05 * jax.random.normal(k, shape)  # noqa: E731
+    return {
+        "embed": normal(keys[0], (VOCAB, d)),
+        "blocks": [{"w_in": normal(keys[1 + 2 * i], (d, ffn)), "b_in": jnp.zeros(ffn),
+                    "w_out": normal(keys[2 + 2 * i], (ffn, d)), "scale": jnp.ones(d)}
+                   for i in range(layers)],
+        "head": normal(keys[-1], (d, VOCAB)),
+    }
+
+
+def functional_loss(params, batch):
+    x = params["embed"][batch["tokens"]]
+    for blk in params["blocks"]:
+        h = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * blk["scale"]
+        x = x + jnp.tanh(h @ blk["w_in"] + blk["b_in"]) @ blk["w_out"]
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def make_functional(seed=0):
+    params = init_params(jax.random.key(seed))
+    tx = optax.lion(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = hetshard.value_and_grad(functional_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    batches = _text_batches(np.random.default_rng(seed))
+    return step, (params, tx.init(params), batches[0]), batches
+
+
+# ---- (e) two towers: a vision encoder and a text encoder, a joint classifier ------------
+
+class Tower(nnx.Module):
+    def __init__(self, d, heads, layers, rngs):
+        self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class TwoTower(nnx.Module):
+    def __init__(self, rngs, layers=2, d=DIM, heads=HEADS, classes=10):
+        self.patches = nnx.Linear(4 * 4 * 3, d, rngs=rngs)
+        self.vision = Tower(d, heads, layers, rngs)
+        self.words = nnx.Embed(VOCAB, 2 * d, rngs=rngs)
+        self.text = Tower(2 * d, heads, layers, rngs)
+        self.classify = nnx.Linear(3 * d, classes, rngs=rngs)
+
+    def __call__(self, images, tokens):
+        b = images.shape[0]
+        x = images.reshape(b, 4, 4, 4, 4, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b, 16, 48)
+        v = self.vision(self.patches(x)).mean(axis=1)
+        t = self.text(self.words(tokens)).mean(axis=1)
+        return self.classify(jnp.concatenate([v, t], axis=-1))
+
+
+def two_tower_loss(model, batch):
+    logits = model(batch["images"], batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def make_two_tower(seed=0):
+    model = TwoTower(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    batches = [dict(img, tokens=txt["tokens"]) for img, txt in
+               zip(_image_batches(rng), _text_batches(rng), strict=True)]
+    return nnx_step(two_tower_loss), (model, opt, batches[0]), batches
+
+
+MODELS = {"transformer": make_transformer, "scanned": make_scanned, "mixer": make_mixer,
+          "functional": make_functional, "two_tower": make_two_tower}
