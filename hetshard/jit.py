@@ -218,15 +218,15 @@ class HetshardJit:
                     + (f"{here} in {self.cluster.name!r}" if here else
                        f"missing from {self.cluster.name!r} ({n} devices)"),
                     where="hetshard.jit")
-        if plan.fingerprint and plan.fingerprint != program.fingerprint:
-            raise SpecError("plan.fingerprint", plan.fingerprint,
-                            f"the fingerprint of the step it is run with "
-                            f"({program.fingerprint}: another model, optimizer state or "
-                            f"batch shape than the plan's {plan.model!r})",
-                            where="hetshard.jit")
         if program.seq_len > 1 and program.seq_len != plan.seq_len:
             raise SpecError("batch", f"sequence length {program.seq_len}",
                             f"the pinned plan's seq_len {plan.seq_len}", where="hetshard.jit")
+        if plan.fingerprint and plan.fingerprint != program.model_fingerprint:
+            raise SpecError("plan.fingerprint", plan.fingerprint,
+                            f"the fingerprint of the model it is run with "
+                            f"({program.model_fingerprint}: another model, parameter "
+                            f"shapes or batch shapes than the plan's {plan.model!r})",
+                            where="hetshard.jit")
 
     # ---- execution -------------------------------------------------------------------
     def __call__(self, *args):

@@ -108,8 +108,9 @@ class ModelProfile:
     opt_update_bytes_per_param_byte: float  # HBM traffic of the optimizer update
     tokens_per_sample: int
     split_blocks: bool = False  # layers are block halves (attention, MLP)
-    # Attention heads (a tensor degree must divide them; None: no attention) and the
-    # traced program's fingerprint; how its layers were found (``hetshard.ir.layers``).
+    # What a tensor degree must divide (``Program.heads``), the traced model's
+    # fingerprint (``Program.model_fingerprint``: plans record it), how its layers were
+    # found (``hetshard.ir.layers``).
     heads: int | None = None
     fingerprint: str = ""
     layering: str = ""
@@ -357,7 +358,7 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
         # state once; the traced (unfused) equation bytes would overcount it ~6x.
         opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
         tokens_per_sample=program.seq_len, split_blocks=split_blocks,
-        heads=program.heads, fingerprint=program.fingerprint, layering=lay.source)
+        heads=program.heads, fingerprint=program.model_fingerprint, layering=lay.source)
 
 
 def _linear(at2, at4):

@@ -370,19 +370,32 @@ class Program:
                        np.dtype(self.state_avals[i].dtype).itemsize for i in self.diff))
 
     @functools.cached_property
-    def fingerprint(self) -> str:
-        """A hash of what a plan depends on: the loss's equations, the state's and the
-        batch's shapes, dtypes and paths (the optimizer's state among them: its kind and
-        size, not its hyperparameters, which no plan depends on)."""
+    def model_fingerprint(self) -> str:
+        """A hash of the model a plan is made for: the loss's equations (at two samples),
+        the shapes, dtypes and paths of the parameters and of one sample of the batch
+        (what ``Plan.fingerprint`` records, and a pinned plan is checked against: another
+        optimizer or global batch is the same model)."""
         h = hashlib.blake2b(digest_size=16)
         closed, _ = self.loss_jaxpr(2)
         for eqn in closed.jaxpr.eqns:
             h.update(eqn_signature(eqn).encode())
+        for i in self.diff:
+            a = self.state_avals[i]
+            h.update(f"{self.paths[i]}:{a.shape}:{a.dtype};".encode())
+        for p, a in zip(self.batch_paths, self.batch_avals, strict=True):
+            h.update(f"batch {p}:{a.shape[1:]}:{a.dtype};".encode())  # per sample
+        h.update(f"call {self.call is not None}".encode())
+        return h.hexdigest()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything a plan depends on: ``model_fingerprint`` and every state
+        leaf's shape, dtype and path (the optimizer's state among them: its kind and size,
+        not its hyperparameters, which no plan depends on). The plan cache's key."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.model_fingerprint.encode())
         for p, a in zip(self.paths, self.state_avals, strict=True):
             h.update(f"{p}:{a.shape}:{a.dtype};".encode())
-        for p, a in zip(self.batch_paths, self.batch_avals, strict=True):
-            h.update(f"batch {p}:{a.shape}:{a.dtype};".encode())
-        h.update(f"diff {self.diff};call {self.call is not None}".encode())
         return h.hexdigest()
 
     def update_jaxpr(self):
@@ -407,12 +420,13 @@ class Program:
     @functools.cached_property
     def _state_outputs(self):
         loss_shape = self.loss_jaxpr(2)[1]
-        grads = self.gradient_tree([self.state_avals[i] for i in self.diff])
 
-        def run(state_leaves, batch_leaves):
-            with entered(mode="provide", provided=(loss_shape, grads)):
+        def run(state_leaves, grad_leaves, loss, batch_leaves):
+            grads = self.gradient_tree(grad_leaves)
+            with entered(mode="provide", provided=(loss, grads)):
                 return self.call_step(state_leaves, batch_leaves)[0]
-        out = jax.eval_shape(run, self.state_avals, self.batch_at(self.global_batch))
+        out = jax.eval_shape(run, self.state_avals, [self.state_avals[i] for i in self.diff],
+                             loss_shape, self.batch_at(self.global_batch))
         tree = jax.tree.structure(out)
         candidates = list(_subtrees(out, 0))
         used: list[tuple[int, int]] = []
@@ -634,4 +648,7 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
     rest_avals = [program.state_avals[i] for i in rest]
     graph = trace(step, diff_avals, rest_avals, program.batch_at(mbs), param_argnum=0,
                   layer_name=_tagged_layer(lay.names))
+    if program.call is None and not any(op.phase in ("fwd", "bwd") for op in graph.ops):
+        for op in graph.ops:  # a step without autodiff: all of it is a forward pass
+            op.phase = "fwd"
     return graph, lay, rep, diff

@@ -107,7 +107,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
         result = attach_shardings(result, program, cluster, cal, time_limit_s=max(1.0, left))
-    return dataclasses.replace(result, fingerprint=program.fingerprint)
+    return dataclasses.replace(result, fingerprint=program.model_fingerprint)
 
 
 def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, inter,

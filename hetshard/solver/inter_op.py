@@ -429,7 +429,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
                 dtype=profile.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
                 attention=opts.attention, split_blocks=profile.split_blocks,
-                tp_overlap=opts.tp_overlap)
+                tp_overlap=opts.tp_overlap, fingerprint=profile.fingerprint)
 
 
 def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,

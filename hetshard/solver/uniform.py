@@ -139,4 +139,5 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
     return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
-                split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap)
+                split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap,
+                fingerprint=profile.fingerprint)
