@@ -43,15 +43,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np  # noqa: E402
 
 from hetshard.cluster import Cluster  # noqa: E402
 from hetshard.cost.calibration import DEFAULT  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
 from hetshard.solver.uniform import Fix, uniform_plan  # noqa: E402
+from models import profile as profile_model  # noqa: E402
 
 SEQ, VOCAB, PEAK = 2048, 51200, 312e12
 

@@ -52,9 +52,9 @@ def worker(mode: str) -> None:
 
     import hetshard
     import models
-    from hetshard.cost.profile import profile_model
     from hetshard.solver.uniform import parse_fix, uniform_plan
     from models import data, losses
+    from models import profile as profile_model
     out = {}
     devs = jax.devices()
     if mode in ("transfer", "xhost_transfer"):
@@ -110,7 +110,7 @@ def worker(mode: str) -> None:
         if mode == "step":
             prof = profile_model("gpt-tiny", 16, "float32")
             plan = uniform_plan("gpt-tiny", prof, cluster, global_batch=8, seq_len=16,
-                                fix=parse_fix("dp=8,tp=1,pp=1"), dtype="float32")
+                                fix=parse_fix("dp=8,tp=1,pp=1"))
         else:
             gpu = cluster.groups[0].gpu.name
             plan = Plan("gpt-tiny", cluster.to_dict(), 8, 16, (Pipeline((

@@ -3,7 +3,11 @@
 For each (cluster, model, global batch) row: hetshard's plan and every baseline's, all
 priced by the same simulator; tokens/s, fits, ratio to the cluster's upper bound
 (aggregate compute-only throughput) and to the best baseline; and hetshard's planning
-wall time on this machine (2 CPU cores). Clusters holding pre-Ampere GPUs (V100, T4,
+wall time on this machine (2 CPU cores), from the traced step to the plan (tracing the
+loss, finding its layers and profiling them included; the model's own shape-only
+construction is reported apart). Every row goes through the program path: the zoo's
+models as ``models.program`` builds their step, two rows with models written as a user
+writes them (``experiments/user_models.py``). Clusters holding pre-Ampere GPUs (V100, T4,
 P100: no bf16 units) are planned in float16, as their published testbeds trained.
 
 Targets (issue 4): on heterogeneous presets hetshard >= every baseline and >= 0.85 of the
@@ -24,13 +28,15 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import user_models
 
-from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
-from hetshard.sim import upper_bound_tokens_per_s  # noqa: E402
-from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan  # noqa: E402
-from hetshard.solver.baselines import BASELINES, run_baseline  # noqa: E402
+import models
+from hetshard.cluster import Cluster
+from hetshard.cost.profile import clear_profiles, profile_program
+from hetshard.factory import load_program
+from hetshard.sim import upper_bound_tokens_per_s
+from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan
+from hetshard.solver.baselines import BASELINES, run_baseline
 
 # cluster, model, global batch, planning-time target (s) or None
 ROWS = [
@@ -54,26 +60,44 @@ ROWS = [
     ("dgx-a100-80gb-x64", "gpt-6.7b", 512, None),
     ("dgx-a100-80gb-x64", "llama-70b", 512, None),
     ("dgx-h100-x64", "llama-13b", 512, None),
+    # Models written as users write them (experiments/user_models.py), not from models/:
+    # no named scopes (blocks found as repeated structure), and nnx.scan-stacked blocks.
+    ("a100-v100-x16", "user_models.py:gpt_noscope", 256, None),
+    ("mix3-x256", "user_models.py:llama_scanned", 1024, 30.0),
 ]
 PRE_AMPERE = {"V100-16GB", "V100-32GB", "T4", "P100-16GB"}
+
+
+def _program(model, dtype, seq):
+    """The row's train step as a program: a zoo model's (models.steps, AdamW) or a user
+    factory's, shape-only; built afresh (tracing is part of planning)."""
+    models.steps.program.cache_clear()
+    clear_profiles()
+    if model.startswith("user_models.py:"):
+        path = os.path.join(os.path.dirname(os.path.abspath(user_models.__file__)),
+                            "user_models.py")
+        return load_program(f"{path}:{model.split(':')[1]}", seq_len=seq, dtype=dtype)
+    return models.program(model, seq_len=seq, dtype=dtype)
 
 
 def run_row(cluster_name, model, batch, limit, time_limit):
     cluster = Cluster.load(cluster_name)
     dtype = "float16" if {t.name for t in cluster.device_types} & PRE_AMPERE else "bfloat16"
-    opts = PlannerOptions(time_limit_s=limit or time_limit, dtype=dtype)
+    opts = PlannerOptions(time_limit_s=limit or time_limit)
     seq = 2048
-    profile = profile_model(model, seq, dtype)
-    upper = upper_bound_tokens_per_s(profile, cluster)
+    t0 = time.perf_counter()
+    program = _program(model, dtype, seq)
+    build_s = time.perf_counter() - t0  # the model's own construction (shape-only)
+    t0 = time.perf_counter()
     row = {"cluster": cluster_name, "model": model, "global_batch": batch, "dtype": dtype,
            "gpus": cluster.num_devices, "types": len(cluster.device_types),
-           "homogeneous": cluster.is_homogeneous, "upper_bound_tokens_per_s": upper,
-           "planning_time_target_s": limit, "results": {}}
-    t0 = time.perf_counter()
+           "homogeneous": cluster.is_homogeneous, "planning_time_target_s": limit,
+           "build_time_s": build_s, "results": {}}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = make_plan(model, cluster, global_batch=batch, seq_len=seq, options=opts)
+            plan = make_plan(program, cluster, global_batch=batch, options=opts)
+        # Tracing the step's loss, finding its layers and profiling them included.
         row["planning_time_s"] = time.perf_counter() - t0
         row["warnings"] = [str(w.message) for w in caught]
         row["results"]["hetshard"] = {"tokens_per_s": plan.predicted.tokens_per_s,
@@ -84,6 +108,9 @@ def run_row(cluster_name, model, batch, limit, time_limit):
     except NoFeasiblePlanError as e:
         row["planning_time_s"] = time.perf_counter() - t0
         row["results"]["hetshard"] = {"tokens_per_s": 0.0, "fits": False, "error": str(e)}
+    profile = profile_program(program)
+    upper = row["upper_bound_tokens_per_s"] = upper_bound_tokens_per_s(profile, cluster)
+    row["layers"] = {"count": profile.num_layers, "found_by": profile.layering}
     for name in BASELINES:
         t1 = time.perf_counter()
         base = run_baseline(name, model, profile, cluster, batch, seq, opts)

@@ -25,7 +25,6 @@ import time
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,9 +36,9 @@ from rich.table import Table  # noqa: E402
 
 import hetshard  # noqa: E402
 import models  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
+from hetshard.cost.profile import profile_program  # noqa: E402
 from hetshard.sim import simulate, write_chrome_trace, write_timeline_png  # noqa: E402
-from hetshard.solver import PlannerOptions, make_plan  # noqa: E402
+from hetshard.solver import PlannerOptions  # noqa: E402
 from hetshard.solver.baselines import BASELINES, run_baseline  # noqa: E402
 from models import data  # noqa: E402
 
@@ -59,6 +58,13 @@ def loss_fn(model, batch):
     # micro-batches (weighted by their sample counts) give exactly the global loss.
     rows = (ce * batch["loss_mask"]).sum(-1) / jnp.maximum(batch["loss_mask"].sum(-1), 1.0)
     return rows.mean()
+
+
+def step_fn(model, optimizer, batch):
+    """The train step: what hetshard.plan traces and hetshard.jit runs."""
+    loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
 
 
 def main() -> int:
@@ -84,13 +90,19 @@ def main() -> int:
     config = models.mllm.preset("llava-tiny")
     console.print(f"model {config.name}: {config.num_params():,} parameters")
 
-    # 2. Plans, priced by the simulator.
-    opts = PlannerOptions(time_limit_s=20, dtype="float16")
+    # 2. Plans for this script's own train step (below), priced by the simulator.
+    rng = np.random.default_rng(0)
+    batches = [data.mllm_batch(rng, args.global_batch, config, seq_len=SEQ)
+               for _ in range(4)]
+    model = models.build(config, rngs=0)
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+    program = hetshard.Program(step_fn, (model, optimizer, batches[0]))
+    opts = PlannerOptions(time_limit_s=20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = make_plan(config, cluster, global_batch=args.global_batch, seq_len=SEQ,
-                         options=opts)
-    profile = profile_model(config, SEQ, "float16", split_blocks=plan.split_blocks)
+        plan = hetshard.plan(step_fn, model, optimizer, batches[0], cluster=cluster,
+                             time_limit_s=20)
+    profile = profile_program(program, split_blocks=plan.split_blocks)
     console.print(plan.explain())
     result = simulate(plan, profile, cluster)
     write_chrome_trace(result, os.path.join(RESULTS, "quickstart_trace.json"))
@@ -99,7 +111,7 @@ def main() -> int:
     speed = Table(title="simulated throughput (same simulator for every planner)")
     for col in ("planner", "tokens/s", "fits", "hetshard speed-up"):
         speed.add_column(col)
-    blocks = profile_model(config, SEQ, "float16")  # the baselines split at whole blocks
+    blocks = profile_program(program)  # the baselines split at whole blocks
     speed.add_row("hetshard", f"{plan.predicted.tokens_per_s:,.0f}", "True", "1.00x")
     for name in BASELINES:
         base = run_baseline(name, config.name, blocks, cluster, args.global_batch, SEQ, opts)
@@ -110,20 +122,13 @@ def main() -> int:
     console.print(speed)
 
     # 3. Training with @hetshard.jit, checked against one device.
-    rng = np.random.default_rng(0)
-    batches = [data.mllm_batch(rng, args.global_batch, config, seq_len=SEQ)
-               for _ in range(4)]
     @nnx.jit
     def ref_step(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
         return loss
 
-    @hetshard.jit(cluster=cluster, time_limit_s=10, dtype="float32")
-    def train_step(model, optimizer, batch):
-        loss, grads = hetshard.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    train_step = hetshard.jit(step_fn, cluster=cluster, time_limit_s=10)
 
     def train(step, steps, label):
         ref_model = models.build(config, rngs=0)
@@ -152,10 +157,9 @@ def main() -> int:
     # H100, A100 and V100 submeshes (MPMD stage programs, 1F1B, per-stage updates).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hetero = run_baseline("metis-like", config.name, profile_model(config, SEQ, "float32"),
-                              cluster, args.global_batch, SEQ,
-                              PlannerOptions(time_limit_s=5, dtype="float32"))
-    pipe_step = hetshard.jit(train_step.__wrapped__, cluster=cluster, plan=hetero)
+        hetero = run_baseline("metis-like", program.name, blocks, cluster, args.global_batch,
+                              SEQ, PlannerOptions(time_limit_s=5))
+    pipe_step = hetshard.jit(step_fn, cluster=cluster, plan=hetero)
     console.print("[bold]the same step on a heterogeneous pipeline (metis-like plan)[/bold]")
     p_losses, p_rel = train(pipe_step, args.pipeline_steps,
                             "training a pipeline across H100/A100/V100")

@@ -24,7 +24,6 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,9 +34,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import hetshard  # noqa: E402
 import models  # noqa: E402
 from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
 from models import data, losses  # noqa: E402
+from models import profile as profile_model  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=4,vocab=1024,seq=128"
 BATCH, SEQ = 16, 128
@@ -67,7 +66,7 @@ def main() -> int:
     batches = [data.text_batch(rng, BATCH, SEQ, 1024) for _ in range(4)]
     plan = uniform_plan(MODEL, profile_model(MODEL, SEQ, "float32"), cluster,
                         global_batch=BATCH, seq_len=SEQ, fix=parse_fix("dp=8,tp=1,pp=1"),
-                        dtype="float32", attention="reference")
+                        attention="reference")
 
     # hetshard.jit
     model = models.build(MODEL, rngs=0)

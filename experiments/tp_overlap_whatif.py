@@ -18,18 +18,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from hetshard.cluster import preset  # noqa: E402
 from hetshard.cost.calibration import DEFAULT, Calibration  # noqa: E402
-from hetshard.cost.profile import profile_model  # noqa: E402
 from hetshard.sim import upper_bound_tokens_per_s  # noqa: E402
-from hetshard.solver import PlannerOptions, make_plan  # noqa: E402
+from hetshard.solver import PlannerOptions  # noqa: E402
+from models import profile as profile_model  # noqa: E402
+from models.steps import make_plan  # noqa: E402
 
 # cluster, model, global batch, dtype, planning-time limit (the planner benchmark's)
 ROWS = [
@@ -55,8 +52,8 @@ def main() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plan = make_plan(model, cluster, global_batch=batch, seq_len=SEQ,
-                                 calibration=cal,
-                                 options=PlannerOptions(dtype=dtype, tp_overlap=overlap,
+                                 dtype=dtype, calibration=cal,
+                                 options=PlannerOptions(tp_overlap=overlap,
                                                         time_limit_s=limit))
             tps = plan.predicted.tokens_per_s
             rows.append({"cluster": cluster, "model": model, "global_batch": batch,

@@ -16,7 +16,15 @@ from hetshard.errors import (
     UnknownNameError,
 )
 from hetshard.ir.program import Program
-from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit
+
+# ``hetshard.plan(step, *args, cluster=...)``, the function; the module stays importable
+# as ``hetshard.plan`` through ``import``/``from`` statements.
+from hetshard.jit import (
+    NonFiniteLossError,
+    PlanNotExecutableError,
+    jit,
+    plan,  # noqa: E402, I001
+)
 from hetshard.plan import Plan
 
 __version__ = "0.1.0"
@@ -39,6 +47,7 @@ __all__ = [
     "__version__",
     "init_distributed",
     "jit",
+    "plan",
     "nn",
     "value_and_grad",
 ]

@@ -51,6 +51,24 @@ def test_data_parallel_across_processes_matches_one_device():
     assert clusters["[0]"] == clusters["[1]"] == [["cpu", 2, 4, [0, 1]]]
 
 
+@pytest.mark.slow
+def test_user_programs_run_a_pipeline_across_processes():
+    # Models written in the tests, not from models/: each process runs one stage.
+    rc, text, _ = _launch("user", timeout="60")
+    assert rc == 0, text[-4000:]
+    got = {}
+    for line in text.splitlines():
+        for tag in ("LOSSES", "REF"):
+            if f"] {tag} " in line:
+                rank = line.split("]")[0] + "]"
+                name, payload = line.split(f"{tag} ", 1)[1].split(" ", 1)
+                got[tag, name, rank] = json.loads(payload)
+    for name in ("transformer", "functional"):
+        for rank in ("[0]", "[1]"):
+            assert got["LOSSES", name, rank] == pytest.approx(got["REF", name, "[0]"],
+                                                             rel=1e-5), (name, rank)
+
+
 @pytest.fixture(scope="module")
 def pipelines_run():
     """One launch runs every pipeline scenario of tests/multihost/worker.py."""

@@ -222,8 +222,9 @@ def test_stage_boundaries_inside_blocks_match_one_device():
     batch = _batches("gpt-tiny", n=1, batch=2)[0]
     loss, leaves, b = _flat_loss("gpt-tiny", lm_loss, batch)
     split = split_stages(loss, leaves, b, [(0, 2), (2, 4), (4, 6)], [], split_blocks=True)
-    assert split.layer_names == ["decoder/embed", "decoder/layer_0/attn", "decoder/layer_0/mlp",
-                                 "decoder/layer_1/attn", "decoder/layer_1/mlp", "decoder/head"]
+    assert split.layer_names == ["decoder/embed", "decoder/layer_0/half_0",
+                                 "decoder/layer_0/half_1", "decoder/layer_1/half_0",
+                                 "decoder/layer_1/half_1", "decoder/head"]
     with pytest.raises(StageSplitError, match="6 layers"):
         split_stages(loss, leaves, b, [(0, 2), (2, 4)], [], split_blocks=True)
 

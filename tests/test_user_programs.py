@@ -213,3 +213,28 @@ def test_no_compiler_module_imports_the_zoo():
             if any(n == "models" or n.startswith("models.") for n in names):
                 offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+@pytest.mark.parametrize("name", ["transformer", "functional", "scanned"])
+@pytest.mark.parametrize("kind", ["two_pipelines", "interleaved", "zbh1"])
+def test_several_pipelines_and_other_schedules(name, kind):
+    step, args, _ = _fresh(name)
+    program = hetshard.Program(step, args)
+    n = program.layering(2).num_layers
+    cluster = Cluster.load(CLUSTER)
+    if kind == "two_pipelines":  # shares 4 + 4, different layer splits and GPU types
+        pipes = (Pipeline(_stages(n, [n // 2], [(H100, "H100-80GB"), ((2,), "A100-80GB")]),
+                          4, 1, 2),
+                 Pipeline(_stages(n, [n - 2], [((4, 5), "V100-32GB"), ((6, 7), "V100-32GB")]),
+                          4, 1, 2))
+    elif kind == "interleaved":  # 4 stages on 2 submeshes, each running 2 of them
+        q = n // 4
+        stages = _stages(n, [q, 2 * q, 3 * q], [(H100, "H100-80GB"), (V100, "V100-32GB")] * 2)
+        pipes = (Pipeline(stages, 8, 2, 2, virtual_stages=2),)
+    else:
+        pipes = (Pipeline(_stages(n, [n // 2], [(H100, "H100-80GB"), (V100, "V100-32GB")]),
+                          8, 2, 2, schedule="zbh1"),)
+    plan = Plan(program.name, cluster.to_dict(), 8, program.seq_len, pipes,
+                dtype=program.dtype, attention="reference")
+    got, _ = _hetshard(name, plan)
+    np.testing.assert_allclose(got, _reference(name), rtol=1e-5)

@@ -268,6 +268,11 @@ def profile_program(program, split_blocks: bool = False) -> ModelProfile:
     return _PROFILES[key]
 
 
+def clear_profiles() -> None:
+    """Forgets every cached profile (benchmarks time tracing afresh)."""
+    _PROFILES.clear()
+
+
 def _profile(program, split_blocks: bool) -> ModelProfile:
     from hetshard.ir.program import reduced_graph
     g1, lay, rep, _ = reduced_graph(program, 2, split_blocks)

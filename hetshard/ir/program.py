@@ -371,31 +371,33 @@ class Program:
 
     @functools.cached_property
     def model_fingerprint(self) -> str:
-        """A hash of the model a plan is made for: the loss's equations (at two samples),
-        the shapes, dtypes and paths of the parameters and of one sample of the batch
-        (what ``Plan.fingerprint`` records, and a pinned plan is checked against: another
-        optimizer or global batch is the same model)."""
+        """A hash of the model a plan is made for: its parameters' paths, shapes and
+        dtypes, one sample's batch shapes and dtypes, and the layers found in its loss
+        (what ``Plan.fingerprint`` records and a pinned plan is checked against: another
+        optimizer, global batch or loss over the same model is the same model)."""
         h = hashlib.blake2b(digest_size=16)
-        closed, _ = self.loss_jaxpr(2)
-        for eqn in closed.jaxpr.eqns:
-            h.update(eqn_signature(eqn).encode())
         for i in self.diff:
             a = self.state_avals[i]
             h.update(f"{self.paths[i]}:{a.shape}:{a.dtype};".encode())
         for p, a in zip(self.batch_paths, self.batch_avals, strict=True):
             h.update(f"batch {p}:{a.shape[1:]}:{a.dtype};".encode())  # per sample
-        h.update(f"call {self.call is not None}".encode())
+        h.update(f"layers {self.layering(2).names}".encode())
         return h.hexdigest()
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A hash of everything a plan depends on: ``model_fingerprint`` and every state
-        leaf's shape, dtype and path (the optimizer's state among them: its kind and size,
-        not its hyperparameters, which no plan depends on). The plan cache's key."""
+        """A hash of everything a plan depends on: ``model_fingerprint``, the loss's
+        equations and every state leaf's shape, dtype and path (the optimizer's state
+        among them: its kind and size, not its hyperparameters, which no plan depends
+        on). The plan cache's key."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.model_fingerprint.encode())
+        closed, _ = self.loss_jaxpr(2)
+        for eqn in closed.jaxpr.eqns:
+            h.update(eqn_signature(eqn).encode())
         for p, a in zip(self.paths, self.state_avals, strict=True):
             h.update(f"{p}:{a.shape}:{a.dtype};".encode())
+        h.update(f"call {self.call is not None}".encode())
         return h.hexdigest()
 
     def update_jaxpr(self):

@@ -149,6 +149,43 @@ def pipelines() -> None:
             print("REF", name, json.dumps(want), flush=True)
 
 
+def user_programs() -> None:
+    """Models written in the tests (tests/user_models.py: an NNX transformer without
+    scopes, a params-dict step with optax.lion) in a pipeline whose two stages run in
+    the two processes, each a different layout."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import user_models
+    rank = jax.process_index()
+    local = hetshard.Cluster.from_jax_devices()
+    cpu = local.groups[0].gpu.name
+    for name in ("transformer", "functional"):
+        step, args, batches = user_models.MODELS[name]()
+        program = hetshard.Program(step, args)
+        n = program.layering(2).num_layers
+        plan = Plan(program.name, local.to_dict(), 8, program.seq_len, (Pipeline((
+            _stage(0, n // 2, (0, 1, 2, 3), cpu, data=2, tensor=2),
+            _stage(n // 2, n, (4, 5, 6, 7), cpu, data=4)), 8, 1, 4),), attention="reference")
+        losses = _user_train(hetshard.jit(step, cluster=local, plan=plan), args, batches)
+        print("LOSSES", name, json.dumps(losses), flush=True)
+        if rank == 0:
+            step, args, batches = user_models.MODELS[name]()
+            jitted = nnx.jit(step) if isinstance(args[0], nnx.Module) else jax.jit(step)
+            with jax.default_device(jax.local_devices()[0]):
+                print("REF", name, json.dumps(_user_train(jitted, args, batches)), flush=True)
+
+
+def _user_train(step, args, batches, steps=3):
+    args, losses = list(args), []
+    for i in range(steps):
+        args[-1] = batches[i % len(batches)]
+        out = step(*args)
+        if isinstance(out, tuple):
+            out, *state = out
+            args[:len(state)] = state
+        losses.append(float(out))
+    return losses
+
+
 def main(mode: str) -> int:
     rank = jax.process_index()
     print(f"process {rank} of {jax.process_count()}, {len(jax.local_devices())} local "
@@ -162,6 +199,9 @@ def main(mode: str) -> int:
         return 0
     if mode == "pipelines":
         pipelines()
+        return 0
+    if mode == "user":
+        user_programs()
         return 0
     if mode == "fingerprint":
         hd.agree("same", "test value")
