@@ -36,6 +36,7 @@ from hetshard.autodiff import entered, is_graph
 from hetshard.cluster.spec import Cluster
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, check_batch
+from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
 from hetshard.runtime.spmd import batch_sharding, stage_mesh, state_shardings
 
@@ -66,9 +67,10 @@ def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: in
     """
     from hetshard.solver import PlannerOptions, make_plan
     options = _options(PlannerOptions, planner_options, "hetshard.plan")
-    program = Program(step, args, batch_argnum=batch_argnum)
-    return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
-                     options=_restricted(options, program), calibration=calibration)
+    with no_ambient_mesh():
+        program = Program(step, args, batch_argnum=batch_argnum)
+        return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
+                         options=_restricted(options, program), calibration=calibration)
 
 
 def _options(cls, given: dict, where: str):
@@ -230,13 +232,19 @@ class HetshardJit:
 
     # ---- execution -------------------------------------------------------------------
     def __call__(self, *args):
+        # hetshard's programs run on their own submeshes, outside a caller's jax.set_mesh.
+        with no_ambient_mesh():
+            return self._call(*args)
+
+    def _call(self, *args):
         idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
         if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
                 args):
             raise SpecError("batch_argnums", idx, f"an argument index below {len(args)}",
                             where="hetshard.jit")
         idx %= len(args)
-        batch = args[idx]
+        batch = untyped(args[idx])
+        args = (*args[:idx], batch, *args[idx + 1:])
         size = check_batch(batch)
         if self.global_batch is not None and size != self.global_batch:
             raise SpecError("batch", f"leading dimension {size}",

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from hetshard.meshes import laid_out
+
 AXIS = "tensor"
 
 
@@ -40,8 +42,12 @@ def _ring(tp: int):
 
 
 def _shard(body, mesh: Mesh, in_specs, out_specs):
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                         check_vma=False)
+    run = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                        check_vma=False)
+
+    def call(*args):  # inputs laid out as in_specs (required on an Explicit mesh)
+        return run(*(laid_out(a, mesh, s) for a, s in zip(args, in_specs, strict=True)))
+    return call
 
 
 def _slice(x, j, block):

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hetshard.errors import SpecError
 from hetshard.kernels.flash_attention import flash_attention_positions
 from hetshard.kernels.reference import MASK_VALUE, check_attention_args
+from hetshard.meshes import gathered, is_explicit, laid_out
 
 
 def ring_attention(q, k, v, *, axis_name: str, axis_size: int, causal: bool,
@@ -118,8 +119,10 @@ def context_parallel_attention(q, k, v, mesh, axis: str = "context", causal: boo
         pos[i, :len(t)] = t
     flat = gather.reshape(-1)
     positions = jnp.broadcast_to(jnp.asarray(pos.reshape(-1)), (b, n * width))
-    seg = None if segment_ids is None else jnp.take(segment_ids, flat, axis=1)
-    local = [jnp.take(x, flat, axis=1) for x in (q, k, v)]
+    # On an Explicit mesh the inputs may be split along the sequence: gathered first so
+    # that the reorder into device chunks is a plain gather.
+    seg = None if segment_ids is None else jnp.take(gathered(segment_ids, mesh), flat, axis=1)
+    local = [jnp.take(gathered(x, mesh), flat, axis=1) for x in (q, k, v)]
     spec = PartitionSpec(None, axis)
 
     def body(q_c, k_c, v_c, pos_c, seg_c):
@@ -130,10 +133,11 @@ def context_parallel_attention(q, k, v, mesh, axis: str = "context", causal: boo
                               interpret=interpret)
 
     seg_arg = seg if seg is not None else jnp.zeros((b, n * width), jnp.int32)
-    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (*local, positions, seg_arg)]
+    args = [laid_out(x, mesh, spec) if is_explicit(mesh) else
+            jax.device_put(x, NamedSharding(mesh, spec)) for x in (*local, positions, seg_arg)]
     out = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec,
                         check_vma=False)(*args)
     inverse = np.empty(s, np.int64)
     for i, t in enumerate(ids):
         inverse[t] = i * width + np.arange(len(t))
-    return jnp.take(out, jnp.asarray(inverse), axis=1)
+    return jnp.take(gathered(out, mesh), jnp.asarray(inverse), axis=1)

@@ -221,9 +221,11 @@ def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel):
     def body(q, k, v, *seg):
         return flash_attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None,
                                sm_scale=scale, **kernel)
+    from hetshard.meshes import laid_out
     args, specs = (q, k, v), (spec,) * 3
     if seg is not None:
         args, specs = args + (seg,), specs + (P(batch, None),)
+    args = tuple(laid_out(a, mesh, s) for a, s in zip(args, specs, strict=True))
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                          check_vma=False)(*args)
 
