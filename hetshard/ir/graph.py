@@ -135,7 +135,9 @@ class OpGraph:
         pipeline stage without the owner holds a read copy and its gradient."""
         out: dict[str, dict[int, tuple[str, float]]] = defaultdict(dict)
         for op in self.ops:
-            if op.phase != "fwd":
+            # A slice of a stacked weight (an unrolled scan's block) is the reading
+            # layer's own, not a copy of another's.
+            if op.phase != "fwd" or op.primitive in ("slice", "dynamic_slice"):
                 continue
             for src, _ in op.inputs:
                 k = -2 - src

@@ -87,6 +87,27 @@ class Layering:
         last = len(self.eqn_layer) - 1 - self.eqn_layer[::-1].index(k)
         return range(first, last + 1)
 
+    def whole(self) -> Layering:
+        """The layering with each block's halves merged back (itself when not split)."""
+        if not self.split_blocks:
+            return self
+        names, kinds, stacks, positions, index = [], [], [], [], []
+        for name, kind, s, p in zip(self.names, self.kinds, self.stacks, self.positions,
+                                    strict=True):
+            if s >= 0 and name.endswith("/half_1"):
+                index.append(len(names) - 1)
+                continue
+            if s >= 0 and name.endswith("/half_0"):
+                name, kind, p = name[:-len("/half_0")], kind[:-len("/0")], p // 2
+            names.append(name)
+            kinds.append(kind)
+            stacks.append(s)
+            positions.append(p)
+            index.append(len(names) - 1)
+        eqn_layer = tuple(index[k] for k in self.eqn_layer)
+        return Layering(tuple(names), tuple(kinds), eqn_layer, tuple(stacks),
+                        tuple(positions), self.source, False)
+
     def describe(self) -> str:
         blocks = sum(1 for s in self.stacks if s >= 0)
         kinds = len(set(self.kinds))

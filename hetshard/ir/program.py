@@ -22,6 +22,7 @@ A step without ``hetshard.value_and_grad``, or whose loss reads values the step 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -298,8 +299,16 @@ class Program:
                 return self.call_step(state_leaves, batch_leaves)[0]
             return jax.make_jaxpr(whole, return_shape=True)(self.state_avals,
                                                             self.batch_at(mbs))
-        return jax.make_jaxpr(self.loss_flat, return_shape=True)(self.state_avals,
-                                                                 self.batch_at(mbs))
+        from hetshard.rewrite.unroll import unrolled_jaxpr
+        batch = self.batch_at(mbs)
+        closed, shape = jax.make_jaxpr(self._loss_flat, return_shape=True)(
+            self.state_avals, batch)
+        unrolled = unrolled_jaxpr(closed, shape)
+        if unrolled[0] is closed:  # the runtime's traces of loss_flat need not look again
+            leaves, tree = jax.tree.flatten((self.state_avals, batch))
+            self.loss_flat.scan_free.add(
+                (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)))
+        return unrolled
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:
@@ -310,7 +319,14 @@ class Program:
             n = len(closed.jaxpr.eqns)
             return Layering(("step",), ("step",), (0,) * n, (-1,), (0,), "single",
                             split_blocks)
-        return discover(closed, split_blocks)
+        if not split_blocks:
+            return self.layering(mbs, True).whole()
+        if mbs != 2:
+            # Another batch size traces to the same equations: the layers are the same.
+            base, other = self.loss_jaxpr(2)[0].jaxpr.eqns, closed.jaxpr.eqns
+            if [e.primitive for e in base] == [e.primitive for e in other]:
+                return self.layering(2, True)
+        return discover(closed, True)
 
     # ---- facts the planner reads ------------------------------------------------------
     @functools.cached_property
@@ -561,12 +577,29 @@ def representatives(layering: Layering) -> dict[int, int]:
 
 
 def reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
-    """Cached :func:`_reduced_graph` (see there)."""
+    """Cached :func:`_reduced_graph` (see there). Traced once per micro-batch size, with
+    blocks as halves; the whole-block graph is that trace with each block's halves
+    relabelled as the block (the same equations either way)."""
     key = (mbs, split_blocks)
     cache = program.__dict__.setdefault("_reduced", {})
     if key not in cache:
-        cache[key] = _reduced_graph(program, mbs, split_blocks)
+        if split_blocks or program.call is None:
+            cache[key] = _reduced_graph(program, mbs, split_blocks)
+        else:
+            graph, halves, _, diff = reduced_graph(program, mbs, True)
+            whole = halves.whole()
+            rename = {halves.names[k]: whole.names[whole.eqn_layer[i]]
+                      for i, k in enumerate(halves.eqn_layer)}
+            cache[key] = (_relabelled(graph, rename), whole, representatives(whole), diff)
     return cache[key]
+
+
+def _relabelled(graph, rename: dict):
+    """``graph`` with its layer names mapped through ``rename``."""
+    from hetshard.ir.graph import OpGraph
+    ops = [dataclasses.replace(op, layer=rename.get(op.layer, op.layer)) for op in graph.ops]
+    return OpGraph(ops, graph.edges, [rename.get(x, x) for x in graph.param_layers],
+                   graph.param_bytes, graph.param_sizes, graph.opt_state_bytes)
 
 
 def traced_graph(program: Program, mbs: int, split_blocks: bool = False):

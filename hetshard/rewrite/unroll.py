@@ -66,6 +66,36 @@ def _run_scan(eqn, invals) -> list:
     return [*carry, *stacked]
 
 
+def unrolled_jaxpr(closed, shape):
+    """``(ClosedJaxpr, shape)`` of ``closed`` with its block scans unrolled (itself when it
+    has none)."""
+    if not any(is_block_scan(e) for e in closed.jaxpr.eqns):
+        return closed, shape
+
+    def run(*leaves):
+        return _evaluate(closed, leaves)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    out, _ = jax.make_jaxpr(run, return_shape=True)(*avals)
+    return out, shape
+
+
+def _evaluate(closed, leaves) -> list:
+    jaxpr = closed.jaxpr
+    scans = [i for i, e in enumerate(jaxpr.eqns) if is_block_scan(e)]
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, leaves, strict=True))
+    start = 0
+    for i in scans:
+        eval_equations(jaxpr, env, None, range(start, i))
+        eqn = jaxpr.eqns[i]
+        invals = [v.val if isinstance(v, ext.Literal) else env[v] for v in eqn.invars]
+        for var, val in zip(eqn.outvars, _run_scan(eqn, invals), strict=True):
+            env[var] = val
+        start = i + 1
+    eval_equations(jaxpr, env, None, range(start, len(jaxpr.eqns)))
+    return [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
+
+
 def unroll_scans(fn):
     """``fn`` with its block scans unrolled (see the module docstring); ``fn`` itself
     when it has none."""
@@ -78,22 +108,9 @@ def unroll_scans(fn):
         if key in scan_free:
             return fn(*args)
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        jaxpr = closed.jaxpr
-        scans = [i for i, e in enumerate(jaxpr.eqns) if is_block_scan(e)]
-        if not scans:
+        if not any(is_block_scan(e) for e in closed.jaxpr.eqns):
             scan_free.add(key)
             return fn(*args)
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, leaves, strict=True))
-        start = 0
-        for i in scans:
-            eval_equations(jaxpr, env, None, range(start, i))
-            eqn = jaxpr.eqns[i]
-            invals = [v.val if isinstance(v, ext.Literal) else env[v] for v in eqn.invars]
-            for var, val in zip(eqn.outvars, _run_scan(eqn, invals), strict=True):
-                env[var] = val
-            start = i + 1
-        eval_equations(jaxpr, env, None, range(start, len(jaxpr.eqns)))
-        outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
-        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+        return jax.tree.unflatten(jax.tree.structure(shape), _evaluate(closed, leaves))
+    wrapped.scan_free = scan_free
     return wrapped
