@@ -61,3 +61,66 @@ def test_python_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "hetshard", "devices", "--json"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)
+
+
+FACTORY = '''
+import jax, jax.numpy as jnp, optax
+from flax import nnx
+
+class Net(nnx.Module):
+    def __init__(self, rngs, layers=4, d=32):
+        self.embed = nnx.Embed(64, d, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(layers)])
+        self.head = nnx.Linear(d, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + jax.nn.gelu(block(x))
+        return self.head(x)
+
+def loss(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+def make(seq_len=16):
+    tokens = jax.ShapeDtypeStruct((8, seq_len), jnp.int32)
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+    return {"model": model, "loss": loss, "optimizer": optax.adamw(1e-3),
+            "batch": {"tokens": tokens, "targets": tokens}}
+
+def no_seq():
+    return make()
+'''
+
+
+def test_plan_and_simulate_a_factorys_program(capsys, tmp_path):
+    # --model file.py:fn plans the program the factory returns (here the dict form:
+    # model, loss, optimizer, batch; shape-only), --seq-len reaches the factory, and
+    # simulate --plan prices the exported plan on the same program.
+    path = tmp_path / "mynet.py"
+    path.write_text(FACTORY)
+    plan = run_json(capsys, "plan", "--model", f"{path}:make", "--cluster", "a100-v100-x16",
+                    "--global-batch", "32", "--seq-len", "32", "--time-limit", "10", "--json")
+    assert plan["seq_len"] == 32 and plan["fingerprint"]
+    out = tmp_path / "plan.json"
+    out.write_text(json.dumps(plan))
+    priced = run_json(capsys, "simulate", "--plan", str(out), "--model", f"{path}:make",
+                      "--json")
+    assert priced["step_time_s"] == pytest.approx(plan["predicted"]["step_time_s"], rel=1e-6)
+    # A flag the factory does not take is refused, naming it.
+    assert main(["plan", "--model", f"{path}:no_seq", "--cluster", "a100-v100-x16",
+                 "--global-batch", "32", "--seq-len", "32"]) == 2
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_longer_sequences_for_rotary_models_only(capsys):
+    # llama-tiny (rotary) plans at 4x its preset's sequence; gpt-tiny's positions are a
+    # learned table of 16 rows: a clear error naming seq_len.
+    plan = run_json(capsys, "plan", "--model", "llama-tiny", "--cluster", "dgx-a100-80gb-x8",
+                    "--global-batch", "8", "--seq-len", "256", "--time-limit", "10", "--json")
+    assert plan["seq_len"] == 256
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8",
+                 "--global-batch", "8", "--seq-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len=256" in err and "learned" in err

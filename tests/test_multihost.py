@@ -56,13 +56,7 @@ def test_user_programs_run_a_pipeline_across_processes():
     # Models written in the tests, not from models/: each process runs one stage.
     rc, text, _ = _launch("user", timeout="60")
     assert rc == 0, text[-4000:]
-    got = {}
-    for line in text.splitlines():
-        for tag in ("LOSSES", "REF"):
-            if f"] {tag} " in line:
-                rank = line.split("]")[0] + "]"
-                name, payload = line.split(f"{tag} ", 1)[1].split(" ", 1)
-                got[tag, name, rank] = json.loads(payload)
+    got = _scenarios(text)
     for name in ("transformer", "functional"):
         for rank in ("[0]", "[1]"):
             assert got["LOSSES", name, rank] == pytest.approx(got["REF", name, "[0]"],
@@ -74,6 +68,11 @@ def pipelines_run():
     """One launch runs every pipeline scenario of tests/multihost/worker.py."""
     rc, text, _ = _launch("pipelines", timeout="60")
     assert rc == 0, text[-4000:]
+    return _scenarios(text), text
+
+
+def _scenarios(text) -> dict:
+    """``(tag, scenario, rank) -> payload`` of the workers' LOSSES and REF lines."""
     got = {}
     for line in text.splitlines():
         for tag in ("LOSSES", "REF"):
@@ -81,7 +80,7 @@ def pipelines_run():
                 rank = line.split("]")[0] + "]"
                 name, payload = line.split(f"{tag} ", 1)[1].split(" ", 1)
                 got[tag, name, rank] = json.loads(payload)
-    return got, text
+    return got
 
 
 def _check_scenario(got, name):

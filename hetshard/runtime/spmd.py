@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetshard.errors import SpecError
+from hetshard.ir.program import path_string  # noqa: F401 (re-exported)
 from hetshard.plan import Plan
 
 
@@ -31,15 +32,6 @@ def mesh_of(stage, devices) -> Mesh:
 def stage_mesh(plan: Plan, devices) -> Mesh:
     (stage,) = plan.pipelines[0].stages
     return mesh_of(stage, devices)
-
-
-def path_string(path) -> str:
-    parts = []
-    for k in path:
-        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if str(k) not in ("value", ".value"):
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
