@@ -1,35 +1,51 @@
-"""Cost model vs published measurements: predicted step time for published configurations.
+"""Cost model vs measured runs: predicted step time of every public measured set we can
+price, per set.
 
-Rows (all on DGX A100 80GB nodes, seq 2048, vocab 51200, GPT with learned
-positions and tied embeddings, mixed precision):
+Sets (each row a published configuration and its measured step time):
 
-* Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-  Clusters Using Megatron-LM", Table 1 (weak scaling, 1.7B..1T, full activation
-  recomputation): achieved teraFLOP/s per GPU, counted with the paper's formula
-  96*B*s*l*h^2*(1 + s/6h + V/16lh), which includes the recomputation.
-* Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", and the Megatron-LM README table: model FLOPs utilisation (MFU) with
-  selective recomputation and sequence parallelism, data-parallel size 1, micro-batch 1;
-  model FLOPs 72*B*s*l*h^2*(1 + s/6h + V/16lh). Their selective recomputation keeps
-  everything but attention's core (scores, softmax, dropout), which the backward
-  recomputes: what hetshard prices for the flash kernel without remat (hetshard's own
-  ``selective`` is JAX's dots policy, which recomputes every elementwise op too).
+* ``megatron`` (14 rows, DGX A100 80GB, GPT, seq 2048, mixed precision):
+  Narayanan et al. 2021 (SC'21), Table 1 (weak scaling 1.7B..1T, full recomputation:
+  achieved TFLOP/s per GPU counted with 96*B*s*l*h^2*(1 + s/6h + V/16lh)); Korthikanti
+  et al. 2022 and Megatron-LM's README (MFU with selective recomputation and sequence
+  parallelism, counted with 72*...). Micro-batch sizes of the first table are not
+  published: each row takes the size (1, 2, 4, 8) hetshard predicts fastest among those
+  that fit, as the authors tuned theirs. Priced with the roofline (no per-layer profile
+  exists): once with the built-in constants (every row held out) and once with the A100's
+  ``matmul_eff``, ``memory_eff`` and ``fusion`` fitted on FIT_ROWS (grid search, least
+  squares on log step time), the other rows held out.
+* ``sailor-mit`` (9), ``sailor-gh200-opt350`` (15), ``sailor-gh200-gptneo`` (12):
+  Sailor's real measured iteration times (Strati et al., SOSP'25; ``../shared/data/
+  sailor-validation.json``) of its plans on a mixed RTX-3090 / RTX-2080 Ti / Titan RTX
+  cluster and on GH200 nodes, OPT-350 and GPT-Neo-2.7B in float32. Priced with Sailor's
+  published per-layer profiles (``../shared/data/profiles/sailor-profiles.json``: forward,
+  backward, update per layer by GPU, micro-batch and tensor degree), which hetshard loads
+  as they are, and the clusters' measured network fits from the validation file. Nothing
+  is fitted. Sailor's, AMP's, Metis's and FlashFlex's predictions of the same runs are
+  reported beside hetshard's.
+* ``torchtitan-h100`` (6): torchtitan's Llama 3.1 runs on Grand Teton H100 nodes
+  (``docs/performance.md`` of Dec 2024, ``benchmarks/asyncTP_llama3_h100_2025-06``):
+  8B FSDP on 8 and 128 GPUs (local batch 2, torch.compile, per-op selective recomputation),
+  8B FSDP 8 x TP 8 (local batch 12) and 70B FSDP 32 x TP 8 (local batch 16, full
+  recomputation), with vanilla and asynchronous TP (hetshard's collective matmuls),
+  bfloat16, seq 8192. The GPUs are H100 SXM with 96 GB HBM2e at 2.4 TB/s capped at 500 W
+  (torchtitan: "peak between SXM and NVL"): priced as an inline GPU at the midpoint
+  (912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline, built-in
+  constants, nothing fitted. Float8 rows are left out (hetshard prices no float8).
+* ``torchtitan-a100`` (3): torchtitan's Llama 3 on 64 A100 80GB (``docs/performance.md``
+  of Jun 2024): 8B with per-op and per-layer (every second block) selective
+  recomputation, 70B with full recomputation, local batch 1, seq 8192, FSDP. The network
+  is not published: priced on DGX A100 nodes (8 x 200 Gb/s).
 
-Each published figure is turned into a step time (FLOPs / (rate * GPUs)) and
-compared with hetshard's simulated step time for the same TP/PP/DP, batch and
-recomputation. Micro-batch sizes are not published for the first table; we
-take, for each row, the micro-batch size (1, 2, 4 or 8) that hetshard predicts
-fastest among those that fit, as the authors tuned theirs. The paper used the
-interleaved 1F1B schedule for some rows; we simulate plain 1F1B.
+torchtitan's per-op selective recomputation saves the outputs of every other ``mm`` and
+of attention, so its backward re-runs 3 of a Llama block's 7 weight matmuls (wk, wo, w3)
+and the elementwise ops; hetshard's ``selective`` saves every matmul. Those rows are
+priced as ``selective`` plus the re-run matmuls' forward time at the same roofline
+(documented below, not fitted).
 
-Two calibrations are evaluated: the built-in defaults of
-hetshard/cost/calibration.py, chosen before any comparison (so every row is
-held out), and the A100's ``matmul_eff``, ``memory_eff`` and ``fusion`` fitted
-on the FIT_ROWS subset (grid search, least squares on log step time), with the
-error reported on the other rows. No heterogeneous published row is included:
-none with enough configuration detail was found (see README).
+Per set the script reports the median and mean absolute error, the Spearman rank
+correlation between predicted and measured times, and which rows (if any) were fitted.
 
-Usage: python experiments/cost_model_accuracy.py
+Usage: python experiments/cost_model_accuracy.py [--sets megatron,sailor-mit,...]
 Writes experiments/results/cost_model_accuracy.json and .png.
 """
 
@@ -43,16 +59,19 @@ import os
 import sys
 import time
 
-import numpy as np  # noqa: E402
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.cost.calibration import DEFAULT  # noqa: E402
+from hetshard.cost.calibration import DEFAULT, Calibration  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
 from hetshard.solver.uniform import Fix, uniform_plan  # noqa: E402
 from models import profile as profile_model  # noqa: E402
 
-SEQ, VOCAB, PEAK = 2048, 51200, 312e12
+# ---- megatron ------------------------------------------------------------------------
 
+SEQ, VOCAB, PEAK = 2048, 51200, 312e12
 # name, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU
 NARAYANAN = [
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -80,29 +99,37 @@ def _formula(b, layers, h):
     return 72 * b * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * layers * h))
 
 
-def rows():
+def megatron_rows():
     out = []
     for name, heads, h, layers, tp, pp, gpus, batch, tflops in NARAYANAN:
         flops = 4 / 3 * _formula(batch, layers, h)  # their count includes recomputation
         out.append(dict(row=f"narayanan {name}", heads=heads, hidden=h, layers=layers, tp=tp,
                         pp=pp, gpus=gpus, batch=batch, remat="full", mbs=None,
-                        attention="reference",
-                        published=f"{tflops} TFLOP/s/GPU",
-                        published_step_s=flops / (tflops * 1e12 * gpus)))
+                        attention="reference", published=f"{tflops} TFLOP/s/GPU",
+                        measured_step_s=flops / (tflops * 1e12 * gpus)))
     for name, heads, h, layers, tp, pp, gpus, batch, mfu in KORTHIKANTI:
         out.append(dict(row=f"korthikanti {name}", heads=heads, hidden=h, layers=layers, tp=tp,
                         pp=pp, gpus=gpus, batch=batch, remat="none", mbs=1,
-                        attention="flash",
-                        published=f"MFU {mfu:.1%}",
-                        published_step_s=_formula(batch, layers, h) / (mfu * PEAK * gpus)))
+                        attention="flash", published=f"MFU {mfu:.1%}",
+                        measured_step_s=_formula(batch, layers, h) / (mfu * PEAK * gpus)))
     return out
 
 
-def predict(row, cal, cache):
+_PROFILES: dict = {}
+
+
+def _profile(spec, seq, dtype):
+    key = (spec, seq, dtype)
+    if key not in _PROFILES:
+        _PROFILES[key] = profile_model(spec, seq, dtype)
+    return _PROFILES[key]
+
+
+def megatron_predict(row, cal, clusters):
     spec = (f"gpt:layers={row['layers']},hidden={row['hidden']},heads={row['heads']},"
             f"vocab={VOCAB},seq={SEQ}")
-    prof = profile_model(spec, SEQ, "bfloat16")
-    cluster = cache.setdefault(row["gpus"], Cluster.load(f"dgx-a100-80gb-x{row['gpus']}"))
+    prof = _profile(spec, SEQ, "bfloat16")
+    cluster = clusters.setdefault(row["gpus"], Cluster.load(f"dgx-a100-80gb-x{row['gpus']}"))
     dp = row["gpus"] // (row["tp"] * row["pp"])
     best = None
     for mbs in ([row["mbs"]] if row["mbs"] else [1, 2, 4, 8]):
@@ -111,111 +138,278 @@ def predict(row, cal, cache):
         fix = Fix(dp=dp, tp=row["tp"], pp=row["pp"], mbs=mbs, remat=row["remat"])
         plan = uniform_plan(spec, prof, cluster, global_batch=row["batch"], seq_len=SEQ,
                             fix=fix, attention=row["attention"])
-        r = simulate(plan, prof, cluster, cal)
+        r = simulate(plan, prof, cluster, cal, trace=False)
         key = (not r.fits, r.step_time_s)
         if best is None or key < best[0]:
             best = (key, mbs, r)
     _, mbs, r = best
-    return {"predicted_step_s": r.step_time_s, "mbs": mbs, "fits": r.fits,
-            "predicted_mfu": r.mfu, "bubble": r.bubble_fraction}
+    return {"predicted_step_s": r.step_time_s, "mbs": mbs, "fits": r.fits}
 
 
-def evaluate(cal, subset=None):
-    cache = {}
+def megatron_evaluate(cal, subset=None):
+    clusters: dict = {}
     out = []
-    for row in rows():
+    for row in megatron_rows():
         if subset is not None and row["row"] not in subset:
             continue
-        p = predict(row, cal, cache)
-        out.append({**row, **p, "error": p["predicted_step_s"] / row["published_step_s"] - 1})
+        out.append({**row, **megatron_predict(row, cal, clusters)})
     return out
 
 
-def fit():
+def megatron_fit():
     best = None
     grid = itertools.product([0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9],
                              [0.5, 0.7, 0.9], [0.1, 0.2, 0.35, 0.5])
     for mm, mem, fus in grid:
         eff = dataclasses.replace(DEFAULT.default, matmul_eff=mm, memory_eff=mem, fusion=fus)
         cal = DEFAULT.with_type("A100-80GB", eff)
-        res = evaluate(cal, FIT_ROWS)
-        loss = sum(np.log1p(r["error"]) ** 2 for r in res)
+        res = megatron_evaluate(cal, FIT_ROWS)
+        loss = sum(np.log(r["predicted_step_s"] / r["measured_step_s"]) ** 2 for r in res)
         if best is None or loss < best[0]:
             best = (loss, eff)
     return best[1]
 
 
-def report(title, res, fit_rows):
-    print(f"\n{title}")
-    print(f"{'row':<20} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} {'published':>22} "
-          f"{'pub step s':>10} {'pred step s':>11} {'error':>8}  set")
-    for r in res:
-        dp = r["gpus"] // (r["tp"] * r["pp"])
-        tag = "fit" if r["row"] in fit_rows else "held-out"
-        print(f"{r['row']:<20} {r['tp']:>3} {r['pp']:>3} {dp:>4} {r['mbs']:>4} "
-              f"{r['published']:>22} {r['published_step_s']:>10.2f} "
-              f"{r['predicted_step_s']:>11.2f} {r['error']:>+8.1%}  {tag}")
-    held = [abs(r["error"]) for r in res if r["row"] not in fit_rows]
-    summary = {"median_abs_error_held_out": float(np.median(held)),
-               "max_abs_error_held_out": float(np.max(held)), "rows_held_out": len(held),
-               "fit_rows": sorted(fit_rows)}
-    fitted = [abs(r["error"]) for r in res if r["row"] in fit_rows]
-    if fitted:
-        summary["median_abs_error_fit_rows"] = float(np.median(fitted))
-    print(f"median |error| held out: {summary['median_abs_error_held_out']:.1%} "
-          f"over {len(held)} rows (max {summary['max_abs_error_held_out']:.1%})")
-    return summary
+# ---- Sailor's measured runs -----------------------------------------------------------
+
+SAILOR_SETS = {"sailor-mit": "mit", "sailor-gh200-opt350": "clariden_opt350",
+               "sailor-gh200-gptneo": "clariden_gpt_neo"}
 
 
-def plot(res, fit_rows, title, path):
+def sailor_evaluate(name):
+    import sailor_plans as sp
+    data = sp.load()
+    cal = Calibration.load(sp.PROFILES)
+    out = []
+    for row in data["rows"][SAILOR_SETS[name]]:
+        spec = sp.MODELS[row["model"]]
+        prof = _profile(spec, 2048, "float32")
+        cluster = sp.cluster_for(row, data)
+        plan = sp.plan_for(row, cluster)
+        r = simulate(plan, prof, cluster, cal, trace=False)
+        others = {k: v for k, v in row["predicted_iteration_time_s"].items()
+                  if v is not None}
+        out.append(dict(row=row["id"].split("validation/")[-1], model=row["model"],
+                        gpus=row["gpus_total"], mbs=row["mbs"], batch=row["global_batch"],
+                        stages=row["num_stages"],
+                        measured_step_s=row["measured"]["iteration_time_s"],
+                        predicted_step_s=r.step_time_s, fits=r.fits,
+                        measured_memory_bytes=row["measured"].get("max_mem_bytes"),
+                        predicted_memory_bytes=r.peak_memory_bytes, others=others))
+    return out
+
+
+# ---- torchtitan ----------------------------------------------------------------------
+
+LLAMA3_8B = ("gpt:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,"
+             "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
+LLAMA3_70B = ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,"
+              "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
+# H100 SXM, 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts): its dense
+# BF16 peak lies between the SXM's 989 and the NVL's 835 TFLOP/s (torchtitan's note):
+# the midpoint. 400 Gb/s RDMA per GPU: 400 GB/s per 8-GPU host.
+GRAND_TETON_H100 = {"name": "H100-96GB-HBM2e-500W", "bf16_tflops": 912.0,
+                    "tf32_tflops": 456.0, "memory_gb": 96, "memory_gbs": 2400,
+                    "intra_node_gbs": 450, "inter_node_gbs": 400}
+# row, model, gpus, fsdp, tp, local batch (per data rank), remat, tp_overlap, TPS/GPU
+TORCHTITAN_H100 = [
+    ("8B FSDP8 compile", "8b", 8, 8, 1, 2, "op", False, 6667),
+    ("8B FSDP128 compile", "8b", 128, 128, 1, 2, "op", False, 6514),
+    ("8B FSDP8 TP8", "8b", 64, 8, 8, 12, "op", False, 4378),
+    ("8B FSDP8 asyncTP8", "8b", 64, 8, 8, 12, "op", True, 4809.4),
+    ("70B FSDP32 TP8", "70b", 256, 32, 8, 16, "full", False, 597.3),
+    ("70B FSDP32 asyncTP8", "70b", 256, 32, 8, 16, "full", True, 652.4),
+]
+TORCHTITAN_A100 = [
+    ("8B FSDP64 op-SAC", "8b", 64, 64, 1, 1, "op", False, 2973),
+    ("8B FSDP64 layer-SAC", "8b", 64, 64, 1, 1, "layer", False, 2904),
+    ("70B FSDP64 full", "70b", 64, 64, 1, 1, "full", False, 331),
+]
+_TT_SEQ = 8192
+
+
+def _op_sac_extra_s(model, gpu, tp, cal, tokens):
+    """torchtitan's per-op selective recomputation re-runs every second ``mm`` of a
+    block's forward (wk, wo, w3 of wq, wk, wv, wo, w1, w3, w2), which hetshard's
+    ``selective`` keeps: their forward flops at the calibration's matmul rate, per block
+    and micro-batch of ``tokens`` tokens."""
+    h, kv, f = (4096, 1024, 14336) if model == "8b" else (8192, 1024, 28672)
+    flops = 2.0 * tokens * h * (kv + h + f) / tp
+    e = cal.for_type(gpu.name)
+    return flops / (gpu.peak_flops("bfloat16") * e.matmul_eff)
+
+
+def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
+    out = []
+    for name, model, gpus, fsdp, tp, lbs, remat, overlap, tps in rows:
+        spec = LLAMA3_8B if model == "8b" else LLAMA3_70B
+        layers = 32 if model == "8b" else 80
+        prof = _profile(spec, _TT_SEQ, "bfloat16")
+        cluster = cluster_of(gpus)
+        gpu = cluster.groups[0].gpu
+        batch = lbs * fsdp
+        mode = {"op": "selective", "layer": "full", "full": "full"}[remat]
+        fix = Fix(dp=fsdp, tp=tp, fsdp=fsdp > 1, mbs=lbs, remat=mode, tp_overlap=overlap)
+        plan = uniform_plan(spec, prof, cluster, global_batch=batch, seq_len=_TT_SEQ, fix=fix)
+        if remat == "layer":  # every second block recomputed: the first half of them
+            st = plan.pipelines[0].stages[0]
+            plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(
+                plan.pipelines[0], stages=(dataclasses.replace(
+                    st, remat_layers=(st.end - st.start) // 2),)),))
+        r = simulate(plan, prof, cluster, cal, trace=False)
+        step = r.step_time_s
+        extra = 0.0
+        if remat == "op":
+            extra = layers * _op_sac_extra_s(model, gpu, tp, cal, lbs * _TT_SEQ)
+            step += extra
+        out.append(dict(row=f"{name} ({gpus} GPUs)", model=f"llama3-{model}", gpus=gpus,
+                        fsdp=fsdp, tp=tp, batch=batch, remat=remat, tp_overlap=overlap,
+                        published=f"{tps} TPS/GPU", measured_step_s=batch * _TT_SEQ /
+                        (tps * gpus), predicted_step_s=step, op_sac_extra_s=extra,
+                        fits=r.fits, predicted_memory_bytes=r.peak_memory_bytes))
+    return out
+
+
+def _grand_teton(gpus):
+    return Cluster.load({"name": f"grand-teton-h100-x{gpus}", "groups": [
+        {"name": "h100", "gpu": GRAND_TETON_H100, "nodes": gpus // 8, "gpus_per_node": 8}]})
+
+
+def _dgx_a100(gpus):
+    return Cluster.load(f"dgx-a100-80gb-x{gpus}")
+
+
+# ---- report --------------------------------------------------------------------------
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation (ties take their average rank)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):
+            tie = x == v
+            r[tie] = r[tie].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summarize(rows, fit_rows=frozenset()):
+    for r in rows:
+        r["error"] = r["predicted_step_s"] / r["measured_step_s"] - 1
+        r["fitted"] = r["row"] in fit_rows
+    held = [r for r in rows if not r["fitted"]]
+    err = np.abs([r["error"] for r in held])
+    out = {"rows": len(rows), "rows_held_out": len(held), "fit_rows": sorted(fit_rows),
+           "median_abs_error": float(np.median(err)), "mean_abs_error": float(np.mean(err)),
+           "max_abs_error": float(np.max(err)),
+           "spearman": spearman([r["predicted_step_s"] for r in rows],
+                                [r["measured_step_s"] for r in rows]),
+           "too_fast_rows": sum(r["error"] < 0 for r in held)}
+    others = sorted({k for r in rows for k in r.get("others", {})})
+    if others:
+        out["others_median_abs_error"] = {
+            k: float(np.median([abs(r["others"][k] / r["measured_step_s"] - 1)
+                                for r in rows if k in r["others"]])) for k in others}
+    return out
+
+
+def print_set(name, summary, rows):
+    print(f"\n== {name}: median |error| {summary['median_abs_error']:.1%}, mean "
+          f"{summary['mean_abs_error']:.1%}, max {summary['max_abs_error']:.1%}, Spearman "
+          f"{summary['spearman']:.3f} over {summary['rows_held_out']} held-out rows"
+          + (f" (fitted on {summary['fit_rows']})" if summary["fit_rows"] else ""))
+    for k, v in summary.get("others_median_abs_error", {}).items():
+        print(f"   {k} median |error| {v:.1%}")
+    for r in rows:
+        tag = " fit" if r["fitted"] else ""
+        print(f"   {r['row']:<44} measured {r['measured_step_s']:9.3f} s  predicted "
+              f"{r['predicted_step_s']:9.3f} s  {r['error']:+7.1%}{tag}")
+
+
+def plot(sets, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 6))
-    for r in res:
-        color = "tab:orange" if r["row"] in fit_rows else "tab:blue"
-        ax.scatter(r["published_step_s"], r["predicted_step_s"], color=color)
-        ax.annotate(r["row"].split()[0][0] + " " + r["row"].split()[-1],
-                    (r["published_step_s"], r["predicted_step_s"]), fontsize=7)
-    lim = [min(r["published_step_s"] for r in res) * 0.7,
-           max(r["published_step_s"] for r in res) * 1.4]
+    fig, ax = plt.subplots(figsize=(7, 7))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lo, hi = np.inf, 0.0
+    for (name, data), color in zip(sets.items(), colors, strict=False):
+        rows = data["rows"]
+        x = [r["measured_step_s"] for r in rows]
+        y = [r["predicted_step_s"] for r in rows]
+        s = data["summary"]
+        ax.scatter(x, y, color=color, s=18, label=f"{name}: median |err| "
+                   f"{s['median_abs_error']:.0%}, rho {s['spearman']:.2f}")
+        lo, hi = min(lo, *x, *y), max(hi, *x, *y)
+    lim = [lo * 0.7, hi * 1.4]
     ax.plot(lim, lim, "k--", linewidth=0.8)
+    for f in (0.9, 1.1):
+        ax.plot(lim, [v * f for v in lim], ":", color="grey", linewidth=0.6)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("published step time (s)")
+    ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("hetshard predicted step time (s)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("hetshard's cost model vs measured runs (dotted: +/-10%)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+ALL_SETS = ("megatron", "sailor-mit", "sailor-gh200-opt350", "sailor-gh200-gptneo",
+            "torchtitan-h100", "torchtitan-a100")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--sets", default=",".join(ALL_SETS))
     args = ap.parse_args()
+    wanted = [s for s in args.sets.split(",") if s]
+    bad = [s for s in wanted if s not in ALL_SETS]
+    if bad:
+        ap.error(f"--sets: unknown {bad}; accepted: {', '.join(ALL_SETS)}")
     t0 = time.time()
-    # 1. The built-in defaults, chosen before any comparison: every row is held out.
-    res_default = evaluate(DEFAULT)
-    sum_default = report("built-in default calibration (not fitted): all rows held out",
-                         res_default, set())
-    # 2. A100 efficiencies fitted on FIT_ROWS; the other rows are held out.
-    eff = fit()
-    cal = DEFAULT.with_type("A100-80GB", eff)
-    res_fit = evaluate(cal)
-    sum_fit = report(f"A100 fitted on {sorted(FIT_ROWS)}: matmul_eff={eff.matmul_eff} "
-                     f"memory_eff={eff.memory_eff} fusion={eff.fusion}", res_fit, FIT_ROWS)
+    sets: dict = {}
+    extra: dict = {}
+    if "megatron" in wanted:
+        rows = megatron_evaluate(DEFAULT)
+        extra["megatron-builtin"] = {"summary": summarize(rows), "rows": rows}
+        print_set("megatron, built-in constants (all rows held out)",
+                  extra["megatron-builtin"]["summary"], rows)
+        eff = megatron_fit()
+        cal = DEFAULT.with_type("A100-80GB", eff)
+        rows = megatron_evaluate(cal)
+        sets["megatron"] = {"summary": summarize(rows, FIT_ROWS), "rows": rows,
+                            "calibration": cal.to_dict()}
+        print_set(f"megatron, A100 fitted: matmul_eff={eff.matmul_eff} memory_eff="
+                  f"{eff.memory_eff} fusion={eff.fusion}", sets["megatron"]["summary"], rows)
+    for name in SAILOR_SETS:
+        if name in wanted:
+            rows = sailor_evaluate(name)
+            sets[name] = {"summary": summarize(rows), "rows": rows,
+                          "calibration": "../shared/data/profiles/sailor-profiles.json"}
+            print_set(name, sets[name]["summary"], rows)
+    for name, table, cluster_of in (("torchtitan-h100", TORCHTITAN_H100, _grand_teton),
+                                    ("torchtitan-a100", TORCHTITAN_A100, _dgx_a100)):
+        if name in wanted:
+            rows = torchtitan_evaluate(table, cluster_of)
+            sets[name] = {"summary": summarize(rows), "rows": rows,
+                          "calibration": "built-in"}
+            print_set(name, sets[name]["summary"], rows)
     os.makedirs(args.out, exist_ok=True)
-    out = {"default": {"summary": sum_default, "calibration": DEFAULT.to_dict(),
-                       "rows": res_default},
-           "fitted": {"summary": sum_fit, "calibration": cal.to_dict(), "rows": res_fit},
+    out = {"sets": sets, **({"megatron_builtin": extra["megatron-builtin"]} if extra else {}),
            "wall_time_s": time.time() - t0}
-    with open(os.path.join(args.out, "cost_model_accuracy.json"), "w") as f:
-        json.dump(out, f, indent=2)
-    plot(res_fit, FIT_ROWS, f"A100 fitted on 3 rows (orange): median |err| held out "
-         f"{sum_fit['median_abs_error_held_out']:.1%}; built-in defaults: "
-         f"{sum_default['median_abs_error_held_out']:.1%} on all rows",
-         os.path.join(args.out, "cost_model_accuracy.png"))
+    suffix = "" if wanted == list(ALL_SETS) else "_" + "_".join(wanted)
+    with open(os.path.join(args.out, f"cost_model_accuracy{suffix}.json"), "w") as f:
+        json.dump(out, f, indent=1, default=float)
+    if sets:
+        plot(sets, os.path.join(args.out, f"cost_model_accuracy{suffix}.png"))
     return 0
 
 

@@ -184,7 +184,7 @@ def cmd_simulate(args) -> int:
                             seq_len=program.seq_len, fix=parse_fix(args.fix),
                             attention=args.attention)
     result = simulate(plan, profile, cluster, cal)
-    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention)
     plan = annotate(plan, result, upper)
     if args.trace:
         write_chrome_trace(result, args.trace)
@@ -257,7 +257,7 @@ def cmd_compare(args) -> int:
     for name in BASELINES:
         rows.append((name, run_baseline(name, program.name, profile, cluster,
                                         args.global_batch, seq_len, opts, cal)))
-    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention)
     fitting = [p.predicted.tokens_per_s for n, p in rows[1:] if p and p.predicted.fits]
     best_base = max(fitting) if fitting else 0.0
     results = []

@@ -340,6 +340,7 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
                          fix=parse_fix("dp=4,tp=1,pp=2,mbs=2,zero1=true"))
     assert zero1.distributed_optimizer and not base.distributed_optimizer
     a, b = simulate(base, prof, c), simulate(zero1, prof, c)
+    st_all = base.pipelines[0].stages
     for s, (ca, cb) in enumerate(zip(a.stage_costs[0], b.stage_costs[0], strict=True)):
         # Three quarters of the optimizer state leave every device; the update is 1/4.
         st = base.pipelines[0].stages[s]
@@ -348,7 +349,9 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
         assert cb.optimizer_s == pytest.approx(ca.optimizer_s / 4)
         assert all(b.memory_per_device[d] < a.memory_per_device[d] for d in st.devices)
         tasks = {t.kind: t for t in b.tasks if t.stage == s and t.micro_batch < 0}
-        assert set(tasks) == {"sync", "opt", "gather"}
+        # The last stage also sends the tied head's gradient to the embedding's owner.
+        tied = {"send"} if s == len(st_all) - 1 else set()
+        assert set(tasks) == {"sync", "opt", "gather"} | tied
         topo = topology(c, st.devices)
         gpu = _slowest(c, st.devices).name
         assert tasks["sync"].end_s - tasks["sync"].start_s == pytest.approx(
@@ -596,22 +599,23 @@ def test_plan_validation_and_load_errors(tmp_path):
 
 
 def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
-    # gpt-175b on mix4-x1024 in one 8-stage pipeline (the planner's best 1F1B plan). Its
-    # 1F1B warm-up, tuned to the activations a held micro-batch keeps, does not fit an
-    # H100 stage under ZB-H1, whose W passes also keep what B computed; lowered stage by
-    # stage where memory is short, ZB-H1 fits and beats both 1F1B and ZB-H1 without
-    # extra warm-up.
+    # gpt-175b on mix4-x1024 in one 8-stage pipeline, the groups joined by 0.5 GB/s (slow
+    # enough that the stages' sends make extra warm-up pay). Its 1F1B warm-up, tuned to
+    # the activations a held micro-batch keeps, does not fit an H100 stage under ZB-H1,
+    # whose W passes also keep what B computed; lowered stage by stage where memory is
+    # short, ZB-H1 fits and beats both 1F1B and ZB-H1 without extra warm-up.
     from hetshard.sim.simulator import tune_warmup
     from hetshard.solver.variants import zero_bubble
-    cluster = Cluster.load("mix4-x1024")
+    cluster = Cluster.load({**Cluster.load("mix4-x1024").to_dict(), "inter_group_gbs": 0.5})
     prof = profile_model("gpt-175b", 2048, "float16")
     cuts = [(0, 11, 256, "A100-80GB"), (11, 21, 384, "A100-80GB"), (21, 25, 768, "V100-32GB"),
             (25, 29, 896, "V100-32GB"), (29, 38, 512, "A100-40GB"),
             (38, 47, 640, "A100-40GB"), (47, 72, 0, "H100-80GB"), (72, 98, 128, "H100-80GB")]
     stages = tuple(Stage(a, b, tuple(range(d, d + 128)), gpu, (("data", 16), ("tensor", 8)))
                    for a, b, d, gpu in cuts)
+    warmup = (6, 5, 4, 3, 2, 2, 1, 0)
     plan = Plan("gpt-175b", cluster.to_dict(), 2048, 2048,
-                (Pipeline(stages, 2048, 1, 128, extra_warmup=(6, 5, 4, 3, 2, 2, 1, 0)),),
+                (Pipeline(stages, 2048, 1, 128, extra_warmup=warmup),),
                 dtype="float16", distributed_optimizer=True, tp_overlap=True)
 
     def run(p):
@@ -625,7 +629,7 @@ def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
                                                                   extra_warmup=()),))
     assert got.step_time_s < run(plan).step_time_s
     assert got.step_time_s < run(bare).step_time_s
-    # Only the stages short of memory gave up warm-up.
-    kept = [a == b for a, b in zip(tuned.pipelines[0].extra_warmup, (6, 5, 4, 3, 2, 2, 1, 0),
-                                   strict=True)]
-    assert kept[:6] == [True] * 6 and not all(kept)
+    # The A100 and V100 stages keep (at least) their warm-up; an H100 stage gave it up.
+    extra = tuned.pipelines[0].extra_warmup
+    assert all(a >= b for a, b in zip(extra[:6], warmup[:6], strict=True))
+    assert any(a < b for a, b in zip(extra[6:], warmup[6:], strict=True))

@@ -4,8 +4,10 @@ All figures are per JAX device (what ``jax.devices()`` lists): for AMD MI250X
 that is one GCD, half of the package. TFLOP/s are dense (no 2:4 sparsity);
 tensor-core figures for bf16/fp16 assume fp32 accumulation, as training uses.
 ``bf16_tflops=None`` means the chip has no bf16 matrix units (V100, T4, P100):
-bf16 runs there at ``fp32_tflops``. ``intra_node_gbs`` is GB/s per GPU in one
-direction over the node's GPU interconnect (NVLink/xGMI/PCIe);
+bf16 runs there at ``fp32_tflops``. ``tf32_tflops`` is the dense TF32 tensor rate of
+Ampere and later: float32 matmuls run there at it, as JAX's default matmul precision
+lets XLA do (None: no TF32 units, float32 at ``fp32_tflops``). ``intra_node_gbs`` is GB/s
+per GPU in one direction over the node's GPU interconnect (NVLink/xGMI/PCIe);
 ``inter_node_gbs`` is the usual per-node network of systems built from it,
 GB/s in one direction (all NICs together), used when a spec omits it.
 ``memory_mib`` is the device memory the driver reports (nvidia-smi's total; rocm-smi's
@@ -38,6 +40,7 @@ class DeviceType:
     device_kinds: tuple[str, ...] = ()  # jax Device.device_kind strings that mean this type
     source: str = ""
     memory_mib: int | None = None
+    tf32_tflops: float | None = None
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
@@ -48,6 +51,8 @@ class DeviceType:
             check_positive("bf16_tflops", self.bf16_tflops, where=where)
         if self.memory_mib is not None:
             check_positive("memory_mib", self.memory_mib, where=where)
+        if self.tf32_tflops is not None:
+            check_positive("tf32_tflops", self.tf32_tflops, where=where)
 
     @property
     def memory_bytes(self) -> int:
@@ -63,7 +68,7 @@ class DeviceType:
         elif dtype in ("float16", "fp16"):
             tflops = self.fp16_tflops
         elif dtype in ("float32", "fp32"):
-            tflops = self.fp32_tflops
+            tflops = self.tf32_tflops if self.tf32_tflops is not None else self.fp32_tflops
         else:
             raise SpecError("dtype", dtype, "bfloat16, float16 or float32")
         return tflops * 1e12
@@ -99,32 +104,42 @@ _TYPES = [
                memory_mib=16280),
     DeviceType("A100-40GB", 312.0, 312.0, 19.5, 40, 1555, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
-               source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, 1555 GB/s, "
-                      "NVLink3 600 GB/s bidirectional",
-               memory_mib=40960),
+               source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 156 TF32 dense, 19.5 "
+                      "FP32, 1555 GB/s, NVLink3 600 GB/s bidirectional",
+               memory_mib=40960, tf32_tflops=156.0),
     DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
-               source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e",
-               memory_mib=81920),
+               source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e, 156 TF32 dense",
+               memory_mib=81920, tf32_tflops=156.0),
     DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
                device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
-               source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 67 FP32, "
-                      "3.35 TB/s, NVLink4 900 GB/s bidirectional",
-               memory_mib=81559),
+               source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 494.7 TF32 "
+                      "dense, 67 FP32, 3.35 TB/s, NVLink4 900 GB/s bidirectional",
+               memory_mib=81559, tf32_tflops=494.7),
     DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
                device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
-               source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 141 GB, 4.8 TB/s",
-               memory_mib=143771),
+               source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 494.7 TF32 dense, "
+                      "141 GB, 4.8 TB/s",
+               memory_mib=143771, tf32_tflops=494.7),
+    DeviceType("GH200-96GB", 989.0, 989.0, 67.0, 96, 4000, 450, 100,
+               device_kinds=("NVIDIA GH200 96GB HBM3", "NVIDIA GH200"),
+               source="NVIDIA GH200 Grace Hopper datasheet: H100 GPU with 96 GB HBM3 at "
+                      "4 TB/s, 989 TFLOPS BF16 and 494.7 TF32 dense, NVLink4 900 GB/s "
+                      "bidirectional; 4 per node with 4x 200 Gb/s Slingshot (CSCS Alps); "
+                      "memory as Sailor's cluster config gives it (102625181696 bytes)",
+               memory_mib=97872, tf32_tflops=494.7),
     DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
                device_kinds=("NVIDIA B200",),
                source="NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 sparse (2.25 dense), "
-                      "75 TFLOPS FP32, 180 GB HBM3e at 7.7 TB/s, NVLink5 1.8 TB/s bidir.",
-               memory_mib=183359),
+                      "2.2 PFLOPS TF32 sparse (1.1 dense), 75 TFLOPS FP32, 180 GB HBM3e at "
+                      "7.7 TB/s, NVLink5 1.8 TB/s bidir.",
+               memory_mib=183359, tf32_tflops=1100.0),
     DeviceType("L4", 121.0, 121.0, 30.3, 24, 300, _PCIE4, 12.5,
                device_kinds=("NVIDIA L4",),
                source="NVIDIA L4 datasheet: 242 TFLOPS BF16 with sparsity (121 dense), "
-                      "30.3 FP32, 24 GB GDDR6 300 GB/s, PCIe Gen4 x16",
-               memory_mib=23034),
+                      "120 TF32 with sparsity (60 dense), 30.3 FP32, 24 GB GDDR6 300 GB/s, "
+                      "PCIe Gen4 x16",
+               memory_mib=23034, tf32_tflops=60.0),
     DeviceType("T4", None, 65.0, 8.1, 16, 320, _PCIE3, 6.25,
                device_kinds=("Tesla T4",),
                source="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed, 8.1 FP32, 320 GB/s, "
@@ -132,24 +147,38 @@ _TYPES = [
                memory_mib=15360),
     DeviceType("A10", 125.0, 125.0, 31.2, 24, 600, _PCIE4, 12.5,
                device_kinds=("NVIDIA A10", "NVIDIA A10G"),
-               source="NVIDIA A10 datasheet: 250 BF16 with sparsity (125 dense), 31.2 FP32, "
-                      "600 GB/s, PCIe Gen4",
-               memory_mib=23028),
+               source="NVIDIA A10 datasheet: 250 BF16 with sparsity (125 dense), 62.5 TF32 "
+                      "dense, 31.2 FP32, 600 GB/s, PCIe Gen4",
+               memory_mib=23028, tf32_tflops=62.5),
     DeviceType("RTX-3090", 71.0, 71.0, 35.6, 24, 936, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3090",),
                source="NVIDIA Ampere GA102 whitepaper, Table 9: 71 TFLOPS FP16/BF16 tensor "
-                      "with FP32 accumulate (dense), 35.6 FP32, 936 GB/s; 10 GbE network",
-               memory_mib=24576),
+                      "with FP32 accumulate (dense), 35.6 TF32 tensor (dense), 35.6 FP32, "
+                      "936 GB/s; 10 GbE network",
+               memory_mib=24576, tf32_tflops=35.6),
     DeviceType("RTX-3080Ti", 68.2, 68.2, 34.1, 12, 912, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3080 Ti",),
                source="GA102 whitepaper rates scaled to the 3080 Ti (80 SMs, 1665 MHz boost): "
-                      "68.2 TFLOPS tensor FP32-acc, 34.1 FP32, 912 GB/s GDDR6X",
-               memory_mib=12288),
+                      "68.2 TFLOPS tensor FP32-acc, 34.1 TF32 tensor and FP32, 912 GB/s GDDR6X",
+               memory_mib=12288, tf32_tflops=34.1),
     DeviceType("RTX-4090", 165.2, 165.2, 82.6, 24, 1008, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 4090",),
                source="NVIDIA Ada AD102 whitepaper, Table 2: 165.2 TFLOPS FP16/BF16 tensor "
-                      "with FP32 accumulate (dense), 82.6 FP32, 1008 GB/s",
-               memory_mib=24564),
+                      "with FP32 accumulate (dense), 82.6 TF32 tensor (dense), 82.6 FP32, "
+                      "1008 GB/s",
+               memory_mib=24564, tf32_tflops=82.6),
+    DeviceType("TITAN-RTX", None, 130.5, 16.3, 24, 672, _PCIE3, 1.25,
+               device_kinds=("NVIDIA TITAN RTX",),
+               source="NVIDIA Turing TU102 whitepaper, Appendix A (Titan RTX): 130.5 TFLOPS "
+                      "FP16 tensor with FP32 accumulate (full rate on Titan), 16.3 FP32, "
+                      "24 GB GDDR6 at 672 GB/s; no BF16 or TF32 units",
+               memory_mib=24576),
+    DeviceType("RTX-2080Ti", None, 53.8, 13.4, 11, 616, _PCIE3, 1.25,
+               device_kinds=("NVIDIA GeForce RTX 2080 Ti",),
+               source="NVIDIA Turing TU102 whitepaper, Table 1 (RTX 2080 Ti, reference "
+                      "clocks): 53.8 TFLOPS FP16 tensor with FP32 accumulate, 13.4 FP32, "
+                      "11 GB GDDR6 at 616 GB/s",
+               memory_mib=11264),
     DeviceType("MI250X", 191.5, 191.5, 47.9, 64, 1638, 100, 100, vendor="amd",
                device_kinds=("AMD Instinct MI250X", "MI250X"),
                source="AMD Instinct MI250X datasheet: 383 TFLOPS BF16, 95.7 FP32 matrix, "
@@ -158,9 +187,10 @@ _TYPES = [
                memory_mib=65520),
     DeviceType("MI300X", 1307.4, 1307.4, 163.4, 192, 5300, 448, 400, vendor="amd",
                device_kinds=("AMD Instinct MI300X", "MI300X"),
-               source="AMD Instinct MI300X datasheet: 1307.4 TFLOPS BF16 dense, 163.4 FP32 "
-                      "matrix, 192 GB at 5.3 TB/s, 896 GB/s aggregate Infinity Fabric (bidir.)",
-               memory_mib=196288),
+               source="AMD Instinct MI300X datasheet: 1307.4 TFLOPS BF16 dense, 653.7 TF32, "
+                      "163.4 FP32 matrix, 192 GB at 5.3 TB/s, 896 GB/s aggregate Infinity "
+                      "Fabric (bidir.)",
+               memory_mib=196288, tf32_tflops=653.7),
     # Host CPUs stand in for GPUs in tests; nominal numbers, replaced by `hetshard profile`.
     DeviceType("CPU", None, 0.1, 0.1, 16, 20, 10, 1.25, vendor="cpu", device_kinds=("cpu",),
                source="nominal: one fake XLA CPU device; calibrate with `hetshard profile`"),
@@ -168,8 +198,9 @@ _TYPES = [
 
 CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 
-_INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb",
-                  "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs", "vendor"}
+_INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops",
+                  "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs",
+                  "vendor"}
 
 
 def device_type(name: str) -> DeviceType:
@@ -199,8 +230,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
             raise SpecError(f"{field}.{req}", None, "a value (required for an inline GPU)")
     if not isinstance(d["name"], str) or not d["name"]:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
-    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_gb", "memory_mib",
-              "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
+    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "memory_gb",
+              "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]
@@ -209,7 +240,7 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         fp32_tflops=d.get("fp32_tflops", bf16 / 16), memory_gb=d["memory_gb"],
         memory_gbs=d["memory_gbs"], intra_node_gbs=d.get("intra_node_gbs", _PCIE4),
         inter_node_gbs=d.get("inter_node_gbs", 12.5), vendor=d.get("vendor", "custom"),
-        source="inline spec", memory_mib=d.get("memory_mib"))
+        source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"))
 
 
 def device_type_for_kind(kind: str) -> DeviceType:

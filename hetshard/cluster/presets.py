@@ -33,12 +33,12 @@ _HETERO: dict[str, tuple[dict, str]] = {
                               _g("slow", "V100-16GB", 4, 4, 150, 12.5)],
                    "inter_group_gbs": 12.5},
                   "the example of docs/cluster-spec.md: 16x A100-80GB + 16x V100-16GB"),
-    "amp-t4-v100": ({"groups": [_g("v100", "V100-16GB", 1, 4, 150, 1.25),
-                                _g("t4", "T4", 3, 4, 16, 6.25)],
+    "amp-t4-v100": ({"groups": [_g("v100", "V100-16GB", 3, 4, 150, 1.25),
+                                _g("t4", "T4", 1, 4, 16, 6.25)],
                      "inter_group_gbs": 1.25},
-                    "AMP (Li et al., NeurIPS'22) heterogeneous setting: 4 nodes of 4 GPUs, one "
-                    "p3.8xlarge (4x V100, NVLink, 10 Gb/s) and three g4dn.12xlarge (4x T4, "
-                    "PCIe, 50 Gb/s); the V100/T4 node split is our reading of the paper"),
+                    "AMP (Li et al., NeurIPS'22) heterogeneous setting: 4 nodes of 4 GPUs, "
+                    "three p3.8xlarge (4x V100-16GB, NVLink, 10 Gb/s between nodes) and one "
+                    "g4dn.12xlarge (4x T4, PCIe, 50 Gb/s NIC), as AMP's repository sets it"),
     "metis-a100-t4": ({"groups": [_g("a100", "A100-40GB", 2, 8, 300, 25),
                                   _g("t4", "T4", 4, 4, 16, 6.25)],
                        "inter_group_gbs": 6.25},

@@ -58,11 +58,32 @@ class Efficiency:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Per GPU type efficiencies; types not listed use ``default``."""
+    """Per GPU type efficiencies (types not listed use ``default``), and measured
+    per-layer profiles (``hetshard.cost.measured``), which the cost model prefers
+    wherever one covers the model, GPU and tensor degree."""
 
     default: Efficiency = Efficiency()
     per_type: tuple[tuple[str, Efficiency], ...] = ()
     source: str = "built-in defaults"
+    measured: tuple = ()  # MeasuredProfile
+
+    def measured_for(self, block_forward_flops: float, seq: int):
+        """The measured profile whose block is the program's (its forward flops at one
+        sample of ``seq`` tokens), or None."""
+        for m in self.measured:
+            if m.matches_at(block_forward_flops, seq):
+                return m
+        return None
+
+    def combined(self, other: Calibration) -> Calibration:
+        """Both calibrations: ``other``'s efficiencies override, profiles from both."""
+        per = dict(self.per_type)
+        per.update(dict(other.per_type))
+        # A measured profile on its own carries the built-in efficiencies: keep ours.
+        default = self.default if other.measured and not other.per_type else other.default
+        return Calibration(default=default, per_type=tuple(per.items()),
+                           source=f"{self.source} + {other.source}",
+                           measured=self.measured + other.measured)
 
     def for_type(self, name: str) -> Efficiency:
         for n, e in self.per_type:
@@ -101,8 +122,25 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
+        """A calibration file (``hetshard profile``'s efficiencies) or a measured
+        per-layer profile (hetshard's, AMP's or Sailor's: ``hetshard.cost.measured``),
+        the latter with the built-in efficiencies for what it does not cover."""
+        from hetshard.cost.measured import is_profile, load_profiles
         data = parse_json(read_text(path, "calibration"), str(path))
+        if is_profile(data):
+            return cls(default=Efficiency(), source=str(path),
+                       measured=tuple(load_profiles(data)))
         return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def load_all(cls, paths) -> Calibration:
+        """Several files (``--calibration A --calibration B``), later ones overriding
+        earlier efficiencies; every measured profile kept."""
+        out = None
+        for p in paths:
+            cal = cls.load(p)
+            out = cal if out is None else out.combined(cal)
+        return out if out is not None else DEFAULT
 
 
 DEFAULT = Calibration(default=Efficiency(), source="built-in defaults")

@@ -60,15 +60,18 @@ def _ring(volume_factor: float, nbytes: float, n: int, gbs: float, latency_s: fl
 
 
 def collective_time(kind: str, nbytes: float, topo: Topology, cal: Calibration,
-                    gpu_name: str) -> float:
+                    gpu_name: str, concurrent: int = 1) -> float:
     """Seconds for collective ``kind`` over ``topo`` of a buffer of ``nbytes`` per device
-    (the full, unsharded size for all-gather outputs and reduce-scatter inputs)."""
+    (the full, unsharded size for all-gather outputs and reduce-scatter inputs).
+    ``concurrent``: how many such collectives run at once over the same nodes (one per
+    tensor rank for a tensor-parallel stage's data-parallel gradient sync): they share
+    each node's network, so the part that crosses nodes takes that many times longer."""
     if kind not in COLLECTIVES:
         raise SpecError("collective", kind, f"one of {COLLECTIVES}")
     e = cal.for_type(gpu_name)
     n, g, k = topo.n, topo.per_node, topo.nodes
     intra = topo.intra_gbs * e.comm_eff
-    inter = topo.inter_gbs * e.comm_eff
+    inter = topo.inter_gbs * e.comm_eff / max(1, concurrent)
     if n <= 1:
         return 0.0
     if kind == "all_to_all":
@@ -97,15 +100,19 @@ def p2p_time(nbytes: float, cluster: Cluster, src: Sequence[int], dst: Sequence[
     between groups."""
     if nbytes <= 0:
         return 0.0
-    a, b = cluster.slot(src[0]), cluster.slot(dst[0])
+    a = cluster.slot(src[0])
     e = cal.for_type(cluster.group(a.group).gpu.name)
-    if (a.group, a.node) == (b.group, b.node):
+    src_nodes = {(cluster.slot(d).group, cluster.slot(d).node) for d in src}
+    dst_nodes = {(cluster.slot(d).group, cluster.slot(d).node) for d in dst}
+    if src_nodes == dst_nodes and len(src_nodes) == 1:
         # Each of the stage's devices sends its share over its own link.
         return nbytes / len(src) / (cluster.group(a.group).intra_node_gbs * 1e9 * e.comm_eff) \
             + e.intra_latency_s
-    if a.group == b.group:
-        gbs = cluster.group(a.group).inter_node_gbs
-    else:
-        gbs = min(cluster.inter_group_gbs, cluster.group(a.group).inter_node_gbs,
-                  cluster.group(b.group).inter_node_gbs)
-    return nbytes / (gbs * 1e9 * e.comm_eff) + e.inter_latency_s
+    groups = {g for g, _ in src_nodes | dst_nodes}
+    gbs = min(cluster.group(g).inter_node_gbs for g in groups)
+    if len(groups) > 1:
+        gbs = min(gbs, cluster.inter_group_gbs)
+    # A stage spread over several nodes sends each node's share through its own network
+    # card, in parallel (as many streams as the smaller side has nodes).
+    streams = min(len(src_nodes), len(dst_nodes))
+    return nbytes / (gbs * 1e9 * e.comm_eff * streams) + e.inter_latency_s

@@ -79,6 +79,8 @@ class LayerProfile:
     tp_sequence: int = 0
     # A whole block of a repeated stack (not a half, not an embedding or head).
     block: bool = False
+    # Its attention is causal (a flash kernel computes half the traced scores).
+    attention_causal: bool = False
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -336,6 +338,7 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
                                                   carry2.get(name, 0.0))[1],
             tp_collectives=collectives, tp_groups=groups, tp_sequence=sequence,
             block=block and not lay.split_blocks,
+            attention_causal=name in g1.causal_layers,
             selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
                                                         dots2.get(name, 0.0))[1],
             fwd_recomputed=np.array([o.index in recomputed for o in q1["fwd"]], bool),

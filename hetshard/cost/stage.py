@@ -4,14 +4,19 @@ GPU type, replicated ``dp`` ways, running micro-batches of ``mbs`` samples.
 Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``
 (attention's equations use ``attention_eff`` when the calibration measured it);
 non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
-chains). Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's
-four activation all-reduces per block (two forward, two backward; a block half has
-one each way; Shoeybi et al. 2019, with sequence parallelism as reduce-scatter +
-all-gather of the same volume, Korthikanti et al. 2022, whose backward also gathers the
-column-parallel inputs again: half an all-reduce more per collective, on blocks whose
-sequence the tensor degree divides, as the runtime runs them). With ``tp_overlap`` (the
-runtime's collective matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23)
-each block's reduce-scatters and all-gathers are hidden behind the matmuls next to them
+chains). Under the flash kernel, attention's equations move no HBM bytes (the scores
+stay on chip) and a causal kernel computes half of the traced products (Dao 2023).
+Where the calibration holds a measured profile of the program's layers
+(``hetshard.cost.measured``: per GPU type, role and tensor degree), a layer's forward,
+backward and optimizer update are the measured times instead.
+Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's four activation
+all-reduces per block (two forward, two backward; a block half has one each way; Shoeybi
+et al. 2019, with sequence parallelism as reduce-scatter + all-gather of the same
+volume, Korthikanti et al. 2022, whose backward also gathers the column-parallel inputs
+again: half an all-reduce more per collective, on blocks whose sequence the tensor
+degree divides, as the runtime runs them). With ``tp_overlap`` (the runtime's collective
+matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23) each block's
+reduce-scatters and all-gathers are hidden behind the matmuls next to them
 (``LayerProfile.tp_groups``) as far as ``(tp - 1) / tp`` of those matmuls' time allows,
 the hidden part still costing ``overlap_interference`` of itself; in the backward a
 column group runs two rings (the input's cotangent, then the weights': ZB-H1's W pass),
@@ -74,6 +79,10 @@ class StageCost:
     # what W reads from B's results, and the cotangent the next stage sent back
     memory_carry_bytes: float = 0.0
     memory_cotangent_bytes: float = 0.0
+    # Parameters read here that another stage owns (a tied embedding read by the head):
+    # (owner layer, bytes per device). Their gradient goes to the owner every step, and
+    # the updated copy comes back.
+    read_copies: tuple[tuple[str, float], ...] = ()
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -89,6 +98,94 @@ def _op_times(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
 def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
               peak: float | np.ndarray, bw: float, fusion: float) -> float:
     return float(_op_times(flops, nbytes, matmul, peak, bw, fusion).sum())
+
+
+_MEASURED: dict[tuple[int, int], tuple] = {}
+
+
+def _measured(profile: ModelProfile, cal: Calibration):
+    """The calibration's measured profile of this program's blocks, as a per-layer lookup
+    (``_MeasuredLayers``), or None."""
+    if not cal.measured:
+        return None
+    key = (id(profile), id(cal))
+    hit = _MEASURED.get(key)
+    if hit is None or hit[0] is not profile or hit[1] is not cal:
+        hit = (profile, cal, _MeasuredLayers.of(profile, cal))
+        _MEASURED[key] = hit
+    return hit[2]
+
+
+class _MeasuredLayers:
+    """Measured times for a program's layers: its blocks (halves split by their share of
+    the block's flops), the layers before them (the embedding) and after them (the head,
+    the loss) as the profile's roles; a layer between two stacks keeps the roofline."""
+
+    def __init__(self, profile: ModelProfile, measured, roles):
+        self.profile, self.measured, self.roles = profile, measured, roles
+
+    @classmethod
+    def of(cls, profile: ModelProfile, cal: Calibration):
+        names = profile.layer_names()
+        if profile.split_blocks:
+            block = [n.endswith(("/half_0", "/half_1")) for n in names]
+        else:
+            block = [layer.block for layer in profile.layers]
+        if not any(block):
+            return None
+        first = block.index(True)
+        last = len(block) - 1 - block[::-1].index(True)
+        flops = profile.layers[first].fwd_total_flops(1)
+        if profile.split_blocks:
+            flops += profile.layers[first + 1].fwd_total_flops(1)
+        measured = cal.measured_for(flops, profile.seq_len)
+        if measured is None:
+            return None
+        roles = []
+        for i, is_block in enumerate(block):
+            if is_block:
+                half = (0 if names[i].endswith("/half_0") else 1) if profile.split_blocks \
+                    else None
+                roles.append(("block", half))
+            elif i < first:
+                roles.append(("embedding", None))
+            elif i > last:
+                roles.append(("head", None))
+            else:
+                roles.append((None, None))
+        return cls(profile, measured, roles)
+
+    def layer(self, index: int, gpu: str, tp: int, mbs: int):
+        """(forward s, backward s, update s or None) of layer ``index`` on ``gpu`` at tensor
+        degree ``tp`` and ``mbs`` samples, or None where nothing was measured at that
+        degree."""
+        role, half = self.roles[index]
+        if role is None:
+            return None
+        got = self.measured.timing(gpu, role, tp, mbs)
+        if got is None or got[1] != tp:
+            return None
+        t, _, seq = got
+        layer = self.profile.layers[index]
+        ours = self.profile.seq_len
+        scale = (self.measured.block_flops(ours) / self.measured.block_flops(seq)
+                 if role == "block" else ours / seq)
+        fwd = t.forward_s * scale
+        f1, b1 = layer.fwd_total_flops(mbs), layer.flops(mbs) - layer.fwd_total_flops(mbs)
+        bwd = t.backward_s * scale if t.backward_s is not None else fwd * b1 / max(f1, 1.0)
+        update = t.update_s
+        if half is not None:
+            # A half of the measured block: its share of the block's flops and parameters.
+            sib = self.profile.layers[index + 1 if half == 0 else index - 1]
+            f2 = sib.fwd_total_flops(mbs)
+            b2 = sib.flops(mbs) - f2
+            if t.backward_s is None:
+                bwd = t.forward_s * scale * (b1 + b2) / max(f1 + f2, 1.0)
+            fwd *= f1 / max(f1 + f2, 1.0)
+            bwd *= b1 / max(b1 + b2, 1.0)
+            if update is not None:
+                update *= layer.param_bytes / max(layer.param_bytes + sib.param_bytes, 1)
+        return fwd, bwd, update
 
 
 def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
@@ -131,19 +228,31 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     act = static_copy = param_bytes = 0.0
     working = 0.0
     inside = {layer.name for layer in profile.layers[start:end]}
-    read_copies: dict[int, float] = {}  # foreign parameters: a copy and its gradient
+    measured = _measured(profile, cal)
+    updates: list[float | None] = []
+    read_copies: dict[int, tuple[str, float]] = {}  # foreign parameters: copy and gradient
     last_remat = end if remat_layers is None else start + remat_layers
     for index, layer in enumerate(profile.layers[start:end], start):
         for key, owner, nbytes in layer.foreign_params:
             if owner not in inside:
-                read_copies[key] = nbytes / tp
+                read_copies[key] = (owner, nbytes / tp)
         mode = remat if index < last_remat else "none"
+        weight_before = weight
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
         fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
         bb = layer.bwd_bytes[0] / tp + layer.bwd_bytes[1] * mbs / shard
         pf = np.where(layer.fwd_attention, peak_attn, peak)
         pb = np.where(layer.bwd_attention, peak_attn, peak)
+        if attention == "flash":
+            # The flash kernel keeps the scores on chip (no HBM traffic for the traced
+            # reference's [seq, seq] tensors) and, causal, computes only the unmasked
+            # half of the products the reference traces.
+            half = 0.5 if layer.attention_causal else 1.0
+            ff = np.where(layer.fwd_attention, ff * half, ff)
+            fb = np.where(layer.fwd_attention, 0.0, fb)
+            bf = np.where(layer.bwd_attention, bf * half, bf)
+            bb = np.where(layer.bwd_attention, 0.0, bb)
         t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
         per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
         t_b = float(per_op.sum())
@@ -184,12 +293,31 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                                layer.fwd_matmul[layer.fwd_attention], peak_attn, bw, e.fusion)
             t_f += max(0.0, ring - t_attn)
             t_b += 2 * max(0.0, ring - t_attn)
+        timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
+        if timed is not None:
+            # The layer as measured on this GPU and tensor degree (its tensor collectives
+            # included); ZB-H1's W keeps the roofline's share of the backward.
+            roof_b = t_b
+            t_f, t_b, update = timed
+            weight = weight_before + (weight - weight_before) * t_b / max(roof_b, 1e-30)
+            updates.append(update)
+        else:
+            updates.append(None)
         if fsdp and dp > 1 and dp_topo is not None:
             ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name)
             t_f = max(t_f, ag)
             t_b = max(t_b, ag)
         if mode == "full":
             recompute += t_f
+        elif timed is not None:
+            # The framework measured recomputes what it recomputes: the selective remat
+            # re-runs the roofline's share of the forward, nothing else is added.
+            if mode == "selective":
+                mask = layer.fwd_recomputed
+                share = _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask], bw,
+                                  e.fusion) / max(_ops_time(ff, fb, layer.fwd_matmul, pf,
+                                                            bw, e.fusion), 1e-30)
+                recompute += share * t_f
         else:
             if mode == "selective":
                 # Everything but the saved matmuls, attention included (the flash
@@ -245,12 +373,15 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                  if end < profile.num_layers else 0.0)
     shard_dp = dp if fsdp else 1
     opt_dp = dp if (fsdp or shard_optimizer) else 1
-    static = ((param_bytes + sum(read_copies.values())) * 2.0 / shard_dp +
+    static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
               param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
               (static_copy / shard_dp if fsdp else static_copy))
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
+    if updates and all(u is not None for u in updates):
+        optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
                      memory_working_bytes=working, bwd_weight_s=weight,
-                     memory_carry_bytes=carry, memory_cotangent_bytes=cotangent)
+                     memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
+                     read_copies=tuple(sorted(read_copies.values())))

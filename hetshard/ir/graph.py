@@ -52,6 +52,9 @@ class OpGraph:
     param_bytes: list[int]
     param_sizes: list[int]
     opt_state_bytes: int
+    # Layers whose attention (a ``hetshard_attention`` call) is causal: a flash kernel
+    # skips the masked half of the scores the traced reference computes.
+    causal_layers: frozenset = frozenset()
 
     @property
     def layers(self) -> list[str]:

@@ -599,7 +599,8 @@ def _relabelled(graph, rename: dict):
     from hetshard.ir.graph import OpGraph
     ops = [dataclasses.replace(op, layer=rename.get(op.layer, op.layer)) for op in graph.ops]
     return OpGraph(ops, graph.edges, [rename.get(x, x) for x in graph.param_layers],
-                   graph.param_bytes, graph.param_sizes, graph.opt_state_bytes)
+                   graph.param_bytes, graph.param_sizes, graph.opt_state_bytes,
+                   frozenset(rename.get(x, x) for x in graph.causal_layers))
 
 
 def traced_graph(program: Program, mbs: int, split_blocks: bool = False):

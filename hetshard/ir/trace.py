@@ -111,6 +111,7 @@ def _rule_params(eqn) -> dict:
 class _Builder:
     def __init__(self, layer_name: Callable[[str], str]):
         self.layer_name = layer_name
+        self.causal: set[str] = set()  # layers whose attention is causal
         self.ops: list[Op] = []
         self.edges: list[tuple[int, int, float]] = []
         self.producer: dict = {}  # var -> op index (after inlining)
@@ -131,6 +132,8 @@ class _Builder:
                 # An enclosing attention region keeps its name over inner helper calls.
                 keep = region == "hetshard_attention"
                 if sub_region.startswith("hetshard_attention"):
+                    if sub_region.endswith("_causal") and not keep:
+                        self.causal.add(self.layer_name(stack))
                     sub_region = "hetshard_attention"
                 self.visit(body, inner_env, scale * mult, stack,
                            region if keep else (sub_region or region))
@@ -219,7 +222,8 @@ def trace(fn: Callable, *args, param_argnum: int | None = 0,
         opt_bytes = int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                             for x in jax.tree.leaves(args[opt_state_argnum]) if x.shape))
     _attach_untagged(b.ops)
-    return OpGraph(b.ops, b.edges, param_layers, param_bytes, param_sizes, opt_bytes)
+    return OpGraph(b.ops, b.edges, param_layers, param_bytes, param_sizes, opt_bytes,
+                   frozenset(b.causal))
 
 
 def _first_readers(jaxpr, builder: _Builder, pvars) -> dict:

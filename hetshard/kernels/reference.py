@@ -93,13 +93,37 @@ def attention_reference(q, k, v, *, causal: bool = False, segment_ids=None,
     logits = jnp.einsum("bqkgd,bskd->bkgqs", q5, k,
                         preferred_element_type=jnp.float32) * scale
     mask = attention_mask(sq, skv, causal=causal, segment_ids=segment_ids)
-    logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
-    probs = jnp.where(mask[:, None, None], probs, 0.0)
+    # The mask as an additive bias (an add keeps nothing for its backward), and a query
+    # with no visible key zeroed on the output: the backward keeps one [seq_q, seq_kv]
+    # tensor per head, the probabilities (``_softmax``), as a fused kernel would.
+    logits = logits + jnp.where(mask, 0.0, MASK_VALUE)[:, None, None]
+    visible = jnp.any(mask, axis=-1)[:, :, None, None, None].astype(jnp.float32)
+    if return_lse:
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        probs = jnp.exp(logits - lse[..., None])
+    else:
+        probs = _softmax(logits)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.float32) * visible
     out = out.reshape(b, sq, h, d).astype(q.dtype)
     if return_lse:
         return out, lse.reshape(b, h, sq)
     return out
+
+
+@jax.custom_vjp
+def _softmax(x):
+    """Softmax over the last axis whose derivative reads only its output."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x):
+    y = _softmax(x)
+    return y, y
+
+
+def _softmax_bwd(y, g):
+    return (y * (g - (g * y).sum(-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)

@@ -11,7 +11,8 @@ from hetshard.sim.simulator import SimResult
 _KINDS = {"F": ("#4c72b0", "forward"), "B": ("#dd8452", "backward (ZB-H1: input grads)"),
           "W": ("#da8bc3", "weight grads (ZB-H1)"), "sync": ("#55a868", "grad sync"),
           "opt": ("#8172b3", "optimizer"),
-          "gather": ("#937860", "parameter all-gather (ZeRO-1)")}
+          "gather": ("#937860", "parameter all-gather (ZeRO-1)"),
+          "send": ("#8c8c8c", "tied weight's gradient / update")}
 
 
 def chrome_trace(result: SimResult) -> dict:

@@ -137,15 +137,25 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
     devs = list(st.devices)
-    # Device order inside a stage: data-major, then context, then tensor (innermost).
-    tp_topo = topology(cluster, devs[:tp]) if tp > 1 else None
-    cp_topo = topology(cluster, devs[:tp * cp:tp]) if cp > 1 else None
+    # Device order inside a stage: data-major, then context, then tensor (innermost). A
+    # stage spanning GPU types or nodes runs at its slowest group's pace.
+    tp_topo = _slowest_group(cluster, [devs[i:i + tp] for i in range(0, len(devs), tp)]) \
+        if tp > 1 else None
+    cp_topo = _slowest_group(cluster, [devs[i:i + tp * cp:tp] for i in range(
+        0, len(devs), tp * cp)]) if cp > 1 else None
     dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
     return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
                       dp_topo=dp_topo, tp_overlap=tp_overlap)
+
+
+def _slowest_group(cluster: Cluster, groups):
+    """The topology of the slowest of ``groups`` (device lists doing the same collective):
+    the most nodes, then the slowest links."""
+    topos = [topology(cluster, g) for g in groups]
+    return max(topos, key=lambda t: (t.nodes, -t.intra_gbs, -t.inter_gbs))
 
 
 def recomputed_among(st, start: int, end: int) -> int | None:
@@ -329,11 +339,19 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     # (interleaved) take its network one synchronisation at a time and its GPUs for the
     # optimizer once their compute is done.
     step_end = 0.0
+    names = {name: i for i, name in enumerate(profile.layer_names())}
     for pi, pipe in enumerate(plan.pipelines):
         p = pipe.num_workers
         net_free = [0.0] * p
         gpu_free = [max(stage_end[(pi, s)] for s in range(w, len(pipe.stages), p))
                     for w in range(p)]
+        tied = _tied_transfers(pipe, costs[pi], names, profile, cluster, cal)
+        # A tied weight's owner updates it once the readers' gradients have arrived.
+        tied_ready: dict[int, float] = {}
+        for reader, owner, t in tied:
+            tied_ready[owner] = max(tied_ready.get(owner, 0.0),
+                                    stage_end[(pi, reader)] + t)
+        opt_done: dict[int, float] = {}
         for s, st in enumerate(pipe.stages):
             c, w = costs[pi][s], s % p
             partners = _sync_partners(plan, pi, st)
@@ -345,20 +363,24 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 zero1 = plan.distributed_optimizer and not fsdp and st.axis("data") > 1
                 kind = "reduce_scatter" if (fsdp or zero1) else "all_reduce"
                 slowest = _slowest(cluster, devices).name
-                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest)
+                # One ring per tensor (and context) rank, all at once, sharing each node's
+                # network card.
+                rings = st.axis("tensor") * st.axis("context")
+                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest, rings)
                 t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
-                                           slowest) if zero1 else 0.0
+                                           slowest, rings) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
                 # with overlap, buckets start streaming when the last backward starts.
                 ends = [stage_end[k] for k in holders]
                 starts = [last_b_start.get(k, 0.0) for k in holders]
-                sync_ready = max(max(starts) if overlap else max(ends), net_free[w])
+                sync_ready = max(max(starts) if overlap else max(ends), net_free[w],
+                                 tied_ready.get(s, 0.0))
                 sync_end = max(sync_ready + t_sync, stage_end[(pi, s)])
                 net_free[w] = sync_end
                 if trace:
                     tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
             else:
-                sync_end, t_gather = stage_end[(pi, s)], 0.0
+                sync_end, t_gather = max(stage_end[(pi, s)], tied_ready.get(s, 0.0)), 0.0
             opt_start = max(sync_end, gpu_free[w])
             gpu_free[w] = opt_end = opt_start + c.optimizer_s
             if trace:
@@ -369,7 +391,13 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 net_free[w] = opt_end = gather_start + t_gather
                 if trace:
                     tasks.append(Task(pi, s, "gather", -1, gather_start, opt_end, w))
+            opt_done[s] = opt_end
             step_end = max(step_end, opt_end)
+        for reader, owner, t in tied:  # the updated copy goes back to the reader
+            if trace:
+                tasks.append(Task(pi, reader, "send", -1, opt_done[owner],
+                                  opt_done[owner] + t, reader % p))
+            step_end = max(step_end, opt_done[owner] + t)
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch
     tokens = plan.global_batch * plan.seq_len
@@ -384,6 +412,30 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         peak_memory_bytes=float(max(mem.values())),
         memory_per_device={d: float(v) for d, v in mem.items()}, busy_per_device=busy,
         fits=bool(fits), tasks=tuple(tasks), stage_costs=tuple(tuple(c) for c in costs))
+
+
+def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cluster,
+                    cal: Calibration) -> list[tuple[int, int, float]]:
+    """(reader stage, owner stage, seconds) for every stage holding a read copy of a
+    weight another stage of the pipeline owns (a tied embedding read by the head): its
+    gradient goes to the owner after the last backward, the updated weight comes back
+    after the owner's update (Megatron-LM all-reduces the embedding's gradient between
+    the first and the last stage)."""
+    out = []
+    for s, (st, c) in enumerate(zip(pipe.stages, costs, strict=True)):
+        by_owner: dict[int, float] = {}
+        for owner_name, nbytes in c.read_copies:
+            layer = names.get(owner_name)
+            owner = next((j for j, o in enumerate(pipe.stages)
+                          if layer is not None and o.start <= layer < o.end), None)
+            if owner is not None and owner != s:
+                by_owner[owner] = by_owner.get(owner, 0.0) + nbytes
+        for owner, nbytes in by_owner.items():
+            # Each tensor rank sends its shard; the stage's devices send in parallel.
+            total = nbytes * st.axis("tensor")
+            out.append((s, owner, p2p_time(total, cluster, st.devices,
+                                           pipe.stages[owner].devices, cal)))
+    return out
 
 
 def _capacity(cluster: Cluster, device: int) -> float:
@@ -435,11 +487,15 @@ def predicted(result: SimResult, upper_bound_tokens_per_s: float = 0.0) -> Predi
 
 
 def upper_bound_tokens_per_s(profile: ModelProfile, cluster: Cluster,
-                             cal: Calibration = DEFAULT, mbs: int = 8) -> float:
+                             cal: Calibration = DEFAULT, mbs: int = 8,
+                             attention: str = "flash") -> float:
     """Every GPU computing the whole model on its own samples with no communication,
-    no bubble and no memory limit: the cluster's aggregate attainable throughput."""
+    no bubble and no memory limit: the cluster's aggregate attainable throughput, with
+    the plans' ``attention`` (the reference one's materialised scores cost more than
+    the flash kernel's)."""
     total = 0.0
     for g in cluster.groups:
-        c = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=mbs, cal=cal)
+        c = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=mbs, cal=cal,
+                       attention=attention)
         total += g.num_devices * mbs * profile.tokens_per_sample / (c.fwd_s + c.bwd_s)
     return total

@@ -739,7 +739,7 @@ def _annotated(chosen: Plan, result, profile, cluster, cal, opts: PlannerOptions
     """``chosen`` with the simulator's prediction and the solver's statistics (wall time
     since ``t0``, status, gap to the compute bound); a warning when the clock cut the
     search (``doing`` says which)."""
-    upper = upper_bound_tokens_per_s(profile, cluster, cal)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention)
     gap = max(0.0, 1 - chosen.global_batch * chosen.seq_len / upper / result.step_time_s)
     status = "time_limit" if timed_out else "searched"
     if timed_out:
