@@ -207,10 +207,12 @@ LLAMA3_70B = ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128
               "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
 # H100 SXM, 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts): its dense
 # BF16 peak lies between the SXM's 989 and the NVL's 835 TFLOP/s (torchtitan's note):
-# the midpoint. 400 Gb/s RDMA per GPU: 400 GB/s per 8-GPU host.
+# the midpoint, and the catalog's FlashAttention-2 rate for the H100 scaled alike. 400 Gb/s
+# RDMA per GPU: 400 GB/s per 8-GPU host.
 GRAND_TETON_H100 = {"name": "H100-96GB-HBM2e-500W", "bf16_tflops": 912.0,
-                    "tf32_tflops": 456.0, "memory_gb": 96, "memory_gbs": 2400,
-                    "intra_node_gbs": 450, "inter_node_gbs": 400}
+                    "tf32_tflops": 456.0, "attention_tflops": 330.0 * 912 / 989,
+                    "memory_gb": 96, "memory_gbs": 2400, "intra_node_gbs": 450,
+                    "inter_node_gbs": 400}
 # row, model, gpus, fsdp, tp, local batch (per data rank), remat, tp_overlap, TPS/GPU
 TORCHTITAN_H100 = [
     ("8B FSDP8 compile", "8b", 8, 8, 1, 2, "op", False, 6667),

@@ -41,6 +41,10 @@ class DeviceType:
     source: str = ""
     memory_mib: int | None = None
     tf32_tflops: float | None = None
+    # Sustained 16-bit TFLOP/s of a FlashAttention-2-class kernel (forward + backward,
+    # causal, head dim 128, long sequences), counted on the products it computes; None:
+    # not published (the cost model then takes ATTENTION_GEMM_RATIO of its matmul rate).
+    attention_tflops: float | None = None
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
@@ -53,6 +57,8 @@ class DeviceType:
             check_positive("memory_mib", self.memory_mib, where=where)
         if self.tf32_tflops is not None:
             check_positive("tf32_tflops", self.tf32_tflops, where=where)
+        if self.attention_tflops is not None:
+            check_positive("attention_tflops", self.attention_tflops, where=where)
 
     @property
     def memory_bytes(self) -> int:
@@ -85,6 +91,11 @@ _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0
 # DGX A100 / DGX H100: 8x 200 Gb/s HDR InfiniBand = 200 GB/s per node (NVIDIA DGX A100
 # datasheet; Narayanan et al. 2021 §5). DGX H100: 8x 400 Gb/s NDR = 400 GB/s.
 # DGX-1 (V100): 4x 100 Gb/s EDR = 50 GB/s. Cloud/PCIe boxes: 100 Gb/s = 12.5 GB/s.
+# FlashAttention-2's sustained rate, causal, head dim 128, 8k tokens: ~190 TFLOP/s forward +
+# backward on A100 80GB (Dao 2023, Fig. 4); ~330 TFLOP/s on H100 SXM5 (Shah et al. 2024,
+# FlashAttention-3, Fig. 5: FA2's causal forward at 8k), i.e. ~0.61 and ~0.33 of peak: a
+# Hopper runs FA2-class kernels (and the Triton-lowered Pallas kernel) far below its GEMMs.
+_FA2_A100, _FA2_HOPPER = 190.0, 330.0
 
 _TYPES = [
     DeviceType("V100-16GB", None, 125.0, 15.7, 16, 900, 150, 50,
@@ -106,28 +117,28 @@ _TYPES = [
                device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
                source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 156 TF32 dense, 19.5 "
                       "FP32, 1555 GB/s, NVLink3 600 GB/s bidirectional",
-               memory_mib=40960, tf32_tflops=156.0),
+               memory_mib=40960, tf32_tflops=156.0, attention_tflops=_FA2_A100),
     DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
                source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e, 156 TF32 dense",
-               memory_mib=81920, tf32_tflops=156.0),
+               memory_mib=81920, tf32_tflops=156.0, attention_tflops=_FA2_A100),
     DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
                device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
                source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 494.7 TF32 "
                       "dense, 67 FP32, 3.35 TB/s, NVLink4 900 GB/s bidirectional",
-               memory_mib=81559, tf32_tflops=494.7),
+               memory_mib=81559, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER),
     DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
                device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
                source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 494.7 TF32 dense, "
                       "141 GB, 4.8 TB/s",
-               memory_mib=143771, tf32_tflops=494.7),
+               memory_mib=143771, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER),
     DeviceType("GH200-96GB", 989.0, 989.0, 67.0, 96, 4000, 450, 100,
                device_kinds=("NVIDIA GH200 96GB HBM3", "NVIDIA GH200"),
                source="NVIDIA GH200 Grace Hopper datasheet: H100 GPU with 96 GB HBM3 at "
                       "4 TB/s, 989 TFLOPS BF16 and 494.7 TF32 dense, NVLink4 900 GB/s "
                       "bidirectional; 4 per node with 4x 200 Gb/s Slingshot (CSCS Alps); "
                       "memory as Sailor's cluster config gives it (102625181696 bytes)",
-               memory_mib=97872, tf32_tflops=494.7),
+               memory_mib=97872, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER),
     DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
                device_kinds=("NVIDIA B200",),
                source="NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 sparse (2.25 dense), "
@@ -199,8 +210,8 @@ _TYPES = [
 CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 
 _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops",
-                  "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs",
-                  "vendor"}
+                  "attention_tflops", "memory_gb", "memory_mib", "memory_gbs",
+                  "intra_node_gbs", "inter_node_gbs", "vendor"}
 
 
 def device_type(name: str) -> DeviceType:
@@ -230,8 +241,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
             raise SpecError(f"{field}.{req}", None, "a value (required for an inline GPU)")
     if not isinstance(d["name"], str) or not d["name"]:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
-    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "memory_gb",
-              "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
+    for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "attention_tflops",
+              "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]
@@ -240,7 +251,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         fp32_tflops=d.get("fp32_tflops", bf16 / 16), memory_gb=d["memory_gb"],
         memory_gbs=d["memory_gbs"], intra_node_gbs=d.get("intra_node_gbs", _PCIE4),
         inter_node_gbs=d.get("inter_node_gbs", 12.5), vendor=d.get("vendor", "custom"),
-        source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"))
+        source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"),
+        attention_tflops=d.get("attention_tflops"))
 
 
 def device_type_for_kind(kind: str) -> DeviceType:

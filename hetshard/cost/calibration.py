@@ -35,10 +35,11 @@ class Efficiency:
     comm_eff: float = 0.8
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 20e-6
-    # Attention's matmuls (inside hetshard_attention, forward and backward) as a
-    # fraction of peak, counting the flops the traced reference computes (full S x S
-    # scores, so a causal kernel that skips masked blocks can exceed 1). None: attention
-    # runs at ``matmul_eff`` (the built-in assumption); ``hetshard profile`` measures it.
+    # Attention's products (inside hetshard_attention, forward and backward) as a
+    # fraction of peak, counting the products the kernel computes (a causal flash kernel
+    # skips the masked half of the scores). None: the catalog's FlashAttention-2 rate for
+    # the GPU type where published (``hetshard.cost.stage.attention_rate``);
+    # ``hetshard profile`` measures it.
     attention_eff: float | None = None
     # A transfer a collective matmul hides behind matmuls still slows them by this
     # fraction of its time (its kernels take SMs and memory bandwidth). An assumption,

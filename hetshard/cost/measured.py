@@ -213,14 +213,6 @@ def _native(data: dict, where: str) -> MeasuredProfile:
                            str(data.get("name", "")))
 
 
-def _role_of(entry: str, index: int, first_block: int, last_block: int) -> str | None:
-    if entry.startswith("block"):
-        return "block"
-    if entry == "noop":
-        return None
-    return "embedding" if index < first_block else "head" if index > last_block else None
-
-
 def _spec_field(spec: str, key: str) -> int | None:
     for part in spec.split(":", 1)[-1].split(","):
         k, _, v = part.partition("=")
@@ -231,8 +223,9 @@ def _spec_field(spec: str, key: str) -> int | None:
 
 def _amp(data: dict, where: str) -> MeasuredProfile:
     """AMP's published forward times per layer entry, micro-batch 1: the blocks' median
-    per GPU and tensor degree; a ``noop`` entry's time joins the nearest real entry before
-    it (it is a boundary of the model's partition, measured apart)."""
+    per GPU and tensor degree; a ``noop`` entry (a boundary of the model's partition,
+    measured apart) counts with the embedding before the blocks and with the head after
+    them."""
     m = data.get("model", {})
     spec = m.get("spec", "")
     seq = int(m.get("seq") or _spec_field(spec, "seq") or 0)
@@ -242,20 +235,20 @@ def _amp(data: dict, where: str) -> MeasuredProfile:
     mbs = int(m.get("micro_batch", 1))
     entries = data["entries"]
     blocks = [i for i, e in enumerate(entries) if e.startswith("block")]
+    if not blocks:
+        raise SpecError("entries", entries, "layer entries named block_<i>", where=where)
     gpus: dict = {}
     for gpu, per_tp in data["forward_s"].items():
         for tp_key, times in per_tp.items():
             tp = int(str(tp_key).removeprefix("tp"))
+            if len(times) != len(entries):
+                raise SpecError(f"forward_s.{gpu}.{tp_key}", len(times),
+                                f"one time per entry ({len(entries)})", where=where)
             roles: dict[str, list[float]] = {"embedding": [], "block": [], "head": []}
-            role = None
             for i, (entry, t) in enumerate(zip(entries, times, strict=True)):
-                r = _role_of(entry, i, blocks[0], blocks[-1])
-                if r is None:  # a noop: add to the entry before (or the next one)
-                    if role is not None and roles[role]:
-                        roles[role][-1] += float(t)
-                    continue
-                role = r
-                roles[r].append(float(t))
+                role = "block" if entry.startswith("block") else (
+                    "embedding" if i < blocks[0] else "head")
+                roles[role].append(float(t))
             for r, ts in roles.items():
                 if not ts:
                     continue

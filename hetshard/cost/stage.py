@@ -1,8 +1,9 @@
 """Time and memory of one pipeline stage: a layer range on a (tp x cp) submesh of one
 GPU type, replicated ``dp`` ways, running micro-batches of ``mbs`` samples.
 
-Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``
-(attention's equations use ``attention_eff`` when the calibration measured it);
+Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``;
+attention's equations run at ``attention_rate`` (a measured ``attention_eff``, else the
+catalog's FlashAttention-2 rate for the GPU type, else 0.8 of the matmul rate);
 non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
 chains). Under the flash kernel, attention's equations move no HBM bytes (the scores
 stay on chip) and a causal kernel computes half of the traced products (Dao 2023).
@@ -25,7 +26,8 @@ Not measured on a GPU.
 Context parallelism divides activations by ``cp`` and adds the K/V ring exchange, hidden
 behind compute where it is shorter (Liu et al. 2023).
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
-overlapped with the layer's compute, and turns the gradient all-reduce into a
+overlapped with the layer's compute (slowed by ``overlap_interference`` of the hidden
+part), and turns the gradient all-reduce into a
 reduce-scatter. The distributed optimizer (ZeRO-1, ``shard_optimizer``) divides the
 optimizer state and the update's work by ``dp`` (the gradient all-reduce becomes a
 reduce-scatter before the update and a parameter all-gather after it: the simulator
@@ -188,6 +190,28 @@ class _MeasuredLayers:
         return fwd, bwd, update
 
 
+# Where neither a calibration nor the catalog gives a GPU's attention rate, a flash
+# kernel runs at this fraction of the GPU's matmul rate: FlashAttention-2 on the A100 (the
+# catalog's ~190 TFLOP/s against 0.75 of 312 for its GEMMs).
+ATTENTION_GEMM_RATIO = 0.8
+
+
+def attention_rate(gpu: DeviceType, dtype: str, e, attention: str = "flash") -> float:
+    """FLOP/s of attention's products (those the kernel computes): a calibration's
+    ``attention_eff`` of the peak where measured; for the flash kernel, else the catalog's
+    FlashAttention-2 rate (16-bit; scaled by the dtype's peak) or ``ATTENTION_GEMM_RATIO``
+    of the matmul rate; the reference runs XLA's matmuls at ``matmul_eff``."""
+    peak = gpu.peak_flops(dtype)
+    if e.attention_eff is not None:
+        return peak * e.attention_eff
+    if attention != "flash":
+        return peak * e.matmul_eff
+    if gpu.attention_tflops is not None:
+        half = gpu.peak_flops("bfloat16" if gpu.bf16_tflops is not None else "float16")
+        return gpu.attention_tflops * 1e12 * min(1.0, peak / half)
+    return peak * e.matmul_eff * ATTENTION_GEMM_RATIO
+
+
 def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
     """Time a collective matmul adds to its matmuls: of ``tp`` steps, ``tp - 1`` transfer
     a block while another block is multiplied, so ``(tp - 1) / tp`` of the matmul time
@@ -220,7 +244,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
     peak = gpu.peak_flops(profile.dtype) * e.matmul_eff
-    peak_attn = gpu.peak_flops(profile.dtype) * e.attention
+    peak_attn = attention_rate(gpu, profile.dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
     fwd = bwd = recompute = weight = carry = 0.0
@@ -304,9 +328,12 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         else:
             updates.append(None)
         if fsdp and dp > 1 and dp_topo is not None:
+            # Each layer's parameters are gathered behind the layer before's compute; what
+            # is hidden still slows that compute (the transfer's kernels take SMs and
+            # memory bandwidth), as a collective matmul's transfers do.
             ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name)
-            t_f = max(t_f, ag)
-            t_b = max(t_b, ag)
+            t_f = max(t_f, ag) + e.overlap_interference * min(t_f, ag)
+            t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
         if mode == "full":
             recompute += t_f
         elif timed is not None:
