@@ -160,7 +160,7 @@ def cmd_simulate(args) -> int:
         raise SpecError("--plan/--fix", args.plan or args.fix,
                         "exactly one of --plan FILE (price a plan) or --fix dp=..,tp=..,pp=.. "
                         "(price a uniform plan)")
-    cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
+    cal = Calibration.load_all(args.calibration) if args.calibration else DEFAULT
     if args.plan is not None:
         plan = Plan.load(args.plan)
         if args.model is None:
@@ -226,7 +226,7 @@ def _planner_options(args):
 def cmd_plan(args) -> int:
     from hetshard.cost.calibration import Calibration
     from hetshard.solver import make_plan
-    cal = Calibration.load(args.calibration) if args.calibration else None
+    cal = Calibration.load_all(args.calibration) if args.calibration else None
     options = _planner_options(args)
     plan = make_plan(_program(args), args.cluster, global_batch=args.global_batch,
                      options=options, calibration=cal)
@@ -244,7 +244,7 @@ def cmd_compare(args) -> int:
     from hetshard.sim import upper_bound_tokens_per_s
     from hetshard.solver import make_plan
     from hetshard.solver.baselines import BASELINES, run_baseline
-    cal = Calibration.load(args.calibration) if args.calibration else DEFAULT
+    cal = Calibration.load_all(args.calibration) if args.calibration else DEFAULT
     cluster = Cluster.load(args.cluster)
     opts = _planner_options(args)
     program = _program(args)
@@ -283,7 +283,30 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _ints(text: str, field: str) -> tuple[int, ...]:
+    from hetshard.errors import SpecError
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or any(b < 1 for b in out):
+        raise SpecError(field, text, "comma-separated positive integers, e.g. 1,2,4")
+    return out
+
+
 def cmd_profile(args) -> int:
+    if args.model is not None:
+        from hetshard.cost.layer_profiler import profile_layers
+        prof = profile_layers(_program(args), _ints(args.micro_batches, "--micro-batches"),
+                              reps=2 if args.quick else 5, attention=args.attention)
+        prof.save(args.out)
+        for gpu, roles in prof.gpus.items():
+            for role, table in roles.items():
+                print(f"{gpu} {role}: " + ", ".join(
+                    f"mbs {b}: fwd {t.forward_s * 1e3:.2f} ms, bwd {t.backward_s * 1e3:.2f} ms"
+                    for (_, b, _), t in sorted(table.items())))
+        print(f"wrote {args.out} (measured profile; pass it to --calibration)")
+        return 0
     from hetshard.cost.profiler import profile_backend
     cal = profile_backend(quick=args.quick)
     cal.save(args.out)
@@ -292,6 +315,11 @@ def cmd_profile(args) -> int:
         f"memory_eff={e.memory_eff:.3f} comm_eff={e.comm_eff:.3f}"
         for n, e in cal.per_type))
     return 0
+
+
+CALIBRATION_HELP = ("a calibration (hetshard profile) or a measured per-layer profile "
+                    "(hetshard profile --model, AMP's or Sailor's published files: "
+                    "docs/profile-format.md); repeat to combine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
-    sp.add_argument("--calibration", default=None, help="a file written by hetshard profile")
+    sp.add_argument("--calibration", action="append", default=None,
+                    help=CALIBRATION_HELP)
     sp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     sp.add_argument("--png", default=None, help="write a PNG timeline here")
     json_flag(sp)
@@ -354,14 +383,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stage boundaries inside blocks (attention | MLP): auto "
                              "refines the best whole-block plan with them (clusters of up "
                              "to 256 GPUs) and keeps it when faster; yes searches halves")
-        sp.add_argument("--calibration", default=None)
+        sp.add_argument("--calibration", action="append", default=None,
+                        help=CALIBRATION_HELP)
         json_flag(sp)
         sp.set_defaults(func=fn)
 
     sp = sub.add_parser("profile", help="time matmuls, elementwise ops and collectives on "
-                                        "this backend; write a calibration file")
+                                        "this backend and write a calibration file; with "
+                                        "--model, time that model's layers and write a "
+                                        "measured profile (docs/profile-format.md)")
     sp.add_argument("--out", default="calibration.json")
     sp.add_argument("--quick", action="store_true", help="small shapes (tests)")
+    sp.add_argument("--model", default=None, help=model_help)
+    sp.add_argument("--seq-len", type=int, default=None)
+    sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    sp.add_argument("--micro-batches", default="1,2", help="sizes to time, e.g. 1,2,4")
+    sp.add_argument("--attention", default="reference", choices=["flash", "reference"])
     sp.set_defaults(func=cmd_profile)
 
     sp = sub.add_parser("launch", help="run a script as N local jax.distributed processes "

@@ -277,3 +277,57 @@ def test_fsdp_gathers_hidden_behind_compute_still_slow_it(small):
     e = DEFAULT.default
     want = max(plain.fwd_s, ag) + e.overlap_interference * min(plain.fwd_s, ag)
     assert fsdp.fwd_s == pytest.approx(want)
+
+
+def test_profile_command_times_a_models_layers_and_simulate_uses_them(tmp_path, capsys):
+    from hetshard.cli import main
+    out = tmp_path / "tiny.json"
+    assert main(["profile", "--model", "llama-tiny", "--micro-batches", "1,2", "--quick",
+                 "--out", str(out)]) == 0
+    (prof,) = load_profiles(out)
+    assert set(prof.gpus["CPU"]) == {"embedding", "block", "head"}
+    assert {k[1] for k in prof.gpus["CPU"]["block"]} == {1, 2}
+    program = profile_model("llama-tiny", 64, "bfloat16")
+    assert prof.matches_at(program.layers[1].fwd_total_flops(1), 64)
+    cpu = Cluster.load({"name": "cpus", "groups": [
+        {"name": "c", "gpu": "CPU", "nodes": 1, "gpus_per_node": 2}]})
+    cal = Calibration.load_all([out])
+    t = prof.timing("CPU", "block", 1, 2)[0]
+    got = stage_cost(program, 1, 2, cpu.groups[0].gpu, mbs=2, cal=cal)
+    assert (got.fwd_s, got.bwd_s) == pytest.approx((t.forward_s, t.backward_s))
+    plan = tmp_path / "plan.json"
+    uniform_plan("llama-tiny", program, cpu, global_batch=4, seq_len=64,
+                 fix=parse_fix("dp=1,tp=1,pp=2,mbs=2")).save(plan)
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(plan), "--calibration", str(out),
+                 "--calibration", str(out), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--plan", str(plan), "--json"]) == 0
+    roofline = json.loads(capsys.readouterr().out)
+    assert measured["step_time_s"] != roofline["step_time_s"]
+    assert main(["profile", "--model", "llama-tiny", "--micro-batches", "0", "--out",
+                 str(tmp_path / "x.json")]) != 0
+    assert "--micro-batches" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_sailors_setting_the_planner_beats_sailors_plan_under_the_shared_profiles():
+    # OPT-350, float32, batch 1024 on 32 A100-40GB + 96 V100-16GB, priced with Sailor's
+    # published per-layer profiles: hetshard's plan against Sailor's published plan.
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+    import sailor_setting as ss
+
+    from hetshard.solver import PlannerOptions
+    from models.steps import make_plan
+    cal = Calibration.load(SAILOR)
+    prof = profile_model(ss.MODEL, 2048, "float32")
+    c = ss.cluster(8, 24)
+    plan = make_plan(ss.MODEL, c, global_batch=1024, seq_len=2048, dtype="float32",
+                     calibration=cal, shardings=False,
+                     options=PlannerOptions(time_limit_s=30, attention="reference"))
+    ours = simulate(plan, prof, c, cal, trace=False)
+    theirs = simulate(ss.sailor_plan_32_96(c), prof, c, cal, trace=False)
+    assert ours.fits and theirs.fits
+    assert ours.step_time_s < theirs.step_time_s

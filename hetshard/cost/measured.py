@@ -14,7 +14,8 @@ within 5%.
 Three formats load as they are (:func:`load_profiles`):
 
 * hetshard's own (``"format": "hetshard-profile"``, ``docs/profile-format.md``), which
-  ``hetshard profile --model`` writes on the local backend;
+  ``hetshard profile --model`` writes on the local backend
+  (``hetshard.cost.layer_profiler``);
 * AMP's published per-layer forward times (``forward_s[gpu]["tp<k>"]`` per layer entry,
   micro-batch 1; AMP prices a backward as twice the forward, here the roofline's ratio);
 * Sailor's per-layer profiles (``profiles[model][gpu][mbs][tp][layer] = [forward,
@@ -67,8 +68,12 @@ class MeasuredProfile:
     def block_flops(self, seq: int | None = None) -> float:
         """Forward flops of one measured block at one sample of ``seq`` tokens (default:
         the measured length): GPT-style attention projections, MLP, attention products."""
-        h = self.model["hidden"]
         s = self.model["seq"] if seq is None else seq
+        if "hidden" not in self.model:
+            # Measured on a program (``hetshard profile --model``): its block's forward
+            # flops at the measured length, scaled in proportion to other lengths.
+            return float(self.model["block_forward_flops"]) * s / self.model["seq"]
+        h = self.model["hidden"]
         f = self.model.get("ffn") or 4 * h
         heads = self.model.get("heads") or 1
         kv = (self.model.get("kv_heads") or heads) / heads  # grouped-query K/V share
@@ -184,9 +189,10 @@ def _native(data: dict, where: str) -> MeasuredProfile:
     if data.get("version") != 1:
         raise SpecError("version", data.get("version"), "1", where=where)
     model = data.get("model")
-    if not isinstance(model, dict) or not {"hidden", "seq"} <= set(model):
-        raise SpecError("model", model, "an object with hidden and seq (what was measured)",
-                        where=where)
+    if not isinstance(model, dict) or "seq" not in model or not (
+            "hidden" in model or "block_forward_flops" in model):
+        raise SpecError("model", model, "an object with seq and hidden (a GPT-style block's "
+                        "width) or block_forward_flops (what was measured)", where=where)
     gpus: dict = {}
     for gpu, roles in data.get("gpus", {}).items():
         for role, rows in roles.items():
