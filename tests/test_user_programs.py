@@ -168,9 +168,12 @@ def test_a_user_block_gets_megatron_layouts_from_the_intra_op_solver():
 def test_the_zoo_plans_through_the_same_path_unchanged():
     # gpt-1.3b traced as a user program (its own scopes, AdamW in nnx.Optimizer): flops,
     # parameter, optimizer and activation bytes as the zoo-only profile gave them before
-    # (figures of commit 8b31bac's profile_model, seq 2048, bfloat16), within 2%.
+    # (figures of commit 8b31bac's profile_model, seq 2048, bfloat16), within 2%. One change
+    # since is deliberate (issue 22 (g)): the reference attention's backward keeps 3 bytes
+    # less per score ([seq, seq] per head, 24 blocks of 32 heads) than it did then.
     prof = models.profile("gpt-1.3b", 2048, "bfloat16")
-    before = {"flops_b4": 7.448e13, "params": 5.263e9, "residual": 2.826e10,
+    leaner_scores = 3 * 24 * 32 * 2048 ** 2
+    before = {"flops_b4": 7.448e13, "params": 5.263e9, "residual": 2.826e10 - leaner_scores,
               "flash": 8.092e8, "selective": 2.026e9, "weight_copies": 2.622e9}
     got = {"flops_b4": sum(x.flops(4) for x in prof.layers),
            "params": prof.param_bytes,

@@ -234,8 +234,7 @@ class Cluster:
             gpu: Any = g.gpu.name
             if CATALOG.get(g.gpu.name) != g.gpu:
                 gpu = {k: v for k, v in g.gpu.to_dict().items()
-                       if k not in ("device_kinds", "source")
-                       and not (k == "memory_mib" and v is None)}
+                       if k not in ("device_kinds", "source") and v is not None}
             d = {"name": g.name, "gpu": gpu, "nodes": g.nodes, "gpus_per_node": g.gpus_per_node,
                  "intra_node_gbs": g.intra_node_gbs, "inter_node_gbs": g.inter_node_gbs}
             if g.processes is not None:
