@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -63,6 +64,9 @@ class StepContext:
     provided: object = None
     captured: object = None
     used: bool = False
+    # set by each call (outside record mode): whether its loss and gradients are finite
+    finite: object = None
+    value: object = None  # ... and its loss
     # record mode: the step's non-batch arguments (as the step sees them) and batch
     record_args: tuple = ()
     record_state: tuple = ()
@@ -164,9 +168,22 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
             out = rewritten(ctx.rewrite, args)
         if ctx.mode == "capture":
             ctx.captured = out
+        value, grads = out
+        ctx.value = value[0] if has_aux else value
+        ctx.finite = all_finite((ctx.value, grads))
         return out
 
     return wrapped
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is finite (a scalar bool)."""
+    leaves = [x for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    ok = jnp.asarray(True)
+    for x in leaves:
+        ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def _loss_call(fn, argnums, has_aux, args, kwargs, ctx) -> LossCall:

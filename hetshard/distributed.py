@@ -9,10 +9,11 @@ nothing. CPU processes use gloo collectives over loopback.
 
 ``launch(nprocs, devices_per_proc, command)`` is ``hetshard launch``: it starts the
 processes with that many fake CPU devices each (``XLA_FLAGS`` set before JAX starts),
-prefixes their output with ``[rank]``, and returns the exit code of the first process
-that fails, stopping the others; a process that dies or never arrives makes the others
-stop within ``HETSHARD_TIMEOUT_S`` seconds (default 60) through the coordinator's
-heartbeat instead of hanging.
+prefixes their output with ``[rank]``, and returns the exit status of the first process
+that fails (128 + N for one killed by signal N); the others are stopped within
+``HETSHARD_TIMEOUT_S`` seconds (default 60), and the failing process's Python traceback
+is printed again at the end as the cause. A process whose script raises exits at once
+(``init_distributed`` installs the hook) rather than waiting in JAX's shutdown barrier.
 
 ``agree(value, what)`` checks that every process computed the same value (a plan's
 fingerprint): a mismatch raises ``DistributedError`` on every process.
@@ -20,14 +21,18 @@ fingerprint): a mismatch raises ``DistributedError`` on every process.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 
 from hetshard.errors import HetshardError, check_positive
 
@@ -80,12 +85,25 @@ def init_distributed() -> bool:
                                    initialization_timeout=limit,
                                    heartbeat_timeout_seconds=limit)
         _STATE["initialised"] = True
+        sys.excepthook = _fail_fast
         return True
     if any(v in env for v in _SCHEDULER_VARS):
         jax.distributed.initialize()  # JAX's own cluster detection
         _STATE["initialised"] = True
+        if jax.process_count() > 1:
+            sys.excepthook = _fail_fast
         return jax.process_count() > 1
     return False
+
+
+def _fail_fast(exc_type, exc, tb) -> None:
+    """An uncaught exception in a multi-process run: its traceback, then an immediate exit
+    (status 1, 130 for Ctrl-C). A normal exit would enter jax.distributed's shutdown
+    barrier, which waits minutes for processes that are themselves waiting on this one."""
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
 
 def agree(value: str, what: str = "plan fingerprint") -> None:
@@ -111,21 +129,87 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, prefix: str, out) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(f"{prefix}{line.decode(errors='replace')}")
-        out.flush()
+class _Output:
+    """The ranks' output, prefixed ``[rank]``: streamed until a rank fails, after which
+    the others' lines are held back (a failing job's survivors print pages of C++ stack
+    as they abort) and summarised at the end. Each rank's last lines are kept so the
+    failing rank's Python traceback can be shown again as the cause."""
+
+    def __init__(self, out, nprocs: int):
+        self.out = out
+        self.lock = threading.Lock()
+        self.tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(nprocs)]
+        self.failed: int | None = None
+        self.held: list[str] = []
+
+    def pump(self, stream, rank: int) -> None:
+        for raw in iter(stream.readline, b""):
+            line = f"[{rank}] {raw.decode(errors='replace')}"
+            if not line.endswith("\n"):
+                line += "\n"
+            with self.lock:
+                self.tails[rank].append(line)
+                if self.failed is not None and rank != self.failed:
+                    self.held.append(line)
+                else:
+                    self.out.write(line)
+                    self.out.flush()
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text)
+            self.out.flush()
+
+    def traceback_of(self, rank: int) -> list[str]:
+        """The last Python traceback in ``rank``'s output (empty: none)."""
+        lines = list(self.tails[rank])
+        starts = [i for i, x in enumerate(lines) if "Traceback (most recent call last)" in x]
+        return lines[starts[-1]:] if starts else []
+
+
+_TAIL_LINES = 400
+_HELD_SHOWN = 20
+_FRAME = re.compile(r"^\[\d+\]\s+@\s+0x")
+
+
+def exit_status(code: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N for a process killed by
+    signal N (``Popen`` gives -N)."""
+    return 128 - code if code < 0 else code
+
+
+def _executable(command: list[str]) -> None:
+    prog = command[0]
+    if os.sep in prog or (os.altsep and os.altsep in prog):
+        ok = os.path.isfile(prog) and os.access(prog, os.X_OK)
+    else:
+        ok = shutil.which(prog) is not None
+    if not ok:
+        raise DistributedError(f"hetshard launch: command={prog!r} is invalid; expected an "
+                               f"executable on PATH or an executable file path (e.g. "
+                               f"{sys.executable} train.py)")
 
 
 def launch(nprocs: int, devices_per_proc: int, command: list[str], *, cluster: str | None = None,
            grace_s: float | None = None, out=None) -> int:
-    """Runs ``command`` as ``nprocs`` local processes (see the module docstring)."""
+    """Runs ``command`` as ``nprocs`` local processes (see the module docstring).
+
+    Returns the exit status of the process that failed first (128 + N for one killed by
+    signal N), else 0. Once one fails, the others get ``grace_s`` seconds (default
+    ``HETSHARD_TIMEOUT_S``) to stop before they are killed; the failing process's Python
+    traceback is then printed again as the cause.
+
+    Raises:
+      DistributedError: no command, or a command that is not an executable.
+    """
     check_positive("nprocs", nprocs, integer=True, where="hetshard launch")
     check_positive("devices_per_proc", devices_per_proc, integer=True, where="hetshard launch")
     if not command:
         raise DistributedError("hetshard launch needs a command after --, e.g. "
                                "hetshard launch --nprocs 2 -- python train.py")
-    out = out or sys.stdout
+    _executable(command)
+    grace = timeout_s() if grace_s is None else grace_s
+    output = _Output(out or sys.stdout, nprocs)
     port = free_port()
     procs = []
     for rank in range(nprocs):
@@ -142,27 +226,56 @@ def launch(nprocs: int, devices_per_proc: int, command: list[str], *, cluster: s
             env["HETSHARD_CLUSTER"] = cluster
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        threading.Thread(target=_pump, args=(p.stdout, f"[{rank}] ", out),
-                         daemon=True).start()
-        procs.append(p)
-    grace = timeout_s() + 30 if grace_s is None else grace_s
-    first_failure = None
+        t = threading.Thread(target=output.pump, args=(p.stdout, rank), daemon=True)
+        t.start()
+        procs.append((p, t))
+    first: tuple[int, int] | None = None  # (rank, exit status)
     failed_at = None
+    killed: list[int] = []
     while True:
-        codes = [p.poll() for p in procs]
-        if first_failure is None:
+        codes = [p.poll() for p, _ in procs]
+        if first is None:
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                first_failure = bad[0][1]
+                first = (bad[0][0], exit_status(bad[0][1]))
                 failed_at = time.monotonic()
-                out.write(f"hetshard launch: process {bad[0][0]} exited with {bad[0][1]}; "
-                          f"waiting up to {grace:.0f} s for the others to stop\n")
+                with output.lock:
+                    output.failed = first[0]
+                output.write(f"hetshard launch: process {first[0]} exited with {bad[0][1]}; "
+                             f"stopping the others within {grace:.0f} s\n")
         if all(c is not None for c in codes):
             break
         if failed_at is not None and time.monotonic() - failed_at > grace:
-            for r, p in enumerate(procs):
+            for r, (p, _) in enumerate(procs):
                 if p.poll() is None:
-                    out.write(f"hetshard launch: stopping process {r}\n")
+                    killed.append(r)
                     os.killpg(p.pid, signal.SIGKILL)
         time.sleep(0.1)
-    return first_failure if first_failure is not None else 0
+    for _, t in procs:
+        t.join(timeout=5)
+    if first is None:
+        return 0
+    _summarise(output, first, killed)
+    return first[1]
+
+
+def _summarise(output: _Output, first: tuple[int, int], killed: list[int]) -> None:
+    rank, status = first
+    lines = [f"hetshard launch: process {rank} failed first (exit status {status})"]
+    tb = output.traceback_of(rank)
+    if tb:
+        lines.append("; the cause, its traceback:\n")
+        lines += tb
+    else:
+        lines.append(" without a Python traceback"
+                     + (" (killed by a signal)" if status > 128 else "") + "\n")
+    if killed:
+        lines.append(f"hetshard launch: stopped process(es) {killed} that were still "
+                     f"running\n")
+    if output.held:
+        # Native stack frames ("    @     0x7f...") are dropped; the messages stay.
+        said = [x for x in output.held if not _FRAME.match(x)][:_HELD_SHOWN]
+        lines.append(f"hetshard launch: the other processes printed {len(output.held)} lines "
+                     f"after the failure (held back); their messages:\n")
+        lines += said
+    output.write("".join(lines))

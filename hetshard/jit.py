@@ -32,10 +32,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard import cache
-from hetshard.autodiff import entered, is_graph
+from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.cluster.spec import Cluster
 from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.program import Program, check_batch
+from hetshard.ir.program import Program, check_batch, path_string
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
 from hetshard.runtime.spmd import batch_sharding, stage_mesh, state_shardings
@@ -94,7 +94,8 @@ def _restricted(options, program: Program):
 
 
 def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
-        plan: Plan | str | None = None, nan_policy: str = "skip", **planner_options):
+        plan: Plan | str | None = None, nan_policy: str = "skip",
+        loss_output: str | int | None = None, **planner_options):
     """Compiles ``fn`` (a train step) for ``cluster``; usable as ``@hetshard.jit(...)``.
 
     Args:
@@ -103,16 +104,25 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
       global_batch: expected leading batch size (checked on every call).
       batch_argnums: index of the batch argument (default: the last positional one).
       plan: a Plan or a plan JSON path; skips planning (and pins the shapes).
-      nan_policy: "skip" (default: a non-finite loss is reported and the update not
-        applied), "apply" or "raise".
+      nan_policy: what a step with a non-finite loss or gradient does: "skip" (default:
+        a warning, and the update is not applied: NNX state is left as it was, a pytree
+        step's returned state is the state it was given), "apply" (a warning) or "raise"
+        (``NonFiniteLossError``). The loss and gradients ``hetshard.value_and_grad``
+        computed are checked whatever the step returns; so is the output at
+        ``loss_output``; a step without ``hetshard.value_and_grad`` has its new state
+        checked too.
+      loss_output: where the loss is in the step's output: a path such as ``"loss"`` or
+        ``"metrics/loss"``, or a position in a tuple output. Default: the one output
+        named ``loss``, else a scalar output or the first leaf of a tuple output.
       planner_options: PlannerOptions fields (time_limit_s, tp_options, ...).
     """
     if fn is None:
         return functools.partial(jit, cluster=cluster, global_batch=global_batch,
                                  batch_argnums=batch_argnums, plan=plan,
-                                 nan_policy=nan_policy, **planner_options)
+                                 nan_policy=nan_policy, loss_output=loss_output,
+                                 **planner_options)
     return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                       planner_options)
+                       planner_options, loss_output)
 
 
 def _rewriting(fn, plan: Plan, mesh=None):
@@ -152,7 +162,7 @@ def _signature(args) -> str:
 
 class HetshardJit:
     def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                 planner_options):
+                 planner_options, loss_output=None):
         from hetshard.solver import PlannerOptions
         self.fn = fn
         self.cluster = Cluster.load(cluster)
@@ -161,6 +171,12 @@ class HetshardJit:
         if nan_policy not in NAN_POLICIES:
             raise SpecError("nan_policy", nan_policy, f"one of {NAN_POLICIES}")
         self.nan_policy = nan_policy
+        if loss_output is not None and (isinstance(loss_output, bool) or not isinstance(
+                loss_output, (str, int))):
+            raise SpecError("loss_output", loss_output,
+                            "a path in the step's output (str) or a tuple position (int)",
+                            where="hetshard.jit")
+        self.loss_output = loss_output
         self.options = _options(PlannerOptions, planner_options, "hetshard.jit")
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
@@ -254,6 +270,8 @@ class HetshardJit:
         entry = self._compiled.get(sig)
         if entry is None:
             program = Program(self.fn, args, batch_argnum=idx)
+            if self.loss_output is not None:  # a wrong path is refused before planning
+                find_loss(program.output_shape, self.loss_output)
             plan = self._plan_for(program, size)
             if jax.process_count() > 1:  # every process must run the same plan
                 from hetshard.distributed import agree
@@ -283,7 +301,8 @@ class HetshardJit:
             self.plan, self.program = plan, program
         if entry[0] == "mpmd":
             runner = entry[1]
-            out, new_state = runner.step(runner.state_of(others), batch, self._check_loss)
+            out, new_state = runner.step(runner.state_of(others), batch,
+                                         self._may_apply)
             if new_state is not None and runner.program.kind == "nnx":
                 nnx.update(others, new_state)
             return out
@@ -349,9 +368,15 @@ class HetshardJit:
             term = jax.tree.map(lambda x, w=share / total: x * w, moved)
             combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
         out, new_state = app(states[0], batches[0], combined)
-        if self._check_loss(out) and new_state is not None:
-            nnx.update(others, new_state)
-        return out
+        value, grads = combined
+        value = value[0] if program.call.has_aux else value
+        ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
+                                value)
+        if self._may_apply(out, ok, loss):
+            if new_state is not None:
+                nnx.update(others, new_state)
+            return out
+        return _withheld(program, out, jax.tree.leaves(state))
 
     def _compile(self, plan, mesh, program: Program, others, batch):
         b_shard = batch_sharding(batch, plan, mesh)
@@ -364,13 +389,14 @@ class HetshardJit:
         s_shard = state_shardings(state, plan, mesh)
 
         def pure(state, batch):
-            with entered(used=False) as ctx:
+            with entered(used=False, finite=None, value=None) as ctx:
                 out, objs = _call(program, state, batch)
                 used = jnp.asarray(bool(ctx.used))
-            if program.kind == "tree":
-                return out, None, used
-            new = nnx.state(tuple(objs))
-            return out, jax.lax.with_sharding_constraint(new, s_shard), used
+                finite, value = ctx.finite, ctx.value
+            new = None
+            if program.kind == "nnx":
+                new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
+            return out, new, used, self._health(program, out, new, finite, value)
         jitted = jax.jit(_rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard))
         return ("spmd", jitted, s_shard, b_shard, program)
 
@@ -378,30 +404,104 @@ class HetshardJit:
         _, jitted, s_shard, b_shard, program = entry
         batch = jax.device_put(batch, b_shard)
         state = jax.device_put(_state(program, others), s_shard)
-        out, new_state, used_vg = jitted(state, batch)
+        out, new_state, used_vg, (ok, loss) = jitted(state, batch)
         if program.kind == "nnx" and not bool(used_vg) and not self._warned_vg:
             self._warned_vg = True
             warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "
                           "to single-stage plans for it (use hetshard.value_and_grad)",
                           stacklevel=3)
-        if self._check_loss(out) and new_state is not None:
-            nnx.update(others, new_state)
-        return out
+        if self._may_apply(out, ok, loss):
+            if new_state is not None:
+                nnx.update(others, new_state)
+            return out
+        return _withheld(program, out, jax.tree.leaves(state))
 
-    def _check_loss(self, out) -> bool:
-        """True when the update may be applied."""
-        loss = jax.tree.leaves(out)[0] if jax.tree.leaves(out) else None
-        if loss is None or np.ndim(loss) or bool(jnp.isfinite(loss)):
+    def _health(self, program: Program, out, new_state, finite, value):
+        """(whether the step's loss and gradients are finite, its loss) in-graph: the
+        loss and gradients ``hetshard.value_and_grad`` computed (``finite``, ``value``),
+        the output at ``loss_output`` and, for a step without ``hetshard.value_and_grad``,
+        the state it returns (a non-finite gradient shows there)."""
+        ok = jnp.asarray(True) if finite is None else finite
+        found = find_loss(out, self.loss_output)
+        if found is not None:
+            ok = ok & all_finite(found)
+        if finite is None:
+            ok = ok & all_finite(new_state if program.kind == "nnx"
+                                 else _state_in_output(program, out))
+        loss = value if value is not None else found
+        return ok, (jnp.float32(jnp.nan) if loss is None else _scalar(loss))
+
+    def _may_apply(self, out, finite, loss) -> bool:
+        """True when the step's update may be applied (``nan_policy``)."""
+        if bool(finite):
             return True
+        what = (f"non-finite loss {float(loss)}" if not np.isfinite(float(loss))
+                else f"non-finite gradients (loss {float(loss)})" if not np.isnan(float(loss))
+                else "non-finite loss or gradients")
         if self.nan_policy == "raise":
-            raise NonFiniteLossError(f"the step's loss is {float(loss)}")
+            raise NonFiniteLossError(f"the step's {what} (nan_policy='raise')")
         if self.nan_policy == "skip":
-            warnings.warn(f"non-finite loss {float(loss)}: the step was not applied "
-                          f"(nan_policy='skip')", stacklevel=3)
+            warnings.warn(f"{what}: the step was not applied (nan_policy='skip')",
+                          stacklevel=4)
             return False
-        warnings.warn(f"non-finite loss {float(loss)} (applied: nan_policy='apply')",
-                      stacklevel=3)
+        warnings.warn(f"{what} (applied: nan_policy='apply')", stacklevel=4)
         return True
+
+
+_all_finite_jit = jax.jit(all_finite)
+
+
+def _scalar(x) -> jax.Array:
+    """A loss output as one float32 number (the mean of a non-scalar one)."""
+    return jnp.mean(jnp.asarray(x, jnp.float32))
+
+
+def find_loss(out, key: str | int | None = None, where: str = "hetshard.jit"):
+    """The step's loss among its outputs: the leaf at ``key`` (a path such as ``"loss"``
+    or ``"metrics/loss"``, or a position in a tuple output); by default the one leaf named
+    ``loss``, else a scalar output or the first leaf of a tuple output. None: by default,
+    when no output is the loss.
+
+    Raises:
+      SpecError: ``key`` names no output leaf (the message lists the paths there are).
+    """
+    flat = jax.tree_util.tree_flatten_with_path(out)[0]
+    if key is not None:
+        for path, x in flat:
+            if path_string(path) == str(key):
+                return x
+        raise SpecError("loss_output", key, f"a path of the step's output among "
+                        f"{[path_string(p) for p, _ in flat]}", where=where)
+    named = [x for path, x in flat
+             if path and str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower()
+             == "loss"]
+    if named:
+        return named[0] if len(named) == 1 else None
+    if flat and not any(hasattr(k, "key") or hasattr(k, "name") for p, _ in flat for k in p):
+        x = flat[0][1]
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and not np.ndim(x):
+            return x
+    return None
+
+
+def _state_in_output(program: Program, out) -> list:
+    """The leaves of a pytree step's output that are its new state."""
+    _, mapping = program.state_outputs()
+    leaves = jax.tree.leaves(out)
+    return [leaves[m] for m in mapping if m is not None]
+
+
+def _withheld(program: Program, out, old_state_leaves):
+    """A pytree step's output with the state it returns put back to what it was given
+    (the update refused); an NNX step's output as it is."""
+    if program.kind == "nnx":
+        return out
+    tree, mapping = program.state_outputs()
+    leaves = jax.tree.leaves(out)
+    for i, m in enumerate(mapping):
+        if m is not None:
+            leaves[m] = old_state_leaves[i]
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _state(program: Program, others):

@@ -14,14 +14,14 @@ from hetshard.distributed import DistributedError, launch
 WORKER = os.path.join(os.path.dirname(__file__), "multihost", "worker.py")
 
 
-def _launch(mode, timeout="20"):
+def _launch(mode, timeout="20", grace_s=60):
     out = io.StringIO()
     env = dict(os.environ, HETSHARD_TIMEOUT_S=timeout)
     old = os.environ.copy()
     os.environ.update(env)
     try:
         t0 = time.monotonic()
-        rc = launch(2, 4, [sys.executable, WORKER, mode], out=out, grace_s=60)
+        rc = launch(2, 4, [sys.executable, WORKER, mode], out=out, grace_s=grace_s)
         return rc, out.getvalue(), time.monotonic() - t0
     finally:
         os.environ.clear()
@@ -152,6 +152,38 @@ def test_a_dead_process_stops_the_survivor_within_the_timeout():
     assert "process 1 exited with 3" in text
     assert "unhealthy" in text and "[0]" in text  # the survivor names the missing task
     assert elapsed < 5 + 30  # heartbeat timeout plus start-up, never a hang
+
+
+def test_a_raising_rank_is_named_with_its_traceback_and_the_job_ends_in_time():
+    # One rank raises while the other waits for it in a collective: the job ends within
+    # the timeout (plus start-up), with the raising rank's exit status and its traceback
+    # shown as the cause before anything the survivor printed while it was stopped.
+    rc, text, elapsed = _launch("raise", timeout="5", grace_s=None)
+    assert rc == 1, text[-3000:]
+    assert elapsed < 5 + 10, (elapsed, text[-3000:])
+    cause = text.index("process 1 failed first (exit status 1); the cause, its traceback:")
+    assert "[1] ValueError: rank one broke" in text[cause:]
+    assert "[1] Traceback (most recent call last)" in text[cause:]
+    held = text.find("held back")
+    assert held == -1 or held > text.index("ValueError: rank one broke", cause)
+
+
+def test_a_killed_rank_ends_the_job_with_a_signal_status():
+    rc, text, elapsed = _launch("kill", timeout="5", grace_s=None)
+    assert rc == 128 + 9, text[-3000:]
+    assert "process 1 failed first (exit status 137) without a Python traceback" in text
+    assert elapsed < 5 + 10, elapsed
+
+
+def test_a_missing_executable_is_refused_before_anything_starts():
+    out = io.StringIO()
+    with pytest.raises(DistributedError, match="command='no-such-program-x' is invalid"):
+        launch(2, 1, ["no-such-program-x", "arg"], out=out)
+    assert out.getvalue() == ""
+    res = subprocess.run([sys.executable, "-m", "hetshard", "launch", "--nprocs", "2", "--",
+                          "./missing-script.sh"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "missing-script.sh" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_launch_cli_prefixes_output_and_returns_the_first_failure():

@@ -436,15 +436,24 @@ class Program:
                                       self.batch_at(self.global_batch))
 
     @functools.cached_property
-    def _state_outputs(self):
+    def output_shape(self):
+        """The step's output, shapes only (with the gradients ``hetshard.value_and_grad``
+        would provide, where the step calls it)."""
+        if self.call is None:
+            return jax.eval_shape(lambda s, b: self.call_step(s, b)[0], self.state_avals,
+                                  self.batch_avals)
         loss_shape = self.loss_jaxpr(2)[1]
 
         def run(state_leaves, grad_leaves, loss, batch_leaves):
             grads = self.gradient_tree(grad_leaves)
             with entered(mode="provide", provided=(loss, grads)):
                 return self.call_step(state_leaves, batch_leaves)[0]
-        out = jax.eval_shape(run, self.state_avals, [self.state_avals[i] for i in self.diff],
-                             loss_shape, self.batch_at(self.global_batch))
+        return jax.eval_shape(run, self.state_avals, [self.state_avals[i] for i in self.diff],
+                              loss_shape, self.batch_at(self.global_batch))
+
+    @functools.cached_property
+    def _state_outputs(self):
+        out = self.output_shape
         tree = jax.tree.structure(out)
         candidates = list(_subtrees(out, 0))
         used: list[tuple[int, int]] = []

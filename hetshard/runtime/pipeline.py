@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetshard.autodiff import entered
+from hetshard.autodiff import all_finite, entered
 from hetshard.collectives import (
     congruent,
     empty,
@@ -64,6 +64,8 @@ from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime.spmd import leaf_spec, mesh_of
 from hetshard.sim.schedule import schedule_walk
+
+_all_finite = jax.jit(all_finite)
 
 
 class PipelineSetupError(HetshardError, ValueError):
@@ -390,10 +392,11 @@ class PipelineRunner:
         return published
 
     # ---- one step --------------------------------------------------------------------
-    def step(self, state, batch, check_loss) -> object:
+    def step(self, state, batch, may_apply) -> object:
         """One step on every process (each runs the tasks of its own stages and joins
         the transfers that touch them); returns (the step's output, the new state or
-        None when ``check_loss`` refused the update)."""
+        None when ``may_apply(output, finite, loss)`` refused the update: ``finite`` says
+        whether the loss and every gradient are finite, on every process)."""
         leaves = jax.tree.leaves(state)
         if self.published is None or len(leaves) != len(self.published) or any(
                 a is not b for a, b in zip(leaves, self.published, strict=True)):
@@ -427,7 +430,7 @@ class PipelineRunner:
                 new.update(zip(self.shared, shared, strict=True))
                 row.append(new)
             new_views.append(row)
-        if not check_loss(out):
+        if not may_apply(out, self._finite(grads, loss), self._loss_value(loss)):
             # The update is refused: a pytree step's output carries the state it had.
             return self.full_output(out, leaves), None
         # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
@@ -640,6 +643,28 @@ class PipelineRunner:
 
     def _loss_home(self, pi: int) -> NamedSharding:
         return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
+
+    def _finite(self, grads, loss) -> bool:
+        """Whether the combined loss and every gradient are finite (all processes agree:
+        each checks the stages it runs)."""
+        flags = [_all_finite(list(grads[pi][si].values()))
+                 for pi, stages in enumerate(self.runs) for si, run in enumerate(stages)
+                 if run.here and grads[pi][si]]
+        if loss is not None:
+            flags.append(_all_finite(loss[:1]))
+        ok = all(bool(f) for f in flags)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            ok = bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+        return ok
+
+    def _loss_value(self, loss) -> float:
+        """The combined loss as one number (NaN in a process without it)."""
+        if loss is None:
+            return float("nan")
+        x = loss[0]
+        x = x.addressable_data(0) if isinstance(x, jax.Array) else x  # replicated
+        return float(np.mean(np.asarray(x, np.float32)))
 
     def _combine_losses(self, losses):
         """The loss outputs summed over pipelines, on pipeline 0's loss stage (None in a

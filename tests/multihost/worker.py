@@ -1,12 +1,13 @@
 """A multi-process check run by tests/test_multihost.py under ``hetshard launch``.
 
-Usage: python worker.py MODE  (MODE: dp | pipelines | fingerprint | die)
+Usage: python worker.py MODE  (MODE: dp | user | pipelines | fingerprint | die | kill | raise)
 Prints ``LOSSES <json>`` and ``REF <json>`` lines that the test compares (``pipelines``:
 ``LOSSES <scenario> <json>`` per scenario, ``REF`` lines from process 0 only).
 """
 
 import json
 import os
+import signal
 import sys
 
 import hetshard.distributed as hd
@@ -194,6 +195,18 @@ def main(mode: str) -> int:
         if rank == 1:
             os._exit(3)
         # The survivor blocks in a collective that process 1 never joins.
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("never completes")
+        return 0
+    if mode == "kill":
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("never completes")
+        return 0
+    if mode == "raise":
+        if rank == 1:
+            raise ValueError("rank one broke")
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("never completes")
         return 0

@@ -1,0 +1,146 @@
+"""A step with a non-finite loss or gradient is caught whatever it returns (issue 23, 1):
+``nan_policy`` skips, applies or raises on every plan kind, NNX and pytree steps alike."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import user_models
+from flax import nnx
+
+import hetshard
+from hetshard.cluster import Cluster
+from hetshard.errors import SpecError
+from hetshard.jit import NonFiniteLossError, find_loss
+from hetshard.plan import Pipeline, Plan, Stage
+
+CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
+
+
+def _plan(program, stages):
+    """Global batch 8: one stage on the four V100s, or two (H100s | V100s) in 2
+    micro-batches."""
+    n = program.layering(2).num_layers
+    if stages == 1:
+        st = (Stage(0, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)),)
+        pipe = Pipeline(st, 8, 1, 2)
+    else:
+        st = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
+              Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
+        pipe = Pipeline(st, 8, 2, 2)
+    return Plan(program.name, Cluster.load(CLUSTER).to_dict(), 8, program.seq_len, (pipe,),
+                dtype=program.dtype, attention="reference")
+
+
+def _poisoned(model, batch, how):
+    """The tiny LM's loss with a NaN loss (``how="loss"``) or a finite loss whose gradient
+    is NaN (``how="grad"``: d sqrt(x)/dx at 0 is infinite, times 0)."""
+    loss = user_models.lm_loss(model, batch)
+    w = model.head.kernel[...]
+    if how == "loss":
+        return loss * jnp.nan
+    return loss + 0.0 * jnp.sqrt(jnp.sum(w * 0.0))
+
+
+def _nnx_step(how):
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(lambda m, b: _poisoned(m, b, how))(model, batch)
+        optimizer.update(model, grads)
+        return {"acc": jnp.float32(0.5), "loss": loss}  # the loss is not the first leaf
+    return step
+
+
+def _tiny():
+    model = user_models.make_transformer()[1][0]
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batch = user_models._text_batches(np.random.default_rng(0))[0]
+    return model, opt, batch
+
+
+def _params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("how", ["loss", "grad"])
+def test_dict_output_nan_is_skipped_and_weights_kept(stages, how):
+    model, opt, batch = _tiny()
+    step = _nnx_step(how)
+    before = _params(model)
+    plan = _plan(hetshard.Program(step, (model, opt, batch)), stages)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jitted(model, opt, batch)
+    said = [str(w.message) for w in caught if "not applied" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert ("gradients" in said[0]) == (how == "grad")
+    assert np.isfinite(float(out["loss"])) == (how == "grad")
+    for a, b in zip(_params(model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(x).all() for x in _params(model))
+
+
+def test_raise_names_the_gradients():
+    model, opt, batch = _tiny()
+    step = _nnx_step("grad")
+    plan = _plan(hetshard.Program(step, (model, opt, batch)), 1)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, nan_policy="raise")
+    with pytest.raises(NonFiniteLossError, match="non-finite gradients"):
+        jitted(model, opt, batch)
+
+
+def test_apply_policy_applies_and_warns():
+    model, opt, batch = _tiny()
+    step = _nnx_step("loss")
+    plan = _plan(hetshard.Program(step, (model, opt, batch)), 1)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, nan_policy="apply")
+    with pytest.warns(UserWarning, match="applied: nan_policy='apply'"):
+        jitted(model, opt, batch)
+    assert not all(np.isfinite(x).all() for x in _params(model))
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_pytree_step_gets_its_own_state_back(marked):
+    # A functional step (params dict, optax.lion) returning (params, opt_state, metrics):
+    # skipped, it returns the state it was given. Without hetshard.value_and_grad the
+    # NaN shows in the new parameters, which are checked.
+    params = user_models.init_params(jax.random.key(0))
+    tx = optax.lion(1e-3)
+    vg = hetshard.value_and_grad if marked else jax.value_and_grad
+
+    def step(params, opt_state, batch):
+        loss, grads = vg(lambda p, b: user_models.functional_loss(p, b) * jnp.nan)(params,
+                                                                                  batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    batch = user_models._text_batches(np.random.default_rng(0))[0]
+    opt_state = tx.init(params)
+    plan = _plan(hetshard.Program(step, (params, opt_state, batch)), 1)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan)
+    with pytest.warns(UserWarning, match="not applied"):
+        new_params, new_state, metrics = jitted(params, opt_state, batch)
+    assert np.isnan(float(metrics["loss"]))
+    for a, b in zip(jax.tree.leaves((new_params, new_state)),
+                    jax.tree.leaves((params, opt_state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loss_output_names_the_loss_and_a_wrong_path_is_refused_before_planning():
+    out = {"metrics": {"loss": jnp.float32(1.0), "acc": jnp.float32(0.1)}, "aux": (1.0,)}
+    assert float(find_loss(out, "metrics/loss")) == 1.0
+    assert float(find_loss(out)) == 1.0  # the one leaf named loss
+    assert float(find_loss((jnp.float32(2.0), {"w": jnp.ones(3)}), 0)) == 2.0
+    assert find_loss({"a": jnp.float32(1.0), "b": jnp.float32(2.0)}) is None
+    model, opt, batch = _tiny()
+    step = _nnx_step("loss")
+    # No plan is pinned: a wrong path must be refused before the planner runs.
+    jitted = hetshard.jit(step, cluster=CLUSTER, loss_output="metrics/loss", time_limit_s=1)
+    with pytest.raises(SpecError, match=r"loss_output.*among \['acc', 'loss'\]"):
+        jitted(model, opt, batch)
+    with pytest.raises(SpecError, match="loss_output"):
+        hetshard.jit(step, cluster=CLUSTER, loss_output=1.5)
