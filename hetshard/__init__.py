@@ -1,53 +1,103 @@
 """hetshard: a JAX sharding compiler for clusters that mix GPU generations.
 
 The public surface is what this module exports; everything else is importable
-but not promised.
+but not promised. Exports load on first use (PEP 562), so ``hetshard --help`` and the
+plan/cluster file tools start without importing JAX.
+
+``hetshard.jit`` and ``hetshard.plan`` are the functions, in any import order, although
+modules of the same names exist (``from hetshard.plan import Plan`` reads the module).
 """
 
-from hetshard import nn
-from hetshard.autodiff import value_and_grad
-from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group
-from hetshard.distributed import init_distributed
-from hetshard.errors import (
-    DeviceBindingError,
-    HetshardError,
-    SpecError,
-    SpecParseError,
-    UnknownNameError,
-)
-from hetshard.ir.program import Program
+from __future__ import annotations
 
-# ``hetshard.plan(step, *args, cluster=...)``, the function; the module stays importable
-# as ``hetshard.plan`` through ``import``/``from`` statements.
-from hetshard.jit import (
-    NonFiniteLossError,
-    PlanNotExecutableError,
-    jit,
-    plan,  # noqa: E402, I001
-)
-from hetshard.plan import Plan
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CATALOG",
-    "BoundCluster",
-    "Cluster",
-    "DeviceBindingError",
-    "DeviceType",
-    "Group",
-    "HetshardError",
-    "NonFiniteLossError",
-    "Plan",
-    "Program",
-    "PlanNotExecutableError",
-    "SpecError",
-    "SpecParseError",
-    "UnknownNameError",
-    "__version__",
-    "init_distributed",
-    "jit",
-    "plan",
-    "nn",
-    "value_and_grad",
-]
+_EXPORTS = {
+    "nn": None,  # the submodule itself
+    "value_and_grad": "hetshard.autodiff",
+    "CATALOG": "hetshard.cluster",
+    "BoundCluster": "hetshard.cluster",
+    "Cluster": "hetshard.cluster",
+    "DeviceType": "hetshard.cluster",
+    "Group": "hetshard.cluster",
+    "init_distributed": "hetshard.distributed",
+    "DeviceBindingError": "hetshard.errors",
+    "HetshardError": "hetshard.errors",
+    "SpecError": "hetshard.errors",
+    "SpecParseError": "hetshard.errors",
+    "UnknownNameError": "hetshard.errors",
+    "Program": "hetshard.ir.program",
+    "NonFiniteLossError": "hetshard.jit",
+    "StepTraceError": "hetshard.jit",
+    "PlanNotExecutableError": "hetshard.jit",
+    "jit": "hetshard.jit",
+    "plan": "hetshard.jit",
+    "Plan": "hetshard.plan",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetshard' has no attribute {name!r}")
+    where = _EXPORTS[name]
+    if where is None:
+        value = importlib.import_module(f"hetshard.{name}")
+    else:
+        value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+class _Package(types.ModuleType):
+    """``hetshard.jit``/``hetshard.plan`` stay the functions when the import system binds
+    the submodules of the same names on the package (it sets the attribute on first
+    import; these properties keep it aside)."""
+
+    @property
+    def jit(self):
+        from hetshard.jit import jit
+        return jit
+
+    @jit.setter
+    def jit(self, module):
+        self.__dict__["_jit_module"] = module
+
+    @property
+    def plan(self):
+        from hetshard.jit import plan
+        return plan
+
+    @plan.setter
+    def plan(self, module):
+        self.__dict__["_plan_module"] = module
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
+    from hetshard import nn  # noqa: F401
+    from hetshard.autodiff import value_and_grad  # noqa: F401
+    from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group  # noqa: F401
+    from hetshard.distributed import init_distributed  # noqa: F401
+    from hetshard.errors import (  # noqa: F401
+        DeviceBindingError,
+        HetshardError,
+        SpecError,
+        SpecParseError,
+        UnknownNameError,
+    )
+    from hetshard.ir.program import Program  # noqa: F401
+    from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit, plan  # noqa: F401
+    from hetshard.plan import Plan  # noqa: F401

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from hetshard.errors import HetshardError
+from hetshard.plan import DTYPES
 
 
 def _emit_json(obj, dest: str) -> None:
@@ -183,6 +184,8 @@ def cmd_simulate(args) -> int:
         plan = uniform_plan(program.name, profile, cluster, global_batch=args.global_batch,
                             seq_len=program.seq_len, fix=parse_fix(args.fix),
                             attention=args.attention)
+    from hetshard.cluster.catalog import warn_precision_fallback
+    warn_precision_fallback(cluster, plan.dtype)
     result = simulate(plan, profile, cluster, cal)
     upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention)
     plan = annotate(plan, result, upper)
@@ -355,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fix", default=None,
                     help="dp=,tp=,pp=,cp=,fsdp=true|false,mbs=,remat=none|selective|full,"
                          "schedule=1f1b|gpipe")
-    sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+    sp.add_argument("--dtype", default=None, choices=DTYPES,
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
     sp.add_argument("--calibration", action="append", default=None,
@@ -375,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--time-limit", type=float, default=60.0, help="seconds")
         sp.add_argument("--fix", default=None,
                         help="constraints: tp=,mbs=,remat=,schedule=,vpp=,zero1=,tp_overlap=")
-        sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+        sp.add_argument("--dtype", default=None, choices=DTYPES,
                         help="zoo models: compute dtype (default bfloat16); a factory "
                              "gets it as its dtype argument")
         sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
@@ -396,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="small shapes (tests)")
     sp.add_argument("--model", default=None, help=model_help)
     sp.add_argument("--seq-len", type=int, default=None)
-    sp.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    sp.add_argument("--dtype", default=None, choices=DTYPES)
     sp.add_argument("--micro-batches", default="1,2", help="sizes to time, e.g. 1,2,4")
     sp.add_argument("--attention", default="reference", choices=["flash", "reference"])
     sp.set_defaults(func=cmd_profile)
@@ -422,14 +425,59 @@ def cmd_launch(args) -> int:
     return launch(args.nprocs, args.devices_per_proc, command, cluster=args.cluster)
 
 
+_OUTPUTS = ("json", "png", "trace", "out")
+
+
+def check_args(args) -> None:
+    """Every number and output path the command was given, checked before any work: a
+    run that plans for a minute must not fail when it writes its result."""
+    from hetshard.errors import SpecError, check_positive
+    for name in ("global_batch", "seq_len", "nprocs", "devices_per_proc"):
+        value = getattr(args, name, None)
+        if value is not None:
+            check_positive(f"--{name.replace('_', '-')}", value, integer=True)
+    limit = getattr(args, "time_limit", None)
+    if limit is not None:
+        check_positive("--time-limit", limit)
+    for name in _OUTPUTS:
+        dest = getattr(args, name, None)
+        if dest is None or dest == "-":
+            continue
+        check_output_path(f"--{name}", dest)
+
+
+def check_output_path(field: str, dest: str) -> None:
+    """``dest`` can be written: not a directory, in an existing writable directory."""
+    import os
+
+    from hetshard.errors import SpecError
+    folder = os.path.dirname(os.path.abspath(dest))
+    if os.path.isdir(dest):
+        raise SpecError(field, dest, "a file path, not a directory")
+    if not os.path.isdir(folder):
+        raise SpecError(field, dest, f"a path in an existing directory ({folder} does not "
+                                     f"exist)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+            os.path.exists(dest) and not os.access(dest, os.W_OK)):
+        raise SpecError(field, dest, "a path this user can write")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"hetshard: warning: {message}", file=sys.stderr)
+    shown, warnings.showwarning = warnings.showwarning, show
     try:
+        check_args(args)
         return args.func(args)
     except HetshardError as e:
         print(f"hetshard: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class SpecError(HetshardError, ValueError):
         self.field = field
         self.value = value
         self.accepted = accepted
+        self.where = where
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}{field}={value!r} is invalid; expected {accepted}")
 

@@ -22,9 +22,12 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 def read_text(path: str | os.PathLike, what: str) -> str:
     """The file's text, or a SpecError naming ``what`` and the OS reason."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(what, str(path), f"a readable {what} file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(what, str(path), f"a UTF-8 text {what} file (byte {e.start} is "
+                                         f"not UTF-8: a binary or corrupted file?)") from None
 
 
 def parse_json(text: str, source: str) -> Any:

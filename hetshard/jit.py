@@ -21,8 +21,10 @@ not, the planner is restricted to single-stage plans (a warning says so once).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import warnings
 
 import jax
@@ -52,6 +54,49 @@ class NonFiniteLossError(HetshardError, FloatingPointError):
     """The step's loss was NaN or infinite (``nan_policy="raise"``)."""
 
 
+class StepTraceError(HetshardError, RuntimeError):
+    """The user's step (or its model) raised while hetshard traced it on the arguments it
+    was called with; the step's own exception is chained as the cause."""
+
+
+@contextlib.contextmanager
+def _tracing(step, batch, where: str):
+    """Re-raises an exception from the user's own code, while hetshard traces the step,
+    as a StepTraceError naming the step and the batch's shapes (hetshard's own errors and
+    failures inside hetshard pass unchanged)."""
+    try:
+        yield
+    except HetshardError:
+        raise
+    except Exception as e:
+        if not _raised_in_user_code(e):
+            raise
+        shapes = {path_string(p) or "batch": tuple(np.shape(x)) for p, x in
+                  jax.tree_util.tree_flatten_with_path(batch)[0]}
+        name = getattr(step, "__qualname__", type(step).__name__)
+        raise StepTraceError(
+            f"{where}: the step {name!r} raised while hetshard traced it with batch shapes "
+            f"{shapes}: {type(e).__name__}: {e} (the step must run on these arguments "
+            f"under jax.jit; the traceback above is the step's)") from e
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep
+                   for m in (jax, nnx, np, __import__("hetshard")))
+
+
+def _raised_in_user_code(e: BaseException) -> bool:
+    """Whether a frame of ``e``'s traceback is the user's: not hetshard's, JAX's, Flax's,
+    NumPy's or the standard library's."""
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    tb = e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if not f.startswith(_LIBRARIES + (stdlib,)) and not f.startswith("<"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: int | None
          = None, calibration=None, **planner_options) -> Plan:
     """The plan ``hetshard.jit`` would run ``step(*args)`` with on ``cluster``.
@@ -67,7 +112,9 @@ def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: in
     """
     from hetshard.solver import PlannerOptions, make_plan
     options = _options(PlannerOptions, planner_options, "hetshard.plan")
-    with no_ambient_mesh():
+    with no_ambient_mesh(), _tracing(step, args[-1 if batch_argnum is None else
+                                              batch_argnum] if args else None,
+                                      "hetshard.plan"):
         program = Program(step, args, batch_argnum=batch_argnum)
         return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
                          options=_restricted(options, program), calibration=calibration)
@@ -236,6 +283,13 @@ class HetshardJit:
                     + (f"{here} in {self.cluster.name!r}" if here else
                        f"missing from {self.cluster.name!r} ({n} devices)"),
                     where="hetshard.jit")
+        n = program.layering(2, plan.split_blocks).num_layers
+        ends = sorted({p.stages[-1].end for p in plan.pipelines})
+        if ends != [n]:
+            raise SpecError("plan.pipelines[*].stages[-1].end", ends,
+                            f"the program's {n} layers"
+                            + (" (block halves)" if plan.split_blocks else ""),
+                            where="hetshard.jit")
         if program.seq_len > 1 and program.seq_len != plan.seq_len:
             raise SpecError("batch", f"sequence length {program.seq_len}",
                             f"the pinned plan's seq_len {plan.seq_len}", where="hetshard.jit")
@@ -269,10 +323,11 @@ class HetshardJit:
         sig = _signature(args)
         entry = self._compiled.get(sig)
         if entry is None:
-            program = Program(self.fn, args, batch_argnum=idx)
-            if self.loss_output is not None:  # a wrong path is refused before planning
-                find_loss(program.output_shape, self.loss_output)
-            plan = self._plan_for(program, size)
+            with _tracing(self.fn, batch, "hetshard.jit"):
+                program = Program(self.fn, args, batch_argnum=idx)
+                if self.loss_output is not None:  # a wrong path is refused before planning
+                    find_loss(program.output_shape, self.loss_output)
+                plan = self._plan_for(program, size)
             if jax.process_count() > 1:  # every process must run the same plan
                 from hetshard.distributed import agree
                 agree(plan.what_runs(), "plan")

@@ -33,6 +33,7 @@ READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
+DTYPES = ("bfloat16", "float16", "float32")  # compute dtypes the cost model prices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +198,11 @@ class Plan:
             # Versions 1 and 2 read unchanged: the fields they lack take their defaults
             # (one virtual stage, no distributed optimizer).
             return _from(cls, {**d, "version": SCHEMA_VERSION})
-        except (TypeError, KeyError) as e:
+        except SpecError as e:
+            if e.where or type(e) is not SpecError:
+                raise
+            raise SpecError(e.field, e.value, e.accepted, where=source) from None
+        except (TypeError, KeyError, AttributeError) as e:
             raise SpecError("plan", "malformed", f"a plan of schema {SCHEMA_VERSION} ({e})",
                             where=source) from None
 
@@ -282,10 +287,67 @@ def _ranges(ids) -> str:
     return ",".join(map(str, ids))
 
 
+def _count(value, field: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(field, value, "a positive integer" if minimum == 1
+                        else f"an integer >= {minimum}")
+
+
+def _check_types(plan: Plan) -> None:
+    """Every count an integer in range, every device list a list of distinct device ids
+    within the plan's cluster, the dtype one hetshard computes in."""
+    _count(plan.global_batch, "global_batch")
+    _count(plan.seq_len, "seq_len")
+    if plan.dtype not in DTYPES:
+        raise SpecError("dtype", plan.dtype, f"one of {DTYPES}")
+    total = _cluster_devices(plan.cluster)
+    if not isinstance(plan.pipelines, tuple):
+        raise SpecError("pipelines", plan.pipelines, "a list of pipelines")
+    for i, p in enumerate(plan.pipelines):
+        at = f"pipelines[{i}]"
+        for name in ("batch_share", "micro_batch_size", "num_micro_batches"):
+            _count(getattr(p, name), f"{at}.{name}")
+        if not isinstance(p.stages, tuple):
+            raise SpecError(f"{at}.stages", p.stages, "a list of stages")
+        for j, st in enumerate(p.stages):
+            where = f"{at}.stages[{j}]"
+            _count(st.start, f"{where}.start", 0)
+            _count(st.end, f"{where}.end")
+            if not isinstance(st.gpu, str):
+                raise SpecError(f"{where}.gpu", st.gpu, "a GPU type name")
+            devs = st.devices
+            if not isinstance(devs, tuple) or not devs or any(
+                    isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devs):
+                raise SpecError(f"{where}.devices", devs,
+                                "a non-empty list of device ids (integers >= 0), e.g. "
+                                "[0, 1, 2, 3]")
+            if len(set(devs)) != len(devs):
+                dup = sorted({d for d in devs if devs.count(d) > 1})
+                raise SpecError(f"{where}.devices", list(devs),
+                                f"distinct device ids ({dup} repeated)")
+            if total is not None and max(devs) >= total:
+                raise SpecError(f"{where}.devices", max(devs),
+                                f"device ids below the plan's cluster's {total} devices")
+            if not isinstance(st.mesh_shape, tuple) or any(
+                    not isinstance(a, tuple) or len(a) != 2 or not isinstance(a[1], int)
+                    or isinstance(a[1], bool) or a[1] < 1 for a in st.mesh_shape):
+                raise SpecError(f"{where}.mesh_shape", st.mesh_shape,
+                                "a list of [axis, size] pairs with positive sizes")
+
+
+def _cluster_devices(cluster) -> int | None:
+    """The device count of a plan's cluster dict (None where it does not say)."""
+    try:
+        return sum(int(g["nodes"]) * int(g["gpus_per_node"]) for g in cluster["groups"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def validate(plan: Plan) -> None:
     """Structural checks every plan must pass (the planner's output and loaded JSON)."""
     if not plan.pipelines:
         raise SpecError("pipelines", [], "at least one pipeline")
+    _check_types(plan)
     if plan.attention not in ("flash", "reference"):
         raise SpecError("attention", plan.attention, "flash or reference")
     for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap"):
@@ -306,11 +368,6 @@ def validate(plan: Plan) -> None:
         if not p.stages or p.stages[0].start != 0:
             raise SpecError(f"pipelines[{i}].stages[0].start",
                             p.stages[0].start if p.stages else None, "0")
-        if p.samples_per_micro_batch * p.num_micro_batches != p.batch_share:
-            raise SpecError(f"pipelines[{i}].batch_share", p.batch_share,
-                            f"micro_batch_size*num_micro_batches*data = "
-                            f"{p.micro_batch_size}*{p.num_micro_batches}*"
-                            f"{data_ways(p.stages[0])}")
         _check_virtual(p, i)
         for j, s in enumerate(p.stages):
             if j and s.start != p.stages[j - 1].end:
@@ -335,6 +392,11 @@ def validate(plan: Plan) -> None:
                 raise SpecError(f"pipelines[{i}].stages[{j}].devices", sorted(dup)[:4],
                                 "devices used by no other stage")
             seen.update(s.devices)
+        if p.samples_per_micro_batch * p.num_micro_batches != p.batch_share:
+            raise SpecError(f"pipelines[{i}].batch_share", p.batch_share,
+                            f"micro_batch_size*num_micro_batches*data = "
+                            f"{p.micro_batch_size}*{p.num_micro_batches}*"
+                            f"{data_ways(p.stages[0])}")
     ends = {p.stages[-1].end for p in plan.pipelines}
     if len(ends) != 1:
         raise SpecError("pipelines[*].stages[-1].end", sorted(ends),
@@ -441,3 +503,4 @@ def _from(cls, d):
         else:
             kw[name] = _tuplify(value)
     return cls(**kw)
+

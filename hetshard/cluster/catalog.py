@@ -214,6 +214,31 @@ _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tfl
                   "intra_node_gbs", "inter_node_gbs", "vendor"}
 
 
+class PrecisionWarning(UserWarning):
+    """Some GPUs of the cluster lack tensor cores for the compute dtype and are priced
+    (and run) at a slower rate."""
+
+
+def warn_precision_fallback(cluster, dtype: str, stacklevel: int = 3) -> list[str]:
+    """Warns (once per call) when ``dtype`` is bfloat16 and some GPU types of ``cluster``
+    have no bfloat16 tensor cores (V100, T4): there bfloat16 matmuls run at the float32
+    rate. Returns the names of those types."""
+    import warnings
+    if dtype not in ("bfloat16", "bf16"):
+        return []
+    slow = [t for t in cluster.device_types if t.bf16_tflops is None]
+    if slow:
+        rates = ", ".join(f"{t.name} {t.fp32_tflops:g} instead of {t.fp16_tflops:g}"
+                          for t in slow)
+        warnings.warn(
+            f"the {', '.join(t.name for t in slow)} GPUs have no bfloat16 tensor cores: "
+            f"bfloat16 "
+            f"matmuls fall back to their float32 rate there (TFLOP/s: {rates} in float16); "
+            f"train in float16 with loss scaling (--dtype float16, or a float16 model) to "
+            f"use them", PrecisionWarning, stacklevel=stacklevel)
+    return [t.name for t in slow]
+
+
 def device_type(name: str) -> DeviceType:
     """Looks up a catalog entry by name (case-insensitive), suggesting close names."""
     if name in CATALOG:

@@ -25,6 +25,9 @@ from hetshard.errors import SpecError, SpecParseError, UnknownNameError, check_p
 from hetshard.fileio import parse_json, read_text, write_atomic
 
 _TOP_FIELDS = {"name": True, "groups": True, "inter_group_gbs": False}
+# The largest cluster a spec may describe: the planner's searches and simulations
+# stay within their time limit up to this size (docs/cluster-spec.md).
+MAX_DEVICES = 131_072
 _GROUP_FIELDS = {"name": True, "gpu": True, "nodes": True, "gpus_per_node": True,
                  "intra_node_gbs": False, "inter_node_gbs": False, "processes": False}
 
@@ -85,11 +88,15 @@ class Cluster:
         return len(self.device_types) == 1
 
     def group(self, name: str) -> Group:
-        for g in self.groups:
-            if g.name == name:
-                return g
+        g = self._by_name.get(name)
+        if g is not None:
+            return g
         raise UnknownNameError("group", name, [g.name for g in self.groups],
                                where=f"cluster {self.name!r}")
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Group]:
+        return {g.name: g for g in self.groups}
 
     def slots(self) -> list[DeviceSlot]:
         """Every GPU of the spec in global id order (computed once per cluster)."""
@@ -110,7 +117,7 @@ class Cluster:
 
     def gpu_of(self, device_id: int) -> DeviceType:
         """The GPU type of device ``device_id``."""
-        return self.group(self._slots[device_id].group).gpu
+        return self._by_name[self._slots[device_id].group].gpu
 
     def group_device_ids(self, name: str) -> range:
         start = 0
@@ -190,6 +197,11 @@ class Cluster:
             if n in names[:i]:
                 raise SpecError(f"groups[{i}].name", n, "a group name not used by another "
                                 "group", where=source)
+        total = sum(g.num_devices for g in groups)
+        if total > MAX_DEVICES:
+            raise SpecError("groups[*].nodes*gpus_per_node", total,
+                            f"at most {MAX_DEVICES:,} GPUs in all (the cluster size hetshard "
+                            f"plans within its time limit)", where=source)
         if "inter_group_gbs" in data:
             inter_group = check_positive("inter_group_gbs", data["inter_group_gbs"],
                                          where=source)

@@ -36,6 +36,7 @@ from jax.extend import core as ext
 from hetshard.autodiff import LossCall, LossCallError, _Recorded, entered, is_graph
 from hetshard.errors import SpecError
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
+from hetshard.plan import DTYPES
 
 _INT_KINDS = ("i", "u")
 
@@ -364,7 +365,11 @@ class Program:
         _matmul_dtypes(self.loss_jaxpr(2)[0].jaxpr, weights, 1.0)
         if not weights:
             return "float32"
-        return max(weights, key=lambda d: (weights[d], d))
+        dtype = max(weights, key=lambda d: (weights[d], d))
+        if dtype not in DTYPES:
+            raise SpecError("dtype", dtype, f"matmuls mostly in one of {DTYPES} (the compute "
+                            f"dtypes hetshard prices)", where=self.name)
+        return dtype
 
     @functools.cached_property
     def opt_state_bytes(self) -> int:

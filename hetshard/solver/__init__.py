@@ -64,7 +64,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     from hetshard.cluster import Cluster
     from hetshard.cost.calibration import DEFAULT
     from hetshard.cost.profile import profile_program
-    from hetshard.errors import SpecError
+    from hetshard.errors import SpecError, check_positive
     from hetshard.ir.program import Program
     from hetshard.solver.shardings import attach_shardings
     if not isinstance(program, Program):
@@ -77,7 +77,10 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         global_batch = program.global_batch
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
+    check_positive("time_limit_s", opts.time_limit_s, where="PlannerOptions")
     seq_len = program.seq_len
+    from hetshard.cluster.catalog import warn_precision_fallback
+    warn_precision_fallback(cluster, program.dtype)
     t0 = time.perf_counter()
     split = opts.split_blocks
     profile = profile_program(program, split_blocks=bool(split))
@@ -85,7 +88,8 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     max_gpn = max(g.gpus_per_node for g in cluster.groups)
     usable = [t for t in opts.tp_options if heads % t == 0 and t <= max_gpn]
     if not usable:
-        raise SpecError("tp", opts.tp_options, f"a tensor degree dividing the model's {heads} "
+        shown = opts.tp_options[0] if len(opts.tp_options) == 1 else list(opts.tp_options)
+        raise SpecError("tp", shown, f"a tensor degree dividing the model's {heads} "
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
     # One budget: the inter-op search gets 85% of it, the intra-op shardings the rest

@@ -509,7 +509,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             if late(0.25):
                 break
             seed = heuristic(model, profile, cluster, global_batch, seq_len, opts, cal,
-                             cache=cache)
+                             deadline=t0 + opts.time_limit_s * 0.25, cache=cache)
             if seed is not None:
                 seeds.append(dataclasses.replace(
                     seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))
@@ -894,6 +894,19 @@ def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
     need = (cs[-1] + stages * ca[-1]) / profile.num_layers * per_stage + work.max()
     cap = g.gpu.memory_bytes * (1 - opts.memory_margin)
     min_batch = min(f for f in [1])
+    if need <= cap:  # memory is not what rules every candidate out: the batch split is
+        mbs = sorted(opts.mbs_options)
+        dividing = [m for m in mbs if global_batch % m == 0]
+        why = (f"global batch {global_batch} is not a multiple of any allowed micro-batch "
+               f"size {mbs}" if not dividing else
+               f"no split of global batch {global_batch} into pipelines of micro-batches "
+               f"of {dividing} samples per data way satisfies the constraints (tensor "
+               f"degrees {list(opts.tp_options)}, at most "
+               f"{opts.max_stages or 'any'} stages, {opts.max_pipelines or 'any'} pipelines)")
+        return NoFeasiblePlanError(
+            f"no plan: {why}; a pipeline's share is micro-batch size x micro-batches x data "
+            f"ways (choose a global batch that the micro-batch size divides, or drop --fix "
+            f"mbs)")
     return NoFeasiblePlanError(
         f"no plan fits: even on group {g.name!r} ({g.num_devices}x {g.gpu.name}) with "
         f"tensor parallelism {tp}, {stages} pipeline stages, micro-batch "

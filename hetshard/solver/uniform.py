@@ -16,7 +16,7 @@ import dataclasses
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
-from hetshard.errors import SpecError
+from hetshard.errors import SpecError, check_positive
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
@@ -99,6 +99,7 @@ def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
 def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
                  seq_len: int, fix: Fix, attention: str = "flash") -> Plan:
     """The uniform plan ``fix`` describes on ``cluster`` (errors name what does not divide)."""
+    check_positive("--global-batch", global_batch, integer=True)
     n = fix.dp * fix.tp * fix.pp * fix.cp
     if n != cluster.num_devices:
         raise SpecError("--fix", f"dp*tp*pp*cp={n}",
