@@ -431,7 +431,7 @@ _OUTPUTS = ("json", "png", "trace", "out")
 def check_args(args) -> None:
     """Every number and output path the command was given, checked before any work: a
     run that plans for a minute must not fail when it writes its result."""
-    from hetshard.errors import SpecError, check_positive
+    from hetshard.errors import check_positive
     for name in ("global_batch", "seq_len", "nprocs", "devices_per_proc"):
         value = getattr(args, name, None)
         if value is not None:
