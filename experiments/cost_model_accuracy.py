@@ -372,7 +372,7 @@ def plot(sets, fitted, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 7))
+    fig, ax = plt.subplots(figsize=(8, 9))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lo, hi = np.inf, 0.0
     for (name, data), color in zip(sets.items(), colors, strict=False):
@@ -392,18 +392,20 @@ def plot(sets, fitted, path):
                              f"{sf['median_abs_error']:.0%}, rho {sf['spearman']:.2f}")
             lo, hi = min(lo, *yf), max(hi, *yf)
     lim = [lo * 0.7, hi * 1.4]
-    ax.plot(lim, lim, "k--", linewidth=0.8)
+    ax.plot(lim, lim, "k--", linewidth=0.8, label="predicted = measured")
     for f in (0.9, 1.1):
-        ax.plot(lim, [v * f for v in lim], ":", color="grey", linewidth=0.6)
+        ax.plot(lim, [v * f for v in lim], ":", color="grey", linewidth=0.6,
+                label="+/-10%" if f > 1 else None)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("hetshard predicted step time (s)")
-    ax.set_title("hetshard's cost model vs measured runs, as shipped (filled) and with "
-                 "constants fitted on a subset (hollow); dotted: +/-10%", fontsize=8)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.set_title("hetshard's cost model against measured step times\nfilled: as shipped; "
+                 "hollow: constants fitted on a subset, the rest held out", fontsize=10)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7.5,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -415,7 +417,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--sets", default=",".join(ALL_SETS))
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw cost_model_accuracy.png from the results JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        with open(os.path.join(args.out, "cost_model_accuracy.json")) as f:
+            saved = json.load(f)
+        plot(saved["sets"], saved["fitted"],
+             os.path.join(args.out, "cost_model_accuracy.png"))
+        return 0
     wanted = [s for s in args.sets.split(",") if s]
     bad = [s for s in wanted if s not in ALL_SETS]
     if bad:

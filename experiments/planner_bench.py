@@ -133,24 +133,48 @@ def run_row(cluster_name, model, batch, limit, time_limit):
 
 
 def plot(rows, path):
+    """One line per benchmark row: each planner's simulated throughput as a fraction of
+    the compute bound; a plan that does not fit is drawn in its own column, not as 0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = ["hetshard", *BASELINES]
-    fig, axes = plt.subplots((len(rows) + 3) // 4, 4, figsize=(16, 3.2 * ((len(rows) + 3) // 4)))
-    for ax, row in zip(axes.flat, rows, strict=False):
-        vals = [row["results"][n]["tokens_per_s"] / row["upper_bound_tokens_per_s"]
-                if row["results"][n]["fits"] else 0 for n in names]
-        ax.bar(range(len(names)), vals, color=["tab:red"] + ["tab:gray"] * len(BASELINES))
-        ax.axhline(0.85, color="k", linestyle="--", linewidth=0.7)
-        ax.set_xticks(range(len(names)), [n.replace("-", "\n") for n in names], fontsize=6)
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"{row['model']} on {row['cluster']}", fontsize=8)
-        ax.set_ylabel("tokens/s / upper bound", fontsize=7)
-    for ax in list(axes.flat)[len(rows):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    markers = {"hetshard": ("o", "tab:red", 70)}
+    for n, (m, c) in zip(BASELINES, [("s", "tab:blue"), ("^", "tab:green"),
+                                     ("D", "tab:purple"), ("v", "tab:orange"),
+                                     ("P", "tab:brown"), ("X", "tab:gray")], strict=False):
+        markers[n] = (m, c, 36)
+    fig, ax = plt.subplots(figsize=(11, 0.42 * len(rows) + 2.4))  # height: see below
+    nofit_x = -0.08
+    for i, row in enumerate(rows):
+        for n in names:
+            res = row["results"].get(n)
+            if res is None:
+                continue
+            m, c, size = markers[n]
+            x = res["tokens_per_s"] / row["upper_bound_tokens_per_s"] if res["fits"] \
+                else nofit_x
+            ax.scatter(x, i, marker=m, color=c, s=size, zorder=3 if n == "hetshard" else 2,
+                       label=n if i == 0 else None, alpha=0.9 if n == "hetshard" else 0.7)
+    ax.axvline(0.85, color="k", linestyle="--", linewidth=0.8,
+               label="target: 85% of the compute bound")
+    ax.axvline(nofit_x / 2, color="0.7", linewidth=0.6)
+    ax.set_yticks(range(len(rows)), [f"{r['model']} on {r['cluster']} (B={r['global_batch']})"
+                                     for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(nofit_x - 0.05, 1.02)
+    ticks = [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    ax.set_xticks([nofit_x, *ticks], ["does not fit", *[f"{t:.0%}" for t in ticks]],
+                  fontsize=8)
+    ax.set_xlabel("simulated tokens/s as a fraction of the cluster's compute bound "
+                  "(every planner priced by the same simulator)", fontsize=9)
+    ax.set_title("hetshard vs baseline planners on each benchmark cluster", fontsize=11)
+    ax.grid(axis="x", color="0.9")
+    height = 0.42 * len(rows) + 2.4
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.7 / height, 1, 1))
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -160,9 +184,15 @@ def main() -> int:
     # Rows without a planning-time target run under the planner's own default limit.
     ap.add_argument("--time-limit", type=float, default=PlannerOptions().time_limit_s)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw planner_bench.png from the results JSON")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "planner_bench.json")
+    if args.plot_only:
+        with open(path) as f:
+            plot(json.load(f)["rows"], os.path.join(args.out, "planner_bench.png"))
+        return 0
     previous = []
     if args.only and os.path.exists(path):  # re-run one cluster, keep the other rows
         with open(path) as f:

@@ -105,9 +105,9 @@ def main() -> int:
     profile = profile_program(program, split_blocks=plan.split_blocks)
     console.print(plan.explain())
     result = simulate(plan, profile, cluster)
-    write_chrome_trace(result, os.path.join(RESULTS, "quickstart_trace.json"))
-    write_timeline_png(result, os.path.join(RESULTS, "quickstart_schedule.png"),
-                       title="hetshard plan for llava-tiny on h100-a100-v100-x8 (simulated)")
+    write_timeline_png(result, os.path.join(RESULTS, "quickstart_plan_schedule.png"),
+                       plan=plan, title=f"hetshard's plan for llava-tiny on {cluster.name} "
+                                        f"(simulated)")
     speed = Table(title="simulated throughput (same simulator for every planner)")
     for col in ("planner", "tokens/s", "fits", "hetshard speed-up"):
         speed.add_column(col)
@@ -160,13 +160,21 @@ def main() -> int:
         hetero = run_baseline("metis-like", program.name, blocks, cluster, args.global_batch,
                               SEQ, PlannerOptions(time_limit_s=5))
     pipe_step = hetshard.jit(step_fn, cluster=cluster, plan=hetero)
+    # The trace and schedule of the pipeline this section runs.
+    piped = simulate(hetero, blocks, cluster)
+    write_chrome_trace(piped, os.path.join(RESULTS, "quickstart_trace.json"), hetero)
+    write_timeline_png(piped, os.path.join(RESULTS, "quickstart_schedule.png"), plan=hetero,
+                       title=f"the metis-like pipeline run below, on {cluster.name} "
+                             f"(simulated)")
     console.print("[bold]the same step on a heterogeneous pipeline (metis-like plan)[/bold]")
     p_losses, p_rel = train(pipe_step, args.pipeline_steps,
                             "training a pipeline across H100/A100/V100")
     falling = losses[-1] < losses[0] and p_losses[-1] < p_losses[0]
     max_rel = max(max_rel, p_rel)
-    console.print(f"trace: {os.path.join(RESULTS, 'quickstart_trace.json')} (Perfetto), "
-                  f"schedule: {os.path.join(RESULTS, 'quickstart_schedule.png')}")
+    console.print(f"the pipeline's trace: {os.path.join(RESULTS, 'quickstart_trace.json')} "
+                  f"(Perfetto) and schedule: "
+                  f"{os.path.join(RESULTS, 'quickstart_schedule.png')}; hetshard's plan: "
+                  f"{os.path.join(RESULTS, 'quickstart_plan_schedule.png')}")
     console.print(f"largest relative difference over both runs: {max_rel:.2e}")
     ok = falling and max_rel <= 1e-5
     console.print(f"{'OK' if ok else 'FAILED'} in {time.time() - t0:.1f} s")

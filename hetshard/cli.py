@@ -36,10 +36,15 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]])
     from rich.table import Table
     t = Table(title=title)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right")
+        t.add_column(c, justify="left" if i == 0 or c in _TEXT_COLUMNS else "right",
+                     overflow="fold")
     for r in rows:
         t.add_row(*("-" if v is None else str(v) for v in r))
-    Console().print(t)
+    # Piped output is not cut to 80 columns: it is as wide as the table needs.
+    Console(width=None if sys.stdout.isatty() else 240).print(t)
+
+
+_TEXT_COLUMNS = ("source", "GPU types", "family")
 
 
 def _count(n: float | None) -> str | None:
@@ -61,8 +66,8 @@ def cmd_devices(args) -> int:
         _emit_json([t.to_dict() for t in CATALOG.values()], args.json)
         return 0
     _table("GPU catalog (per device, dense TFLOP/s, GB, GB/s one direction)",
-           ["name", "bf16", "fp16", "fp32", "memory GB", "usable GB", "HBM GB/s",
-            "intra GB/s", "inter GB/s"],
+           ["name", "bf16", "fp16", "fp32", "memory GB (datasheet)", "GB (driver total)",
+            "HBM GB/s", "intra GB/s", "inter GB/s"],
            [[t.name, _fmt(t.bf16_tflops), _fmt(t.fp16_tflops), _fmt(t.fp32_tflops),
              _fmt(t.memory_gb, 0), _fmt(t.memory_bytes / 1e9, 1), _fmt(t.memory_gbs, 0),
              _fmt(t.intra_node_gbs, 0),
@@ -91,7 +96,7 @@ def cmd_clusters(args) -> int:
         return 0
     _table("Cluster presets", ["name", "GPUs", "GPU types", "peak bf16 PFLOP/s", "source"],
            [[r["name"], r["gpus"], " + ".join(r["types"]), _fmt(r["peak_bf16_pflops"], 2),
-             r["description"][:60]] for r in rows])
+             r["description"]] for r in rows])
     return 0
 
 
@@ -108,6 +113,15 @@ def _model_row(name: str, config) -> dict:
     return row
 
 
+def _flat(d: dict, prefix: str = ""):
+    """``(dotted key, value)`` of a nested dict, in order."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def cmd_models(args) -> int:
     import dataclasses
 
@@ -119,8 +133,16 @@ def cmd_models(args) -> int:
         if args.json:
             _emit_json(row, args.json)
         else:
+            config = row.pop("config")
             for k, v in row.items():
-                print(f"{k:>18}: {v}")
+                if k in ("params", "published_params"):
+                    v = _count(v)
+                elif k == "relative_error" and v is not None:
+                    v = f"{v:+.2%}"
+                print(f"{k:>18}: {'-' if v is None else v}")
+            print(f"{'config':>18}:")
+            for k, v in _flat(config):
+                print(f"{k:>24} = {v}")
         return 0
     rows = [_model_row(n, c) for n, c in models.PRESETS.items()]
     if args.json:
@@ -190,9 +212,9 @@ def cmd_simulate(args) -> int:
     upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention)
     plan = annotate(plan, result, upper)
     if args.trace:
-        write_chrome_trace(result, args.trace)
+        write_chrome_trace(result, args.trace, plan)
     if args.png:
-        write_timeline_png(result, args.png)
+        write_timeline_png(result, args.png, plan=plan)
     out = result.to_dict()
     out.update(upper_bound_tokens_per_s=upper, model_flops_counts_recompute=False,
                plan=plan.to_dict())
@@ -218,6 +240,30 @@ def _check_covers(plan, profile, cluster) -> None:
                         where="--plan")
 
 
+def _progress(what: str, limit_s: float | None):
+    """A live status line on stderr while planning, when stderr is a terminal (phase,
+    plans priced, best so far, time left); nothing otherwise."""
+    import contextlib
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    return _live_status(what, limit_s)
+
+
+def _live_status(what: str, limit_s: float | None):
+    import contextlib
+
+    from rich.console import Console
+
+    from hetshard import progress
+
+    @contextlib.contextmanager
+    def run():
+        with Console(stderr=True).status(what) as status, progress.reporting(
+                lambda p: status.update(f"{what}: {p.line()}"), limit_s):
+            yield
+    return run()
+
+
 def _planner_options(args):
     from hetshard.solver import PlannerOptions, options_from_fix
     base = PlannerOptions(time_limit_s=args.time_limit, attention=args.attention,
@@ -231,8 +277,9 @@ def cmd_plan(args) -> int:
     from hetshard.solver import make_plan
     cal = Calibration.load_all(args.calibration) if args.calibration else None
     options = _planner_options(args)
-    plan = make_plan(_program(args), args.cluster, global_batch=args.global_batch,
-                     options=options, calibration=cal)
+    with _progress("planning", options.time_limit_s):
+        plan = make_plan(_program(args), args.cluster, global_batch=args.global_batch,
+                         options=options, calibration=cal)
     if args.json:
         _emit_json(plan.to_dict(), args.json)
     if args.json != "-":
@@ -254,12 +301,14 @@ def cmd_compare(args) -> int:
     seq_len = program.seq_len
     profile = profile_program(program)
     rows = []
-    ours = make_plan(program, cluster, global_batch=args.global_batch, options=opts,
-                     calibration=cal)
+    with _progress("planning with hetshard", opts.time_limit_s):
+        ours = make_plan(program, cluster, global_batch=args.global_batch, options=opts,
+                         calibration=cal)
     rows.append(("hetshard", ours))
     for name in BASELINES:
-        rows.append((name, run_baseline(name, program.name, profile, cluster,
-                                        args.global_batch, seq_len, opts, cal)))
+        with _progress(f"planning as {name}", opts.time_limit_s):
+            rows.append((name, run_baseline(name, program.name, profile, cluster,
+                                            args.global_batch, seq_len, opts, cal)))
     upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention)
     fitting = [p.predicted.tokens_per_s for n, p in rows[1:] if p and p.predicted.fits]
     best_base = max(fitting) if fitting else 0.0
@@ -375,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--cluster", required=True)
         sp.add_argument("--global-batch", type=int, required=True)
         sp.add_argument("--seq-len", type=int, default=None)
-        sp.add_argument("--time-limit", type=float, default=60.0, help="seconds")
+        sp.add_argument("--time-limit", type=float, default=60.0,
+                        help="seconds the search may take (default 60). Its effort is "
+                             "fixed by the options; the limit is a safety net that cuts "
+                             "its phases (at 25%%, 60%%, 85%% of it) and says so. Tracing "
+                             "the program and the last layout solve come on top; on the "
+                             "largest clusters the search can overrun it by seconds")
         sp.add_argument("--fix", default=None,
                         help="constraints: tp=,mbs=,remat=,schedule=,vpp=,zero1=,tp_overlap=")
         sp.add_argument("--dtype", default=None, choices=DTYPES,

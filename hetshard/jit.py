@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 import warnings
 
 import jax
@@ -142,7 +143,7 @@ def _restricted(options, program: Program):
 
 def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
         plan: Plan | str | None = None, nan_policy: str = "skip",
-        loss_output: str | int | None = None, **planner_options):
+        loss_output: str | int | None = None, quiet: bool = False, **planner_options):
     """Compiles ``fn`` (a train step) for ``cluster``; usable as ``@hetshard.jit(...)``.
 
     Args:
@@ -161,15 +162,17 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
       loss_output: where the loss is in the step's output: a path such as ``"loss"`` or
         ``"metrics/loss"``, or a position in a tuple output. Default: the one output
         named ``loss``, else a scalar output or the first leaf of a tuple output.
+      quiet: no line on stderr when planning starts and with the plan chosen (also
+        ``HETSHARD_QUIET=1``).
       planner_options: PlannerOptions fields (time_limit_s, tp_options, ...).
     """
     if fn is None:
         return functools.partial(jit, cluster=cluster, global_batch=global_batch,
                                  batch_argnums=batch_argnums, plan=plan,
                                  nan_policy=nan_policy, loss_output=loss_output,
-                                 **planner_options)
+                                 quiet=quiet, **planner_options)
     return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                       planner_options, loss_output)
+                       planner_options, loss_output, quiet)
 
 
 def _rewriting(fn, plan: Plan, mesh=None):
@@ -209,7 +212,7 @@ def _signature(args) -> str:
 
 class HetshardJit:
     def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                 planner_options, loss_output=None):
+                 planner_options, loss_output=None, quiet=False):
         from hetshard.solver import PlannerOptions
         self.fn = fn
         self.cluster = Cluster.load(cluster)
@@ -224,6 +227,7 @@ class HetshardJit:
                             "a path in the step's output (str) or a tuple position (int)",
                             where="hetshard.jit")
         self.loss_output = loss_output
+        self.quiet = bool(quiet) or os.environ.get("HETSHARD_QUIET", "") not in ("", "0")
         self.options = _options(PlannerOptions, planner_options, "hetshard.jit")
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
@@ -260,10 +264,20 @@ class HetshardJit:
                                 repr(options), repr(DEFAULT), __version__)
         found = cache.load(key)
         if found is not None:
+            self._say(f"cached plan for {program.name} (batch {batch_size}): "
+                      f"{found.summary()}")
             return found
+        self._say(f"planning {program.name} for {self.cluster.name} (batch {batch_size}, "
+                  f"{self.cluster.num_devices} devices; up to {options.time_limit_s:g} s; "
+                  f"quiet=True hides these lines)")
         plan = make_plan(program, self.cluster, global_batch=batch_size, options=options)
+        self._say(f"planned in {plan.solver.wall_time_s:.1f} s: {plan.summary()}")
         cache.store(key, plan)
         return plan
+
+    def _say(self, line: str) -> None:
+        if not self.quiet and jax.process_index() == 0:
+            print(f"hetshard.jit: {line}", file=sys.stderr, flush=True)
 
     def _check_pinned(self, program: Program):
         """A pinned plan made for another program, sequence length or cluster (one whose

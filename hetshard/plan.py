@@ -222,6 +222,21 @@ class Plan:
     def num_devices(self) -> int:
         return sum(len(p.devices) for p in self.pipelines)
 
+    def summary(self) -> str:
+        """The plan on one line: pipelines, their stages' GPU types and meshes, the
+        prediction."""
+        pipes = []
+        for p in self.pipelines:
+            stages = " | ".join(
+                f"{s.gpu} " + ("x".join(f"{a}{n}" for a, n in s.mesh_shape if n > 1) or "1")
+                for s in p.stages[:p.num_workers])
+            pipes.append(f"[{stages}] {p.num_micro_batches}x{p.micro_batch_size}")
+        pr = self.predicted
+        bound = (f" ({pr.tokens_per_s / pr.upper_bound_tokens_per_s:.0%} of the bound)"
+                 if pr.upper_bound_tokens_per_s else "")
+        return (f"{len(self.pipelines)} pipeline(s) {', '.join(pipes)}; predicted "
+                f"{pr.tokens_per_s:,.0f} tokens/s{bound}, step {seconds(pr.step_time_s)}")
+
     def explain(self) -> str:
         """A readable table of the plan."""
         lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
@@ -229,9 +244,13 @@ class Plan:
                  + (", FSDP" if self.fsdp else "")
                  + (", layers are block halves (attention, MLP)" if self.split_blocks else "")
                  + (", distributed optimizer" if self.distributed_optimizer else "")]
+        stages = [s for p in self.pipelines for s in p.stages]
+        t_unit, t_scale = _unit(max(max(s.predicted_fwd_s, s.predicted_bwd_s)
+                                    for s in stages), _TIME_UNITS)
+        m_unit, m_scale = _unit(max(s.predicted_memory_bytes for s in stages), _BYTE_UNITS)
         hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
-               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'fwd ms':>8} {'bwd ms':>8} "
-               f"{'mem GB':>7}")
+               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'fwd ' + t_unit:>8} "
+               f"{'bwd ' + t_unit:>8} {'mem ' + m_unit:>7}")
         lines.append(hdr)
         for i, p in enumerate(self.pipelines):
             inter = (f", interleaved: {p.virtual_stages} stages per submesh"
@@ -247,19 +266,44 @@ class Plan:
                 lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
                              f"{mesh:>22} {devs:>16} {p.stage_micro_batch(j):>4} "
                              f"{_remat_text(s):>9} "
-                             f"{s.predicted_fwd_s * 1e3:>8.2f} {s.predicted_bwd_s * 1e3:>8.2f} "
-                             f"{s.predicted_memory_bytes / 1e9:>7.2f}")
+                             f"{s.predicted_fwd_s / t_scale:>8.2f} "
+                             f"{s.predicted_bwd_s / t_scale:>8.2f} "
+                             f"{s.predicted_memory_bytes / m_scale:>7.2f}")
         pr = self.predicted
-        lines.append(f"predicted: step {pr.step_time_s * 1e3:.1f} ms, {pr.tokens_per_s:,.0f} "
-                     f"tokens/s, {pr.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
+        lines.append(f"predicted: step {seconds(pr.step_time_s)}, {pr.tokens_per_s:,.0f} "
+                     f"tokens/s, {pr.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
                      f"bubble {pr.bubble_fraction:.1%}, peak memory "
-                     f"{pr.peak_memory_bytes / 1e9:.2f} GB, fits={pr.fits}")
+                     f"{nbytes(pr.peak_memory_bytes)}, fits={pr.fits}")
         if pr.upper_bound_tokens_per_s:
             lines.append(f"upper bound {pr.upper_bound_tokens_per_s:,.0f} tokens/s "
                          f"({pr.tokens_per_s / pr.upper_bound_tokens_per_s:.1%} reached)")
         sv = self.solver
         lines.append(f"solver: {sv.status}, {sv.wall_time_s:.2f} s, gap {sv.gap:.1%}")
         return "\n".join(lines)
+
+
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+_BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0))
+
+
+def _unit(value: float, units) -> tuple[str, float]:
+    """The largest unit in which ``value`` is at least 1 (the smallest unit below)."""
+    for name, scale in units:
+        if value >= scale:
+            return name, scale
+    return units[-1]
+
+
+def seconds(t: float) -> str:
+    """``t`` seconds in the unit that fits: ``1.25 s``, ``31.2 ms``, ``85 us``."""
+    name, scale = _unit(t, _TIME_UNITS)
+    return f"{t / scale:.3g} {name}"
+
+
+def nbytes(n: float) -> str:
+    """``n`` bytes in the unit that fits (decimal): ``81.6 GB``, ``3.2 MB``."""
+    name, scale = _unit(n, _BYTE_UNITS)
+    return f"{n / scale:.3g} {name}"
 
 
 def grad_sync_for(pipes, global_batch: int) -> tuple[GradSync, ...]:

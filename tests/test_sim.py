@@ -292,9 +292,38 @@ def test_uniform_plan_simulates_and_exports(prof, tmp_path):
     assert {e["name"][0] for e in spans} >= {"F", "B", "W"}
     b0 = [t for t in rz.tasks if t.kind == "B" and t.stage == 0]
     assert b0 and all(t.end_s == t.start_s for t in b0)
-    write_timeline_png(rz, tmp_path / "z.png")
+    write_timeline_png(rz, tmp_path / "z.png", plan=zb)
     assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"
     assert "zbh1" in annotate(zb, rz).explain()
+    _slices_nest_per_thread(chrome_trace(rz, zb))
+
+
+def _slices_nest_per_thread(trace):
+    """Perfetto draws slices of one thread as a stack: any two must be disjoint or one
+    inside the other. Threads are named by GPU type."""
+    spans = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["dur"] > 0:
+            spans.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert spans
+    for lane in spans.values():
+        lane.sort()
+        for (a0, a1), (b0, b1) in zip(lane, lane[1:], strict=False):
+            assert b0 >= a1 - 1e-6 or b1 <= a1 + 1e-6, (a0, a1, b0, b1)
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert names and all("GB" in n for n in names)  # "H100-80GB x2: stage 0", ...
+    assert any("(communication)" in n for n in names)
+
+
+def test_trace_lanes_do_not_overlap_with_gradient_sync(prof):
+    # Several data ways: each stage's gradient sync overlaps its backward in time; the
+    # trace puts it on the submesh's communication thread.
+    c = Cluster.load("h100-a100-v100-x8")
+    plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
+    r = simulate(plan, prof, c)
+    assert any(t.kind == "sync" for t in r.tasks)
+    _slices_nest_per_thread(chrome_trace(r, plan))
 
 
 def test_slow_gpus_pace_a_uniform_plan(prof):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hetshard import progress
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
@@ -405,6 +406,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     capacity = {d: _capacity(cluster, d) for d in mem}
     fits = all(mem[d] <= capacity[d] * (1 - margin) for d in mem)
     bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0
+    progress.priced(tokens / step_end, fits)
     return SimResult(
         step_time_s=float(step_end), tokens_per_s=float(tokens / step_end),
         tflops_per_gpu=float(model_flops / step_end / n_dev / 1e12),

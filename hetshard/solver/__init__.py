@@ -6,6 +6,7 @@ import dataclasses
 import time
 import warnings
 
+from hetshard import progress
 from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions, PlannerTimeLimitWarning
 
 
@@ -83,6 +84,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     warn_precision_fallback(cluster, program.dtype)
     t0 = time.perf_counter()
     split = opts.split_blocks
+    progress.phase("tracing and pricing the program's layers")
     profile = profile_program(program, split_blocks=bool(split))
     heads = profile.heads or 1
     max_gpn = max(g.gpus_per_node for g in cluster.groups)
@@ -110,6 +112,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
             f"compute bound {result.solver.gap:.1%}"), stacklevel=2)
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
+        progress.phase("per-op shardings (intra-op solver)")
         result = attach_shardings(result, program, cluster, cal, time_limit_s=max(1.0, left))
     return dataclasses.replace(result, fingerprint=program.model_fingerprint)
 
@@ -126,6 +129,7 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
     if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
+        progress.phase("stage boundaries inside blocks")
         halves = profile_program(program, split_blocks=True)
         left = max(1.0, t0 + inter - time.perf_counter())
         refined = refine_halves(result, profile, halves, cluster, cal=cal,

@@ -63,6 +63,7 @@ import warnings
 import numpy as np
 from ortools.sat.python import cp_model
 
+from hetshard import progress
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import p2p_time
@@ -503,6 +504,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # Fast heuristic plans (AMP-, then Metis-style) as extra starting points: they lie in
     # this search space, and local search starts from the best.
     seeds = []
+    progress.phase("heuristic starting points")
     if not return_estimates:
         from hetshard.solver.baselines import amp_like, metis_like
         for heuristic in (amp_like, metis_like):
@@ -516,6 +518,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
     fam_cache: dict[tuple, list[Family]] = {}
     combos = []
+    progress.phase("stage layouts per GPU group")
     deadline = t0 + opts.time_limit_s * 0.6
     for assignment in _assignments(groups, profile.dtype, opts.stage_orders):
         if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
@@ -594,6 +597,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     if not candidates:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
+    progress.phase(f"pricing {len(candidates)} candidate plans")
     for cand in candidates:
         r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
                      margin=opts.memory_margin)
@@ -610,6 +614,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # A layout per GPU type (``layouts``: Metis-style stage degrees) for the best few,
     # by coordinate descent over each pipeline's single-type segments.
     relaid, partial = [], []
+    progress.phase("a layout per GPU type")
     for rank, start in enumerate(scored[:opts.layout_top]):
         if start[0][0] or late(0.85):
             continue
@@ -638,6 +643,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     # Interleaved variants of the best few (the simulator prices their extra transfers
     # and activations); with ``virtual_options`` lacking 1 only those may win.
     variants = []
+    progress.phase("interleaved and zero-bubble variants")
     for key, cand, _ in scored[:opts.variant_top] + partial:
         if key[0] or late(0.85):
             continue
@@ -672,6 +678,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     starts = list({id(x[1]): x for x in firsts + scored[:opts.refine_top] +
                    variants[:opts.refine_top]}.values())
     best = min(starts, key=lambda x: x[0])
+    progress.phase("local search")
     for key, cand, r in sorted(starts, key=lambda x: x[0]):
         if key[0]:
             continue
