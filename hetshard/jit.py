@@ -297,9 +297,11 @@ class HetshardJit:
                     + (f"{here} in {self.cluster.name!r}" if here else
                        f"missing from {self.cluster.name!r} ({n} devices)"),
                     where="hetshard.jit")
-        n = program.layering(2, plan.split_blocks).num_layers
+        # (A step whose loss cannot be cut runs whole, as one stage: its layers are not
+        # what a plan addresses; a pipeline plan for it is refused after this.)
+        n = program.layering(2, plan.split_blocks).num_layers if program.call else None
         ends = sorted({p.stages[-1].end for p in plan.pipelines})
-        if ends != [n]:
+        if n is not None and ends != [n]:
             raise SpecError("plan.pipelines[*].stages[-1].end", ends,
                             f"the program's {n} layers"
                             + (" (block halves)" if plan.split_blocks else ""),

@@ -146,3 +146,43 @@ def test_context_parallel_rejects_bad_chunks(rng):
         context_parallel_attention(q, k, v, mesh, chunk_lengths=[12, 12])
     with pytest.raises(SpecError, match="mesh axis"):
         context_parallel_attention(q, k, v, mesh, axis="seq")
+
+
+def _ring_grad_temp_bytes(n, chunk=64, h=2, d=16, custom=True):
+    """Compiled temp bytes per device of the gradient of ring attention over ``n``
+    devices, each holding ``chunk`` tokens (the sequence grows with the ring)."""
+    from jax.sharding import PartitionSpec as P
+
+    from hetshard.kernels.ring_attention import _ring_forward, ring_attention
+    mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
+    s = n * chunk
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, s))
+
+    def body(q, k, v, p):
+        if custom:
+            return ring_attention(q, k, v, axis_name="context", axis_size=n, causal=True,
+                                  q_positions=p, kv_positions=p, block_q=32, block_k=32)
+        z = jnp.zeros(p.shape, jnp.int32)  # autodiff of the forward loop: steps kept
+        return _ring_forward(q, k, v, p, p, z, z, ("context", n, True, False, None, 32, 32,
+                                                  None))[0]
+
+    def loss(q, k, v, p):
+        out = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "context"),) * 4,
+                            out_specs=P(None, "context"), check_vma=False)(q, k, v, p)
+        return jnp.sum(out * out)
+
+    x = jax.ShapeDtypeStruct((1, s, h, d), jnp.float32)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        x, x, x, jax.ShapeDtypeStruct(pos.shape, jnp.int32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_ring_backward_holds_a_constant_number_of_chunks():
+    # Per-device chunk fixed, ring from 2 to 8 devices: the custom backward's temp memory
+    # stays flat (it re-sends K/V instead of keeping each step's chunk), where autodiff of
+    # the forward loop grows with the ring.
+    chunk_bytes = 64 * 2 * 16 * 4
+    custom = [_ring_grad_temp_bytes(n) for n in (2, 4, 8)]
+    plain = [_ring_grad_temp_bytes(n, custom=False) for n in (2, 4, 8)]
+    assert custom[2] - custom[0] <= 2 * chunk_bytes, (custom, plain)
+    assert plain[2] - plain[0] >= 6 * chunk_bytes, (custom, plain)  # what the test guards

@@ -84,23 +84,24 @@ def test_dict_output_nan_is_skipped_and_weights_kept(stages, how):
     assert all(np.isfinite(x).all() for x in _params(model))
 
 
-def test_raise_names_the_gradients():
+def _jitted(how, **kw):
     model, opt, batch = _tiny()
-    step = _nnx_step("grad")
+    step = _nnx_step(how)
     plan = _plan(hetshard.Program(step, (model, opt, batch)), 1)
-    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, nan_policy="raise")
+    return hetshard.jit(step, cluster=CLUSTER, plan=plan, **kw), (model, opt, batch)
+
+
+def test_raise_names_the_gradients():
+    jitted, args = _jitted("grad", nan_policy="raise")
     with pytest.raises(NonFiniteLossError, match="non-finite gradients"):
-        jitted(model, opt, batch)
+        jitted(*args)
 
 
 def test_apply_policy_applies_and_warns():
-    model, opt, batch = _tiny()
-    step = _nnx_step("loss")
-    plan = _plan(hetshard.Program(step, (model, opt, batch)), 1)
-    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, nan_policy="apply")
+    jitted, args = _jitted("loss", nan_policy="apply")
     with pytest.warns(UserWarning, match="applied: nan_policy='apply'"):
-        jitted(model, opt, batch)
-    assert not all(np.isfinite(x).all() for x in _params(model))
+        jitted(*args)
+    assert not all(np.isfinite(x).all() for x in _params(args[0]))
 
 
 @pytest.mark.parametrize("marked", [True, False])

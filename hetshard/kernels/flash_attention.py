@@ -257,17 +257,9 @@ def _default_block(n: int, interpret: bool) -> int:
     return max(16, min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
-def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=False,
-                              segment_ids=None, kv_segment_ids=None, sm_scale=None,
-                              block_q=None, block_k=None, interpret=None,
-                              poison_outputs: bool = False):
-    """Flash attention with explicit token positions ([b, s] int32, -1 = padding key).
-
-    Returns ``(out [b, sq, h, d], lse [b, h, sq] float32)``. ``segment_ids`` belong to the
-    queries and ``kv_segment_ids`` (default: the same) to the keys. ``poison_outputs``
-    (a testing aid) starts every kernel output as NaN, forward and backward, so an
-    element a kernel fails to write shows up.
-    """
+def _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids, kv_segment_ids,
+                   causal, sm_scale, block_q, block_k, interpret, poison):
+    """(cfg, padded [b, h, s, d] q, k, v, positions and segment ids, padded lengths)."""
     b, sq, h, d = q.shape
     skv = k.shape[1]
     use_interpret = jax.default_backend() == "cpu" if interpret is None else interpret
@@ -279,16 +271,55 @@ def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=Fals
     kseg = (kv_segment_ids if kv_segment_ids is not None else segment_ids) if has_seg \
         else jnp.zeros((b, skv), jnp.int32)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, bool(poison_outputs))
-    qt = _pad(jnp.swapaxes(q, 1, 2), 2, sq_p)
-    kt = _pad(jnp.swapaxes(k, 1, 2), 2, skv_p)
-    vt = _pad(jnp.swapaxes(v, 1, 2), 2, skv_p)
-    qpos = _pad(q_positions.astype(jnp.int32), 1, sq_p, -1)
-    kpos = _pad(kv_positions.astype(jnp.int32), 1, skv_p, -1)
-    qseg = _pad(qseg.astype(jnp.int32), 1, sq_p, -1)
-    kseg = _pad(kseg.astype(jnp.int32), 1, skv_p, -2)
-    o, lse = _flash(qt, kt, vt, qpos, kpos, qseg, kseg, cfg)
+    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, bool(poison))
+    arrays = (_pad(jnp.swapaxes(q, 1, 2), 2, sq_p), _pad(jnp.swapaxes(k, 1, 2), 2, skv_p),
+              _pad(jnp.swapaxes(v, 1, 2), 2, skv_p),
+              _pad(q_positions.astype(jnp.int32), 1, sq_p, -1),
+              _pad(kv_positions.astype(jnp.int32), 1, skv_p, -1),
+              _pad(qseg.astype(jnp.int32), 1, sq_p, -1),
+              _pad(kseg.astype(jnp.int32), 1, skv_p, -2))
+    return cfg, arrays, sq_p
+
+
+def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=False,
+                              segment_ids=None, kv_segment_ids=None, sm_scale=None,
+                              block_q=None, block_k=None, interpret=None,
+                              poison_outputs: bool = False):
+    """Flash attention with explicit token positions ([b, s] int32, -1 = padding key).
+
+    Returns ``(out [b, sq, h, d], lse [b, h, sq] float32)``. ``segment_ids`` belong to the
+    queries and ``kv_segment_ids`` (default: the same) to the keys. ``poison_outputs``
+    (a testing aid) starts every kernel output as NaN, forward and backward, so an
+    element a kernel fails to write shows up.
+    """
+    sq = q.shape[1]
+    cfg, arrays, _ = _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids,
+                                    kv_segment_ids, causal, sm_scale, block_q, block_k,
+                                    interpret, poison_outputs)
+    o, lse = _flash(*arrays, cfg)
     return jnp.swapaxes(o[:, :, :sq], 1, 2), lse[:, :, :sq]
+
+
+def flash_attention_backward_positions(q, k, v, q_positions, kv_positions, out, lse, dout,
+                                       *, causal=False, segment_ids=None,
+                                       kv_segment_ids=None, sm_scale=None, block_q=None,
+                                       block_k=None, interpret=None):
+    """The flash kernel's backward for queries ``q`` against one key/value chunk, given
+    the softmax statistics of the *whole* attention: ``out`` [b, sq, h, d] and ``lse``
+    [b, h, sq] of the queries over every key (not only this chunk's). Returns ``(dq, dk,
+    dv)``: this chunk's share of dq, and dk, dv of the chunk. A ring's backward sums the
+    dq over its chunks (Liu et al. 2023). Arguments as :func:`flash_attention_positions`.
+    """
+    sq, skv = q.shape[1], k.shape[1]
+    cfg, arrays, sq_p = _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids,
+                                       kv_segment_ids, causal, sm_scale, block_q, block_k,
+                                       interpret, False)
+    ot = _pad(jnp.swapaxes(out, 1, 2), 2, sq_p)
+    dot = _pad(jnp.swapaxes(dout, 1, 2), 2, sq_p)  # padded queries: no cotangent
+    lse_p = _pad(lse.astype(jnp.float32), 2, sq_p)
+    dq, dk, dv, *_ = _flash_bwd(cfg, (*arrays, ot, lse_p), (dot, None))
+    return (jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2),
+            jnp.swapaxes(dv[:, :, :skv], 1, 2))
 
 
 def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale=None,

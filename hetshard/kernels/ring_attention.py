@@ -5,14 +5,17 @@ Megatron-LM's context parallelism; uneven per-device chunks as in HexiSeq).
 Each device holds a chunk of the sequence. For ``n`` steps it attends its queries to
 the key/value chunk it currently holds (the flash kernel, masked by the tokens' global
 positions), merges the partial result with the log-sum-exp, and passes the key/value
-chunk to the next device with ``lax.ppermute``. The backward pass is the transpose of
-that ring: JAX differentiates ``ppermute`` into the reverse ring and the kernel's own
-backward computes dQ/dK/dV per step. Chunks shorter than the longest are padded with
-position -1, which the kernel skips block by block, so a device given less of the
-sequence does less work.
+chunk to the next device with ``lax.ppermute``. The backward (a ``custom_vjp``) runs
+the ring again rather than keeping each step's chunk: the key/value chunks travel with
+their dK/dV accumulators, and each step is the kernel's backward against the whole
+attention's log-sum-exp, so a device holds O(1) chunks in either direction. Chunks
+shorter than the longest are padded with position -1, which the kernel skips block by
+block, so a device given less of the sequence does less work.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.errors import SpecError
-from hetshard.kernels.flash_attention import flash_attention_positions
+from hetshard.kernels.flash_attention import (
+    flash_attention_backward_positions,
+    flash_attention_positions,
+)
 from hetshard.kernels.reference import MASK_VALUE, check_attention_args
 from hetshard.meshes import gathered, is_explicit, laid_out
 
@@ -33,27 +39,100 @@ def ring_attention(q, k, v, *, axis_name: str, axis_size: int, causal: bool,
     q, k, v: this device's chunks [batch, chunk, heads | kv_heads, head_dim];
     q_positions, kv_positions: global token positions of the chunk ([batch, chunk] int32,
     -1 for padding); segment ids likewise. Returns this device's output chunk.
+
+    Differentiable with a ring of its own (``_ring_bwd``): the backward keeps no
+    per-step key/value chunk; it sends the chunks around the ring again, each with the
+    dK/dV accumulated for it so far, so a device holds O(1) chunks whatever the ring's
+    length.
     """
-    perm = [(i, (i + 1) % axis_size) for i in range(axis_size)]
-    kv_seg = kv_segment_ids if kv_segment_ids is not None else segment_ids
+    has_seg = segment_ids is not None
+    b, c = q.shape[0], q.shape[1]
+    qseg = segment_ids if has_seg else jnp.zeros((b, c), jnp.int32)
+    kseg = (kv_segment_ids if kv_segment_ids is not None else segment_ids) if has_seg \
+        else jnp.zeros((b, k.shape[1]), jnp.int32)
+    static = (axis_name, int(axis_size), bool(causal), has_seg, sm_scale, block_q, block_k,
+              interpret)
+    return _ring(q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32),
+                 qseg.astype(jnp.int32), kseg.astype(jnp.int32), static)
+
+
+def _kernel_args(static, qseg, kseg):
+    _, _, causal, has_seg, sm_scale, block_q, block_k, interpret = static
+    return dict(causal=causal, segment_ids=qseg if has_seg else None,
+                kv_segment_ids=kseg if has_seg else None, sm_scale=sm_scale,
+                block_q=block_q, block_k=block_k, interpret=interpret)
+
+
+def _ring_forward(q, k, v, qpos, kpos, qseg, kseg, static):
+    """(output [b, c, h, d] in q's dtype, log-sum-exp [b, h, c] over every key). A
+    ``fori_loop``: one step's buffers, whatever the ring's length."""
+    axis_name, n = static[0], static[1]
+    perm = [(i, (i + 1) % n) for i in range(n)]
     b, c, h, d = q.shape
-    out = jnp.zeros((b, c, h, d), jnp.float32)
-    lse = jnp.full((b, h, c), MASK_VALUE, jnp.float32)
-    carry = (k, v, kv_positions, kv_seg)
-    for step in range(axis_size):
-        k_s, v_s, kpos_s, kseg_s = carry
-        o_s, lse_s = flash_attention_positions(
-            q, k_s, v_s, q_positions, kpos_s, causal=causal, segment_ids=segment_ids,
-            kv_segment_ids=kseg_s, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
-            interpret=interpret)
+
+    def attend(out, lse, k_s, v_s, kpos_s, kseg_s):
+        o_s, lse_s = flash_attention_positions(q, k_s, v_s, qpos, kpos_s,
+                                               **_kernel_args(static, qseg, kseg_s))
         new = jnp.logaddexp(lse, lse_s)
         w_old = jnp.swapaxes(jnp.exp(lse - new), 1, 2)[..., None]
         w_new = jnp.swapaxes(jnp.exp(lse_s - new), 1, 2)[..., None]
-        out = out * w_old + o_s.astype(jnp.float32) * w_new
-        lse = new
-        if step < axis_size - 1:
-            carry = jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), carry)
-    return out.astype(q.dtype)
+        return out * w_old + o_s.astype(jnp.float32) * w_new, new
+
+    def step(_, carry):
+        out, lse, *chunk = carry
+        out, lse = attend(out, lse, *chunk)
+        return (out, lse, *(jax.lax.ppermute(x, axis_name, perm) for x in chunk))
+
+    out = jnp.zeros((b, c, h, d), jnp.float32)
+    lse = jnp.full((b, h, c), MASK_VALUE, jnp.float32)
+    out, lse, *chunk = jax.lax.fori_loop(0, n - 1, step, (out, lse, k, v, kpos, kseg))
+    out, lse = attend(out, lse, *chunk)
+    return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, qpos, kpos, qseg, kseg, static):
+    return _ring_forward(q, k, v, qpos, kpos, qseg, kseg, static)[0]
+
+
+def _ring_fwd(q, k, v, qpos, kpos, qseg, kseg, static):
+    out, lse = _ring_forward(q, k, v, qpos, kpos, qseg, kseg, static)
+    # Residuals: this device's own chunks and the softmax statistics, nothing per step.
+    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _ring_bwd(static, res, dout):
+    """The ring again: step by step each device computes its queries' gradient against
+    the key/value chunk it holds (with the whole attention's statistics) and that
+    chunk's dK/dV, added to the accumulators travelling with the chunk; after ``n``
+    sends every chunk's gradient is home (the last send carries the gradients only)."""
+    axis_name, n = static[0], static[1]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
+
+    def grads(dq, k_s, v_s, kpos_s, kseg_s, dk_s, dv_s):
+        dq_i, dk_i, dv_i = flash_attention_backward_positions(
+            q, k_s, v_s, qpos, kpos_s, out, lse, dout, **_kernel_args(static, qseg, kseg_s))
+        return (dq + dq_i.astype(jnp.float32), dk_s + dk_i.astype(jnp.float32),
+                dv_s + dv_i.astype(jnp.float32))
+
+    def step(_, carry):
+        dq, k_s, v_s, kpos_s, kseg_s, dk_s, dv_s = carry
+        dq, dk_s, dv_s = grads(dq, k_s, v_s, kpos_s, kseg_s, dk_s, dv_s)
+        moved = (jax.lax.ppermute(x, axis_name, perm)
+                 for x in (k_s, v_s, kpos_s, kseg_s, dk_s, dv_s))
+        return (dq, *moved)
+
+    init = (jnp.zeros(q.shape, jnp.float32), k, v, kpos, kseg,
+            jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq, k_s, v_s, kpos_s, kseg_s, dk_s, dv_s = jax.lax.fori_loop(0, n - 1, step, init)
+    dq, dk_s, dv_s = grads(dq, k_s, v_s, kpos_s, kseg_s, dk_s, dv_s)
+    dk, dv = (jax.lax.ppermute(x, axis_name, perm) for x in (dk_s, dv_s))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def device_token_ids(seq_len: int, chunk_lengths, zigzag: bool) -> list[np.ndarray]:
