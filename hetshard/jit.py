@@ -187,7 +187,7 @@ def _rewriting(fn, plan: Plan, mesh=None):
         def rewrite(loss):
             return constrain_layers(loss, mesh, stage, attention=plan.attention,
                                     split_blocks=plan.split_blocks,
-                                    tp_overlap=plan.tp_overlap)
+                                    tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag)
     elif plan.attention in (None, "reference"):
         rewrite = None
     else:
@@ -360,6 +360,18 @@ class HetshardJit:
                     f"hetshard.value_and_grad loss can be cut per micro-batch, and "
                     f"{program.call_error} (or plan with max_stages=1 and "
                     f"max_pipelines=1)")
+            chunks = plan.context.chunk_lengths
+            if len(set(chunks)) > 1:
+                raise PlanNotExecutableError(
+                    f"plan.context.chunk_lengths={list(chunks)}: the runtime splits a "
+                    f"stage's sequence evenly over its context axis; uneven chunks run in "
+                    f"hetshard.kernels.context_parallel_attention only")
+            if multi_stage and any(st.axis("context") > 1 for p in plan.pipelines
+                                   for st in p.stages):
+                raise PlanNotExecutableError(
+                    "context parallelism (a stage mesh with a context axis) runs on "
+                    "single-stage plans so far, not on pipeline stages; plan with "
+                    "max_stages=1 or cp_options=(1,)")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner
                 entry = ("mpmd", PipelineRunner(plan, self._bound.devices, program))

@@ -422,3 +422,28 @@ def test_pinned_plan_for_another_model_or_sequence_is_refused():
                                         "gpus_per_node": 4}]}
     with pytest.raises(hetshard.SpecError, match=r"device 4: .* missing from 'four' \(4 dev"):
         hetshard.jit(step_fn, cluster=four, plan=plan)(model, opt, batch)
+
+
+@pytest.mark.parametrize("fix", ["dp=2,tp=1,pp=1,cp=4", "dp=2,tp=2,pp=1,cp=2"])
+def test_context_parallel_stage_matches_single_device_training(fix):
+    # A stage with a context axis (and data, and tensor): the batch and every layer
+    # boundary split along the sequence, attention a ring over ``context`` (zigzag:
+    # gpt-tiny's attention is causal).
+    plan = _plan(fix, shardings="tp=2" in fix)
+    assert plan.pipelines[0].stages[0].axis("context") > 1
+    losses, params, step, batches, _ = _run(plan)
+    want_losses, want_params = _reference(batches, 3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (entry,) = step._compiled.values()
+    _, jitted, s_shard, b_shard, program = entry
+    assert tuple(b_shard["tokens"].spec)[1] == "context"  # the batch's sequence is split
+    hlo = jitted.lower(jax.device_put(nnx.state(_run_state(program)), s_shard),
+                       jax.device_put(batches[0], b_shard)).as_text()
+    assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring
+
+
+def _run_state(program):
+    model = models.build(MODEL, rngs=0)
+    return (model, nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param))

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import core as jcore
 from jax._src import source_info_util
 from jax.extend import core as ext
@@ -162,7 +163,8 @@ def _softmax_patterns(jaxpr):
 
 # ---- evaluation ---------------------------------------------------------------------
 
-def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, **kernel):
+def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=True,
+          **kernel):
     if name not in IMPLEMENTATIONS:
         raise SpecError("impl", name, f"one of {IMPLEMENTATIONS}", where="swap_attention")
     if name == "ring" and mesh is None:
@@ -170,6 +172,9 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, **kernel)
                         where="swap_attention")
 
     def run(q, k, v, seg, scale, causal):
+        if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1:
+            # A stage with a context axis: its activations are split along the sequence.
+            return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel)
         if name == "reference":
             from hetshard.kernels.reference import attention_reference
             return attention_reference(q, k, v, causal=causal, segment_ids=seg,
@@ -228,6 +233,46 @@ def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel):
     args = tuple(laid_out(a, mesh, s) for a, s in zip(args, specs, strict=True))
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                          check_vma=False)(*args)
+
+
+def _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel):
+    """Ring attention over the stage mesh's ``axis`` on sequence-split q, k, v: each
+    device attends its own equal chunk (zigzag order for causal masks: the sequence is
+    permuted into device order first, and the output back), its samples over the data
+    axes and its heads over ``tensor`` as ``_flash_on_mesh`` splits them. The ring's
+    backward is its own (O(1) chunks per device)."""
+    from jax.sharding import PartitionSpec as P
+
+    from hetshard.kernels.ring_attention import device_token_ids, ring_attention
+    from hetshard.meshes import laid_out
+    n, s = mesh.shape[axis], q.shape[1]
+    if s % n:
+        raise SpecError("seq_len", s, f"a multiple of the context degree {n}",
+                        where="context-parallel attention")
+    batch, heads = attention_layout(mesh, q.shape, k.shape[2])
+    zig = bool(zigzag and causal)
+    order = np.concatenate(device_token_ids(s, [s // n] * n, zig))
+    if zig:  # device i's tokens: the i-th piece from the front and from the back
+        q, k, v = (jnp.take(x, jnp.asarray(order), axis=1) for x in (q, k, v))
+        seg = None if seg is None else jnp.take(seg, jnp.asarray(order), axis=1)
+    positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (q.shape[0], s))
+    spec, tokens = P(batch, axis, heads, None), P(batch, axis)
+
+    def body(q, k, v, pos, *seg):
+        return ring_attention(q, k, v, axis_name=axis, axis_size=n, causal=causal,
+                              q_positions=pos, kv_positions=pos,
+                              segment_ids=seg[0] if seg else None, sm_scale=scale, **kernel)
+    args, specs = (q, k, v, positions), (spec, spec, spec, tokens)
+    if seg is not None:
+        args, specs = args + (seg,), specs + (tokens,)
+    args = tuple(laid_out(a, mesh, sp) for a, sp in zip(args, specs, strict=True))
+    out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
+                        check_vma=False)(*args)
+    if zig:
+        inverse = np.empty(s, np.int64)
+        inverse[order] = np.arange(s)
+        out = jnp.take(out, jnp.asarray(inverse), axis=1)
+    return out
 
 
 def _eval(jaxpr, consts, args, run):
@@ -356,6 +401,3 @@ def swap_attention(fn, impl: str = "flash", **options):
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return wrapped
-
-
-del jnp

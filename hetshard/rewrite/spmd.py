@@ -41,7 +41,9 @@ from hetshard.runtime.spmd import path_string
 
 
 def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
-    """The layout of a boundary activation of ``shape`` on the stage mesh."""
+    """The layout of a boundary activation of ``shape`` on the stage mesh: its batch over
+    the data axes and, on a stage with a ``context`` axis, its sequence (dimension 1)
+    over ``context``."""
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
     named = [spec for name, spec in stage.shardings if name.startswith("activation:")]
     if named and "data" not in tuple(named[0])[:1]:
@@ -49,6 +51,9 @@ def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
     ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if not len(shape) or shape[0] % ways:
         return None
+    cp = mesh.shape.get("context", 1)
+    if cp > 1 and len(shape) >= 3 and shape[1] % cp == 0:
+        return NamedSharding(mesh, PartitionSpec(axes if axes else None, "context"))
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))
 
 
@@ -269,12 +274,17 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
     ``split_blocks``: the plan counts block halves as layers (its remat_layers too);
     ``sequence_parallel`` (on a stage with a tensor axis and parameter layouts): the
     ``sequence_layouts``, with ``tp_overlap`` as collective matmuls."""
-    if attention == "flash":
-        options.setdefault("mesh", mesh)  # the kernel per device (``_flash_on_mesh``)
+    context = mesh.shape.get("context", 1) > 1
+    if attention == "flash" or context:
+        # the kernel per device (``_flash_on_mesh``), the ring over ``context``
+        options.setdefault("mesh", mesh)
     run = attention_runner(attention, **options)
     specs = {name: tuple(spec) for name, spec in stage.shardings
              if not name.startswith("activation:")}
-    sequence = sequence_parallel and mesh.shape.get("tensor", 1) > 1 and bool(specs)
+    # With a context axis the sequence is split over it; Megatron's sequence parallelism
+    # over ``tensor`` is not combined with it (the tensor axis splits heads and weights).
+    sequence = (sequence_parallel and not context and mesh.shape.get("tensor", 1) > 1
+                and bool(specs))
 
     @functools.wraps(fn)
     def wrapped(*args):

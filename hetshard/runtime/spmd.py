@@ -102,9 +102,13 @@ def param_paths(tree) -> set[str]:
 
 
 def batch_sharding(batch, plan: Plan, mesh: Mesh):
+    """The batch's leading dimension over the data axes; on a stage with a ``context``
+    axis, token arrays (dimension 1 of the plan's sequence length) also along their
+    sequence over ``context``."""
     import jax
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
     ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    cp = mesh.shape.get("context", 1)
 
     def one(x):
         n = np.shape(x)[0] if np.ndim(x) else None
@@ -112,5 +116,11 @@ def batch_sharding(batch, plan: Plan, mesh: Mesh):
             raise SpecError("batch", f"leading dimension {n}",
                             f"a multiple of the plan's {ways} data-parallel ways "
                             f"(valid batch sizes: {[ways * k for k in range(1, 5)]})")
-        return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+        batch_axes = axes if axes else None
+        if cp > 1 and np.ndim(x) >= 2 and np.shape(x)[1] == plan.seq_len:
+            if plan.seq_len % cp:
+                raise SpecError("seq_len", plan.seq_len,
+                                f"a multiple of the plan's context degree {cp}")
+            return NamedSharding(mesh, PartitionSpec(batch_axes, "context"))
+        return NamedSharding(mesh, PartitionSpec(batch_axes))
     return jax.tree.map(one, batch)
