@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--pipeline-steps", type=int, default=20)
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: not cut to 80
     t0 = time.time()
     os.makedirs(RESULTS, exist_ok=True)
 
