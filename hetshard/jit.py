@@ -27,6 +27,8 @@ import functools
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +234,7 @@ class HetshardJit:
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
         self.program: Program | None = None
-        self._compiled: dict[str, tuple] = {}
+        self._compiled: dict[str, _Spmd | _Shares | _Mpmd] = {}
         self._bound = None
         self._warned_vg = False
         functools.update_wrapper(self, fn)
@@ -374,7 +376,7 @@ class HetshardJit:
                     "max_stages=1 or cp_options=(1,)")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner
-                entry = ("mpmd", PipelineRunner(plan, self._bound.devices, program))
+                entry = _Mpmd(PipelineRunner(plan, self._bound.devices, program))
             elif len(plan.pipelines) == 1:
                 mesh = stage_mesh(plan, self._bound.devices)
                 entry = self._compile(plan, mesh, program, others, batch)
@@ -382,14 +384,14 @@ class HetshardJit:
                 entry = self._compile_pipelines(plan, program, others, batch)
             self._compiled[sig] = entry
             self.plan, self.program = plan, program
-        if entry[0] == "mpmd":
-            runner = entry[1]
+        if isinstance(entry, _Mpmd):
+            runner = entry.runner
             out, new_state = runner.step(runner.state_of(others), batch,
                                          self._may_apply)
             if new_state is not None and runner.program.kind == "nnx":
                 nnx.update(others, new_state)
             return out
-        if entry[0] == "multi":
+        if isinstance(entry, _Shares):
             return self._run_pipelines(entry, others, batch)
         return self._run(entry, others, batch)
 
@@ -428,10 +430,10 @@ class HetshardJit:
                for (_, mesh, s, b), sub in zip(parts, subs, strict=True)]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
-        return ("multi", parts, cap, jax.jit(apply), program)
+        return _Shares(parts, cap, jax.jit(apply), program)
 
-    def _run_pipelines(self, entry, others, batch):
-        _, parts, cap, app, program = entry
+    def _run_pipelines(self, entry: _Shares, others, batch):
+        parts, cap, app, program = entry.parts, entry.capture, entry.apply, entry.program
         state = _state(program, others)
         total = sum(share for share, *_ in parts)
         start, results, states, batches = 0, [], [], []
@@ -481,10 +483,11 @@ class HetshardJit:
                 new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
             return out, new, used, self._health(program, out, new, finite, value)
         jitted = jax.jit(_rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard))
-        return ("spmd", jitted, s_shard, b_shard, program)
+        return _Spmd(jitted, s_shard, b_shard, program)
 
-    def _run(self, entry, others, batch):
-        _, jitted, s_shard, b_shard, program = entry
+    def _run(self, entry: _Spmd, others, batch):
+        jitted, s_shard, b_shard = entry.step, entry.state_shardings, entry.batch_shardings
+        program = entry.program
         batch = jax.device_put(batch, b_shard)
         state = jax.device_put(_state(program, others), s_shard)
         out, new_state, used_vg, (ok, loss) = jitted(state, batch)
@@ -585,6 +588,31 @@ def _withheld(program: Program, out, old_state_leaves):
         if m is not None:
             leaves[m] = old_state_leaves[i]
     return jax.tree.unflatten(tree, leaves)
+
+
+class _Spmd(NamedTuple):
+    """A compiled single-pipeline, single-stage plan: one jitted SPMD step."""
+
+    step: Callable  # (state, batch) -> (output, new NNX state, used_vg, (finite, loss))
+    state_shardings: object
+    batch_shardings: object
+    program: Program
+
+
+class _Shares(NamedTuple):
+    """Several single-stage pipelines with batch shares: per-share capture of the value
+    and gradients on each submesh, one apply of the combined update."""
+
+    parts: list  # (share, mesh, state shardings, batch shardings) per pipeline
+    capture: list  # jitted per pipeline
+    apply: Callable
+    program: Program
+
+
+class _Mpmd(NamedTuple):
+    """A pipeline plan run stage by stage (``hetshard.runtime.pipeline``)."""
+
+    runner: object
 
 
 def _state(program: Program, others):

@@ -148,7 +148,7 @@ def test_two_stages_on_uneven_submeshes_3_plus_5():
         _stage(0, 2, (4, 5, 6), V, data=1, tensor=3),
         _stage(2, 4, (0, 1, 2, 3, 7), H, data=1, tensor=5)), 8, 2, 4)])
     step = _assert_matches_one_device("gpt-tiny", plan)
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     # Residuals travel inside the returned vjp pytree: one compile per stage function
     # (backward: the first micro-batch starts the accumulator), not one per micro-batch.
     for run in (r for row in runner.runs for r in row):
@@ -256,7 +256,7 @@ def test_interleaved_schedule_two_stages_per_submesh():
         _stage(j, j + 1, *(a if j % 2 == 0 else v)) for j in range(4)), 8, 1, 4,
         virtual_stages=2)])
     step = _assert_matches_one_device("gpt-tiny", plan)
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     assert [sorted(d.id for d in r.mesh.devices.flat) for r in runner.runs[0]] == \
         [[2, 3], [4, 5], [2, 3], [4, 5]]
 
@@ -287,7 +287,7 @@ def test_zero_bubble_schedule_runs_b_and_w_passes(overlap):
     kinds = [k for k, _, _ in worker_order("zbh1", 4, 3, 4)]
     assert kinds.count("W") == 4 and kinds.index("W") > kinds.index("B")
     step = _assert_matches_one_device("gpt-tiny", plan, steps=2)
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     assert all(r.bwd_input is not None and r.bwd_weight is not None for r in runner.runs[0])
 
 
@@ -305,7 +305,7 @@ def test_two_pipelines_with_shares_5_3_and_different_layer_splits():
     slow = Pipeline((_stage(0, 3, (4, 5, 6), V, data=1, tensor=3), _stage(3, 4, (7,), V)),
                     3, 1, 3)
     step = _assert_matches_one_device("gpt-tiny", _plan("gpt-tiny", [fast, slow]))
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     # The tied embedding is read by the first and the last stage of each pipeline; its
     # gradient and update live with its owner, the first stage.
     emb = runner.paths.index("0/embed/embedding")
@@ -331,7 +331,7 @@ def test_mllm_with_the_vision_encoder_on_its_own_stage():
     text = _stage(5, 9, (0, 1), H, data=2)
     plan = _plan("llava-tiny", [Pipeline((vision, text), 8, 2, 2)], seq=64)
     step = _assert_matches_one_device("llava-tiny", plan, loss_fn=mllm_loss, steps=2, seq=64)
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     first = runner.splits[0].stages[0]
     assert {runner.paths[i].split("/")[1] for i in first.params} == {"vision", "projector"}
 
@@ -481,7 +481,7 @@ def test_compute_dtype_weight_copies_are_cast_once_per_step(monkeypatch):
     plan = _two_stage_plan(BF16, "zbh1")
     batches = _batches(BF16, batch=8, seq=64)
     got, model, _, step = _train(BF16, lm_loss, batches, 2, optax.adamw(1e-2), plan)
-    runs = next(iter(step._compiled.values()))[1].runs[0]
+    runs = next(iter(step._compiled.values())).runner.runs[0]
     assert all(len(r.program.cast_params) >= 8 for r in runs)  # two blocks' weights each
     monkeypatch.setattr(StageProgram, "cast_params", property(lambda self: {}))
     want, ref, _, _ = _train(BF16, lm_loss, batches, 2, optax.adamw(1e-2), plan)

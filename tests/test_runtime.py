@@ -195,7 +195,7 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training(overlap):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Each stage ran the flash kernel on its own mesh's devices (per sample and head).
-    runner = next(iter(step._compiled.values()))[1]
+    runner = next(iter(step._compiled.values())).runner
     assert set(runner.splits[0]._runners) == {run.mesh for run in runner.runs[0]}
     # ... with its activations split along the sequence between tensor-parallel matmuls
     # (layouts: the layer boundaries and row-parallel outputs split, gathers before the
@@ -274,15 +274,15 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
                         fix=parse_fix("dp=8,tp=1,pp=1"), attention=attention)
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
-    jaxpr = str(entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),
-                               jax.device_put(batches[0], entry[3])).jaxpr)
+    jaxpr = str(entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+                               jax.device_put(batches[0], entry.batch_shardings)).jaxpr)
     # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
     assert jaxpr.count("pallas_call") == kernels
     # XLA cannot split a Pallas call: each runs inside a shard_map on its device's
     # samples. Left to the partitioner, every device gathered the whole batch's q, k, v
     # (and cotangents) and computed attention for all of it.
-    hlo = entry[1].lower(jax.device_put(nnx.state((model, opt)), entry[2]),
-                         jax.device_put(batches[0], entry[3])).compile().as_text()
+    hlo = entry.step.lower(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+                         jax.device_put(batches[0], entry.batch_shardings)).compile().as_text()
     assert jaxpr.count("shard_map") == (4 if kernels else 0)  # per layer: fwd, bwd
     assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
 
@@ -304,8 +304,8 @@ def test_single_stage_plan_runs_its_remat_per_layer(remat, layers, checkpoints):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     entry = next(iter(step._compiled.values()))
-    jaxpr = entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),
-                           jax.device_put(batches[0], entry[3])).jaxpr
+    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+                           jax.device_put(batches[0], entry.batch_shardings)).jaxpr
 
     def count(jaxpr):
         n = 0
@@ -323,8 +323,8 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
     plan = _plan("dp=2,tp=4,pp=1", shardings=True)
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
-    jaxpr = entry[1].trace(jax.device_put(nnx.state((model, opt)), entry[2]),
-                           jax.device_put(batches[0], entry[3])).jaxpr
+    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+                           jax.device_put(batches[0], entry.batch_shardings)).jaxpr
     batch_split = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"
                    and tuple(e.params["sharding"].spec)[:1] in (("data",), (("data",),))
                    and len(e.invars[0].aval.shape) == 3]
@@ -338,7 +338,7 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
         return loss_fn(nnx.merge(graphdef, state), batch)
     closed = jax.make_jaxpr(loss)(state, batches[0])
     assert len(layer_boundaries(closed)) >= 3
-    mesh = step._compiled[next(iter(step._compiled))][2]
+    mesh = next(iter(step._compiled.values())).state_shardings
     mesh = jax.tree.leaves(mesh)[0].mesh
     rewritten = jax.jit(constrain_layers(loss, mesh, plan.pipelines[0].stages[0]))
     np.testing.assert_allclose(rewritten(state, batches[0]), jax.jit(loss)(state, batches[0]),
@@ -437,13 +437,13 @@ def test_context_parallel_stage_matches_single_device_training(fix):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     (entry,) = step._compiled.values()
-    _, jitted, s_shard, b_shard, program = entry
+    jitted, s_shard, b_shard = entry.step, entry.state_shardings, entry.batch_shardings
     assert tuple(b_shard["tokens"].spec)[1] == "context"  # the batch's sequence is split
-    hlo = jitted.lower(jax.device_put(nnx.state(_run_state(program)), s_shard),
+    hlo = jitted.lower(jax.device_put(nnx.state(_fresh_state()), s_shard),
                        jax.device_put(batches[0], b_shard)).as_text()
     assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring
 
 
-def _run_state(program):
+def _fresh_state():
     model = models.build(MODEL, rngs=0)
     return (model, nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param))
