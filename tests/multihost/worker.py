@@ -68,7 +68,7 @@ def _train(name, loss, cluster, plan, batches, steps, planned=False):
     losses = [float(step(model, opt, batches[i % 2])) for i in range(steps)]
     if planned:
         return losses, step.plan
-    runner = next(iter(step._compiled.values()))[1]
+    runner = getattr(next(iter(step._compiled.values())), "runner", None)  # MPMD plans
     return losses, runner
 
 
