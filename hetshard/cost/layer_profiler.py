@@ -12,23 +12,12 @@ to (``hetshard.cost.measured``). One device: tensor degree 1.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 
 from hetshard.cost.measured import MeasuredProfile, Timing
+from hetshard.cost.profiler import _best_time
 from hetshard.errors import SpecError
-
-
-def _best_time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _values(avals, key):
