@@ -20,12 +20,23 @@ def _launch(mode, timeout="20", grace_s=60):
     old = os.environ.copy()
     os.environ.update(env)
     try:
-        t0 = time.monotonic()
         rc = launch(2, 4, [sys.executable, WORKER, mode], out=out, grace_s=grace_s)
-        return rc, out.getvalue(), time.monotonic() - t0
+        return rc, out.getvalue(), time.time()
     finally:
         os.environ.clear()
         os.environ.update(old)
+
+
+def _since_failure(text, ended):
+    """Seconds from the failing rank's FAILING_AT line to the launcher's return.
+
+    Start-up (two JAX imports, distributed init) is not counted: on 2 loaded cores it alone
+    can take longer than the timeout, and the property is how fast a failure ends the job.
+    """
+    stamps = [float(line.split("FAILING_AT ", 1)[1]) for line in text.splitlines()
+              if "] FAILING_AT " in line]
+    assert len(stamps) == 1, text[-3000:]
+    return ended - stamps[0]
 
 
 def _lines(text, tag):
@@ -147,20 +158,20 @@ def test_processes_that_disagree_get_an_error_on_every_process():
 
 
 def test_a_dead_process_stops_the_survivor_within_the_timeout():
-    rc, text, elapsed = _launch("die", timeout="5")
+    rc, text, ended = _launch("die", timeout="5")
     assert rc == 3  # the first failure's exit code
     assert "process 1 exited with 3" in text
     assert "unhealthy" in text and "[0]" in text  # the survivor names the missing task
-    assert elapsed < 5 + 30  # heartbeat timeout plus start-up, never a hang
+    assert _since_failure(text, ended) < 5 + 20  # heartbeat timeout and teardown, no hang
 
 
 def test_a_raising_rank_is_named_with_its_traceback_and_the_job_ends_in_time():
     # One rank raises while the other waits for it in a collective: the job ends within
-    # the timeout (plus start-up), with the raising rank's exit status and its traceback
+    # the timeout of its failure, with the raising rank's exit status and its traceback
     # shown as the cause before anything the survivor printed while it was stopped.
-    rc, text, elapsed = _launch("raise", timeout="5", grace_s=None)
+    rc, text, ended = _launch("raise", timeout="5", grace_s=None)
     assert rc == 1, text[-3000:]
-    assert elapsed < 5 + 10, (elapsed, text[-3000:])
+    assert _since_failure(text, ended) < 5 + 10, text[-3000:]
     cause = text.index("process 1 failed first (exit status 1); the cause, its traceback:")
     assert "[1] ValueError: rank one broke" in text[cause:]
     assert "[1] Traceback (most recent call last)" in text[cause:]
@@ -169,10 +180,10 @@ def test_a_raising_rank_is_named_with_its_traceback_and_the_job_ends_in_time():
 
 
 def test_a_killed_rank_ends_the_job_with_a_signal_status():
-    rc, text, elapsed = _launch("kill", timeout="5", grace_s=None)
+    rc, text, ended = _launch("kill", timeout="5", grace_s=None)
     assert rc == 128 + 9, text[-3000:]
     assert "process 1 failed first (exit status 137) without a Python traceback" in text
-    assert elapsed < 5 + 10, elapsed
+    assert _since_failure(text, ended) < 5 + 10, text[-3000:]
 
 
 def test_a_missing_executable_is_refused_before_anything_starts():

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import hetshard.distributed as hd
 
@@ -187,12 +188,18 @@ def _user_train(step, args, batches, steps=3):
     return losses
 
 
+def _failing_now():
+    """Wall-clock time of the failure, for the test to time the job's end from it."""
+    print(f"FAILING_AT {time.time()!r}", flush=True)
+
+
 def main(mode: str) -> int:
     rank = jax.process_index()
     print(f"process {rank} of {jax.process_count()}, {len(jax.local_devices())} local "
           f"devices, {len(jax.devices())} in all", flush=True)
     if mode == "die":
         if rank == 1:
+            _failing_now()
             os._exit(3)
         # The survivor blocks in a collective that process 1 never joins.
         from jax.experimental import multihost_utils
@@ -200,12 +207,14 @@ def main(mode: str) -> int:
         return 0
     if mode == "kill":
         if rank == 1:
+            _failing_now()
             os.kill(os.getpid(), signal.SIGKILL)
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("never completes")
         return 0
     if mode == "raise":
         if rank == 1:
+            _failing_now()
             raise ValueError("rank one broke")
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("never completes")
