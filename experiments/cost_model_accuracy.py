@@ -10,9 +10,9 @@ Sets (each row a published configuration and its measured step time):
   parallelism, counted with 72*...). Micro-batch sizes of the first table are not
   published: each row takes the size (1, 2, 4, 8) hetshard predicts fastest among those
   that fit, as the authors tuned theirs. Priced with the roofline (no per-layer profile
-  exists): once with the built-in constants (every row held out) and once with the A100's
-  ``matmul_eff``, ``memory_eff`` and ``fusion`` fitted on FIT_ROWS (grid search, least
-  squares on log step time), the other rows held out.
+  exists) as shipped. Three rows (FIT_ROWS) are those the catalog's Ampere
+  ``matmul_eff`` was fitted on (``fit_matmul_eff``: the mean log error zeroed); the
+  other 11 are held out, and torchtitan's A100 rows below are held out entirely.
 * ``sailor-mit`` (9), ``sailor-gh200-opt350`` (15), ``sailor-gh200-gptneo`` (12):
   Sailor's real measured iteration times (Strati et al., SOSP'25; ``../shared/data/
   sailor-validation.json``) of its plans on a mixed RTX-3090 / RTX-2080 Ti / Titan RTX
@@ -29,8 +29,9 @@ Sets (each row a published configuration and its measured step time):
   recomputation), with vanilla and asynchronous TP (hetshard's collective matmuls),
   bfloat16, seq 8192. The GPUs are H100 SXM with 96 GB HBM2e at 2.4 TB/s capped at 500 W
   (torchtitan: "peak between SXM and NVL"): priced as an inline GPU at the midpoint
-  (912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline, built-in
-  constants, nothing fitted. Float8 rows are left out (hetshard prices no float8).
+  (912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline as shipped;
+  the catalog's Hopper ``matmul_eff`` was fitted on the 8-GPU FSDP row (H100_FIT_ROWS),
+  the other 5 are held out. Float8 rows are left out (hetshard prices no float8).
 * ``torchtitan-a100`` (3): torchtitan's Llama 3 on 64 A100 80GB (``docs/performance.md``
   of Jun 2024): 8B with per-op and per-layer (every second block) selective
   recomputation, 70B with full recomputation, local batch 1, seq 8192, FSDP. The network
@@ -43,8 +44,10 @@ attention kernel's forward. Those rows are priced as ``selective`` plus the re-r
 matmuls' forward time less the attention forward, at the same roofline
 (``_op_sac_extra_s``, not fitted).
 
-Per set the script reports the median and mean absolute error, the Spearman rank
-correlation between predicted and measured times, and which rows (if any) were fitted.
+Per set the script reports the median and mean absolute error over the held-out rows,
+the Spearman rank correlation between predicted and measured times, and which rows (if
+any) a catalog constant was fitted on; it fits each per-architecture ``matmul_eff``
+again (ARCH_FITS) and prints it beside the catalog's.
 
 Usage: python experiments/cost_model_accuracy.py [--sets megatron,sailor-mit,...]
 Writes experiments/results/cost_model_accuracy.json and .png.
@@ -54,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import sys
@@ -65,6 +67,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hetshard.cluster import Cluster  # noqa: E402
+from hetshard.cluster.catalog import CATALOG  # noqa: E402
 from hetshard.cost.calibration import DEFAULT, Calibration  # noqa: E402
 from hetshard.cost.stage import attention_rate  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
@@ -158,18 +161,20 @@ def megatron_evaluate(cal, subset=None):
     return out
 
 
-def megatron_fit():
-    best = None
-    grid = itertools.product([0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9],
-                             [0.5, 0.7, 0.9], [0.1, 0.2, 0.35, 0.5])
-    for mm, mem, fus in grid:
-        eff = dataclasses.replace(DEFAULT.default, matmul_eff=mm, memory_eff=mem, fusion=fus)
-        cal = DEFAULT.with_type("A100-80GB", eff)
-        res = megatron_evaluate(cal, FIT_ROWS)
-        loss = sum(np.log(r["predicted_step_s"] / r["measured_step_s"]) ** 2 for r in res)
-        if best is None or loss < best[0]:
-            best = (loss, eff)
-    return best[1]
+def fit_matmul_eff(evaluate, names, fit_rows):
+    """The ``matmul_eff`` that zeroes the mean log error of ``fit_rows`` when the GPU types
+    ``names`` use it (bisection: a higher efficiency predicts faster), to 3 decimals.
+    ``evaluate(cal, subset)`` prices the rows named in ``subset``."""
+    lo, hi = 0.3, 0.95
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        cal = DEFAULT
+        for name in names:
+            cal = cal.with_type(name, dataclasses.replace(DEFAULT.default, matmul_eff=mid))
+        rows = evaluate(cal, fit_rows)
+        err = np.mean([np.log(r["predicted_step_s"] / r["measured_step_s"]) for r in rows])
+        lo, hi = (mid, hi) if err > 0 else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 # ---- Sailor's measured runs -----------------------------------------------------------
@@ -214,7 +219,8 @@ LLAMA3_70B = ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128
 GRAND_TETON_H100 = {"name": "H100-96GB-HBM2e-500W", "bf16_tflops": 912.0,
                     "tf32_tflops": 456.0, "attention_tflops": 330.0 * 912 / 989,
                     "memory_gb": 96, "memory_gbs": 2400, "intra_node_gbs": 450,
-                    "inter_node_gbs": 400}
+                    "inter_node_gbs": 400, "sms": 132,
+                    "matmul_eff": CATALOG["H100-80GB"].matmul_eff}
 # row, model, gpus, fsdp, tp, local batch (per data rank), remat, tp_overlap, TPS/GPU
 TORCHTITAN_H100 = [
     ("8B FSDP8 compile", "8b", 8, 8, 1, 2, "op", False, 6667),
@@ -242,7 +248,7 @@ def _op_sac_extra_s(model, gpu, tp, cal, samples):
     h, kv, f = (4096, 1024, 14336) if model == "8b" else (8192, 1024, 28672)
     tokens = samples * _TT_SEQ
     e = cal.for_type(gpu.name)
-    mm = 2.0 * tokens * h * (kv + h + f) / tp / (gpu.peak_flops("bfloat16") * e.matmul_eff)
+    mm = 2.0 * tokens * h * (kv + h + f) / tp / (gpu.peak_flops("bfloat16") * e.matmul(gpu))
     attn = 2.0 * samples * _TT_SEQ ** 2 * h / tp / attention_rate(gpu, "bfloat16", e)
     return mm - attn
 
@@ -278,38 +284,30 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
     return out
 
 
-H100_FIT_ROWS = ("8B FSDP8 compile",)
+H100_FIT_ROWS = {"8B FSDP8 compile (8 GPUs)"}
 
 
-def torchtitan_h100_fit():
-    """The 500 W H100's ``matmul_eff`` fitted on the 8-GPU FSDP row (communication
-    there is NVLink's, hidden: it isolates compute; bisection to zero error); the other
-    rows held out."""
-    name = GRAND_TETON_H100["name"]
-    rows = {r[0]: r for r in TORCHTITAN_H100}
+def torchtitan_h100_subset(cal, subset):
+    return torchtitan_evaluate([r for r in TORCHTITAN_H100 if f"{r[0]} ({r[2]} GPUs)" in subset],
+                               _grand_teton, cal)
 
-    def err(eff, row):
-        cal = DEFAULT.with_type(name, eff)
-        (got,) = torchtitan_evaluate([rows[row]], _grand_teton, cal)
-        return got["predicted_step_s"] / got["measured_step_s"] - 1
 
-    def bisect(field, lo, hi, row, base):
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            e = err(dataclasses.replace(base, **{field: mid}), row)
-            # A higher efficiency predicts faster; more interference slower.
-            if (e > 0) == (field == "matmul_eff"):
-                lo = mid
-            else:
-                hi = mid
-        return dataclasses.replace(base, **{field: round((lo + hi) / 2, 3)})
-    return DEFAULT.with_type(name, bisect("matmul_eff", 0.3, 0.95, H100_FIT_ROWS[0],
-                                          DEFAULT.default))
+# The catalog's per-architecture matmul_eff (hetshard.cluster.catalog) and how each was
+# fitted: the GPU types, the set and its rows (the rest of every set held out).
+ARCH_FITS = {
+    "Ampere (A100)": (("A100-80GB",), "megatron", FIT_ROWS),
+    "Hopper (H100, H200, GH200)": ((GRAND_TETON_H100["name"],), "torchtitan-h100",
+                                   H100_FIT_ROWS),
+}
 
 
 def _grand_teton(gpus):
     return Cluster.load({"name": f"grand-teton-h100-x{gpus}", "groups": [
         {"name": "h100", "gpu": GRAND_TETON_H100, "nodes": gpus // 8, "gpus_per_node": 8}]})
+
+
+def _gpu_of(name):
+    return CATALOG.get(name) or _grand_teton(8).groups[0].gpu
 
 
 def _dgx_a100(gpus):
@@ -368,7 +366,7 @@ def print_set(name, summary, rows):
               f"{r['predicted_step_s']:9.3f} s  {r['error']:+7.1%}{tag}")
 
 
-def plot(sets, fitted, path):
+def plot(sets, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -377,20 +375,19 @@ def plot(sets, fitted, path):
     lo, hi = np.inf, 0.0
     for (name, data), color in zip(sets.items(), colors, strict=False):
         rows = data["rows"]
-        x = [r["measured_step_s"] for r in rows]
-        y = [r["predicted_step_s"] for r in rows]
         s = data["summary"]
-        ax.scatter(x, y, color=color, s=18, label=f"{name}: median |err| "
-                   f"{s['median_abs_error']:.0%}, rho {s['spearman']:.2f}")
-        lo, hi = min(lo, *x, *y), max(hi, *x, *y)
-        if name in fitted:  # hollow: the same rows with constants fitted on a subset
-            rf = fitted[name]["rows"]
-            sf = fitted[name]["summary"]
-            yf = [r["predicted_step_s"] for r in rf]
-            ax.scatter(x, yf, facecolors="none", edgecolors=color, s=18,
-                       label=f"{name} fitted on {len(sf['fit_rows'])} row(s): held out "
-                             f"{sf['median_abs_error']:.0%}, rho {sf['spearman']:.2f}")
-            lo, hi = min(lo, *yf), max(hi, *yf)
+        for fitted in (False, True):
+            mine = [r for r in rows if bool(r.get("fitted")) == fitted]
+            if not mine:
+                continue
+            x = [r["measured_step_s"] for r in mine]
+            y = [r["predicted_step_s"] for r in mine]
+            label = (f"{name} (fit rows)" if fitted else
+                     f"{name}: median |err| {s['median_abs_error']:.0%} held out, "
+                     f"rho {s['spearman']:.2f}")
+            ax.scatter(x, y, s=18, label=label, **(
+                {"facecolors": "none", "edgecolors": color} if fitted else {"color": color}))
+            lo, hi = min(lo, *x, *y), max(hi, *x, *y)
     lim = [lo * 0.7, hi * 1.4]
     ax.plot(lim, lim, "k--", linewidth=0.8, label="predicted = measured")
     for f in (0.9, 1.1):
@@ -400,8 +397,8 @@ def plot(sets, fitted, path):
     ax.set_yscale("log")
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("hetshard predicted step time (s)")
-    ax.set_title("hetshard's cost model against measured step times\nfilled: as shipped; "
-                 "hollow: constants fitted on a subset, the rest held out", fontsize=10)
+    ax.set_title("hetshard's cost model as shipped against measured step times\nhollow: "
+                 "rows a catalog constant was fitted on; filled: held out", fontsize=10)
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7.5,
                frameon=False)
     fig.tight_layout(rect=(0, 0.13, 1, 1))
@@ -423,63 +420,56 @@ def main() -> int:
     if args.plot_only:
         with open(os.path.join(args.out, "cost_model_accuracy.json")) as f:
             saved = json.load(f)
-        plot(saved["sets"], saved["fitted"],
-             os.path.join(args.out, "cost_model_accuracy.png"))
+        plot(saved["sets"], os.path.join(args.out, "cost_model_accuracy.png"))
         return 0
     wanted = [s for s in args.sets.split(",") if s]
     bad = [s for s in wanted if s not in ALL_SETS]
     if bad:
         ap.error(f"--sets: unknown {bad}; accepted: {', '.join(ALL_SETS)}")
     t0 = time.time()
-    # ``sets``: what hetshard ships (built-in constants, or the published profiles for
-    # Sailor's rows); ``fitted``: the same rows with constants fitted on a documented
-    # subset, the rest held out.
+    # ``sets``: what hetshard ships (the catalog's constants, or the published profiles
+    # for Sailor's rows), each row flagged if it was used to fit a catalog constant;
+    # ``fits``: each per-architecture matmul_eff fitted again from its rows, beside the
+    # catalog's value.
     sets: dict = {}
-    fitted: dict = {}
+    fits: dict = {}
     if "megatron" in wanted:
         rows = megatron_evaluate(DEFAULT)
-        sets["megatron"] = {"summary": summarize(rows), "rows": rows,
+        sets["megatron"] = {"summary": summarize(rows, FIT_ROWS), "rows": rows,
                             "calibration": "built-in"}
-        print_set("megatron, built-in constants (all rows held out)",
-                  sets["megatron"]["summary"], rows)
-        eff = megatron_fit()
-        cal = DEFAULT.with_type("A100-80GB", eff)
-        rows = megatron_evaluate(cal)
-        fitted["megatron"] = {"summary": summarize(rows, FIT_ROWS), "rows": rows,
-                              "calibration": cal.to_dict()}
-        print_set(f"megatron, A100 fitted: matmul_eff={eff.matmul_eff} memory_eff="
-                  f"{eff.memory_eff} fusion={eff.fusion}", fitted["megatron"]["summary"],
-                  rows)
+        print_set("megatron, as shipped", sets["megatron"]["summary"], rows)
     for name in SAILOR_SETS:
         if name in wanted:
             rows = sailor_evaluate(name)
             sets[name] = {"summary": summarize(rows), "rows": rows,
                           "calibration": "../shared/data/profiles/sailor-profiles.json"}
             print_set(name, sets[name]["summary"], rows)
-    for name, table, cluster_of in (("torchtitan-h100", TORCHTITAN_H100, _grand_teton),
-                                    ("torchtitan-a100", TORCHTITAN_A100, _dgx_a100)):
+    for name, table, cluster_of, fit_rows in (
+            ("torchtitan-h100", TORCHTITAN_H100, _grand_teton, H100_FIT_ROWS),
+            ("torchtitan-a100", TORCHTITAN_A100, _dgx_a100, set())):
         if name not in wanted:
             continue
         rows = torchtitan_evaluate(table, cluster_of)
-        sets[name] = {"summary": summarize(rows), "rows": rows, "calibration": "built-in"}
-        print_set(f"{name}, built-in constants (all rows held out)", sets[name]["summary"],
-                  rows)
-        if name == "torchtitan-h100":
-            cal = torchtitan_h100_fit()
-            rows = torchtitan_evaluate(table, cluster_of, cal)
-            fit = {r["row"] for r in rows if r["row"].split(" (")[0] in H100_FIT_ROWS}
-            e = cal.for_type(GRAND_TETON_H100["name"])
-            fitted[name] = {"summary": summarize(rows, fit), "rows": rows,
-                            "calibration": cal.to_dict()}
-            print_set(f"{name}, fitted: matmul_eff={e.matmul_eff}", fitted[name]["summary"],
-                      rows)
+        sets[name] = {"summary": summarize(rows, fit_rows), "rows": rows,
+                      "calibration": "built-in"}
+        print_set(f"{name}, as shipped", sets[name]["summary"], rows)
+    evaluators = {"megatron": megatron_evaluate, "torchtitan-h100": torchtitan_h100_subset}
+    for arch, (names, set_name, rows) in ARCH_FITS.items():
+        if set_name not in wanted:
+            continue
+        got = fit_matmul_eff(evaluators[set_name], names, rows)
+        shipped = DEFAULT.default.matmul(_gpu_of(names[0]))
+        fits[arch] = {"set": set_name, "rows": sorted(rows), "fitted_matmul_eff": got,
+                      "catalog_matmul_eff": shipped}
+        print(f"\n{arch}: matmul_eff fitted on {sorted(rows)} of {set_name}: {got} "
+              f"(catalog: {shipped})")
     os.makedirs(args.out, exist_ok=True)
-    out = {"sets": sets, "fitted": fitted, "wall_time_s": time.time() - t0}
+    out = {"sets": sets, "fits": fits, "wall_time_s": time.time() - t0}
     suffix = "" if wanted == list(ALL_SETS) else "_" + "_".join(wanted)
     with open(os.path.join(args.out, f"cost_model_accuracy{suffix}.json"), "w") as f:
         json.dump(out, f, indent=1, default=float)
     if sets:
-        plot(sets, fitted, os.path.join(args.out, f"cost_model_accuracy{suffix}.png"))
+        plot(sets, os.path.join(args.out, f"cost_model_accuracy{suffix}.png"))
     return 0
 
 

@@ -363,7 +363,7 @@ def cmd_profile(args) -> int:
     cal = profile_backend(quick=args.quick)
     cal.save(args.out)
     print(f"wrote {args.out}: " + ", ".join(
-        f"{n}: matmul_eff={e.matmul_eff:.3f} attention_eff={e.attention:.3f} "
+        f"{n}: matmul_eff={e.matmul_eff:.3f} attention_eff={e.attention_eff:.3f} "
         f"memory_eff={e.memory_eff:.3f} comm_eff={e.comm_eff:.3f}"
         for n, e in cal.per_type))
     return 0

@@ -63,6 +63,22 @@ def test_inline_gpu():
         Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
             "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
             "memory_mib": -1}, "nodes": 1, "gpus_per_node": 4}]})
+    # SM counts (the cost model's wave quantization) round-trip; a fraction is refused.
+    e = Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
+        "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
+        "sms": 120}, "nodes": 1, "gpus_per_node": 4}]})
+    assert e.groups[0].gpu.sms == 120 and c.groups[0].gpu.sms is None
+    assert Cluster.from_json(e.to_json()) == e and Cluster.from_toml(e.to_toml()) == e
+    for field, bad in (("matmul_eff", 1.5), ("matmul_eff", 0), ("matmul_eff", "0.6")):
+        with pytest.raises(hetshard.SpecError, match=rf"gpu\.{field}"):
+            Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
+                "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
+                field: bad}, "nodes": 1, "gpus_per_node": 4}]})
+    for bad in (12.5, 0, True):
+        with pytest.raises(hetshard.SpecError, match=r"gpu\.sms"):
+            Cluster.load({"name": "x", "groups": [{"name": "g", "gpu": {
+                "name": "NewChip", "bf16_tflops": 500, "memory_gb": 96, "memory_gbs": 4000,
+                "sms": bad}, "nodes": 1, "gpus_per_node": 4}]})
 
 
 def test_catalog_memory_is_the_drivers_total():

@@ -271,7 +271,7 @@ def test_calibration_round_trip_and_errors(tmp_path):
     path.write_text('{"version": 1, "default": {"matmul_eff": -1}}')
     with pytest.raises(SpecError, match="matmul_eff=-1"):
         Calibration.load(path)
-    path.write_text('{"version": 2}')
+    path.write_text('{"version": 3}')
     with pytest.raises(SpecError, match="version"):
         Calibration.load(path)
 
@@ -297,11 +297,11 @@ def test_attention_efficiency_prices_attention_equations_only(prof):
         eff = dataclasses.replace(DEFAULT.default, attention_eff=attention_eff)
         return stage_cost(prof, 0, prof.num_layers, gpu, mbs=8, cal=DEFAULT.with_type(
             gpu.name, eff), attention="reference", **kw)
-    base, same = cost(None), cost(DEFAULT.default.matmul_eff)
+    base, same = cost(None), cost(DEFAULT.default.matmul(gpu))
     assert (base.fwd_s, base.bwd_s) == (same.fwd_s, same.bwd_s)
     # Slow enough that attention's products are compute-bound at these tiny shapes (the
     # A100 prices float32 matmuls at its TF32 peak).
-    slow = cost(DEFAULT.default.matmul_eff / 100)
+    slow = cost(DEFAULT.default.matmul(gpu) / 100)
     assert slow.fwd_s > base.fwd_s and slow.bwd_s > base.bwd_s
     assert slow.model_flops == base.model_flops  # only time changes
     assert slow.memory_static_bytes == base.memory_static_bytes

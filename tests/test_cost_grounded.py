@@ -258,13 +258,16 @@ def test_flash_attention_runs_at_the_catalogs_rate_or_a_measured_one(small):
     assert attention_rate(a100, "bfloat16", e) == pytest.approx(a100.attention_tflops * 1e12)
     assert attention_rate(h100, "bfloat16", e) / h100.peak_flops("bfloat16") < 0.4
     assert attention_rate(a100, "bfloat16", e, "reference") == pytest.approx(
-        a100.peak_flops("bfloat16") * e.matmul_eff)
+        a100.peak_flops("bfloat16") * e.matmul(a100))
     measured = dataclasses.replace(e, attention_eff=0.5)
     assert attention_rate(h100, "bfloat16", measured) == pytest.approx(
         0.5 * h100.peak_flops("bfloat16"))
     t4 = Cluster.load("amp-t4-v100").group("t4").gpu
     assert t4.attention_tflops is None
-    assert attention_rate(t4, "float16", e) < t4.peak_flops("float16") * e.matmul_eff
+    assert attention_rate(t4, "float16", e) < t4.peak_flops("float16") * e.matmul(t4)
+    # Large GEMMs: a calibration's share, else the architecture's fitted one, else 0.75.
+    assert e.matmul(a100) == a100.matmul_eff == 0.69 and e.matmul(t4) == 0.75
+    assert dataclasses.replace(e, matmul_eff=0.9).matmul(a100) == 0.9
 
 
 def test_fsdp_gathers_hidden_behind_compute_still_slow_it(small):
@@ -331,3 +334,128 @@ def test_sailors_setting_the_planner_beats_sailors_plan_under_the_shared_profile
     theirs = simulate(ss.sailor_plan_32_96(c), prof, c, cal, trace=False)
     assert ours.fits and theirs.fits
     assert ours.step_time_s < theirs.step_time_s
+
+
+# ---- the roofline fallback: fused kernels, GEMM shapes, launches ----------------------
+
+def _kernels_of(fn, shape, dtype="float32"):
+    import jax
+    import jax.numpy as jnp
+
+    from hetshard.ir.trace import trace
+    x = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    graph = trace(fn, {}, x)
+    nbytes, starts = graph.kernels()
+    return graph, nbytes, starts, float(np.prod(shape)) * x.dtype.itemsize
+
+
+def test_an_elementwise_chain_is_one_kernel_reading_and_writing_once():
+    import jax.numpy as jnp
+
+    def chain(n):
+        def fn(_, x):
+            for _ in range(n):
+                x = jnp.tanh(x * 2.0 + 1.0)
+            return x
+        return fn
+    for n in (1, 3, 8):
+        graph, nbytes, starts, size = _kernels_of(chain(n), (64, 512))
+        assert len(graph.ops) == 3 * n
+        assert int(starts.sum()) == 1
+        # One read of x, one write of the result, however long the chain (scalars aside).
+        assert nbytes.sum() == pytest.approx(2 * size, rel=1e-3)
+        assert sum(op.bytes for op in graph.ops) >= 3 * n * 2 * size * 0.99
+
+
+def test_what_needs_a_reduced_value_runs_in_a_later_kernel_unless_the_row_fits():
+    import jax
+
+    from hetshard.ir.graph import ROW_FUSION_MAX
+
+    def softmax(_, x):
+        return jax.nn.softmax(x, axis=-1)
+    # Rows that fit on chip: one normalization kernel reads x once and writes once.
+    _, nbytes, starts, size = _kernels_of(softmax, (64, 1024))
+    assert int(starts.sum()) == 1
+    assert nbytes.sum() == pytest.approx(2 * size, rel=0.01)
+    # Longer rows: the max, the exponentials' sum, then the normalisation: three kernels;
+    # x read by the first two, the exponentials written once and read once.
+    _, nbytes, starts, size = _kernels_of(softmax, (4, 2 * ROW_FUSION_MAX))
+    assert int(starts.sum()) == 3
+    assert nbytes.sum() == pytest.approx(4 * size, rel=0.01)
+    # A reduction over leading axes is no row: its readers wait for it.
+    _, nbytes, starts, size = _kernels_of(lambda _, x: x / x.sum(0), (64, 1024))
+    assert int(starts.sum()) == 2
+
+
+def test_a_layer_norms_float32_upcast_is_recomputed_not_written():
+    import jax.numpy as jnp
+
+    def norm(_, x):
+        x32 = x.astype(jnp.float32)
+        m = x32.mean(-1, keepdims=True)
+        v = ((x32 - m) ** 2).mean(-1, keepdims=True)
+        return ((x32 - m) / jnp.sqrt(v + 1e-5)).astype(x.dtype)
+    # One kernel: x read once in bfloat16, y written once; a written float32 copy of x
+    # would add 4 bytes per element for its write and each read.
+    graph, nbytes, starts, size = _kernels_of(norm, (64, 1024), "bfloat16")
+    assert nbytes.sum() == pytest.approx(2 * size, rel=0.01)
+    assert int(starts.sum()) == 1
+    # Across the phases: the backward recomputes the upcast from x, it reads no copy.
+    import jax
+    graph, nbytes, starts, size = _kernels_of(
+        lambda _, x: jax.grad(lambda y: norm(None, y).astype(jnp.float32).sum())(x),
+        (64, 1024), "bfloat16")
+    assert nbytes.sum() <= 4 * size * 1.01
+
+
+def test_small_gemms_lose_to_tile_and_wave_quantization():
+    from hetshard.cost.stage import matmul_shape_eff
+
+    def eff(b, m, n, k, sms=108):
+        return float(matmul_shape_eff(np.array([b, m, n, k], float), sms))
+    assert eff(1, 16384, 4096, 4096) > 0.99
+    # Two full waves of 128 x 256 tiles on 108 SMs; half a tile row more starts a third
+    # wave whatever the tile (the GEMM's K too short to rebalance).
+    assert eff(1, 128 * 216, 256, 64) == 1.0
+    assert eff(1, 128 * 216 + 64, 256, 64) < 0.95
+    # A dimension between powers of two wastes the rest of its tile.
+    assert eff(1, 100, 128 * 108, 4096, None) == pytest.approx(100 / 128)
+    # Few tiles: split along K fills the GPU where K allows, not where it is short.
+    assert eff(1, 128, 128 * 4, 8192) > eff(1, 128, 128 * 4, 256)
+    small, large = eff(1, 64, 1024, 1024), eff(1, 16384, 1024, 1024)
+    assert small < 0.75 < large
+    assert eff(0, 0, 0, 0) == 1.0  # not a matmul
+
+
+def test_a_stage_prices_its_gemms_shapes_and_its_kernel_launches(small):
+    gpu = Cluster.load(TWO_NODES).groups[0].gpu
+    base = stage_cost(small, 0, small.num_layers, gpu, mbs=1, cal=DEFAULT)
+    slow = Calibration(default=dataclasses.replace(DEFAULT.default, kernel_launch_s=1e-3))
+    launched = stage_cost(small, 0, small.num_layers, gpu, mbs=1, cal=slow)
+    kernels = sum(int(layer.fwd_kernels.sum()) - int(layer.fwd_kernels[
+        layer.fwd_attention].sum()) + int(layer.fwd_attention.any())
+        for layer in small.layers)
+    assert 0 < kernels < sum(len(layer.fwd_kernels) for layer in small.layers) / 3
+    assert launched.fwd_s - base.fwd_s == pytest.approx(kernels * (1e-3 - 1e-6), rel=1e-6)
+    # Without SM counts (no wave quantization) the same stage is faster.
+    no_waves = dataclasses.replace(gpu, sms=None)
+    assert stage_cost(small, 0, small.num_layers, no_waves, mbs=1, cal=DEFAULT).fwd_s < \
+        base.fwd_s
+
+
+def test_version_1_calibrations_load_and_a_fusion_they_cannot_mean_is_refused(tmp_path):
+    old = {"version": 1, "source": "old", "default": {"matmul_eff": 0.6, "fusion": 0.2},
+           "per_type": {"T4": {"memory_eff": 0.5, "fusion": 0.2}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    cal = Calibration.load(path)
+    assert cal.default.matmul_eff == 0.6 and cal.default.fusion == 1.0
+    assert cal.for_type("T4").memory_eff == 0.5
+    path.write_text(json.dumps({**old, "default": {"fusion": 0.35}}))
+    with pytest.raises(SpecError, match=r"default\.fusion.*0\.35.*version 2"):
+        Calibration.load(path)
+    cal.save(tmp_path / "new.json")
+    again = Calibration.load(tmp_path / "new.json")
+    assert json.loads((tmp_path / "new.json").read_text())["version"] == 2
+    assert again.default == cal.default and again.per_type == cal.per_type

@@ -1,16 +1,17 @@
 """Efficiency factors that turn datasheet peaks into attainable rates.
 
-``matmul_eff`` scales peak FLOP/s, ``memory_eff`` scales HBM bandwidth for the
-non-matmul (memory-bound) equations, ``fusion`` is the fraction of those
-equations' unfused bytes that reach HBM once XLA fuses elementwise chains,
+``matmul_eff`` scales peak FLOP/s for large GEMMs (smaller ones lose more to tile and
+wave quantization: ``hetshard.cost.stage.matmul_shape_eff``), ``memory_eff`` scales HBM
+bandwidth for the non-matmul (memory-bound) kernels, ``fusion`` multiplies the bytes of
+the fused kernels the cost model forms as XLA does (``OpGraph.kernels``: each reads its
+inputs and writes its outputs once), ``kernel_launch_s`` is added per kernel,
 and ``comm_eff`` scales link bandwidths (NCCL bus bandwidth vs line rate).
 
-Defaults were chosen before any comparison with measurements: 0.75 of peak for
-large bf16 GEMMs (cuBLAS on A100/H100 reaches 70-80% of dense peak on large
-shapes), 0.8 of HBM bandwidth for streaming kernels, and 20% of unfused bytes
-surviving XLA fusion. experiments/cost_model_accuracy.py measures them against
-Megatron-LM's published A100 figures (every row held out) and also fits the
-A100 factors on a documented subset; every GPU type uses these defaults unless a
+Defaults: 0.8 of HBM bandwidth for streaming kernels, fused kernels' bytes as they are
+(fusion 1.0), 1 us per kernel (all set before any comparison with measurements), and for
+large GEMMs the GPU type's catalog ``matmul_eff`` (fitted per architecture on documented
+measured rows: ``hetshard.cluster.catalog``; experiments/cost_model_accuracy.py reports
+every other row held out), else 0.75 of peak. Every GPU type uses these unless a
 calibration file (``hetshard profile``) says otherwise. ``comm_eff`` 0.8: nccl-tests all-reduce
 bus bandwidth on DGX A100 reaches ~230 of 300 GB/s NVLink per direction.
 Latencies: ~10 us per NVLink hop and ~20 us per network hop (nccl-tests
@@ -26,12 +27,25 @@ import os
 from hetshard.errors import SpecError, check_positive
 from hetshard.fileio import parse_json, read_text, write_atomic
 
+# Version 2: ``fusion`` multiplies the bytes of the fused kernels the cost model forms
+# (``OpGraph.kernels``), where version 1's was the fraction of unfused bytes; and
+# ``kernel_launch_s``.
+VERSION = 2
+V1_FUSION = 0.2
+
+
+# Large GEMMs' share of the peak where neither a calibration nor the GPU type's catalog
+# entry gives one (cuBLAS on A100/H100 reaches 70-80% of dense peak on large shapes).
+MATMUL_EFF = 0.75
+
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    matmul_eff: float = 0.75
+    # None: the GPU type's catalog ``matmul_eff`` (fitted per architecture), else
+    # MATMUL_EFF; a calibration's measured value wins.
+    matmul_eff: float | None = None
     memory_eff: float = 0.8
-    fusion: float = 0.2
+    fusion: float = 1.0
     comm_eff: float = 0.8
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 20e-6
@@ -46,15 +60,23 @@ class Efficiency:
     # set before the planner benchmark was run with it, not a measurement: a GPU run of
     # experiments/tp_overlap_whatif.py's rows should replace it (a calibration file can).
     overlap_interference: float = 0.2
+    # What each kernel adds to its roofline time: the launch and the switch between
+    # back-to-back kernels. NVIDIA's CUDA Graphs blog (Gray 2019) measured a 2.9 us kernel
+    # at 3.8 us per launch when queued on a stream (3.4 us from a graph): ~1 us.
+    kernel_launch_s: float = 1e-6
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is not None:
                 check_positive(f.name, getattr(self, f.name), where="calibration")
 
-    @property
-    def attention(self) -> float:
-        return self.matmul_eff if self.attention_eff is None else self.attention_eff
+    def matmul(self, gpu) -> float:
+        """Large GEMMs' share of ``gpu``'s peak (a ``DeviceType``): this calibration's,
+        else the GPU type's catalog value, else MATMUL_EFF."""
+        if self.matmul_eff is not None:
+            return self.matmul_eff
+        return gpu.matmul_eff if getattr(gpu, "matmul_eff", None) is not None \
+            else MATMUL_EFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +119,15 @@ class Calibration:
         return dataclasses.replace(self, per_type=rest + ((name, eff),))
 
     def to_dict(self) -> dict:
-        return {"version": 1, "source": self.source,
+        return {"version": VERSION, "source": self.source,
                 "default": dataclasses.asdict(self.default),
                 "per_type": {n: dataclasses.asdict(e) for n, e in self.per_type}}
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "calibration") -> Calibration:
-        if not isinstance(d, dict) or d.get("version") != 1:
+        if not isinstance(d, dict) or d.get("version") not in (1, VERSION):
             raise SpecError("version", d.get("version") if isinstance(d, dict) else d,
-                            "1 (a hetshard calibration file)", where=source)
+                            f"1 or {VERSION} (a hetshard calibration file)", where=source)
         fields = {f.name for f in dataclasses.fields(Efficiency)}
 
         def eff(x, where):
@@ -113,6 +135,17 @@ class Calibration:
             if extra:
                 raise SpecError(f"{where}.{sorted(extra)[0]}", x[sorted(extra)[0]],
                                 f"only {sorted(fields)}", where=source)
+            if d["version"] == 1 and "fusion" in x:
+                # Version 1's fusion was the fraction of unfused bytes reaching HBM; only
+                # its default (0.2) was ever written, which version 2's fused kernels
+                # replace. Another value has no version 2 equivalent.
+                if x["fusion"] != V1_FUSION:
+                    raise SpecError(f"{where}.fusion", x["fusion"],
+                                    f"{V1_FUSION} in a version 1 file (the fraction of "
+                                    "unfused bytes, replaced by fused kernels); write a "
+                                    f"version {VERSION} file, whose fusion multiplies the "
+                                    "fused kernels' bytes (default 1.0)", where=source)
+                x = {k: v for k, v in x.items() if k != "fusion"}
             return Efficiency(**x)
         return cls(default=eff(d.get("default", {}), "default"),
                    per_type=tuple((n, eff(e, n)) for n, e in d.get("per_type", {}).items()),

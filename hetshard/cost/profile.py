@@ -81,6 +81,14 @@ class LayerProfile:
     block: bool = False
     # Its attention is causal (a flash kernel computes half the traced scores).
     attention_causal: bool = False
+    # How XLA runs the equations (``OpGraph.kernels``): per equation, whether it starts a
+    # kernel (a matmul, a fused elementwise chain); ``*_bytes`` of the other equations are
+    # their fused kernel's (on its first equation). And per matmul equation its
+    # (batch, M, N, K) as (q0, q1) arrays of shape [equations, 4] (zeros elsewhere).
+    fwd_kernels: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    bwd_kernels: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    fwd_dims: tuple[np.ndarray, np.ndarray] = (np.zeros((0, 4)), np.zeros((0, 4)))
+    bwd_dims: tuple[np.ndarray, np.ndarray] = (np.zeros((0, 4)), np.zeros((0, 4)))
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -297,6 +305,7 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
     w_full1, w_full2 = w_inputs(reads1), w_inputs(reads2)
     w_sel1, w_sel2 = w_inputs(reads1, recomputed), w_inputs(reads2, recomputed2)
     foreign = g1.foreign_params()
+    (fused1, starts1), (fused2, _) = g1.kernels(), g2.kernels()
     priced: dict[str, LayerProfile] = {}
     for k, name in enumerate(lay.names):
         if rep[k] != k:
@@ -310,10 +319,13 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
                 raise SpecError("model", program.name, "a step whose traced loss has the "
                                 f"same equations at every batch size (layer {name} "
                                 "differs)")
-            for q in ("flops", "bytes"):
-                a1 = np.array([getattr(o, q) for o in o1])
-                a2 = np.array([getattr(o, q) for o in o2])
-                arrays[f"{phase}_{q}"] = _linear(a1, a2)
+            arrays[f"{phase}_flops"] = _linear(np.array([o.flops for o in o1]),
+                                               np.array([o.flops for o in o2]))
+            arrays[f"{phase}_bytes"] = _linear(np.array([fused1[o.index] for o in o1]),
+                                               np.array([fused2[o.index] for o in o2]))
+            arrays[f"{phase}_kernels"] = np.array([starts1[o.index] for o in o1], bool)
+            arrays[f"{phase}_dims"] = _linear(np.array([_dims(o) for o in o1]).reshape(-1, 4),
+                                              np.array([_dims(o) for o in o2]).reshape(-1, 4))
             arrays[f"{phase}_matmul"] = np.array([o.primitive in MATMULS for o in o1], bool)
             arrays[f"{phase}_attention"] = np.array(
                 [o.region == "hetshard_attention" for o in o1], bool)
@@ -367,6 +379,21 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
         opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
         tokens_per_sample=program.seq_len, split_blocks=split_blocks,
         heads=program.heads, fingerprint=program.model_fingerprint, layering=lay.source)
+
+
+def _dims(op) -> tuple[float, float, float, float]:
+    """(batch, M, N, K) of a ``dot_general`` from its operands' shapes; zeros otherwise."""
+    dims = op.params.get("dimension_numbers") if op.primitive == "dot_general" else None
+    if dims is None or len(op.inputs) < 2:
+        return (0.0, 0.0, 0.0, 0.0)
+    (lc, rc), (lb, rb) = dims
+    lhs, rhs = op.inputs[0][1], op.inputs[1][1]
+
+    def size(shape, axes):
+        return float(np.prod([shape[a] for a in axes], dtype=float))
+    free_l = [a for a in range(len(lhs)) if a not in (*lc, *lb)]
+    free_r = [a for a in range(len(rhs)) if a not in (*rc, *rb)]
+    return (size(lhs, lb) * op.repeat, size(lhs, free_l), size(rhs, free_r), size(lhs, lc))
 
 
 def _linear(at2, at4):

@@ -1,12 +1,18 @@
 """Time and memory of one pipeline stage: a layer range on a (tp x cp) submesh of one
 GPU type, replicated ``dp`` ways, running micro-batches of ``mbs`` samples.
 
-Compute: per equation, ``max(flops / (peak * matmul_eff), bytes / (hbm * memory_eff))``;
-attention's equations run at ``attention_rate`` (a measured ``attention_eff``, else the
-catalog's FlashAttention-2 rate for the GPU type, else 0.8 of the matmul rate);
-non-matmul equations count ``fusion`` of their unfused bytes (XLA fuses elementwise
-chains). Under the flash kernel, attention's equations move no HBM bytes (the scores
-stay on chip) and a causal kernel computes half of the traced products (Dao 2023).
+Compute: per kernel, ``max(flops / rate, bytes / (hbm * memory_eff))`` plus
+``kernel_launch_s``. The kernels are XLA's (``OpGraph.kernels``): each matmul, and each
+fused chain of the other equations, which reads its inputs and writes its outputs once
+(times ``fusion``, 1 by default). A matmul's rate is ``matmul_eff`` of the peak times its
+shape's tile and wave quantization on the device's SMs (``matmul_shape_eff``, on the
+per-device shape after tensor and context splits); attention's equations run at
+``attention_rate`` (a measured ``attention_eff``, else the catalog's FlashAttention-2 rate
+for the GPU type, else 0.8 of the matmul rate). Under the flash kernel, attention's
+equations move no HBM bytes (the scores stay on chip), are one kernel forward and two
+backward, and a causal kernel computes half of the traced products (Dao 2023). The
+batch-independent elementwise bytes (weight and gradient casts) count once per step
+with the optimizer update, not per micro-batch.
 Where the calibration holds a measured profile of the program's layers
 (``hetshard.cost.measured``: per GPU type, role and tensor degree), a layer's forward,
 backward and optimizer update are the measured times instead.
@@ -85,10 +91,81 @@ class StageCost:
     # (owner layer, bytes per device). Their gradient goes to the owner every step, and
     # the updated copy comes back.
     read_copies: tuple[tuple[str, float], ...] = ()
+    # Per step, with the update: the weights' and their gradients' dtype casts
+    cast_s: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
                 self.memory_working_bytes)
+
+
+# Output tiles of tensor-core GEMM kernels (cuBLAS's and Triton's usual shapes on Ampere
+# and Hopper); XLA autotunes each GEMM among its kernels, so a GEMM runs the tile that
+# quantizes least. A dimension under a tile takes the next power of two (the libraries
+# pick smaller tiles there). A split-K slice keeps at least SPLIT_K_MIN of K.
+GEMM_TILES = ((128, 128), (128, 256), (256, 128), (64, 128), (128, 64))
+SPLIT_K_MIN = 256
+
+
+def matmul_shape_eff(dims: np.ndarray, sms: int | None) -> np.ndarray:
+    """Fraction of a GPU's large-GEMM rate a matmul of ``dims`` = [..., (batch, M, N, K)]
+    reaches, best over ``GEMM_TILES``: tile quantization (a partial output tile costs a
+    whole one) times wave quantization (tiles run ``sms`` at a time, so a last partial
+    wave idles SMs; a GEMM of fewer tiles than SMs is split along K where K allows, as
+    cuBLAS's split-K and stream-K kernels do). NVIDIA's "Matrix Multiplication
+    Background" guide describes both; the large-GEMM rate itself is ``matmul_eff`` of the
+    peak. Rows of zeros (no matmul) give 1."""
+    b, m, n, k = (np.maximum(dims[..., i], 1.0) for i in range(4))
+
+    def tile(d, size):
+        t = np.minimum(size, 2.0 ** np.ceil(np.log2(d)))
+        return t, np.ceil(d / t)
+    best = np.zeros(np.shape(m))
+    for size_m, size_n in GEMM_TILES:
+        tm, cm = tile(m, size_m)
+        tn, cn = tile(n, size_n)
+        eff = (m / (cm * tm)) * (n / (cn * tn))
+        if sms:
+            tiles = b * cm * cn
+            split = np.where(tiles < sms, np.clip(np.minimum(np.floor(sms / tiles),
+                                                             np.floor(k / SPLIT_K_MIN)),
+                                                  1, None), 1.0)
+            work = tiles * split
+            eff = eff * work / (np.ceil(work / sms) * sms)
+        best = np.maximum(best, eff)
+    return np.where(dims[..., 1] > 0, best, 1.0)
+
+
+def _shape_eff(dims: tuple[np.ndarray, np.ndarray], mbs: int, tp: int, cp: int,
+               sms: int | None) -> np.ndarray:
+    """``matmul_shape_eff`` of a layer's matmuls on one device of a (tp x cp) shard at
+    ``mbs`` samples: tensor parallelism splits each matmul's largest dimension that does
+    not grow with the batch (a weight's), context parallelism its largest that does (the
+    tokens)."""
+    q0, q1 = dims
+    if not len(q0):
+        return np.ones(0)
+    d = q0 + q1 * mbs
+    grows = q1 > 0
+    rows = np.arange(len(d))
+    if tp > 1:
+        fixed = np.where(grows, -1.0, d)
+        col = np.where(fixed.max(axis=1) > 0, fixed.argmax(axis=1), d.argmax(axis=1))
+        d[rows, col] = d[rows, col] / tp
+    if cp > 1:
+        growing = np.where(grows, d, -1.0)
+        col = np.where(growing.max(axis=1) > 0, growing.argmax(axis=1), d.argmax(axis=1))
+        d[rows, col] = d[rows, col] / cp
+    return matmul_shape_eff(d, sms)
+
+
+def _kernels(starts: np.ndarray, in_attention: np.ndarray, attention: str,
+             flash_kernels: int) -> int:
+    """Kernels a layer's phase launches: one per matmul and fused chain; the flash kernel
+    replaces attention's equations by ``flash_kernels`` launches (its backward: dq, dkv)."""
+    if attention != "flash" or len(starts) != len(in_attention) or not in_attention.any():
+        return int(starts.sum())
+    return int(starts[~in_attention].sum()) + flash_kernels
 
 
 def _op_times(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
@@ -205,11 +282,11 @@ def attention_rate(gpu: DeviceType, dtype: str, e, attention: str = "flash") -> 
     if e.attention_eff is not None:
         return peak * e.attention_eff
     if attention != "flash":
-        return peak * e.matmul_eff
+        return peak * e.matmul(gpu)
     if gpu.attention_tflops is not None:
         half = gpu.peak_flops("bfloat16" if gpu.bf16_tflops is not None else "float16")
         return gpu.attention_tflops * 1e12 * min(1.0, peak / half)
-    return peak * e.matmul_eff * ATTENTION_GEMM_RATIO
+    return peak * e.matmul(gpu) * ATTENTION_GEMM_RATIO
 
 
 def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
@@ -243,11 +320,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     if not 0 <= start < end <= profile.num_layers:
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
-    peak = gpu.peak_flops(profile.dtype) * e.matmul_eff
+    peak = gpu.peak_flops(profile.dtype) * e.matmul(gpu)
     peak_attn = attention_rate(gpu, profile.dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
-    fwd = bwd = recompute = weight = carry = 0.0
+    fwd = bwd = recompute = weight = carry = cast_s = 0.0
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = 0.0
     working = 0.0
@@ -263,11 +340,23 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         mode = remat if index < last_remat else "none"
         weight_before = weight
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
-        fb = layer.fwd_bytes[0] / tp + layer.fwd_bytes[1] * mbs / shard
+        # Batch-independent elementwise bytes (the weights' casts to the compute dtype
+        # forward, their gradients' back to the parameters' dtype backward) are moved
+        # once per step, not per micro-batch: mixed-precision runtimes keep the cast
+        # weights across micro-batches and accumulate gradients in the GEMMs' output
+        # type (Megatron-LM's fused accumulation). ``cast_s``, run with the update.
+        step_bytes = float(np.where(layer.fwd_matmul, 0.0, layer.fwd_bytes[0]).sum() +
+                           np.where(layer.bwd_matmul, 0.0, layer.bwd_bytes[0]).sum()) / tp
+        layer_cast_s = step_bytes * e.fusion / bw
+        fb = np.where(layer.fwd_matmul, layer.fwd_bytes[0] / tp, 0.0) + \
+            layer.fwd_bytes[1] * mbs / shard
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
-        bb = layer.bwd_bytes[0] / tp + layer.bwd_bytes[1] * mbs / shard
-        pf = np.where(layer.fwd_attention, peak_attn, peak)
-        pb = np.where(layer.bwd_attention, peak_attn, peak)
+        bb = np.where(layer.bwd_matmul, layer.bwd_bytes[0] / tp, 0.0) + \
+            layer.bwd_bytes[1] * mbs / shard
+        pf = np.where(layer.fwd_attention, peak_attn,
+                      peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, gpu.sms))
+        pb = np.where(layer.bwd_attention, peak_attn,
+                      peak * _shape_eff(layer.bwd_dims, mbs, tp, cp, gpu.sms))
         if attention == "flash":
             # The flash kernel keeps the scores on chip (no HBM traffic for the traced
             # reference's [seq, seq] tensors) and, causal, computes only the unmasked
@@ -277,9 +366,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             fb = np.where(layer.fwd_attention, 0.0, fb)
             bf = np.where(layer.bwd_attention, bf * half, bf)
             bb = np.where(layer.bwd_attention, 0.0, bb)
-        t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
+        t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion) + \
+            e.kernel_launch_s * _kernels(layer.fwd_kernels, layer.fwd_attention, attention, 1)
         per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
-        t_b = float(per_op.sum())
+        t_b = float(per_op.sum()) + \
+            e.kernel_launch_s * _kernels(layer.bwd_kernels, layer.bwd_attention, attention, 2)
         if len(layer.bwd_weight) == len(per_op):
             weight += float(per_op[layer.bwd_weight].sum())
         act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
@@ -318,6 +409,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             t_f += max(0.0, ring - t_attn)
             t_b += 2 * max(0.0, ring - t_attn)
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
+        if timed is None:
+            cast_s += layer_cast_s
         if timed is not None:
             # The layer as measured on this GPU and tensor degree (its tensor collectives
             # included); ZB-H1's W keeps the roofline's share of the backward.
@@ -411,4 +504,4 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
                      memory_working_bytes=working, bwd_weight_s=weight,
                      memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
-                     read_copies=tuple(sorted(read_copies.values())))
+                     read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s)

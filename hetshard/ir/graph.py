@@ -36,6 +36,7 @@ class Op:
     inputs: tuple = ()
     out_shapes: tuple = ()
     params: dict = dataclasses.field(default_factory=dict)  # dims/axes the sharding rules read
+    repeat: float = 1.0  # the enclosing scans' trip counts (flops and bytes include it)
 
 
 @dataclasses.dataclass
@@ -188,6 +189,104 @@ class OpGraph:
                     stack.append(src)
         return dict(kept), recomputed
 
+    def kernels(self) -> tuple[np.ndarray, np.ndarray]:
+        """How XLA runs the equations on a GPU, per op: (HBM bytes, whether the op starts
+        a kernel).
+
+        A matmul (``dot_general``, convolution) is a kernel of its own and keeps its
+        traced bytes; sort, scatter and cumulative ops run alone too. The other
+        equations fuse, as XLA's producer-consumer fusion does: an equation joins the
+        kernel of the equations it reads from in the same layer (a block's halves are
+        one), phase and region (attention or not), except where it needs a reduction's
+        result: a reduction is its kernel's root, and what reads the reduced value runs
+        in a later kernel. A reduction along rows of at most ``ROW_FUSION_MAX`` elements
+        (softmax, layer norm) stays in one kernel with its readers: XLA's normalization
+        fusions keep the row on chip. A fused kernel reads each value it takes from
+        outside once and writes each value read outside (or returned) once: its bytes,
+        all on its first equation (the kernel's start). An elementwise value read only
+        by fusible equations of its layer and region is never written: each kernel
+        reading it, the backward's included, recomputes it from its operands (XLA
+        duplicates such producers; autodiff's phases are no boundary to it). A kernel of
+        reshapes alone is a bitcast: no bytes, no kernel."""
+        ops = self.ops
+        n = len(ops)
+        parent = list(range(n))
+
+        def find(i):
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        def fusible(op):
+            return op.primitive not in _OWN_KERNEL and op.phase in ("fwd", "bwd", "opt")
+        def same(a, b):
+            """Both fusible, in one layer and region: XLA may recompute one inside the
+            other's kernel (autodiff's phases are no boundary to it)."""
+            return fusible(a) and fusible(b) and \
+                (_block(a.layer), a.region == ATTENTION) == (_block(b.layer),
+                                                            b.region == ATTENTION)
+
+        def same_kernel(a, b):
+            return same(a, b) and a.phase == b.phase
+        # An equation's level: how many reductions it waits for inside its fusible
+        # region; a kernel holds one level (what needs a reduced value runs after it).
+        cuts = [op.primitive in _REDUCTIONS and not _row_reduction(op) for op in ops]
+        level = [0] * n
+        consumers: list[list[int]] = [[] for _ in range(n)]
+        for src, dst, _ in sorted(self.edges, key=lambda e: e[1]):
+            consumers[src].append(dst)
+            if same_kernel(ops[src], ops[dst]):
+                level[dst] = max(level[dst], level[src] + cuts[src])
+        for src, dst, _ in self.edges:
+            if same_kernel(ops[src], ops[dst]) and not cuts[src] and \
+                    level[src] == level[dst]:
+                ra, rb = find(src), find(dst)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+        # A value is written to HBM when a reduction makes it, or something outside its
+        # fusible domain (a matmul, another layer or phase, the step's outputs) reads it;
+        # elementwise values read only by fusible neighbours are recomputed inside each
+        # kernel that reads them (XLA duplicates cheap producers into their consumers).
+        written = [not fusible(op) or cuts[i] or not consumers[i] or
+                   any(not same(op, ops[d]) for d in consumers[i])
+                   for i, op in enumerate(ops)]
+        leaves: dict[int, dict[tuple, float]] = {}
+
+        def reads(i: int) -> dict[tuple, float]:
+            """What computing op ``i``'s operands inside a kernel reads from HBM."""
+            if i in leaves:
+                return leaves[i]
+            op, got = ops[i], {}
+            dtypes = op.signature[1] if len(op.signature) > 1 else ()
+            for k, (src, shape) in enumerate(op.inputs):
+                if src >= 0 and not written[src] and same(ops[src], op):
+                    got.update(reads(src))
+                else:
+                    dtype = dtypes[k][1] if k < len(dtypes) else ""
+                    got[(src, tuple(shape), dtype)] = \
+                        float(np.prod(shape, dtype=float)) * _itemsize(dtype) * op.repeat
+            leaves[i] = got
+            return got
+        nbytes = np.zeros(n)
+        start = np.zeros(n, bool)
+        members: dict[int, list[int]] = defaultdict(list)
+        for i, op in enumerate(ops):
+            if op.primitive in _MATMULS or not fusible(op):
+                nbytes[i], start[i] = op.bytes, True
+            else:
+                members[find(i)].append(i)
+        for root, group in members.items():
+            outputs = [i for i in group if written[i]]
+            if not outputs or all(ops[i].primitive in _BITCASTS for i in group):
+                continue  # inlined into its readers, or a bitcast
+            read: dict[tuple, float] = {}
+            for i in outputs:
+                read.update(reads(i))
+            nbytes[root] = sum(ops[i].out_bytes for i in outputs) + sum(read.values())
+            start[root] = True
+        return nbytes, start
+
     def layer_signature(self, layer: str) -> tuple:
         """Shapes and primitives of the layer's forward and backward ops, in order."""
         return tuple(op.signature for op in self.ops if op.layer == layer and op.phase != "opt")
@@ -201,6 +300,52 @@ class OpGraph:
 
     def flops_array(self) -> np.ndarray:
         return np.array([op.flops for op in self.ops])
+
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+# Equations XLA does not fuse with their neighbours (each its own kernel).
+_OWN_KERNEL = _MATMULS + ("sort", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                          "scatter_mul", "scatter-min", "scatter-max", "cumsum", "cummax",
+                          "cummin", "cumprod", "cumlogsumexp", "argsort", "top_k",
+                          "custom_call", "pallas_call")
+# Equations whose output a new kernel reads (a reduction is its fusion's root).
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+               "reduce_or", "reduce_xor", "argmax", "argmin")
+# Equations that move no data on their own (XLA emits bitcasts for them).
+_BITCASTS = ("reshape", "squeeze", "expand_dims")
+
+
+# Longest row (elements) a normalization fusion keeps on chip: 16K float32 values are
+# 64 KiB, a thread block's registers. An assumption; longer rows (a large vocabulary's
+# log-sum-exp) take a kernel per reduction.
+ROW_FUSION_MAX = 16384
+
+
+def _row_reduction(op: Op) -> bool:
+    """A reduction over its operand's trailing dimensions of at most ROW_FUSION_MAX."""
+    axes = op.params.get("axes")
+    if not axes or not op.inputs:
+        return False
+    shape = op.inputs[0][1]
+    trailing = tuple(range(len(shape) - len(axes), len(shape)))
+    return tuple(sorted(axes)) == trailing and \
+        float(np.prod([shape[a] for a in axes], dtype=float)) <= ROW_FUSION_MAX
+
+
+def _block(layer: str) -> str:
+    """A block half's block (``decoder/layer_0/half_1`` -> ``decoder/layer_0``): halves
+    are priced apart but run as one program, so XLA fuses across them."""
+    head, _, tail = layer.rpartition("/half_")
+    return head if head and tail.isdigit() else layer
+
+
+def _itemsize(dtype: str) -> float:
+    """Bytes per element of a dtype's name (numpy's, or ml_dtypes' bfloat16, float8...)."""
+    try:
+        return float(np.dtype(dtype).itemsize)
+    except TypeError:
+        import ml_dtypes
+        return float(np.dtype(getattr(ml_dtypes, dtype, np.float32)).itemsize)
 
 
 def _saveable_dot(op: Op) -> bool:

@@ -154,7 +154,7 @@ class _Builder:
                                flops * scale, nbytes * scale,
                                sum(_nbytes(v.aval) for v in eqn.outvars) * scale, region, sig,
                                inputs, tuple(tuple(v.aval.shape) for v in eqn.outvars),
-                               _rule_params(eqn)))
+                               _rule_params(eqn), scale))
             for v in eqn.invars:
                 if isinstance(v, jcore.Var) and v in env:
                     src = env[v]

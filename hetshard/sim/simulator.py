@@ -383,7 +383,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             else:
                 sync_end, t_gather = max(stage_end[(pi, s)], tied_ready.get(s, 0.0)), 0.0
             opt_start = max(sync_end, gpu_free[w])
-            gpu_free[w] = opt_end = opt_start + c.optimizer_s
+            gpu_free[w] = opt_end = opt_start + c.optimizer_s + c.cast_s
             if trace:
                 tasks.append(Task(pi, s, "opt", -1, opt_start, opt_end, w))
             if t_gather:

@@ -298,7 +298,7 @@ def solve(ops: Sequence[Op], *, tp: int, gpu: DeviceType, topo: Topology | None,
     """
     t0 = time.perf_counter()
     e = cal.for_type(gpu.name)
-    peak = gpu.peak_flops(dtype) * e.matmul_eff
+    peak = gpu.peak_flops(dtype) * e.matmul(gpu)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     nodes, owner = build_nodes(ops, tp, peak, bw)
     cast_of: dict[int, int] = {}  # op index of a cast of a parameter -> parameter k
