@@ -136,12 +136,27 @@ def matmul_shape_eff(dims: np.ndarray, sms: int | None) -> np.ndarray:
     return np.where(dims[..., 1] > 0, best, 1.0)
 
 
+_SHAPE_EFF: dict[tuple, tuple] = {}
+
+
 def _shape_eff(dims: tuple[np.ndarray, np.ndarray], mbs: int, tp: int, cp: int,
                sms: int | None) -> np.ndarray:
     """``matmul_shape_eff`` of a layer's matmuls on one device of a (tp x cp) shard at
     ``mbs`` samples: tensor parallelism splits each matmul's largest dimension that does
     not grow with the batch (a weight's), context parallelism its largest that does (the
-    tokens)."""
+    tokens). Cached: a model's identical blocks share their arrays, and the planner
+    prices the same shapes many times."""
+    key = (id(dims[0]), mbs, tp, cp, sms)
+    hit = _SHAPE_EFF.get(key)
+    if hit is None or hit[0] is not dims[0]:
+        if len(_SHAPE_EFF) > 100_000:
+            _SHAPE_EFF.clear()
+        hit = (dims[0], _shape_eff_of(dims, mbs, tp, cp, sms))
+        _SHAPE_EFF[key] = hit
+    return hit[1]
+
+
+def _shape_eff_of(dims, mbs, tp, cp, sms) -> np.ndarray:
     q0, q1 = dims
     if not len(q0):
         return np.ones(0)
