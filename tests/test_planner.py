@@ -624,6 +624,37 @@ def test_plan_does_not_depend_on_the_time_limit_when_it_is_not_hit():
     assert plans[0].what_runs() == plans[1].what_runs()
 
 
+@pytest.mark.slow
+def test_a_smaller_time_limit_never_gives_a_better_plan(monkeypatch):
+    # The clock is faked to advance one tick per reading, so "time" is the search's work
+    # and the cut falls at the same place on any machine. From limits that cut the
+    # heuristic seeds to limits that cut nothing, the plan never gets worse as the limit
+    # grows (the search is one deterministic sequence keeping its best so far).
+    program = models.program("gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=512",
+                             seq_len=512, dtype="bfloat16")
+    from hetshard.solver import make_plan as plan_program
+    clock = {"t": 0.0}
+
+    def tick():
+        clock["t"] += 1e-4
+        return clock["t"]
+    for name in ("metis-4types", "h100-a100-v100-x8"):
+        cluster = Cluster.load(name)
+        got = []
+        for limit in [0.004 * 1.6 ** k for k in range(12)]:
+            clock["t"] = 0.0
+            with monkeypatch.context() as m, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m.setattr(time, "perf_counter", tick)
+                p = plan_program(program, cluster, global_batch=64, shardings=False,
+                                 options=PlannerOptions(time_limit_s=limit))
+            got.append((p.predicted.tokens_per_s, p.solver.status))
+        rates = [r for r, _ in got]
+        assert all(b >= a for a, b in zip(rates, rates[1:], strict=False)), (name, got)
+        assert got[0][1] == "time_limit" and got[-1][1] == "searched"
+        assert rates[-1] > rates[0]  # the limits did cut something that mattered
+
+
 def test_interleave_cuts_by_count_or_time_and_rounds_micro_batches():
     from hetshard.plan import Pipeline, Plan, Stage
     from hetshard.solver.variants import interleave
