@@ -26,8 +26,10 @@ def _blocks(profile: ModelProfile) -> int:
     return len(profile.block_indices())
 
 
-def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> list[Plan]:
-    """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats)."""
+def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
+                       deadline: float | None = None) -> list[Plan]:
+    """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats);
+    past ``deadline`` (``time.perf_counter``) the ones built so far, at least one."""
     from hetshard.solver.inter_op import _heads
     n = cluster.num_devices
     heads = _heads(profile)
@@ -43,6 +45,8 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts) -> 
             for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
                 if global_batch % (dp * mbs):
                     continue
+                if deadline is not None and out and time.perf_counter() > deadline:
+                    return out
                 try:
                     out.append(uniform_plan(model, profile, cluster, global_batch=global_batch,
                                             seq_len=seq_len,
@@ -166,7 +170,10 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     tables = LayerTables(profile, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
     out = []
-    for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts):
+    for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
+                                deadline):
+        if deadline is not None and out and time.perf_counter() > deadline:
+            break
         pipe = p.pipelines[0]
         stages, caps = [], []
         for st in pipe.stages:

@@ -588,7 +588,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         from hetshard.solver.baselines import uniform_candidates
         # Uniform plans are part of the space when each stage stays on one GPU type
         # (a mixed stage runs one SPMD program at the slowest GPU's pace).
-        candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts)
+        candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
+                                         deadline=t0 + opts.time_limit_s * 0.6)
     candidates += list(extra_candidates) + seeds
     candidates = [p for p in candidates if single_type_stages(p, cluster) and
                   (opts.max_stages is None or
@@ -599,6 +600,10 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     scored = []
     progress.phase(f"pricing {len(candidates)} candidate plans")
     for cand in candidates:
+        # Past 85% of the limit, no more pricing once one candidate fits (on the largest
+        # clusters one simulation takes seconds).
+        if any(not key[0] for key, _, _ in scored) and late(0.85):
+            break
         r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
                      margin=opts.memory_margin)
         scored.append(((not r.fits, r.step_time_s), cand, r))
@@ -690,7 +695,10 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         timed_out = timed_out or cut
         if (not better_r.fits, better_r.step_time_s) < best[0]:
             best = ((not better_r.fits, better_r.step_time_s), better, better_r)
-    chosen, result = _last_variants(best, profile, cluster, cal, opts, cache)
+    # The last variants (ZB-H1, without ZeRO-1) only improve on the best: skipped once the
+    # limit is near (on the largest clusters each simulation takes seconds).
+    chosen, result = (best[1], best[2]) if late(0.85) else \
+        _last_variants(best, profile, cluster, cal, opts, cache)
     if not result.fits:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     return _annotated(chosen, result, profile, cluster, cal, opts, t0, timed_out, "")
