@@ -655,6 +655,35 @@ def test_a_smaller_time_limit_never_gives_a_better_plan(monkeypatch):
         assert rates[-1] > rates[0]  # the limits did cut something that mattered
 
 
+def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatch):
+    # On the largest clusters one simulation takes seconds: once the limit is (nearly)
+    # spent the search prices only until a plan fits and skips its last variants.
+    import hetshard.solver.baselines as baselines
+    import hetshard.solver.inter_op as inter_op
+    program = models.program("gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=512",
+                             seq_len=512, dtype="bfloat16")
+    from hetshard.solver import make_plan as plan_program
+    cluster = Cluster.load("h100-a100-v100-x8")
+    counts = {}
+    for limit in (1e-9, 60.0):
+        calls = []
+
+        def counted(*a, _calls=calls, **k):
+            _calls.append(1)
+            return simulate(*a, **k)
+        monkeypatch.setattr(inter_op, "simulate", counted)
+        monkeypatch.setattr(baselines, "simulate", counted)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = plan_program(program, cluster, global_batch=64, shardings=False,
+                             options=PlannerOptions(time_limit_s=limit,
+                                                    split_blocks=False))
+        assert p.predicted.fits
+        counts[limit] = (len(calls), p.solver.status)
+    assert counts[1e-9][1] == "time_limit" and counts[60.0][1] == "searched"
+    assert counts[1e-9][0] <= 3 < 20 < counts[60.0][0], counts
+
+
 def test_interleave_cuts_by_count_or_time_and_rounds_micro_batches():
     from hetshard.plan import Pipeline, Plan, Stage
     from hetshard.solver.variants import interleave

@@ -591,10 +591,18 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                                          deadline=t0 + opts.time_limit_s * 0.6)
     candidates += list(extra_candidates) + seeds
-    candidates = [p for p in candidates if single_type_stages(p, cluster) and
-                  (opts.max_stages is None or
-                   all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and
-                  (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)]
+
+    def allowed(p: Plan) -> bool:
+        return single_type_stages(p, cluster) and \
+            (opts.max_stages is None or
+             all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and \
+            (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)
+    candidates = [p for p in candidates if allowed(p)]
+    if not candidates and opts.include_uniform and timed_out:
+        # The limit cut everything before a candidate the options allow: the uniform
+        # plans in full, so that a plan still comes back.
+        candidates = [p for p in uniform_candidates(model, profile, cluster, global_batch,
+                                                    seq_len, opts) if allowed(p)]
     if not candidates:
         raise _no_plan(profile, cluster, global_batch, tables, opts, heads)
     scored = []
