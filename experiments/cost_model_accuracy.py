@@ -64,15 +64,13 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.cluster.catalog import CATALOG  # noqa: E402
-from hetshard.cost.calibration import DEFAULT, Calibration  # noqa: E402
-from hetshard.cost.stage import attention_rate  # noqa: E402
-from hetshard.sim import simulate  # noqa: E402
-from hetshard.solver.uniform import Fix, uniform_plan  # noqa: E402
-from models import profile as profile_model  # noqa: E402
+from hetshard.cluster import Cluster
+from hetshard.cluster.catalog import CATALOG
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.stage import attention_rate
+from hetshard.sim import simulate
+from hetshard.solver.uniform import Fix, uniform_plan
+from models import profile as profile_model
 
 # ---- megatron ------------------------------------------------------------------------
 

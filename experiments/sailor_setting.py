@@ -24,17 +24,15 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sailor_plans as sp
 
-import sailor_plans as sp  # noqa: E402
-
-from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.cost.calibration import Calibration  # noqa: E402
-from hetshard.plan import Pipeline, Plan, Stage, grad_sync_for  # noqa: E402
-from hetshard.sim import simulate  # noqa: E402
-from hetshard.solver import PlannerOptions  # noqa: E402
-from models import profile as profile_model  # noqa: E402
-from models.steps import make_plan  # noqa: E402
+from hetshard.cluster import Cluster
+from hetshard.cost.calibration import Calibration
+from hetshard.plan import Pipeline, Plan, Stage, grad_sync_for
+from hetshard.sim import simulate
+from hetshard.solver import PlannerOptions
+from models import profile as profile_model
+from models.steps import make_plan
 
 MODEL = sp.MODELS["OPT-350"]
 SIZES = [(8, 24), (20, 60), (32, 96)]  # A100 nodes, V100 nodes (4 GPUs each)

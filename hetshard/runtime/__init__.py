@@ -1,1 +1,2 @@
-"""Executing plans: SPMD single-stage programs (pipelines: planned, not yet executable)."""
+"""Executing plans: single-stage SPMD programs (``spmd``) and MPMD pipelines of stage
+programs on their submeshes (``pipeline``)."""
