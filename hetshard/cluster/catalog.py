@@ -23,6 +23,22 @@ import dataclasses
 from hetshard.errors import SpecError, UnknownNameError, check_positive
 
 
+def _share(field: str, value, where: str = ""):
+    """``value`` if None or a share of the peak in (0, 1]; else a SpecError naming ``field``."""
+    if value is not None and (isinstance(value, bool) or
+                              not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise SpecError(field, value, "a share of the peak in (0, 1]", where=where)
+    return value
+
+
+def _whole(field: str, value, where: str = ""):
+    """``value`` if None or a positive whole number; else a SpecError naming ``field``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
+                              value < 1):
+        raise SpecError(field, value, "a positive whole number", where=where)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceType:
     """One accelerator model. Units: TFLOP/s, GB (1e9 bytes), GB/s (one direction);
@@ -67,12 +83,8 @@ class DeviceType:
             check_positive("tf32_tflops", self.tf32_tflops, where=where)
         if self.attention_tflops is not None:
             check_positive("attention_tflops", self.attention_tflops, where=where)
-        if self.matmul_eff is not None and not 0 < self.matmul_eff <= 1:
-            raise SpecError("matmul_eff", self.matmul_eff, "a share of the peak in (0, 1]",
-                            where=where)
-        if self.sms is not None and (isinstance(self.sms, bool) or
-                                     not isinstance(self.sms, int) or self.sms < 1):
-            raise SpecError("sms", self.sms, "a positive whole number of SMs", where=where)
+        _share("matmul_eff", self.matmul_eff, where)
+        _whole("sms", self.sms, where)
 
     @property
     def memory_bytes(self) -> int:
@@ -306,20 +318,6 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"),
         attention_tflops=d.get("attention_tflops"), sms=_whole(f"{field}.sms", d.get("sms")),
         matmul_eff=_share(f"{field}.matmul_eff", d.get("matmul_eff")))
-
-
-def _share(field: str, value):
-    if value is not None and (isinstance(value, bool) or
-                              not isinstance(value, (int, float)) or not 0 < value <= 1):
-        raise SpecError(field, value, "a share of the peak in (0, 1]")
-    return value
-
-
-def _whole(field: str, value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
-                              value < 1):
-        raise SpecError(field, value, "a positive whole number")
-    return value
 
 
 def device_type_for_kind(kind: str) -> DeviceType:

@@ -75,8 +75,7 @@ class Efficiency:
         else the GPU type's catalog value, else MATMUL_EFF."""
         if self.matmul_eff is not None:
             return self.matmul_eff
-        return gpu.matmul_eff if getattr(gpu, "matmul_eff", None) is not None \
-            else MATMUL_EFF
+        return gpu.matmul_eff if gpu.matmul_eff is not None else MATMUL_EFF
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import functools
 import numpy as np
 
 from hetshard.errors import SpecError
-from hetshard.ir.graph import OpGraph
+from hetshard.ir.graph import MATMULS, OpGraph
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,9 +152,6 @@ class ModelProfile:
         if found or any(layer.kind.endswith("/0") for layer in self.layers):
             return found
         return list(range(len(self.layers)))
-
-
-MATMULS = ("dot_general", "conv_general_dilated")
 
 
 def _split(graph: OpGraph) -> dict[str, dict[str, list]]:

@@ -178,7 +178,7 @@ def _kernels(starts: np.ndarray, in_attention: np.ndarray, attention: str,
              flash_kernels: int) -> int:
     """Kernels a layer's phase launches: one per matmul and fused chain; the flash kernel
     replaces attention's equations by ``flash_kernels`` launches (its backward: dq, dkv)."""
-    if attention != "flash" or len(starts) != len(in_attention) or not in_attention.any():
+    if attention != "flash" or not in_attention.any():
         return int(starts.sum())
     return int(starts[~in_attention].sum()) + flash_kernels
 

@@ -272,7 +272,7 @@ class OpGraph:
         start = np.zeros(n, bool)
         members: dict[int, list[int]] = defaultdict(list)
         for i, op in enumerate(ops):
-            if op.primitive in _MATMULS or not fusible(op):
+            if op.primitive in MATMULS or not fusible(op):
                 nbytes[i], start[i] = op.bytes, True
             else:
                 members[find(i)].append(i)
@@ -302,9 +302,9 @@ class OpGraph:
         return np.array([op.flops for op in self.ops])
 
 
-_MATMULS = ("dot_general", "conv_general_dilated")
+MATMULS = ("dot_general", "conv_general_dilated")
 # Equations XLA does not fuse with their neighbours (each its own kernel).
-_OWN_KERNEL = _MATMULS + ("sort", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+_OWN_KERNEL = MATMULS + ("sort", "scatter", "scatter-add", "scatter_add", "scatter-mul",
                           "scatter_mul", "scatter-min", "scatter-max", "cumsum", "cummax",
                           "cummin", "cumprod", "cumlogsumexp", "argsort", "top_k",
                           "custom_call", "pallas_call")
