@@ -67,6 +67,9 @@ class StepContext:
     # set by each call (outside record mode): whether its loss and gradients are finite
     finite: object = None
     value: object = None  # ... and its loss
+    # the loss scale (a scalar; None: unscaled): the loss is differentiated times it and
+    # the gradients returned divided by it (float16 stages, hetshard.runtime.precision)
+    loss_scale: object = None
     # record mode: the step's non-batch arguments (as the step sees them) and batch
     record_args: tuple = ()
     record_state: tuple = ()
@@ -152,7 +155,17 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
             full = list(others)
             full.insert(argnums, rebuild(params))
             return fn(*full)
-        return jax.value_and_grad(rewrite(loss_of), has_aux=has_aux)(params, *others)
+        scale = context().loss_scale
+        if scale is None:
+            return jax.value_and_grad(rewrite(loss_of), has_aux=has_aux)(params, *others)
+
+        def scaled(p, *o):
+            out = rewrite(loss_of)(p, *o)
+            loss = out[0] if has_aux else out
+            return loss * jnp.asarray(scale, jnp.result_type(loss)), out
+        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(params, *others)
+        inverse = 1.0 / jnp.asarray(scale, jnp.float32)
+        return out, jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

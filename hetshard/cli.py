@@ -171,6 +171,7 @@ def _program(args, *, dtype_default: str | None = "bfloat16"):
 
 def cmd_simulate(args) -> int:
     from hetshard.cluster import Cluster
+    from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
     from hetshard.cost.calibration import DEFAULT, Calibration
     from hetshard.cost.profile import profile_program
     from hetshard.plan import Plan
@@ -205,11 +206,12 @@ def cmd_simulate(args) -> int:
         profile = profile_program(program)
         plan = uniform_plan(program.name, profile, cluster, global_batch=args.global_batch,
                             seq_len=program.seq_len, fix=parse_fix(args.fix),
-                            attention=args.attention)
-    from hetshard.cluster.catalog import warn_precision_fallback
-    warn_precision_fallback(cluster, plan.dtype)
+                            attention=args.attention,
+                            gpu_dtypes=gpu_dtypes(cluster, profile.dtype, args.gpu_dtypes))
+    warn_precision_fallback(cluster, plan.dtype, gpu_dtypes=plan.gpu_dtypes)
     result = simulate(plan, profile, cluster, cal)
-    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention,
+                                     gpu_dtypes=plan.gpu_dtypes)
     plan = annotate(plan, result, upper)
     if args.trace:
         write_chrome_trace(result, args.trace, plan)
@@ -268,7 +270,7 @@ def _planner_options(args):
     from hetshard.solver import PlannerOptions, options_from_fix
     base = PlannerOptions(time_limit_s=args.time_limit, attention=args.attention,
                           split_blocks={"auto": None, "yes": True, "no": False}[
-                              args.split_blocks])
+                              args.split_blocks], gpu_dtypes=args.gpu_dtypes)
     return options_from_fix(args.fix, base)
 
 
@@ -309,7 +311,8 @@ def cmd_compare(args) -> int:
         with _progress(f"planning as {name}", opts.time_limit_s):
             rows.append((name, run_baseline(name, program.name, profile, cluster,
                                             args.global_batch, seq_len, opts, cal)))
-    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention,
+                                     gpu_dtypes=ours.gpu_dtypes)
     fitting = [p.predicted.tokens_per_s for n, p in rows[1:] if p and p.predicted.fits]
     best_base = max(fitting) if fitting else 0.0
     results = []
@@ -383,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                         help="write JSON (to FILE, or stdout when FILE is omitted or '-')")
 
+    def gpu_dtypes_flag(sp, when=""):
+        sp.add_argument("--gpu-dtypes", default="program", choices=["program", "fastest"],
+                        help=when + "compute dtype per GPU type: program (every GPU in the "
+                             "model's dtype) or fastest (float16 with dynamic loss scaling "
+                             "on V100/T4 under a bfloat16 model: they lack bfloat16 tensor "
+                             "cores)")
+
     sp = sub.add_parser("devices", help="list the GPU catalog")
     json_flag(sp)
     sp.set_defaults(func=cmd_devices)
@@ -410,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default=None, choices=DTYPES,
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+    gpu_dtypes_flag(sp, "with --fix: ")
     sp.add_argument("--calibration", action="append", default=None,
                     help=CALIBRATION_HELP)
     sp.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
@@ -440,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stage boundaries inside blocks (attention | MLP): auto "
                              "refines the best whole-block plan with them (clusters of up "
                              "to 256 GPUs) and keeps it when faster; yes searches halves")
+        gpu_dtypes_flag(sp)
         sp.add_argument("--calibration", action="append", default=None,
                         help=CALIBRATION_HELP)
         json_flag(sp)

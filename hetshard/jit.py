@@ -43,6 +43,7 @@ from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, check_batch, path_string
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
+from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.spmd import batch_sharding, stage_mesh, state_shardings
 
 NAN_POLICIES = ("skip", "apply", "raise")
@@ -135,7 +136,13 @@ def _options(cls, given: dict, where: str):
 def _restricted(options, program: Program):
     """Options limited to what the program can run: single-stage plans without the loss
     call; no distributed optimizer for pytree steps (their optimizer state cannot be told
-    from the parameters)."""
+    from the parameters). Per-GPU compute dtypes need the loss call (its loss is scaled):
+    asking for them without it is an error."""
+    if program.call is None and options.gpu_dtypes != "program":
+        raise SpecError("gpu_dtypes", options.gpu_dtypes,
+                        "'program' for a step without hetshard.value_and_grad (float16 "
+                        "stages scale its loss; use hetshard.value_and_grad)",
+                        where="hetshard.jit")
     if program.call is None and (options.max_stages != 1 or options.max_pipelines != 1):
         options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
     if program.kind == "tree" and options.distributed_optimizer is not False:
@@ -189,7 +196,8 @@ def _rewriting(fn, plan: Plan, mesh=None):
         def rewrite(loss):
             return constrain_layers(loss, mesh, stage, attention=plan.attention,
                                     split_blocks=plan.split_blocks,
-                                    tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag)
+                                    tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag,
+                                    autocast=stage_autocast(plan, stage))
     elif plan.attention in (None, "reference"):
         rewrite = None
     else:
@@ -362,6 +370,11 @@ class HetshardJit:
                     f"hetshard.value_and_grad loss can be cut per micro-batch, and "
                     f"{program.call_error} (or plan with max_stages=1 and "
                     f"max_pipelines=1)")
+            if plan.gpu_dtypes and program.call is None:
+                raise PlanNotExecutableError(
+                    f"plan.gpu_dtypes={[list(e) for e in plan.gpu_dtypes]}: stages computing "
+                    f"in another dtype need a step that calls hetshard.value_and_grad "
+                    f"(hetshard scales its loss), and {program.call_error}")
             chunks = plan.context.chunk_lengths
             if len(set(chunks)) > 1:
                 raise PlanNotExecutableError(
@@ -411,8 +424,9 @@ class HetshardJit:
             parts.append((p.batch_share, mesh, s_shard, b_shard))
             subs.append(sub)
 
-        def capture(state, batch):
-            with entered(mode="capture", captured=None, used=False) as ctx:
+        def capture(state, batch, scale):
+            with entered(mode="capture", captured=None, used=False,
+                         loss_scale=scale if plan.loss_scaled else None) as ctx:
                 _call(program, state, batch)
                 if ctx.captured is None:
                     raise PlanNotExecutableError(
@@ -426,22 +440,24 @@ class HetshardJit:
             return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
 
         # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
-        cap = [jax.jit(_rewriting(capture, sub, mesh), in_shardings=(s, b))
+        cap = [jax.jit(_rewriting(capture, sub, mesh),
+                       in_shardings=(s, b, NamedSharding(mesh, PartitionSpec())))
                for (_, mesh, s, b), sub in zip(parts, subs, strict=True)]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
-        return _Shares(parts, cap, jax.jit(apply), program)
+        return _Shares(parts, cap, jax.jit(apply), program, _loss_scale(plan))
 
     def _run_pipelines(self, entry: _Shares, others, batch):
         parts, cap, app, program = entry.parts, entry.capture, entry.apply, entry.program
         state = _state(program, others)
         total = sum(share for share, *_ in parts)
         start, results, states, batches = 0, [], [], []
+        scale = np.float32(entry.loss_scale.scale if entry.loss_scale else 1.0)
         for (share, _mesh, s_shard, b_shard), f in zip(parts, cap, strict=True):
             sl = jax.tree.map(lambda x, a=start, n=share: x[a:a + n], batch)
             st = jax.device_put(state, s_shard)
             bt = jax.device_put(sl, b_shard)
-            results.append(f(st, bt))  # dispatched asynchronously on each submesh
+            results.append(f(st, bt, scale))  # dispatched asynchronously on each submesh
             states.append(st)
             batches.append(bt)
             start += share
@@ -457,6 +473,8 @@ class HetshardJit:
         value = value[0] if program.call.has_aux else value
         ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
                                 value)
+        if _overflowed(entry.loss_scale, ok, loss):
+            return _withheld(program, out, jax.tree.leaves(state))
         if self._may_apply(out, ok, loss):
             if new_state is not None:
                 nnx.update(others, new_state)
@@ -473,8 +491,9 @@ class HetshardJit:
                 "(nnx.Optimizer) or a plan with distributed_optimizer false")
         s_shard = state_shardings(state, plan, mesh)
 
-        def pure(state, batch):
-            with entered(used=False, finite=None, value=None) as ctx:
+        def pure(state, batch, scale):
+            with entered(used=False, finite=None, value=None,
+                         loss_scale=scale if plan.loss_scaled else None) as ctx:
                 out, objs = _call(program, state, batch)
                 used = jnp.asarray(bool(ctx.used))
                 finite, value = ctx.finite, ctx.value
@@ -482,20 +501,24 @@ class HetshardJit:
             if program.kind == "nnx":
                 new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
             return out, new, used, self._health(program, out, new, finite, value)
-        jitted = jax.jit(_rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard))
-        return _Spmd(jitted, s_shard, b_shard, program)
+        jitted = jax.jit(_rewriting(pure, plan, mesh),
+                         in_shardings=(s_shard, b_shard, NamedSharding(mesh, PartitionSpec())))
+        return _Spmd(jitted, s_shard, b_shard, program, _loss_scale(plan))
 
     def _run(self, entry: _Spmd, others, batch):
         jitted, s_shard, b_shard = entry.step, entry.state_shardings, entry.batch_shardings
         program = entry.program
         batch = jax.device_put(batch, b_shard)
         state = jax.device_put(_state(program, others), s_shard)
-        out, new_state, used_vg, (ok, loss) = jitted(state, batch)
+        scale = np.float32(entry.loss_scale.scale if entry.loss_scale else 1.0)
+        out, new_state, used_vg, (ok, loss) = jitted(state, batch, scale)
         if program.kind == "nnx" and not bool(used_vg) and not self._warned_vg:
             self._warned_vg = True
             warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "
                           "to single-stage plans for it (use hetshard.value_and_grad)",
                           stacklevel=3)
+        if _overflowed(entry.loss_scale, ok, loss):
+            return _withheld(program, out, jax.tree.leaves(state))
         if self._may_apply(out, ok, loss):
             if new_state is not None:
                 nnx.update(others, new_state)
@@ -593,10 +616,12 @@ def _withheld(program: Program, out, old_state_leaves):
 class _Spmd(NamedTuple):
     """A compiled single-pipeline, single-stage plan: one jitted SPMD step."""
 
-    step: Callable  # (state, batch) -> (output, new NNX state, used_vg, (finite, loss))
+    step: Callable  # (state, batch, loss scale) -> (output, new NNX state, used_vg,
+    #                                                (finite, loss))
     state_shardings: object
     batch_shardings: object
     program: Program
+    loss_scale: DynamicLossScale | None  # float16 stages (Plan.loss_scaled)
 
 
 class _Shares(NamedTuple):
@@ -607,12 +632,23 @@ class _Shares(NamedTuple):
     capture: list  # jitted per pipeline
     apply: Callable
     program: Program
+    loss_scale: DynamicLossScale | None
 
 
 class _Mpmd(NamedTuple):
     """A pipeline plan run stage by stage (``hetshard.runtime.pipeline``)."""
 
     runner: object
+
+
+def _loss_scale(plan: Plan) -> DynamicLossScale | None:
+    return DynamicLossScale() if plan.loss_scaled else None
+
+
+def _overflowed(scale: DynamicLossScale | None, finite, loss) -> bool:
+    """True when a loss-scaled step's gradients overflowed under a finite loss: the step
+    is skipped and the scale lowered (``DynamicLossScale.overflowed``)."""
+    return scale is not None and scale.overflowed(bool(finite), bool(np.isfinite(float(loss))))
 
 
 def _state(program: Program, others):

@@ -22,14 +22,15 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
 # ``Plan.split_blocks`` (absent: layers are whole blocks), 7 ``Plan.tp_overlap``
 # (absent: no collective matmuls, as those plans ran), 8 ``Plan.fingerprint`` (absent:
-# the plan names no traced program, and is run on any program whose layers it covers).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+# the plan names no traced program, and is run on any program whose layers it covers), 9
+# ``Plan.gpu_dtypes`` (absent: every stage computes in ``dtype``).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
@@ -165,6 +166,12 @@ class Plan:
     # The traced program the plan was made for (``hetshard.Program.fingerprint``: its
     # loss's equations, state and batch shapes); "" for a plan written by hand.
     fingerprint: str = ""
+    # GPU types whose stages compute in another dtype than ``dtype``: (type, dtype) pairs,
+    # e.g. (("V100", "float16"),) for a bfloat16 program on a cluster with V100s, which
+    # have no bfloat16 tensor cores. Such a stage runs its matmuls and attention in that
+    # dtype (its other values keep the program's), and the runtime scales the loss
+    # dynamically while any stage computes in float16.
+    gpu_dtypes: tuple[tuple[str, str], ...] = ()
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
     version: int = SCHEMA_VERSION
@@ -218,6 +225,18 @@ class Plan:
         return cls.from_json(read_text(path, "plan"), source=str(path))
 
     # ---- views -----------------------------------------------------------------------
+    def stage_dtype(self, stage: Stage) -> str:
+        """The dtype ``stage`` computes its matmuls in: its GPU type's entry of
+        ``gpu_dtypes``, else the plan's ``dtype`` (a stage spanning types: theirs when
+        they agree)."""
+        return stage_dtype(stage.gpu, self.dtype, self.gpu_dtypes)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the runtime scales the loss: some stage computes in float16 where the
+        program does not."""
+        return self.dtype != "float16" and any(d == "float16" for _, d in self.gpu_dtypes)
+
     @property
     def num_devices(self) -> int:
         return sum(len(p.devices) for p in self.pipelines)
@@ -240,7 +259,10 @@ class Plan:
     def explain(self) -> str:
         """A readable table of the plan."""
         lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
-                 f"{self.num_devices} devices, dtype {self.dtype}, {self.attention} attention"
+                 f"{self.num_devices} devices, dtype {self.dtype}"
+                 + "".join(f", {g} in {d}" for g, d in self.gpu_dtypes)
+                 + (" (loss scaled)" if self.loss_scaled else "")
+                 + f", {self.attention} attention"
                  + (", FSDP" if self.fsdp else "")
                  + (", layers are block halves (attention, MLP)" if self.split_blocks else "")
                  + (", distributed optimizer" if self.distributed_optimizer else "")]
@@ -331,6 +353,14 @@ def _ranges(ids) -> str:
     return ",".join(map(str, ids))
 
 
+def stage_dtype(gpu: str, dtype: str, gpu_dtypes) -> str:
+    """The compute dtype of a stage on ``gpu`` (a catalog name, or names joined by "+"
+    for a stage spanning types) under a plan's ``dtype`` and ``gpu_dtypes``."""
+    table = dict(gpu_dtypes)
+    found = {table.get(g, dtype) for g in gpu.split("+")}
+    return found.pop() if len(found) == 1 else dtype
+
+
 def _count(value, field: str, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(field, value, "a positive integer" if minimum == 1
@@ -344,6 +374,16 @@ def _check_types(plan: Plan) -> None:
     _count(plan.seq_len, "seq_len")
     if plan.dtype not in DTYPES:
         raise SpecError("dtype", plan.dtype, f"one of {DTYPES}")
+    if not isinstance(plan.gpu_dtypes, tuple) or any(
+            not isinstance(e, tuple) or len(e) != 2 or not isinstance(e[0], str)
+            for e in plan.gpu_dtypes):
+        raise SpecError("gpu_dtypes", plan.gpu_dtypes, "a list of [GPU type, dtype] pairs")
+    if len({g for g, _ in plan.gpu_dtypes}) != len(plan.gpu_dtypes):
+        raise SpecError("gpu_dtypes", [list(e) for e in plan.gpu_dtypes],
+                        "each GPU type at most once")
+    for gpu, dt in plan.gpu_dtypes:
+        if dt not in DTYPES:
+            raise SpecError(f"gpu_dtypes[{gpu}]", dt, f"one of {DTYPES}")
     total = _cluster_devices(plan.cluster)
     if not isinstance(plan.pipelines, tuple):
         raise SpecError("pipelines", plan.pipelines, "a list of pipelines")

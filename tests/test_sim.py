@@ -554,7 +554,13 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 8
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 9
+    # Schema 8 (no gpu_dtypes: every stage computes in the plan's dtype) reads unchanged.
+    old = zero1.to_dict()
+    del old["gpu_dtypes"]
+    old["version"] = 8
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == zero1 and Plan.load(path).gpu_dtypes == ()
     # Schema 7 (no fingerprint: a plan naming no traced program) reads with an empty one.
     old = dataclasses.replace(zero1, fingerprint="abc").to_dict()
     del old["fingerprint"]

@@ -258,14 +258,17 @@ class PrecisionWarning(UserWarning):
     (and run) at a slower rate."""
 
 
-def warn_precision_fallback(cluster, dtype: str, stacklevel: int = 3) -> list[str]:
+def warn_precision_fallback(cluster, dtype: str, stacklevel: int = 3,
+                            gpu_dtypes=()) -> list[str]:
     """Warns (once per call) when ``dtype`` is bfloat16 and some GPU types of ``cluster``
-    have no bfloat16 tensor cores (V100, T4): there bfloat16 matmuls run at the float32
-    rate. Returns the names of those types."""
+    have no bfloat16 tensor cores (V100, T4) and no other compute dtype in
+    ``gpu_dtypes``: there bfloat16 matmuls run at the float32 rate. Returns the names of
+    those types."""
     import warnings
     if dtype not in ("bfloat16", "bf16"):
         return []
-    slow = [t for t in cluster.device_types if t.bf16_tflops is None]
+    other = {g for g, d in gpu_dtypes if d != dtype}
+    slow = [t for t in cluster.device_types if t.bf16_tflops is None and t.name not in other]
     if slow:
         rates = ", ".join(f"{t.name} {t.fp32_tflops:g} instead of {t.fp16_tflops:g}"
                           for t in slow)
@@ -273,9 +276,26 @@ def warn_precision_fallback(cluster, dtype: str, stacklevel: int = 3) -> list[st
             f"the {', '.join(t.name for t in slow)} GPUs have no bfloat16 tensor cores: "
             f"bfloat16 "
             f"matmuls fall back to their float32 rate there (TFLOP/s: {rates} in float16); "
-            f"train in float16 with loss scaling (--dtype float16, or a float16 model) to "
-            f"use them", PrecisionWarning, stacklevel=stacklevel)
+            f"let those GPUs compute in float16 with loss scaling (--gpu-dtypes fastest, "
+            f"PlannerOptions(gpu_dtypes='fastest')) or train in float16 (--dtype float16, "
+            f"or a float16 model) to use them", PrecisionWarning, stacklevel=stacklevel)
     return [t.name for t in slow]
+
+
+GPU_DTYPE_POLICIES = ("program", "fastest")
+
+
+def gpu_dtypes(cluster, dtype: str, policy: str = "program") -> tuple[tuple[str, str], ...]:
+    """``Plan.gpu_dtypes`` under ``policy``: "program" (every GPU computes in the
+    program's ``dtype``) or "fastest" (a bfloat16 program's matmuls run in float16 on the
+    GPU types without bfloat16 tensor cores, V100 and T4, where float16 is 4-8x their
+    float32 rate; the runtime then scales the loss)."""
+    if policy not in GPU_DTYPE_POLICIES:
+        raise SpecError("gpu_dtypes", policy, f"one of {GPU_DTYPE_POLICIES}")
+    if policy == "program" or dtype not in ("bfloat16", "bf16"):
+        return ()
+    return tuple((t.name, "float16") for t in cluster.device_types
+                 if t.bf16_tflops is None and t.fp16_tflops > t.fp32_tflops)
 
 
 def device_type(name: str) -> DeviceType:

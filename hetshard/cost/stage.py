@@ -321,10 +321,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                attention: str = "flash", cal: Calibration,
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None,
-               tp_overlap: bool = False) -> StageCost:
+               tp_overlap: bool = False, dtype: str | None = None) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
-    the tensor-parallel collectives run as collective matmuls."""
+    the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
+    matmuls' and attention's compute dtype (None: the program's, ``Plan.gpu_dtypes``)."""
     if remat not in REMATS:
         raise SpecError("remat", remat, f"one of {REMATS}")
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -335,8 +336,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     if not 0 <= start < end <= profile.num_layers:
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
-    peak = gpu.peak_flops(profile.dtype) * e.matmul(gpu)
-    peak_attn = attention_rate(gpu, profile.dtype, e, attention)
+    dtype = dtype or profile.dtype
+    peak = gpu.peak_flops(dtype) * e.matmul(gpu)
+    peak_attn = attention_rate(gpu, dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
     fwd = bwd = recompute = weight = carry = cast_s = 0.0

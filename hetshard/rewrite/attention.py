@@ -275,10 +275,10 @@ def _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel):
     return out
 
 
-def _eval(jaxpr, consts, args, run):
+def _eval(jaxpr, consts, args, run, autocast=None):
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    eval_equations(jaxpr, env, run)
+    eval_equations(jaxpr, env, run, autocast=autocast)
     return [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
 
 
@@ -310,7 +310,33 @@ class Replace:
         self.fn, self.reads = fn, reads
 
 
-def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
+# Primitives whose operands an autocast computes in its dtype (``eval_equations``).
+MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot")
+# Calls an autocast evaluates inline when they contain a matmul (their equations are
+# typed for the program's dtype); loops and branches keep their own types.
+_INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
+                 "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+@functools.cache
+def _has_matmul(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in MATMUL_PRIMITIVES:
+            return True
+        inner = _inner(eqn)
+        if inner is not None and eqn.primitive.name in _INLINE_CALLS and \
+                _has_matmul(inner[0]):
+            return True
+    return False
+
+
+def _autocast_in(x, autocast):
+    """``x`` in the autocast's compute dtype when it holds the program's."""
+    return x.astype(autocast[1]) if jnp.result_type(x) == autocast[0] else x
+
+
+def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None,
+                   autocast=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
@@ -318,7 +344,11 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
     a sharding constraint on those variables as they are computed (the SPMD rewrite's
     layouts); a ``Replace`` entry computes the equation making the variable instead.
     ``run`` None: attention is bound as traced (nothing swapped). Each equation keeps its
-    own name stack (under the caller's), so scopes survive the re-interpretation."""
+    own name stack (under the caller's), so scopes survive the re-interpretation.
+    ``autocast`` = (program dtype, compute dtype): matmuls and attention whose operands
+    are in the program's dtype compute in the other (float32 accumulation), their
+    results cast back, as ``torch.autocast`` does; other values keep their types (a
+    stage on a GPU without bfloat16 tensor cores, ``Plan.gpu_dtypes``)."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
@@ -331,7 +361,7 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
             continue
         with source_info_util.user_context(eqn.source_info.traceback,
                                            name_stack=outer + eqn.source_info.name_stack):
-            outs = _evaluate(eqn, idx, read, run, patterns, constrain)
+            outs = _evaluate(eqn, idx, read, run, patterns, constrain, autocast)
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 c = constrain.get(var) if constrain else None
@@ -342,9 +372,11 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None) -> None:
                 env[var] = val
 
 
-def _evaluate(eqn, idx, read, run, patterns, constrain) -> list:
+def _evaluate(eqn, idx, read, run, patterns, constrain, autocast=None) -> list:
     """One equation's outputs (see ``eval_equations``)."""
     causal = _attention_call(eqn) if run is not None else None
+    if autocast is not None and run is not None:
+        run = _autocast_run(run, autocast)
     invals = [] if idx in patterns else [read(v) for v in eqn.invars]
     replace = constrain.get(eqn.outvars[0]) if constrain and eqn.outvars else None
     if isinstance(replace, Replace):
@@ -365,7 +397,18 @@ def _evaluate(eqn, idx, read, run, patterns, constrain) -> list:
     else:
         inner = _inner(eqn)
         if run is not None and inner is not None and _contains(inner[0]):
-            outs = _eval(inner[0], inner[1], invals, run)
+            outs = _eval(inner[0], inner[1], invals, run, autocast)
+        elif autocast is not None and inner is not None and \
+                eqn.primitive.name in _INLINE_CALLS and _has_matmul(inner[0]):
+            outs = _eval(inner[0], inner[1], invals, run, autocast)
+        elif autocast is not None and eqn.primitive.name in MATMUL_PRIMITIVES and \
+                any(jnp.result_type(x) == autocast[0] for x in invals):
+            params = dict(eqn.primitive.get_bind_params(eqn.params))
+            params["preferred_element_type"] = np.dtype(np.float32)
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*[_autocast_in(x, autocast) for x in invals],
+                                         **params)
+            outs = [out.astype(eqn.outvars[0].aval.dtype)]
         elif eqn.primitive.name == "convert_element_type" and \
                 _same_strong_type(invals[0], eqn.outvars[0].aval):
             outs = [invals[0]]  # already cast (a pipeline stage's parameters are)
@@ -376,6 +419,15 @@ def _evaluate(eqn, idx, read, run, patterns, constrain) -> list:
             if not eqn.primitive.multiple_results:
                 outs = [outs]
     return outs
+
+
+def _autocast_run(run, autocast):
+    """``run`` with q, k and v in the autocast's compute dtype, its output cast back."""
+    def cast(q, k, v, seg, scale, causal):
+        out = run(_autocast_in(q, autocast), _autocast_in(k, autocast),
+                  _autocast_in(v, autocast), seg, scale, causal)
+        return out.astype(jnp.result_type(q))
+    return cast
 
 
 def attention_runner(impl: str = "flash", **options):

@@ -106,13 +106,15 @@ class StageProgram:
         return out
 
     def evaluate(self, params, frozen, batch, recvs, remat=None, mesh=None,
-                 constrain=None) -> list:
+                 constrain=None, autocast=None) -> list:
         """The stage's sends from its inputs (lists in the orders above). ``remat`` =
         (wrap, count): the equations of each of the stage's first ``count`` layers (None:
         all) run as one function wrapped by ``wrap`` (``jax.checkpoint`` with a policy),
         so that each layer is recomputed on its own in the backward pass. ``mesh``: the
         stage's mesh, on which the flash kernel runs per device; ``constrain``: layouts
-        for ``eval_equations`` (``hetshard.rewrite.spmd.stage_sequence_layouts``)."""
+        for ``eval_equations`` (``hetshard.rewrite.spmd.stage_sequence_layouts``);
+        ``autocast``: the stage's matmul dtype where it differs from the program's
+        (``eval_equations``)."""
         sp = self._split
         run = sp.runner(mesh)
         jaxpr = sp.closed.jaxpr
@@ -126,21 +128,25 @@ class StageProgram:
         for var, val in zip(self.recvs, recvs, strict=True):
             env[var] = val
         if remat is None:
-            eval_equations(jaxpr, env, run, self.eqns, constrain=constrain)
+            eval_equations(jaxpr, env, run, self.eqns, constrain=constrain,
+                           autocast=autocast)
         else:
             key = ("segments", remat[1])
             if key not in self._memo:
                 last = self.layers[1] if remat[1] is None else self.layers[0] + remat[1]
                 self._memo[key] = layer_segments(jaxpr, self.eqns, sp.eqn_layer,
                                                  (self.layers[0], last), self.sends)
-            eval_segments(jaxpr, env, run, self._memo[key], remat[0], constrain=constrain)
+            eval_segments(jaxpr, env, run, self._memo[key], remat[0], constrain=constrain,
+                          autocast=autocast)
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
-    def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None):
+    def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None,
+                autocast=None):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
         ``(param_cts, float_recv_cts)``. ``remat`` = (wrap, count): the stage's
         rematerialisation, each of its first ``count`` layers (None: all) wrapped by
-        ``wrap``; ``mesh`` and ``constrain``: the stage's (see ``evaluate``)."""
+        ``wrap``; ``mesh``, ``constrain`` and ``autocast``: the stage's (see
+        ``evaluate``)."""
         d_in, d_out = self.diff_recvs, self.diff_sends
         fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
 
@@ -148,7 +154,7 @@ class StageProgram:
             full = list(fixed)
             for i, val in zip(d_in, fr, strict=True):
                 full[i] = val
-            outs = self.evaluate(p, frozen, batch, full, remat, mesh, constrain)
+            outs = self.evaluate(p, frozen, batch, full, remat, mesh, constrain, autocast)
             return ([outs[i] for i in d_out],
                     [o for i, o in enumerate(outs) if i not in set(d_out)])
         float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
@@ -231,17 +237,18 @@ def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
     return out
 
 
-def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None) -> None:
+def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None,
+                  autocast=None) -> None:
     """``eval_equations`` over ``layer_segments``: each recomputed layer's run as one
     function wrapped by ``wrap`` (``remat_wrap``), so the backward recomputes it alone."""
     for ids, reads, outs in segments:
         if reads is None:
-            eval_equations(jaxpr, env, run, ids, constrain=constrain)
+            eval_equations(jaxpr, env, run, ids, constrain=constrain, autocast=autocast)
             continue
 
         def layer(*values, ids=ids, reads=reads, outs=outs):
             inner = dict(zip(reads, values, strict=True))
-            eval_equations(jaxpr, inner, run, ids, constrain=constrain)
+            eval_equations(jaxpr, inner, run, ids, constrain=constrain, autocast=autocast)
             return [inner[v] for v in outs]
         env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
 

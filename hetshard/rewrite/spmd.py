@@ -267,13 +267,14 @@ def layer_boundaries(closed) -> list:
 
 def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                      split_blocks: bool = False, sequence_parallel: bool = True,
-                     tp_overlap: bool = False,
+                     tp_overlap: bool = False, autocast=None,
                      **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
     ``split_blocks``: the plan counts block halves as layers (its remat_layers too);
     ``sequence_parallel`` (on a stage with a tensor axis and parameter layouts): the
-    ``sequence_layouts``, with ``tp_overlap`` as collective matmuls."""
+    ``sequence_layouts``, with ``tp_overlap`` as collective matmuls; ``autocast``: the
+    stage's matmul dtype where it differs from the program's (``eval_equations``)."""
     context = mesh.shape.get("context", 1) > 1
     if attention == "flash" or context:
         # the kernel per device (``_flash_on_mesh``), the ring over ``context``
@@ -307,7 +308,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
         wrap = remat_wrap(stage.remat)
         if wrap is None:
-            eval_equations(jaxpr, env, run, constrain=constrain)
+            eval_equations(jaxpr, env, run, constrain=constrain, autocast=autocast)
         else:
             # The stage's remat: each of its first remat_layers layers (all by default)
             # checkpointed on its own; without layer scopes, the whole function.
@@ -318,7 +319,8 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             count = len(names) if stage.remat_layers is None else stage.remat_layers
             segments = layer_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
                                       (0, count), jaxpr.outvars)
-            eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain)
+            eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain,
+                          autocast=autocast)
         outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 

@@ -13,7 +13,9 @@ What one step does (``PipelineRunner.step``):
 3. A parameter read by several stages of a pipeline (tied embeddings) has its
    gradients added at the stage that owns it; across pipelines the owners' gradients
    are summed (``hetshard.collectives``: a ``shard_map`` all-reduce when the holders'
-   meshes are congruent, transfers otherwise).
+   meshes are congruent, transfers otherwise). A stage whose GPU type computes in
+   another dtype (``Plan.gpu_dtypes``) runs under an autocast, and while one computes in
+   float16 the loss is scaled dynamically (``hetshard.runtime.precision``).
 4. Each stage applies the user's step (the optimizer update) to the state it owns, on
    its own submesh: the step is traced with the gradients and loss provided to
    ``hetshard.value_and_grad`` and every leaf the stage does not hold filled with zeros,
@@ -62,6 +64,7 @@ from hetshard.plan import Plan
 from hetshard.rewrite.backward import input_backward, weight_backward
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
+from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.spmd import leaf_spec, mesh_of
 from hetshard.sim.schedule import schedule_walk
 
@@ -152,6 +155,8 @@ class PipelineRunner:
                            for split in self.splits]
         self.views = None  # per (pipeline, stage): leaf -> array
         self.published: list | None = None
+        # float16 stages: the loss scale (None: gradients unscaled)
+        self.loss_scale = DynamicLossScale() if plan.loss_scaled else None
 
     def state_of(self, others):
         """The step's non-batch arguments as flat state (what ``step`` takes)."""
@@ -326,7 +331,8 @@ class PipelineRunner:
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
         run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
-                                             stage.remat_layers, mesh, layouts),
+                                             stage.remat_layers, mesh, layouts,
+                                             stage_autocast(self.plan, stage)),
                            program.cast_params)
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
@@ -340,7 +346,7 @@ class PipelineRunner:
         grad_pos = {i: k for k, i in enumerate(self.grad_index)}
         owned_params = [i for i in owned if i in grad_pos]
 
-        def fn(owned_vals, shared_vals, grad_vals, loss_leaves):
+        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
             for i, v in zip(owned, owned_vals, strict=True):
                 leaves[i] = v
@@ -349,7 +355,7 @@ class PipelineRunner:
             grads = [jnp.zeros(self.state_avals[i].shape, self.state_avals[i].dtype)
                      for i in self.grad_index]
             for i, g in zip(owned_params, grad_vals, strict=True):
-                grads[grad_pos[i]] = g
+                grads[grad_pos[i]] = g * jnp.asarray(inv_scale, g.dtype)  # loss scale
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
             out, new = apply(leaves, grads, loss_leaves, batch)
             # The state keeps its layout across steps (under ZeRO-1 the update runs on
@@ -404,8 +410,9 @@ class PipelineRunner:
         batch_leaves = jax.tree.leaves(batch)
         grads, losses = [], []
         start = 0
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         for pi, p in enumerate(self.plan.pipelines):
-            g, loss = self._run_pipeline(pi, p, batch_leaves, start)
+            g, loss = self._run_pipeline(pi, p, batch_leaves, start, scale)
             grads.append(g)
             losses.append(loss)
             start += p.batch_share
@@ -422,7 +429,8 @@ class PipelineRunner:
                 view = self.views[pi][si]
                 o, owned, shared = run.apply([view[i] for i in run.owned],
                                              [view[i] for i in self.shared],
-                                             [grads[pi][si][i] for i in run.owned_params], lv)
+                                             [grads[pi][si][i] for i in run.owned_params], lv,
+                                             1.0 / scale)
                 if out is None:
                     out = o
                 new = dict(view)
@@ -430,7 +438,10 @@ class PipelineRunner:
                 new.update(zip(self.shared, shared, strict=True))
                 row.append(new)
             new_views.append(row)
-        if not may_apply(out, self._finite(grads, loss), self._loss_value(loss)):
+        grads_ok, loss_ok = self._finite(grads, loss)
+        if self.loss_scale is not None and self.loss_scale.overflowed(grads_ok, loss_ok):
+            return self.full_output(out, leaves), None  # skipped, at a smaller scale
+        if not may_apply(out, grads_ok and loss_ok, self._loss_value(loss)):
             # The update is refused: a pytree step's output carries the state it had.
             return self.full_output(out, leaves), None
         # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
@@ -456,9 +467,10 @@ class PipelineRunner:
         return (self.full_output(out, self.published),
                 jax.tree.unflatten(self.state_tree, self.published))
 
-    def _run_pipeline(self, pi, pipeline, batch_leaves, start):
+    def _run_pipeline(self, pi, pipeline, batch_leaves, start, scale=1.0):
         """Every process walks the same schedule; it runs its own stages' tasks and joins
-        the transfers into or out of them."""
+        the transfers into or out of them; the loss's cotangent is seeded with ``scale``
+        times the micro-batch's weight (gradients come back scaled)."""
         runs = self.runs[pi]
         n, m = len(runs), pipeline.num_micro_batches
         mbs = _samples_per_micro_batch(pipeline)
@@ -539,7 +551,8 @@ class PipelineRunner:
                 for j in st.diff_sends:
                     parts = cts[mb].pop(st.sends[j], [])
                     incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-                seeds = [weight if st.outputs.get(j) == 0 else None for j in st.diff_sends]
+                seeds = [weight * scale if st.outputs.get(j) == 0 else None
+                         for j in st.diff_sends]
                 if split and not st.diff_recvs:
                     # ZB-H1 on a stage with no input cotangent to send (the first): its
                     # whole backward runs as W, as the simulator times it, so nothing
@@ -644,19 +657,18 @@ class PipelineRunner:
     def _loss_home(self, pi: int) -> NamedSharding:
         return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
 
-    def _finite(self, grads, loss) -> bool:
-        """Whether the combined loss and every gradient are finite (all processes agree:
-        each checks the stages it runs)."""
+    def _finite(self, grads, loss) -> tuple[bool, bool]:
+        """Whether every gradient, and the combined loss, are finite (all processes
+        agree: each checks the stages it runs)."""
         flags = [_all_finite(list(grads[pi][si].values()))
                  for pi, stages in enumerate(self.runs) for si, run in enumerate(stages)
                  if run.here and grads[pi][si]]
-        if loss is not None:
-            flags.append(_all_finite(loss[:1]))
-        ok = all(bool(f) for f in flags)
+        ok = np.asarray([all(bool(f) for f in flags),
+                         loss is None or bool(_all_finite(loss[:1]))])
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-            ok = bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
-        return ok
+            ok = np.all(multihost_utils.process_allgather(ok), axis=0)
+        return bool(ok[0]), bool(ok[1])
 
     def _loss_value(self, loss) -> float:
         """The combined loss as one number (NaN in a process without it)."""
@@ -698,14 +710,16 @@ def _samples_per_micro_batch(pipeline) -> int:
 
 # ---- jitted stage functions -----------------------------------------------------------
 
-def _forward(program, remat, remat_layers, mesh, layouts, params, frozen, batch, recvs):
-    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``; under a
-    remat each of its first ``remat_layers`` layers (None: all) is checkpointed on its
-    own, so the backward recomputes one layer at a time."""
+def _forward(program, remat, remat_layers, mesh, layouts, autocast, params, frozen, batch,
+             recvs):
+    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts`` and
+    ``autocast`` (``stage_autocast``); under a remat each of its first ``remat_layers``
+    layers (None: all) is checkpointed on its own, so the backward recomputes one layer
+    at a time."""
     wrap = remat_wrap(remat)
     return program.forward(params, frozen, batch, recvs,
                            remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
-                           constrain=layouts)
+                           constrain=layouts, autocast=autocast)
 
 
 class _Forward:

@@ -28,7 +28,7 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Plan, Predicted
+from hetshard.plan import Plan, Predicted, stage_dtype
 from hetshard.sim.schedule import (
     best_warmup,
     capped_warmup,
@@ -113,14 +113,15 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for j, st in enumerate(pipe.stages):
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             mbs = pipe.stage_micro_batch(j)
+            dtype = plan.stage_dtype(st)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
-                   mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap)
+                   mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype)
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
-                               plan.distributed_optimizer, plan.tp_overlap)
+                               plan.distributed_optimizer, plan.tp_overlap, dtype)
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -130,10 +131,12 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                shard_optimizer: bool = False, tp_overlap: bool = False) -> StageCost:
+                shard_optimizer: bool = False, tp_overlap: bool = False,
+                dtype: str | None = None) -> StageCost:
     """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
-    the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``)."""
+    the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``);
+    ``dtype``: the stage's compute dtype (``Plan.stage_dtype``; None: the program's)."""
     gpu = _slowest(cluster, st.devices)
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
@@ -149,7 +152,7 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
-                      dp_topo=dp_topo, tp_overlap=tp_overlap)
+                      dp_topo=dp_topo, tp_overlap=tp_overlap, dtype=dtype)
 
 
 def _slowest_group(cluster: Cluster, groups):
@@ -402,7 +405,10 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch
     tokens = plan.global_batch * plan.seq_len
-    peak = cluster.peak_flops(plan.dtype)  # the whole cluster, idle GPUs included
+    # the whole cluster, idle GPUs included, each type at its compute dtype's rate
+    peak = sum(g.num_devices * g.gpu.peak_flops(stage_dtype(g.gpu.name, plan.dtype,
+                                                            plan.gpu_dtypes))
+               for g in cluster.groups)
     capacity = {d: _capacity(cluster, d) for d in mem}
     fits = all(mem[d] <= capacity[d] * (1 - margin) for d in mem)
     bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0
@@ -490,14 +496,15 @@ def predicted(result: SimResult, upper_bound_tokens_per_s: float = 0.0) -> Predi
 
 def upper_bound_tokens_per_s(profile: ModelProfile, cluster: Cluster,
                              cal: Calibration = DEFAULT, mbs: int = 8,
-                             attention: str = "flash") -> float:
+                             attention: str = "flash", gpu_dtypes=()) -> float:
     """Every GPU computing the whole model on its own samples with no communication,
     no bubble and no memory limit: the cluster's aggregate attainable throughput, with
     the plans' ``attention`` (the reference one's materialised scores cost more than
-    the flash kernel's)."""
+    the flash kernel's) and compute dtypes (``Plan.gpu_dtypes``)."""
     total = 0.0
     for g in cluster.groups:
         c = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=mbs, cal=cal,
-                       attention=attention)
+                       attention=attention,
+                       dtype=stage_dtype(g.gpu.name, profile.dtype, gpu_dtypes))
         total += g.num_devices * mbs * profile.tokens_per_sample / (c.fwd_s + c.bwd_s)
     return total

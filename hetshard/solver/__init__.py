@@ -80,8 +80,9 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         raise SpecError("global_batch", global_batch, "a positive integer")
     check_positive("time_limit_s", opts.time_limit_s, where="PlannerOptions")
     seq_len = program.seq_len
-    from hetshard.cluster.catalog import warn_precision_fallback
-    warn_precision_fallback(cluster, program.dtype)
+    from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
+    warn_precision_fallback(cluster, program.dtype,
+                            gpu_dtypes=gpu_dtypes(cluster, program.dtype, opts.gpu_dtypes))
     t0 = time.perf_counter()
     split = opts.split_blocks
     progress.phase("tracing and pricing the program's layers")

@@ -30,7 +30,7 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                        deadline: float | None = None) -> list[Plan]:
     """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats);
     past ``deadline`` (``time.perf_counter``) the ones built so far, at least one."""
-    from hetshard.solver.inter_op import _heads
+    from hetshard.solver.inter_op import _heads, planned_gpu_dtypes
     n = cluster.num_devices
     heads = _heads(profile)
     max_tp = min(g.gpus_per_node for g in cluster.groups)
@@ -55,7 +55,9 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                                                     zero1=opts.distributed_optimizer
                                                     is not False,
                                                     tp_overlap=opts.tp_overlap),
-                                            attention=opts.attention))
+                                            attention=opts.attention,
+                                            gpu_dtypes=planned_gpu_dtypes(profile, cluster,
+                                                                          opts)))
                 except HetshardError:
                     continue
     return out
@@ -166,9 +168,11 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
+    from hetshard.solver.inter_op import planned_gpu_dtypes
     from hetshard.solver.splits import LayerTables, split_layers
     tables = LayerTables(profile, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False, opts.tp_overlap)
+                         opts.distributed_optimizer is not False, opts.tp_overlap,
+                         planned_gpu_dtypes(profile, cluster, opts))
     out = []
     for p in uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                                 deadline):
@@ -178,7 +182,7 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
         stages, caps = [], []
         for st in pipe.stages:
             g = min((cluster.group(cluster.slot(d).group) for d in st.devices),
-                    key=lambda g: g.gpu.peak_flops(profile.dtype))
+                    key=lambda g: tables.peak_of(g.gpu))
             stages.append(tables.get(g, st.axis("tensor"), pipe.micro_batch_size, st.remat,
                                      st.axis("data")))
             caps.append(g.gpu.memory_bytes * (1 - opts.memory_margin))

@@ -64,6 +64,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from hetshard import progress
+from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import p2p_time
@@ -157,8 +158,14 @@ class PlannerOptions:
     stage_orders: tuple[str, ...] = STAGE_ORDERS
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
     exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
+    # Compute dtype per GPU type (``Plan.gpu_dtypes``, ``catalog.gpu_dtypes``): "program"
+    # (every GPU in the program's dtype) or "fastest" (float16 with loss scaling on GPU
+    # types without bfloat16 tensor cores, V100 and T4, under a bfloat16 program).
+    gpu_dtypes: str = "program"
 
     def __post_init__(self):
+        if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
+            raise SpecError("gpu_dtypes", self.gpu_dtypes, f"one of {GPU_DTYPE_POLICIES}")
         if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
                 any(o not in STAGE_ORDERS for o in self.stage_orders)):
             raise SpecError("stage_orders", self.stage_orders,
@@ -403,6 +410,12 @@ def _assign_equal_units(families: list[Family], global_batch: int, unit: int):
     return counts, t
 
 
+def planned_gpu_dtypes(profile: ModelProfile, cluster: Cluster,
+                       opts: PlannerOptions) -> tuple[tuple[str, str], ...]:
+    """``Plan.gpu_dtypes`` of the options' policy for the program and cluster."""
+    return gpu_dtypes(cluster, profile.dtype, opts.gpu_dtypes)
+
+
 def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, counts,
                global_batch: int, seq_len: int, opts: PlannerOptions) -> Plan:
     pipes = []
@@ -430,10 +443,11 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
                 seq_len=seq_len, pipelines=tuple(pipes), grad_sync=sync, context=context,
                 dtype=profile.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
                 attention=opts.attention, split_blocks=profile.split_blocks,
-                tp_overlap=opts.tp_overlap, fingerprint=profile.fingerprint)
+                tp_overlap=opts.tp_overlap, fingerprint=profile.fingerprint,
+                gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts))
 
 
-def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
+def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], peak,
             orders: tuple[str, ...]) -> list[tuple[int, ...]]:
     """The distinct stage orders of a family over ``groups[i] for i in fam`` (indices
     sorted fastest first). Under 1F1B the first stage keeps the most micro-batches in
@@ -448,16 +462,15 @@ def _orders(fam: tuple[int, ...], groups: tuple[Group, ...], dtype: str,
             seq = fam[::-1]
         else:
             seq = tuple(sorted(fam, key=lambda i: -groups[i].gpu.memory_bytes /
-                               groups[i].gpu.peak_flops(dtype)))
+                               peak(groups[i].gpu)))
         if seq not in found:
             found.append(seq)
     return found
 
 
-def _assignments(groups: tuple[Group, ...], dtype: str = "bfloat16",
-                 orders: tuple[str, ...] = ("fastest-first",)):
+def _assignments(groups: tuple[Group, ...], peak, orders: tuple[str, ...] = ("fastest-first",)):
     """Every way to split the groups (sorted fastest first) into families or leave idle,
-    each family in each of its stage ``orders``."""
+    each family in each of its stage ``orders``; ``peak(gpu)``: its FLOP/s."""
     names = list(range(len(groups)))
 
     def partitions(items):
@@ -473,7 +486,7 @@ def _assignments(groups: tuple[Group, ...], dtype: str = "bfloat16",
         used = [i for i in names if used_mask >> i & 1]
         for part in partitions(used):
             yield from (list(combo) for combo in itertools.product(
-                *(_orders(tuple(sorted(fam)), groups, dtype, orders) for fam in part)))
+                *(_orders(tuple(sorted(fam)), groups, peak, orders) for fam in part)))
 
 
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
@@ -490,7 +503,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     if global_batch < 1:
         raise SpecError("global_batch", global_batch, "a positive integer")
     tables = LayerTables(profile, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False, opts.tp_overlap)
+                         opts.distributed_optimizer is not False, opts.tp_overlap,
+                         planned_gpu_dtypes(profile, cluster, opts))
     heads = _heads(profile)
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False
@@ -515,12 +529,12 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             if seed is not None:
                 seeds.append(dataclasses.replace(
                     seed, grad_sync=grad_sync_for(seed.pipelines, global_batch)))
-    groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
+    groups = tuple(sorted(cluster.groups, key=lambda g: -tables.peak_of(g.gpu)))
     fam_cache: dict[tuple, list[Family]] = {}
     combos = []
     progress.phase("stage layouts per GPU group")
     deadline = t0 + opts.time_limit_s * 0.6
-    for assignment in _assignments(groups, profile.dtype, opts.stage_orders):
+    for assignment in _assignments(groups, tables.peak_of, opts.stage_orders):
         if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
             continue
         per_family = []
@@ -762,7 +776,8 @@ def _annotated(chosen: Plan, result, profile, cluster, cal, opts: PlannerOptions
     """``chosen`` with the simulator's prediction and the solver's statistics (wall time
     since ``t0``, status, gap to the compute bound); a warning when the clock cut the
     search (``doing`` says which)."""
-    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention,
+                                     gpu_dtypes=chosen.gpu_dtypes)
     gap = max(0.0, 1 - chosen.global_batch * chosen.seq_len / upper / result.step_time_s)
     status = "time_limit" if timed_out else "searched"
     if timed_out:
@@ -978,7 +993,8 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
     tables = LayerTables(halves, cluster, cal, opts.attention,
-                         opts.distributed_optimizer is not False, opts.tp_overlap)
+                         opts.distributed_optimizer is not False, opts.tp_overlap,
+                         planned_gpu_dtypes(halves, cluster, opts))
     heads = _heads(halves)
     cache: dict = {}
     evaluate = _evaluator(halves, cluster, cal, opts, cache)

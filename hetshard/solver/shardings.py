@@ -73,7 +73,7 @@ def _solve_kind(program, plan, layer: int, mbs: int, tp: int, gpu, cluster, stag
     name = lay.names[layer]
     ops = [op for op in graph.ops if op.layer == name and op.phase == "fwd"]
     res = solve(ops, tp=tp, gpu=gpu, topo=topology(cluster, stage.devices[:tp]), cal=cal,
-                dtype=plan.dtype, param_bytes=dict(enumerate(graph.param_bytes)),
+                dtype=plan.stage_dtype(stage), param_bytes=dict(enumerate(graph.param_bytes)),
                 time_limit_s=limit)
     reads = program.layer_params(2, plan.split_blocks)[layer]
     out = {}

@@ -27,16 +27,19 @@ from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
+from hetshard.plan import stage_dtype
 
 
 class LayerTables:
     """Per-layer costs for (gpu type, tp, mbs, remat), computed once per layer kind."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                 attention: str, shard_optimizer: bool = False, tp_overlap: bool = False):
+                 attention: str, shard_optimizer: bool = False, tp_overlap: bool = False,
+                 gpu_dtypes: tuple = ()):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
         self.shard_optimizer = shard_optimizer  # ZeRO-1 over the r data ways
         self.tp_overlap = tp_overlap  # collective matmuls (Plan.tp_overlap)
+        self.gpu_dtypes = gpu_dtypes  # compute dtypes per GPU type (Plan.gpu_dtypes)
         self._cache: dict = {}
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
@@ -55,7 +58,8 @@ class LayerTables:
                                          dp=r, shard_optimizer=self.shard_optimizer,
                                          mbs=mbs, remat=remat, attention=self.attention,
                                          cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
-                                         tp_overlap=self.tp_overlap)
+                                         tp_overlap=self.tp_overlap,
+                                         dtype=self.dtype_of(group.gpu))
             c = per_kind[k]
             rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
                          c.memory_per_microbatch_bytes, c.memory_working_bytes))
@@ -65,6 +69,14 @@ class LayerTables:
                np.concatenate([[0.0], np.cumsum(a[:, 2])]), a[:, 3])
         self._cache[key] = out
         return out
+
+    def dtype_of(self, gpu) -> str:
+        """The compute dtype of stages on ``gpu`` (a DeviceType)."""
+        return stage_dtype(gpu.name, self.profile.dtype, self.gpu_dtypes)
+
+    def peak_of(self, gpu) -> float:
+        """``gpu``'s peak FLOP/s in the dtype its stages compute in."""
+        return gpu.peak_flops(self.dtype_of(gpu))
 
 
 class PartialRemat:

@@ -97,8 +97,10 @@ def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
 
 
 def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
-                 seq_len: int, fix: Fix, attention: str = "flash") -> Plan:
-    """The uniform plan ``fix`` describes on ``cluster`` (errors name what does not divide)."""
+                 seq_len: int, fix: Fix, attention: str = "flash",
+                 gpu_dtypes: tuple = ()) -> Plan:
+    """The uniform plan ``fix`` describes on ``cluster`` (errors name what does not divide);
+    ``gpu_dtypes``: the plan's compute dtypes per GPU type (``Plan.gpu_dtypes``)."""
     check_positive("--global-batch", global_batch, integer=True)
     n = fix.dp * fix.tp * fix.pp * fix.cp
     if n != cluster.num_devices:
@@ -141,4 +143,4 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                 seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
                 split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap,
-                fingerprint=profile.fingerprint)
+                fingerprint=profile.fingerprint, gpu_dtypes=tuple(gpu_dtypes))
