@@ -136,13 +136,17 @@ def _options(cls, given: dict, where: str):
 def _restricted(options, program: Program):
     """Options limited to what the program can run: single-stage plans without the loss
     call; no distributed optimizer for pytree steps (their optimizer state cannot be told
-    from the parameters). Per-GPU compute dtypes need the loss call (its loss is scaled):
+    from the parameters); no context groups spanning GPU types (their uneven chunks are
+    not run yet). Per-GPU compute dtypes need the loss call (its loss is scaled):
     asking for them without it is an error."""
     if program.call is None and options.gpu_dtypes != "program":
         raise SpecError("gpu_dtypes", options.gpu_dtypes,
                         "'program' for a step without hetshard.value_and_grad (float16 "
                         "stages scale its loss; use hetshard.value_and_grad)",
                         where="hetshard.jit")
+    if options.mixed_context:
+        # uneven context chunks are priced and planned, not yet run
+        options = dataclasses.replace(options, mixed_context=False)
     if program.call is None and (options.max_stages != 1 or options.max_pipelines != 1):
         options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
     if program.kind == "tree" and options.distributed_optimizer is not False:
@@ -424,9 +428,9 @@ class HetshardJit:
             parts.append((p.batch_share, mesh, s_shard, b_shard))
             subs.append(sub)
 
-        def capture(state, batch, scale):
+        def capture(state, batch, *scale):  # the loss scale: loss-scaled plans only
             with entered(mode="capture", captured=None, used=False,
-                         loss_scale=scale if plan.loss_scaled else None) as ctx:
+                         loss_scale=scale[0] if scale else None) as ctx:
                 _call(program, state, batch)
                 if ctx.captured is None:
                     raise PlanNotExecutableError(
@@ -440,8 +444,8 @@ class HetshardJit:
             return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
 
         # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
-        cap = [jax.jit(_rewriting(capture, sub, mesh),
-                       in_shardings=(s, b, NamedSharding(mesh, PartitionSpec())))
+        cap = [jax.jit(_rewriting(capture, sub, mesh), in_shardings=(s, b) + (
+                   (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()))
                for (_, mesh, s, b), sub in zip(parts, subs, strict=True)]
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
@@ -452,12 +456,12 @@ class HetshardJit:
         state = _state(program, others)
         total = sum(share for share, *_ in parts)
         start, results, states, batches = 0, [], [], []
-        scale = np.float32(entry.loss_scale.scale if entry.loss_scale else 1.0)
+        scale = (np.float32(entry.loss_scale.scale),) if entry.loss_scale else ()
         for (share, _mesh, s_shard, b_shard), f in zip(parts, cap, strict=True):
             sl = jax.tree.map(lambda x, a=start, n=share: x[a:a + n], batch)
             st = jax.device_put(state, s_shard)
             bt = jax.device_put(sl, b_shard)
-            results.append(f(st, bt, scale))  # dispatched asynchronously on each submesh
+            results.append(f(st, bt, *scale))  # dispatched asynchronously on each submesh
             states.append(st)
             batches.append(bt)
             start += share
@@ -491,9 +495,9 @@ class HetshardJit:
                 "(nnx.Optimizer) or a plan with distributed_optimizer false")
         s_shard = state_shardings(state, plan, mesh)
 
-        def pure(state, batch, scale):
+        def pure(state, batch, *scale):  # the loss scale: loss-scaled plans only
             with entered(used=False, finite=None, value=None,
-                         loss_scale=scale if plan.loss_scaled else None) as ctx:
+                         loss_scale=scale[0] if scale else None) as ctx:
                 out, objs = _call(program, state, batch)
                 used = jnp.asarray(bool(ctx.used))
                 finite, value = ctx.finite, ctx.value
@@ -501,8 +505,9 @@ class HetshardJit:
             if program.kind == "nnx":
                 new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
             return out, new, used, self._health(program, out, new, finite, value)
+        scaled = (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()
         jitted = jax.jit(_rewriting(pure, plan, mesh),
-                         in_shardings=(s_shard, b_shard, NamedSharding(mesh, PartitionSpec())))
+                         in_shardings=(s_shard, b_shard, *scaled))
         return _Spmd(jitted, s_shard, b_shard, program, _loss_scale(plan))
 
     def _run(self, entry: _Spmd, others, batch):
@@ -510,8 +515,8 @@ class HetshardJit:
         program = entry.program
         batch = jax.device_put(batch, b_shard)
         state = jax.device_put(_state(program, others), s_shard)
-        scale = np.float32(entry.loss_scale.scale if entry.loss_scale else 1.0)
-        out, new_state, used_vg, (ok, loss) = jitted(state, batch, scale)
+        scale = (np.float32(entry.loss_scale.scale),) if entry.loss_scale else ()
+        out, new_state, used_vg, (ok, loss) = jitted(state, batch, *scale)
         if program.kind == "nnx" and not bool(used_vg) and not self._warned_vg:
             self._warned_vg = True
             warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "

@@ -113,15 +113,17 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for j, st in enumerate(pipe.stages):
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             mbs = pipe.stage_micro_batch(j)
-            dtype = plan.stage_dtype(st)
+            dtype = priced_dtype(plan, profile, st)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
-                   mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype)
+                   mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
+                   stage_chunks(plan, st))
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
-                               plan.distributed_optimizer, plan.tp_overlap, dtype)
+                               plan.distributed_optimizer, plan.tp_overlap, dtype,
+                               stage_chunks(plan, st))
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -129,15 +131,83 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
     return out
 
 
+def priced_dtype(plan: Plan, profile: ModelProfile, st) -> str:
+    """The dtype stage ``st`` is priced in: its GPU type's entry of ``plan.gpu_dtypes``,
+    else the program's (the profile's)."""
+    return stage_dtype(st.gpu, profile.dtype, plan.gpu_dtypes)
+
+
+def stage_chunks(plan: Plan, st) -> tuple[int, ...]:
+    """The sequence chunk of each of ``st``'s context ranks when they are uneven (the
+    plan's ``context.chunk_lengths`` for a stage of that context degree), else ()."""
+    chunks = plan.context.chunk_lengths
+    if st.axis("context") != len(chunks) or len(set(chunks)) < 2:
+        return ()
+    return tuple(chunks)
+
+
+def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
+                       profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                       shard_optimizer: bool = False, tp_overlap: bool = False,
+                       dtype: str | None = None, chunks: tuple[int, ...] = ()
+                       ) -> dict[str, StageCost]:
+    """Per GPU type of stage ``st`` with uneven context ``chunks`` (``stage_chunks``): what
+    its devices spend on layers ``[start, end)``. Each type is priced at equal chunks on
+    the stage's mesh and scaled by the largest chunk one of its devices holds over the
+    equal chunk: every layer is sequence-local but attention, whose causal work per rank
+    under the zigzag split (a piece from each end of the sequence) is in proportion to
+    its length too. Times, activations and working sets scale; weights and optimizer
+    state do not. Without ``chunks``: the stage's pacing type alone (``layers_cost``)."""
+    if not chunks:
+        cost = layers_cost(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
+                           shard_optimizer, tp_overlap, dtype)
+        return {_slowest(cluster, st.devices).name: cost}
+    tp, cp = st.axis("tensor"), st.axis("context")
+    equal = sum(chunks) / cp
+    share: dict[str, float] = {}
+    types = {}
+    for i, d in enumerate(st.devices):
+        t = cluster.gpu_of(d)
+        types[t.name] = t
+        share[t.name] = max(share.get(t.name, 0.0), chunks[(i // tp) % cp] / equal)
+    return {name: _scaled(_priced(st, start, end, mbs, fsdp, attention, profile, cluster,
+                                  cal, shard_optimizer, tp_overlap, dtype, types[name]),
+                          share[name])
+            for name in types}
+
+
+def _scaled(c: StageCost, f: float) -> StageCost:
+    """``c`` for ``f`` times the sequence: compute and activations scale, state does not."""
+    return dataclasses.replace(
+        c, fwd_s=c.fwd_s * f, bwd_s=c.bwd_s * f, bwd_weight_s=c.bwd_weight_s * f,
+        memory_per_microbatch_bytes=c.memory_per_microbatch_bytes * f,
+        memory_working_bytes=c.memory_working_bytes * f,
+        memory_carry_bytes=c.memory_carry_bytes * f,
+        memory_cotangent_bytes=c.memory_cotangent_bytes * f)
+
+
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
                 shard_optimizer: bool = False, tp_overlap: bool = False,
-                dtype: str | None = None) -> StageCost:
+                dtype: str | None = None, chunks: tuple[int, ...] = ()) -> StageCost:
     """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
     the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``);
-    ``dtype``: the stage's compute dtype (``Plan.stage_dtype``; None: the program's)."""
-    gpu = _slowest(cluster, st.devices)
+    ``dtype``: the stage's compute dtype (``Plan.stage_dtype``; None: the program's);
+    ``chunks``: uneven context chunks (``stage_chunks``), the stage then paced by the
+    GPU type that takes longest with its share (``typed_layers_costs``)."""
+    if chunks:
+        return max(typed_layers_costs(st, start, end, mbs, fsdp, attention, profile,
+                                      cluster, cal, shard_optimizer, tp_overlap, dtype,
+                                      chunks).values(),
+                   key=lambda c: c.fwd_s + c.bwd_s)
+    return _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
+                   shard_optimizer, tp_overlap, dtype, _slowest(cluster, st.devices))
+
+
+def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_optimizer,
+            tp_overlap, dtype, gpu) -> StageCost:
+    """``layers_cost`` with the stage's work priced on GPU type ``gpu``."""
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = st.axis("data") * st.axis("fsdp")
     devs = list(st.devices)
@@ -283,6 +353,44 @@ def warmup_short_of_memory(plan: Plan, profile: ModelProfile, cluster: Cluster,
     return False
 
 
+def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluster: Cluster,
+                 cal: Calibration, cache: dict | None) -> dict[str, float] | None:
+    """Peak bytes per GPU type on submesh ``w`` of pipeline ``pi`` when one of its stages
+    has uneven context chunks (each type holds its own share of the sequence), else
+    None."""
+    pipe = plan.pipelines[pi]
+    p = pipe.num_workers
+    mine = range(w, len(pipe.stages), p)
+    if not any(stage_chunks(plan, pipe.stages[s]) for s in mine):
+        return None
+    typed = {}
+    for s in mine:
+        st = pipe.stages[s]
+        key = ("typed", st, pipe.stage_micro_batch(s), plan.fsdp, plan.attention,
+               plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
+               stage_chunks(plan, st))
+        if cache is None or key not in cache:
+            got = typed_layers_costs(
+                st, st.start, st.end, pipe.stage_micro_batch(s),
+                plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile, cluster, cal,
+                plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
+                stage_chunks(plan, st))
+            if cache is None:
+                typed[s] = got
+                continue
+            cache[key] = got
+        typed[s] = cache[key]
+    names = {cluster.gpu_of(d).name for d in pipe.stages[w].devices}
+    out = {}
+    for name in names:
+        costs = list(act)
+        for s in mine:
+            costs[s] = typed[s].get(name, act[s])
+        out[name] = worker_memory(pipe.schedule, p, w, pipe.num_micro_batches,
+                                  pipe.virtual_stages, costs, pipe.extra_warmup)
+    return out
+
+
 def _slowest(cluster: Cluster, devices) -> object:
     """The GPU type that paces an SPMD program over ``devices`` (the slowest one)."""
     types = {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in devices}
@@ -334,9 +442,10 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for w in range(p):
             peak = peaks[w]
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
+            typed = _typed_peaks(plan, pi, w, act, profile, cluster, cal, cache)
             for d in pipe.stages[w].devices:
                 busy[d] = work
-                mem[d] = peak
+                mem[d] = peak if typed is None else typed[cluster.gpu_of(d).name]
             for s in range(w, n, p):
                 stage_end[(pi, s)] = last_b_end[(pi, s)]
     # Gradient synchronisation and optimizer step per stage. Stages sharing a submesh

@@ -76,6 +76,7 @@ from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, war
 from hetshard.sim.simulator import (
     annotate,
     simulate,
+    stage_chunks,
     tune_warmup,
     upper_bound_tokens_per_s,
     warmup_short_of_memory,
@@ -162,6 +163,11 @@ class PlannerOptions:
     # (every GPU in the program's dtype) or "fastest" (float16 with loss scaling on GPU
     # types without bfloat16 tensor cores, V100 and T4, under a bfloat16 program).
     gpu_dtypes: str = "program"
+    # For sequences of at least ``context_min_seq`` on clusters of several GPU types,
+    # also plans whose context groups span the types, each device's chunk in proportion
+    # to its speed (``hetshard.solver.context``; the runtime does not run uneven chunks
+    # yet, so ``hetshard.jit`` plans without them).
+    mixed_context: bool = True
 
     def __post_init__(self):
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
@@ -604,10 +610,14 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
         # (a mixed stage runs one SPMD program at the slowest GPU's pace).
         candidates += uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                                          deadline=t0 + opts.time_limit_s * 0.6)
+    if opts.mixed_context and not late(0.6):
+        from hetshard.solver.context import mixed_context_plans
+        candidates += mixed_context_plans(model, profile, cluster, global_batch=global_batch,
+                                          seq_len=seq_len, opts=opts, cal=cal)
     candidates += list(extra_candidates) + seeds
 
     def allowed(p: Plan) -> bool:
-        return single_type_stages(p, cluster) and \
+        return single_type_stages(p, cluster, opts.mixed_context) and \
             (opts.max_stages is None or
              all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and \
             (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)
@@ -643,8 +653,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     relaid, partial = [], []
     progress.phase("a layout per GPU type")
     for rank, start in enumerate(scored[:opts.layout_top]):
-        if start[0][0] or late(0.85):
-            continue
+        if start[0][0] or late(0.85) or not single_type_stages(start[1], cluster):
+            continue  # (layouts per GPU type: not for context groups spanning types)
         got = improve_layouts(start, evaluate, tables, cluster, heads,
                               tp_options=opts.tp_options, remats=opts.remat_options,
                               margin=opts.memory_margin, max_stages=opts.max_stages,
@@ -812,10 +822,12 @@ def _prune(cands: list[Family], n: int) -> list[Family]:
     return sorted(kept, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
 
 
-def single_type_stages(plan: Plan, cluster: Cluster) -> bool:
+def single_type_stages(plan: Plan, cluster: Cluster, context_groups: bool = False) -> bool:
     """Every stage on one GPU type (hetshard's plans; a mixed stage would run one SPMD
-    program at its slowest GPU's pace)."""
-    return all(len({cluster.gpu_of(d).name for d in st.devices}) == 1
+    program at its slowest GPU's pace), or with ``context_groups`` spanning types with
+    uneven context chunks (``hetshard.solver.context``: each type its own share)."""
+    return all(len({cluster.gpu_of(d).name for d in st.devices}) == 1 or
+               (context_groups and bool(stage_chunks(plan, st)))
                for q in plan.pipelines for st in q.stages)
 
 

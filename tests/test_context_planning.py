@@ -1,0 +1,115 @@
+"""Context parallelism across GPU generations: speed-proportional chunks, their pricing,
+and the planner choosing a context group that spans GPU types for a long sequence."""
+
+import dataclasses
+
+import pytest
+
+from hetshard.cluster import Cluster
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.profile import profile_program
+from hetshard.errors import SpecError
+from hetshard.plan import Context
+from hetshard.sim import simulate
+from hetshard.solver import PlannerOptions, make_plan
+from hetshard.solver.context import CHUNK_GRANULE, mixed_context_plans, speed_chunks
+from models import steps
+
+SPEC = {"name": "h100-a100-x8", "inter_group_gbs": 50.0, "groups": [
+    {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4,
+     "intra_node_gbs": 450.0, "inter_node_gbs": 50.0},
+    {"name": "slow", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4,
+     "intra_node_gbs": 300.0, "inter_node_gbs": 50.0}]}
+LONG = "gpt:layers=4,hidden=512,heads=8,vocab=1024,seq=65536"
+
+
+def test_speed_chunks_are_proportional_granular_and_cover_the_sequence():
+    got = speed_chunks(65536, [3.0, 3.0, 1.0, 1.0])
+    assert sum(got) == 65536 and all(c % CHUNK_GRANULE == 0 for c in got)
+    assert got[0] == got[1] and got[2] == got[3]
+    assert abs(got[0] / got[2] - 3.0) < 0.01
+    assert speed_chunks(1024, [1.0, 1e-9, 1e-9, 1e-9]) == (256, 256, 256, 256)  # >= 1 each
+    with pytest.raises(SpecError, match="seq_len"):
+        speed_chunks(1000, [1.0, 2.0])
+    with pytest.raises(SpecError, match="speeds"):
+        speed_chunks(1024, [1.0, 0.0])
+
+
+def _one_layout(profile, cluster, chunks):
+    opts = PlannerOptions(cp_options=(8,), tp_options=(1,), mbs_options=(1,),
+                          remat_options=("full",))
+    (plan,) = mixed_context_plans(LONG, profile, cluster, global_batch=1, seq_len=65536,
+                                  opts=opts, chunks=chunks)
+    return plan
+
+
+def test_uneven_chunks_price_each_type_by_its_share():
+    profile = profile_program(steps.program(LONG))
+    cluster = Cluster.load(SPEC)
+    equal, uneven = (_one_layout(profile, cluster, c) for c in ("equal", "speed"))
+    st = uneven.pipelines[0].stages[0]
+    assert st.axis("context") == 8 and len(st.devices) == 8
+    fast = uneven.context.chunk_lengths[0]
+    assert fast > uneven.context.chunk_lengths[-1]  # H100s first, with more tokens
+    r_eq = simulate(equal, profile, cluster, DEFAULT)
+    r_un = simulate(uneven, profile, cluster, DEFAULT)
+    # Equal chunks wait for the A100s; the H100s' larger chunks finish about together.
+    assert r_un.step_time_s < 0.9 * r_eq.step_time_s
+    # Memory follows each device's chunk: the H100s hold more activations now.
+    h = r_un.memory_per_device[st.devices[0]]
+    a = r_un.memory_per_device[st.devices[-1]]
+    assert h > a
+    assert r_eq.memory_per_device[st.devices[0]] == pytest.approx(
+        r_eq.memory_per_device[st.devices[-1]])
+    # Too much on the H100s: they pace the stage instead.
+    skewed = dataclasses.replace(uneven, context=Context(
+        8, speed_chunks(65536, [30.0] * 4 + [1.0] * 4), True))
+    assert simulate(skewed, profile, cluster, DEFAULT).step_time_s > r_un.step_time_s
+
+
+def test_mixed_context_plans_share_every_type_out_evenly():
+    profile = profile_program(steps.program(LONG))
+    cluster = Cluster.load(SPEC)
+    opts = PlannerOptions(cp_options=(2, 4, 8), tp_options=(1, 2), mbs_options=(1,),
+                          remat_options=("full",))
+    plans = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
+                                opts=opts)
+    assert plans
+    for p in plans:
+        cp = p.context.degree
+        for st in p.pipelines[0].stages:
+            tp = st.axis("tensor")
+            ranks = [st.devices[i] for i in range(0, len(st.devices), tp)]
+            for g in range(st.axis("data")):
+                group = ranks[g * cp:(g + 1) * cp]
+                kinds = [cluster.gpu_of(d).name for d in group]
+                assert kinds.count("H100-80GB") == kinds.count("A100-80GB")
+        fast = [c for c, d in zip(p.context.chunk_lengths, range(cp), strict=True)]
+        assert len(set(fast)) == 2 and sum(fast) == 65536  # two types, two lengths
+    equal = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
+                                opts=opts, chunks="equal")
+    assert {len(set(p.context.chunk_lengths)) for p in equal} == {1}
+
+
+def test_a_long_sequence_makes_the_planner_span_types_with_uneven_chunks():
+    # One 64K-token sample per step: no data parallelism, and a pipeline of one
+    # micro-batch runs its stages one after the other. A context group over both GPU
+    # types, chunks in proportion to their speed, uses all eight at once.
+    program = steps.program(LONG)
+    cluster = Cluster.load(SPEC)
+    opts = PlannerOptions(time_limit_s=20, tp_options=(1, 2), mbs_options=(1,))
+    plan = make_plan(program, cluster, global_batch=1, options=opts, shardings=False)
+    st = plan.pipelines[0].stages[0]
+    assert st.axis("context") > 1
+    assert {cluster.gpu_of(d).name for d in st.devices} == {"H100-80GB", "A100-80GB"}
+    chunks = plan.context.chunk_lengths
+    tp = st.axis("tensor")
+    by_type = {}
+    for i, d in enumerate(st.devices):
+        by_type.setdefault(cluster.gpu_of(d).name, set()).add(
+            chunks[(i // tp) % st.axis("context")])
+    assert min(by_type["H100-80GB"]) > max(by_type["A100-80GB"])
+    # Without context groups spanning types the same search finds a slower plan.
+    single = make_plan(program, cluster, global_batch=1, options=dataclasses.replace(
+        opts, mixed_context=False), shardings=False)
+    assert plan.predicted.tokens_per_s > 1.2 * single.predicted.tokens_per_s
