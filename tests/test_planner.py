@@ -655,6 +655,32 @@ def test_a_smaller_time_limit_never_gives_a_better_plan(monkeypatch):
         assert rates[-1] > rates[0]  # the limits did cut something that mattered
 
 
+@pytest.mark.slow
+def test_a_phase_cut_by_the_limit_leaves_the_later_phases_their_share(monkeypatch):
+    # The heuristic seeds overrun their quarter of the limit (the clock jumps while the
+    # AMP-style seed is built): the Metis-style seed is skipped and the plan says the
+    # limit cut it, but every later phase still runs in its own share, so the plan is as
+    # good as without the overrun. (A sticky "late" flag once cut every later phase.)
+    import hetshard.solver.baselines as baselines
+    program = models.program("gpt-1.3b", seq_len=2048, dtype="bfloat16")
+    from hetshard.solver import make_plan as plan_program
+    cluster = Cluster.load("metis-4types")
+    opts = PlannerOptions(time_limit_s=60.0, gpu_dtypes="fastest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = plan_program(program, cluster, global_batch=256, shardings=False, options=opts)
+        real, offset, amp = time.perf_counter, {"t": 0.0}, baselines.amp_like
+
+        def slow_amp(*args, **kwargs):
+            offset["t"] += 0.3 * opts.time_limit_s
+            return amp(*args, **kwargs)
+        monkeypatch.setattr(baselines, "amp_like", slow_amp)
+        monkeypatch.setattr(time, "perf_counter", lambda: real() + offset["t"])
+        cut = plan_program(program, cluster, global_batch=256, shardings=False, options=opts)
+    assert free.solver.status == "searched" and cut.solver.status == "time_limit"
+    assert cut.predicted.tokens_per_s >= 0.99 * free.predicted.tokens_per_s
+
+
 def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatch):
     # On the largest clusters one simulation takes seconds: once the limit is (nearly)
     # spent the search prices only until a plan fits and skips its last variants.

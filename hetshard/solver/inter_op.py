@@ -516,10 +516,13 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     timed_out = False
 
     def late(fraction: float) -> bool:
+        """Past ``fraction`` of the limit now (recorded: the plan says it was cut). A
+        phase cut early does not make the later phases late: each has its own share."""
         nonlocal timed_out
         if time.perf_counter() - t0 > opts.time_limit_s * fraction:
             timed_out = True
-        return timed_out
+            return True
+        return False
 
     # Fast heuristic plans (AMP-, then Metis-style) as extra starting points: they lie in
     # this search space, and local search starts from the best.
