@@ -100,6 +100,47 @@ def whatif(lines):
     lines.append("")
 
 
+def gpu_dtypes(lines):
+    data = _load("gpu_dtypes.json")
+    if data is None:
+        return
+    lines += ["## Per-GPU compute dtypes", "",
+              "`python experiments/gpu_dtypes.py`: bfloat16 models planned with every GPU in "
+              "bfloat16 (`program`), with V100/T4/P100 stages in float16 and loss scaling "
+              "(`fastest`), and the whole model in float16; sequence "
+              f"{data['seq_len']}.", ""]
+    rows = []
+    for r in data["rows"]:
+        extra = (f"{r['speedup_over_program']:.2f}x" if "speedup_over_program" in r else "")
+        rows.append([r["cluster"], r["model"], r["setting"], f"{r['tokens_per_s']:,.0f}",
+                     extra, r["plan"].split(";")[0].replace("|", "\\|")])
+    lines += _table(["cluster", "model", "setting", "tokens/s", "vs program", "plan"], rows)
+    lines.append("")
+
+
+def long_context(lines):
+    data = _load("long_context.json")
+    if data is None:
+        return
+    lines += ["## Long sequences", "",
+              "`python experiments/long_context.py`: hetshard against uniform context "
+              f"parallelism, about {data['tokens_per_step'] / 2**20:g}M tokens per step, "
+              f"planning limit {data['time_limit_s']:g} s; tokens/s simulated (0: nothing "
+              "fits).", ""]
+    names = ["hetshard", "megatron-cp", "equal-chunks", "fastest-only"]
+    rows = []
+    for r in data["rows"]:
+        by = {e["planner"]: e for e in r["results"]}
+        speed = r["speedup_over_best_uniform"]
+        rows.append([r["cluster"], r["model"], f"{r['seq_len'] // 1024}K",
+                     *[f"{by[n]['tokens_per_s']:,.0f}" for n in names],
+                     f"{speed:.2f}x" if speed else "-",
+                     f"{by['hetshard'].get('peak_memory_gb', 0):.1f}"])
+    lines += _table(["cluster", "model", "seq", *names, "vs best uniform",
+                     "hetshard GB/device"], rows)
+    lines.append("")
+
+
 def attention(lines):
     data = _load("attention_bench.json")
     if data is None:
@@ -150,7 +191,8 @@ def main() -> int:
              "`experiments/results/*.json`; each section names the script that wrote its "
              "numbers. Everything ran on a 2-core CPU machine with fake devices: throughputs "
              "are the simulator's.", ""]
-    for section in (planner, accuracy, whatif, attention, runtime):
+    for section in (planner, accuracy, whatif, gpu_dtypes, long_context, attention,
+                    runtime):
         section(lines)
     with open(OUT, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
