@@ -112,9 +112,10 @@ def _fastest_only(model, profile, cluster, batch, seq, opts):
     return found and (found[0], simulate(found[0], profile, sub, trace=False))
 
 
-def _row(found, profile, name):
+def _row(found, profile, name, applicable=True):
     if found is None:
-        return {"planner": name, "fits": False, "tokens_per_s": 0.0}
+        return {"planner": name, "fits": False, "tokens_per_s": 0.0,
+                "applicable": applicable}
     plan, r = found
     return {"planner": name, "fits": True, "tokens_per_s": r.tokens_per_s,
             "peak_memory_gb": r.peak_memory_bytes / 1e9,
@@ -152,17 +153,18 @@ def main() -> None:
                 except HetshardError as e:
                     found, error = None, str(e)
             planning = time.perf_counter() - t0
+            mixed = mixed_context_plans(model, profile, cluster, global_batch=batch,
+                                        seq_len=seq, opts=opts, chunks="equal")
             base = {
                 "megatron-cp": _megatron(model, profile, cluster, batch, seq, opts),
-                "equal-chunks": _best(mixed_context_plans(
-                    model, profile, cluster, global_batch=batch, seq_len=seq, opts=opts,
-                    chunks="equal"), profile, cluster),
+                "equal-chunks": _best(mixed, profile, cluster),
                 "fastest-only": _fastest_only(model, profile, cluster, batch, seq, opts),
             }
             entry = {"cluster": cname, "model": model, "seq_len": seq, "global_batch": batch,
                      "dtype": dtype, "planning_s": planning, "hetshard_error": error,
                      "results": [_row(found, profile, "hetshard")] +
-                     [_row(f, profile, k) for k, f in base.items()]}
+                     [_row(f, profile, k, applicable=k != "equal-chunks" or bool(mixed))
+                      for k, f in base.items()]}
             best_base = max((r["tokens_per_s"] for r in entry["results"][1:]), default=0.0)
             ours_tps = entry["results"][0]["tokens_per_s"]
             entry["speedup_over_best_uniform"] = ours_tps / best_base if best_base else None
@@ -195,19 +197,20 @@ def _plot(rows, path: str) -> None:
         width = 0.8 / len(names)
         for k, (name, colour) in enumerate(zip(names, colours, strict=True)):
             xs = [x + (k - 1.5) * width for x in range(len(mine))]
-            ys = [next(e["tokens_per_s"] for e in r["results"] if e["planner"] == name)
-                  for r in mine]
+            found = [next(e for e in r["results"] if e["planner"] == name) for r in mine]
+            ys = [e["tokens_per_s"] for e in found]
             ax.bar(xs, ys, width, color=colour, label=name if (i, j) == (0, 0) else None)
-            for x, y in zip(xs, ys, strict=True):
-                if y == 0:
-                    ax.text(x, 0, "x", ha="center", va="bottom", fontsize=8)
+            for x, e in zip(xs, found, strict=True):
+                if not e["tokens_per_s"]:
+                    ax.text(x, 0, "x" if e.get("applicable", True) else "n/a",
+                            ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_xticks(range(len(mine)), [f"{r['seq_len'] // 1024}K" for r in mine])
         ax.set_title(f"{model} on {cname}", fontsize=10)
         ax.set_ylabel("tokens/s (simulated)")
-    fig.legend(loc="upper center", ncol=4, frameon=False)
-    fig.suptitle("Long sequences: hetshard vs uniform context parallelism "
-                 "(x: no layout fits)", y=1.02)
-    fig.tight_layout()
+    fig.suptitle("Long sequences: hetshard vs uniform context parallelism, simulated "
+                 "(x: no layout fits; n/a: one GPU type, no mixed groups)")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(loc="lower center", ncol=4, frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 

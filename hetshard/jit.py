@@ -385,12 +385,6 @@ class HetshardJit:
                     f"plan.context.chunk_lengths={list(chunks)}: the runtime splits a "
                     f"stage's sequence evenly over its context axis; uneven chunks run in "
                     f"hetshard.kernels.context_parallel_attention only")
-            if multi_stage and any(st.axis("context") > 1 for p in plan.pipelines
-                                   for st in p.stages):
-                raise PlanNotExecutableError(
-                    "context parallelism (a stage mesh with a context axis) runs on "
-                    "single-stage plans so far, not on pipeline stages; plan with "
-                    "max_stages=1 or cp_options=(1,)")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner
                 entry = _Mpmd(PipelineRunner(plan, self._bound.devices, program))

@@ -156,6 +156,25 @@ def test_two_stages_on_uneven_submeshes_3_plus_5():
     assert len({d for r in runner.runs[0] for d in r.mesh.devices.flat}) == 8
 
 
+@pytest.mark.parametrize("attention", ["reference", "flash"])
+def test_context_parallel_pipeline_stages_match_one_device(attention):
+    # Stage 0: data 2 x context 2 (over H100s and A100s), stage 1: context 4 on the V100s;
+    # each splits the micro-batch's sequence over its context axis (tokens and the
+    # activations it receives) and runs attention as a zigzag ring over it.
+    from hetshard.plan import Context
+    from hetshard.runtime.pipeline import activation_sharding
+    stages = (_stage(0, 2, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2),
+              _stage(2, 4, (4, 5, 6, 7), V, context=4))
+    plan = Plan("gpt-tiny", Cluster.load(CLUSTER).to_dict(), 8, 16,
+                (Pipeline(stages, 8, 2, 2),), context=Context(4, (4, 4, 4, 4), True),
+                attention=attention)
+    step = _assert_matches_one_device("gpt-tiny", plan)
+    runner = next(iter(step._compiled.values())).runner
+    mesh = runner.runs[0][1].mesh
+    assert tuple(activation_sharding((4, 16, 32), mesh, 4, 16).spec) == (None, "context")
+    assert runner.splits[0].runner(mesh) is not runner.splits[0].run  # the ring
+
+
 def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():
     plan = _plan("gpt-tiny", [Pipeline((
         _stage(0, 1, (0,), H), _stage(1, 2, (2, 3), A, data=2),

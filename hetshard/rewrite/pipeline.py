@@ -177,11 +177,14 @@ class StageSplit:
 
     def runner(self, mesh=None) -> Callable:
         """The attention implementation for a stage on ``mesh`` (None: ``run``): the flash
-        kernel runs per device there (``hetshard.rewrite.attention._flash_on_mesh``)."""
-        if mesh is None or self.attention != "flash" or "mesh" in self.attention_options:
+        kernel runs per device there (``hetshard.rewrite.attention._flash_on_mesh``); on a
+        mesh with a ``context`` axis either runs as a ring over it (``_ring_on_mesh``)."""
+        context = mesh is not None and mesh.shape.get("context", 1) > 1
+        if mesh is None or (self.attention != "flash" and not context) or \
+                "mesh" in self.attention_options:
             return self.run
         if mesh not in self._runners:
-            self._runners[mesh] = attention_runner("flash", mesh=mesh,
+            self._runners[mesh] = attention_runner(self.attention, mesh=mesh,
                                                    **self.attention_options)
         return self._runners[mesh]
 

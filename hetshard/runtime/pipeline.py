@@ -80,14 +80,20 @@ def _batch_axes(mesh: Mesh) -> tuple:
     return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
 
 
-def activation_sharding(shape, mesh: Mesh, mbs: int) -> NamedSharding:
+def activation_sharding(shape, mesh: Mesh, mbs: int, seq_len: int | None = None
+                        ) -> NamedSharding:
     """Micro-batch values are split over the stage's data axes when their leading
-    dimension is the micro-batch and divides evenly, and replicated otherwise."""
+    dimension is the micro-batch and divides evenly, and replicated otherwise; on a stage
+    with a ``context`` axis, values ``[micro-batch, seq_len, ...]`` (token arrays,
+    boundary activations) are also split along their sequence over it."""
     axes = _batch_axes(mesh)
     ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if axes and len(shape) and shape[0] == mbs and mbs % ways == 0:
-        return NamedSharding(mesh, PartitionSpec(axes))
-    return NamedSharding(mesh, PartitionSpec())
+    batch = axes if axes and len(shape) and shape[0] == mbs and mbs % ways == 0 else None
+    cp = mesh.shape.get("context", 1)
+    if cp > 1 and seq_len and len(shape) >= 2 and shape[0] == mbs and \
+            shape[1] == seq_len and seq_len % cp == 0:
+        return NamedSharding(mesh, PartitionSpec(batch, "context"))
+    return NamedSharding(mesh, PartitionSpec(batch) if batch else PartitionSpec())
 
 
 class _UnionFind:
@@ -324,9 +330,10 @@ class PipelineRunner:
             shard_data=zero1 and i not in params)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
-        # Sequence parallelism inside the stage (as the simulator prices its memory).
+        # Sequence parallelism inside the stage (as the simulator prices its memory); a
+        # context axis splits the sequence instead (not combined, as on SPMD stages).
         invars = self.splits[pi].closed.jaxpr.invars
-        layouts = stage_sequence_layouts(
+        layouts = {} if stage.axis("context") > 1 else stage_sequence_layouts(
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
@@ -489,7 +496,7 @@ class PipelineRunner:
         loss_acc: dict = {}
 
         def act(v, mesh):
-            return activation_sharding(v.aval.shape, mesh, mbs)
+            return activation_sharding(v.aval.shape, mesh, mbs, self.plan.seq_len)
 
         def move(variables, src, dst, have):
             """Moves activations (or cotangents) of ``variables`` from stage ``src`` to
@@ -523,7 +530,9 @@ class PipelineRunner:
             batch = [jax.device_put(np.asarray(batch_leaves[i][lo:lo + mbs])
                                     if isinstance(batch_leaves[i], np.ndarray)
                                     else batch_leaves[i][lo:lo + mbs],
-                                    activation_sharding((mbs,), run.mesh, mbs))
+                                    activation_sharding(
+                                        (mbs, *np.shape(batch_leaves[i])[1:]), run.mesh, mbs,
+                                        self.plan.seq_len))
                      for i in st.batch]
             fo, oo, vjp = run.fwd([view[i] for i in st.params],
                                   [view[i] for i in st.frozen], batch,

@@ -95,9 +95,10 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         raise SpecError("tp", shown, f"a tensor degree dividing the model's {heads} "
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
-    # One budget: the inter-op search gets 85% of it, the intra-op shardings the rest
-    # (one CP-SAT model per block and layout: about a second); where the whole-block plan
-    # is then refined in halves, the search keeps a quarter of its share for that.
+    # One budget from the start (tracing and pricing the layers included): the inter-op
+    # search ends by 85% of it, the intra-op shardings take the rest (one CP-SAT model
+    # per block and layout, returning its best so far); where the whole-block plan is
+    # then refined in halves, the search keeps a quarter of its share for that.
     inter = opts.time_limit_s * (0.85 if shardings else 1.0)
     refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
@@ -114,7 +115,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     if shardings:
         left = opts.time_limit_s - (time.perf_counter() - t0)
         progress.phase("per-op shardings (intra-op solver)")
-        result = attach_shardings(result, program, cluster, cal, time_limit_s=max(1.0, left))
+        result = attach_shardings(result, program, cluster, cal, time_limit_s=max(0.5, left))
     return dataclasses.replace(result, fingerprint=program.model_fingerprint)
 
 
@@ -124,9 +125,10 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
     ``refine`` (kept when faster)."""
     from hetshard.cost.profile import profile_program
     from hetshard.solver.inter_op import plan, refine_halves
+    share = max(0.0, t0 + inter - time.perf_counter())  # less what tracing took
     result = plan(profile.model, profile, cluster, global_batch=global_batch,
                   seq_len=seq_len, cal=cal, options=dataclasses.replace(
-                      narrowed, time_limit_s=inter * (0.75 if refine else 1.0)))
+                      narrowed, time_limit_s=share * (0.75 if refine else 1.0)))
     if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when faster.
