@@ -656,6 +656,23 @@ def test_a_smaller_time_limit_never_gives_a_better_plan(monkeypatch):
 
 
 @pytest.mark.slow
+def test_the_halves_refinement_never_swaps_in_a_plan_over_memory():
+    # llama-70b at 32K tokens on 32 H100s: the best whole-block plan in block halves is
+    # priced over memory (107 GB per GPU); it was kept for being faster.
+    cluster = Cluster.from_dict({"name": "h100-x32", "groups": [
+        {"name": "g", "gpu": "H100-80GB", "nodes": 4, "gpus_per_node": 8,
+         "intra_node_gbs": 450.0, "inter_node_gbs": 400.0}]})
+    plan = zoo_plan("llama-70b", cluster, global_batch=64, seq_len=32768, dtype="bfloat16",
+                    shardings=False, options=PlannerOptions(
+                        time_limit_s=30, cp_options=(1, 2, 4, 8, 16), mbs_options=(1,),
+                        remat_options=("none", "full")))
+    assert plan.predicted.fits
+    profile = profile_model("llama-70b", 32768, "bfloat16", split_blocks=plan.split_blocks)
+    r = simulate(plan, profile, cluster, DEFAULT, trace=False)
+    assert r.fits and r.peak_memory_bytes <= cluster.groups[0].gpu.memory_bytes
+
+
+@pytest.mark.slow
 def test_a_phase_cut_by_the_limit_leaves_the_later_phases_their_share(monkeypatch):
     # The heuristic seeds overrun their quarter of the limit (the clock jumps while the
     # AMP-style seed is built): the Metis-style seed is skipped and the plan says the

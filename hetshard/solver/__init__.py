@@ -131,14 +131,16 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
                       narrowed, time_limit_s=share * (0.75 if refine else 1.0)))
     if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
-        # (attention | MLP): kept when faster.
+        # (attention | MLP): kept when it fits and is faster (the whole-block plan in
+        # halves can be priced over memory: the halves' boundaries keep other values).
         progress.phase("stage boundaries inside blocks")
         halves = profile_program(program, split_blocks=True)
         left = max(1.0, t0 + inter - time.perf_counter())
         refined = refine_halves(result, profile, halves, cluster, cal=cal,
                                 options=dataclasses.replace(narrowed, time_limit_s=left))
         cut = "time_limit" in (refined.solver.status, result.solver.status)
-        if refined.predicted.step_time_s < result.predicted.step_time_s * (1 - 1e-9):
+        if refined.predicted.fits and \
+                refined.predicted.step_time_s < result.predicted.step_time_s * (1 - 1e-9):
             result, profile = refined, halves
         result = dataclasses.replace(result, solver=dataclasses.replace(
             result.solver, wall_time_s=time.perf_counter() - t0,
