@@ -136,17 +136,13 @@ def _options(cls, given: dict, where: str):
 def _restricted(options, program: Program):
     """Options limited to what the program can run: single-stage plans without the loss
     call; no distributed optimizer for pytree steps (their optimizer state cannot be told
-    from the parameters); no context groups spanning GPU types (their uneven chunks are
-    not run yet). Per-GPU compute dtypes need the loss call (its loss is scaled):
-    asking for them without it is an error."""
+    from the parameters). Per-GPU compute dtypes need the loss call (its loss is
+    scaled): asking for them without it is an error."""
     if program.call is None and options.gpu_dtypes != "program":
         raise SpecError("gpu_dtypes", options.gpu_dtypes,
                         "'program' for a step without hetshard.value_and_grad (float16 "
                         "stages scale its loss; use hetshard.value_and_grad)",
                         where="hetshard.jit")
-    if options.mixed_context:
-        # uneven context chunks are priced and planned, not yet run
-        options = dataclasses.replace(options, mixed_context=False)
     if program.call is None and (options.max_stages != 1 or options.max_pipelines != 1):
         options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
     if program.kind == "tree" and options.distributed_optimizer is not False:
@@ -201,7 +197,8 @@ def _rewriting(fn, plan: Plan, mesh=None):
             return constrain_layers(loss, mesh, stage, attention=plan.attention,
                                     split_blocks=plan.split_blocks,
                                     tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag,
-                                    autocast=stage_autocast(plan, stage))
+                                    autocast=stage_autocast(plan, stage),
+                                    chunk_lengths=plan.context_chunks(stage) or None)
     elif plan.attention in (None, "reference"):
         rewrite = None
     else:
@@ -379,12 +376,6 @@ class HetshardJit:
                     f"plan.gpu_dtypes={[list(e) for e in plan.gpu_dtypes]}: stages computing "
                     f"in another dtype need a step that calls hetshard.value_and_grad "
                     f"(hetshard scales its loss), and {program.call_error}")
-            chunks = plan.context.chunk_lengths
-            if len(set(chunks)) > 1:
-                raise PlanNotExecutableError(
-                    f"plan.context.chunk_lengths={list(chunks)}: the runtime splits a "
-                    f"stage's sequence evenly over its context axis; uneven chunks run in "
-                    f"hetshard.kernels.context_parallel_attention only")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner
                 entry = _Mpmd(PipelineRunner(plan, self._bound.devices, program))

@@ -231,6 +231,14 @@ class Plan:
         they agree)."""
         return stage_dtype(stage.gpu, self.dtype, self.gpu_dtypes)
 
+    def context_chunks(self, stage: Stage) -> tuple[int, ...]:
+        """The sequence chunk each of ``stage``'s context ranks attends when they are
+        uneven (``context.chunk_lengths``, for a stage of that context degree), else ()."""
+        chunks = self.context.chunk_lengths
+        if stage.axis("context") != len(chunks) or len(set(chunks)) < 2:
+            return ()
+        return tuple(chunks)
+
     @property
     def loss_scaled(self) -> bool:
         """Whether the runtime scales the loss: some stage computes in float16 where the

@@ -12,7 +12,12 @@ from hetshard.errors import SpecError
 from hetshard.plan import Context
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan
-from hetshard.solver.context import CHUNK_GRANULE, mixed_context_plans, speed_chunks
+from hetshard.solver.context import (
+    CHUNK_GRANULE,
+    balanced_shares,
+    mixed_context_plans,
+    speed_chunks,
+)
 from models import steps
 
 SPEC = {"name": "h100-a100-x8", "inter_group_gbs": 50.0, "groups": [
@@ -21,6 +26,17 @@ SPEC = {"name": "h100-a100-x8", "inter_group_gbs": 50.0, "groups": [
     {"name": "slow", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4,
      "intra_node_gbs": 300.0, "inter_node_gbs": 50.0}]}
 LONG = "gpt:layers=4,hidden=512,heads=8,vocab=1024,seq=65536"
+
+
+def test_balanced_shares_finish_every_rank_together():
+    times = [(1.0, 2.0), (1.0, 2.0), (1.5, 3.0), (1.5, 3.0)]  # (other, attention) each
+    shares = balanced_shares(times)
+    assert sum(shares) == pytest.approx(4.0)
+    ends = [o + s * a for (o, a), s in zip(times, shares, strict=True)]
+    assert max(ends) - min(ends) < 1e-9 and shares[0] > 1 > shares[2]
+    # A rank too slow for any attention keeps a minimal share; no attention: equal.
+    assert balanced_shares([(0.0, 1.0), (5.0, 1.0)])[1] < 0.01
+    assert balanced_shares([(1.0, 0.0), (2.0, 0.0)]) == [1.0, 1.0]
 
 
 def test_speed_chunks_are_proportional_granular_and_cover_the_sequence():
@@ -37,7 +53,7 @@ def test_speed_chunks_are_proportional_granular_and_cover_the_sequence():
 
 def _one_layout(profile, cluster, chunks):
     opts = PlannerOptions(cp_options=(8,), tp_options=(1,), mbs_options=(1,),
-                          remat_options=("full",))
+                          remat_options=("none",))
     (plan,) = mixed_context_plans(LONG, profile, cluster, global_batch=1, seq_len=65536,
                                   opts=opts, chunks=chunks)
     return plan
@@ -55,12 +71,11 @@ def test_uneven_chunks_price_each_type_by_its_share():
     r_un = simulate(uneven, profile, cluster, DEFAULT)
     # Equal chunks wait for the A100s; the H100s' larger chunks finish about together.
     assert r_un.step_time_s < 0.9 * r_eq.step_time_s
-    # Memory follows each device's chunk: the H100s hold more activations now.
+    # Every device holds the longest chunk's attention inputs and outputs (the ring pads
+    # each chunk to it): more than with equal chunks, the same on both types.
     h = r_un.memory_per_device[st.devices[0]]
     a = r_un.memory_per_device[st.devices[-1]]
-    assert h > a
-    assert r_eq.memory_per_device[st.devices[0]] == pytest.approx(
-        r_eq.memory_per_device[st.devices[-1]])
+    assert h == pytest.approx(a) and h > r_eq.memory_per_device[st.devices[0]]
     # Too much on the H100s: they pace the stage instead.
     skewed = dataclasses.replace(uneven, context=Context(
         8, speed_chunks(65536, [30.0] * 4 + [1.0] * 4), True))

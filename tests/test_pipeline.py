@@ -165,14 +165,18 @@ def test_context_parallel_pipeline_stages_match_one_device(attention):
     from hetshard.runtime.pipeline import activation_sharding
     stages = (_stage(0, 2, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2),
               _stage(2, 4, (4, 5, 6, 7), V, context=4))
+    # Stage 1 attends uneven chunks (its context degree is the plan's): 6, 6, 2, 2 tokens.
     plan = Plan("gpt-tiny", Cluster.load(CLUSTER).to_dict(), 8, 16,
-                (Pipeline(stages, 8, 2, 2),), context=Context(4, (4, 4, 4, 4), True),
+                (Pipeline(stages, 8, 2, 2),), context=Context(4, (6, 6, 2, 2), True),
                 attention=attention)
     step = _assert_matches_one_device("gpt-tiny", plan)
     runner = next(iter(step._compiled.values())).runner
     mesh = runner.runs[0][1].mesh
     assert tuple(activation_sharding((4, 16, 32), mesh, 4, 16).spec) == (None, "context")
     assert runner.splits[0].runner(mesh) is not runner.splits[0].run  # the ring
+    assert plan.context_chunks(stages[1]) == (6, 6, 2, 2) and not plan.context_chunks(
+        stages[0])
+    assert runner.runs[0][1].fwd.fn.args[-1] == (6, 6, 2, 2)  # what stage 1 attends
 
 
 def test_four_stage_1f1b_pipeline_on_mixed_gpus_with_remat():

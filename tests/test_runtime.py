@@ -444,6 +444,26 @@ def test_context_parallel_stage_matches_single_device_training(fix):
     assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring
 
 
+@pytest.mark.parametrize("chunks", [(6, 6, 2, 2), (2, 8, 4, 2)])
+def test_uneven_context_chunks_match_single_device_training(chunks):
+    # Attention over uneven chunks (each device attends its own share of the sequence,
+    # padded to the longest; zigzag halves) while the other layers keep an even split.
+    from hetshard.plan import Context
+    plan = dataclasses.replace(_plan("dp=2,tp=1,pp=1,cp=4"),
+                               context=Context(4, chunks, True))
+    assert plan.context_chunks(plan.pipelines[0].stages[0]) == chunks
+    losses, params, step, batches, _ = _run(plan)
+    want_losses, want_params = _reference(batches, 3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (entry,) = step._compiled.values()
+    hlo = entry.step.lower(jax.device_put(nnx.state(_fresh_state()), entry.state_shardings),
+                           jax.device_put(batches[0], entry.batch_shardings)).as_text()
+    # The ring's token positions: 4 devices x the longest chunk (the padded layout).
+    assert f"tensor<8x{4 * max(chunks)}xi32>" in hlo
+
+
 def _fresh_state():
     model = models.build(MODEL, rngs=0)
     return (model, nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param))

@@ -93,6 +93,12 @@ class StageCost:
     read_copies: tuple[tuple[str, float], ...] = ()
     # Per step, with the update: the weights' and their gradients' dtype casts
     cast_s: float = 0.0
+    # Of fwd_s and bwd_s, attention's (its kernels, the flash backward's recompute of the
+    # scores, the context ring's exposed transfers), and the flash kernel's inputs and
+    # outputs kept per micro-batch: what uneven context chunks redistribute
+    attention_fwd_s: float = 0.0
+    attention_bwd_s: float = 0.0
+    attention_memory_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -342,6 +348,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
     fwd = bwd = recompute = weight = carry = cast_s = 0.0
+    att_f = att_b = att_mem = 0.0
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = 0.0
     working = 0.0
@@ -386,6 +393,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion) + \
             e.kernel_launch_s * _kernels(layer.fwd_kernels, layer.fwd_attention, attention, 1)
         per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
+        layer_att_f = float(_op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)[
+            layer.fwd_attention].sum()) if layer.fwd_attention.any() else 0.0
+        layer_att_b = float(per_op[layer.bwd_attention].sum()) \
+            if len(layer.bwd_attention) == len(per_op) and layer.bwd_attention.any() else 0.0
         t_b = float(per_op.sum()) + \
             e.kernel_launch_s * _kernels(layer.bwd_kernels, layer.bwd_attention, attention, 2)
         if len(layer.bwd_weight) == len(per_op):
@@ -425,6 +436,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                                layer.fwd_matmul[layer.fwd_attention], peak_attn, bw, e.fusion)
             t_f += max(0.0, ring - t_attn)
             t_b += 2 * max(0.0, ring - t_attn)
+            layer_att_f += max(0.0, ring - t_attn)
+            layer_att_b += 2 * max(0.0, ring - t_attn)
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
         if timed is None:
             cast_s += layer_cast_s
@@ -446,6 +459,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
         if mode == "full":
             recompute += t_f
+            layer_att_b += layer_att_f
         elif timed is not None:
             # The framework measured recomputes what it recomputes: the selective remat
             # re-runs the roofline's share of the forward, nothing else is added.
@@ -466,10 +480,15 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                 # The flash kernel's backward recomputes the attention scores from q, k
                 # and v (Dao 2023).
                 mask = layer.fwd_attention
-                recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn,
-                                       bw, e.fusion)
+                again = _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn,
+                                  bw, e.fusion)
+                recompute += again
+                layer_att_b += again
         fwd += t_f
         bwd += t_b
+        if timed is None:  # (a measured layer keeps its attention share unknown: cp 1)
+            att_f += layer_att_f
+            att_b += layer_att_b
         f_model = layer.flops(mbs)
         model_flops += f_model
         hw_flops += f_model + (layer.fwd_total_flops(mbs) if mode == "full" else 0.0)
@@ -481,6 +500,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         whole = res if attention == "reference" else (
             res - attn + (layer.flash_residual_bytes_per_sample
                           - layer.attention_input_residual_bytes_per_sample) * mbs / shard)
+        if attention == "flash" and mode != "full":
+            att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
         if mode == "none":
             kept = whole
         elif mode == "selective":
@@ -521,4 +542,6 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
                      memory_working_bytes=working, bwd_weight_s=weight,
                      memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
-                     read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s)
+                     read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s,
+                     attention_fwd_s=att_f, attention_bwd_s=att_b,
+                     attention_memory_bytes=att_mem)

@@ -174,7 +174,8 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
     def run(q, k, v, seg, scale, causal):
         if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1:
             # A stage with a context axis: its activations are split along the sequence.
-            return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel)
+            return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel,
+                                 chunk_lengths)
         if name == "reference":
             from hetshard.kernels.reference import attention_reference
             return attention_reference(q, k, v, causal=causal, segment_ids=seg,
@@ -235,27 +236,44 @@ def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel):
                          check_vma=False)(*args)
 
 
-def _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel):
+def _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel,
+                  chunk_lengths=None):
     """Ring attention over the stage mesh's ``axis`` on sequence-split q, k, v: each
-    device attends its own equal chunk (zigzag order for causal masks: the sequence is
+    device attends its own chunk (zigzag order for causal masks: the sequence is
     permuted into device order first, and the output back), its samples over the data
     axes and its heads over ``tensor`` as ``_flash_on_mesh`` splits them. The ring's
-    backward is its own (O(1) chunks per device)."""
+    backward is its own (O(1) chunks per device). ``chunk_lengths`` (per device, in
+    mesh order; default equal): uneven chunks, each padded to the longest (padding
+    slots get position -1, which the ring masks), so a faster device attends more of the
+    sequence; the layers around attention keep their even split."""
     from jax.sharding import PartitionSpec as P
 
     from hetshard.kernels.ring_attention import device_token_ids, ring_attention
     from hetshard.meshes import laid_out
     n, s = mesh.shape[axis], q.shape[1]
-    if s % n:
+    chunks = [s // n] * n if chunk_lengths is None else [int(c) for c in chunk_lengths]
+    if len(chunks) != n or sum(chunks) != s or min(chunks) < 1:
+        raise SpecError("chunk_lengths", chunk_lengths,
+                        f"{n} positive lengths summing to the sequence length {s}",
+                        where="context-parallel attention")
+    if chunk_lengths is None and s % n:
         raise SpecError("seq_len", s, f"a multiple of the context degree {n}",
                         where="context-parallel attention")
     batch, heads = attention_layout(mesh, q.shape, k.shape[2])
     zig = bool(zigzag and causal)
-    order = np.concatenate(device_token_ids(s, [s // n] * n, zig))
-    if zig:  # device i's tokens: the i-th piece from the front and from the back
+    ids = device_token_ids(s, chunks, zig)
+    width = max(chunks)
+    gather = np.zeros((n, width), np.int64)  # padded slot -> token (padding: token 0)
+    pos = np.full((n, width), -1, np.int32)
+    for i, t in enumerate(ids):
+        gather[i, :len(t)] = t
+        pos[i, :len(t)] = t
+    order = gather.reshape(-1)
+    moved = zig or len(set(chunks)) > 1
+    if moved:  # device i's tokens (zigzag: the i-th piece from the front and the back)
         q, k, v = (jnp.take(x, jnp.asarray(order), axis=1) for x in (q, k, v))
         seg = None if seg is None else jnp.take(seg, jnp.asarray(order), axis=1)
-    positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (q.shape[0], s))
+    positions = jnp.broadcast_to(jnp.asarray(pos.reshape(-1)), (q.shape[0], n * width))
     spec, tokens = P(batch, axis, heads, None), P(batch, axis)
 
     def body(q, k, v, pos, *seg):
@@ -268,10 +286,11 @@ def _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel):
     args = tuple(laid_out(a, mesh, sp) for a, sp in zip(args, specs, strict=True))
     out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                         check_vma=False)(*args)
-    if zig:
-        inverse = np.empty(s, np.int64)
-        inverse[order] = np.arange(s)
-        out = jnp.take(out, jnp.asarray(inverse), axis=1)
+    if moved:
+        slot = np.empty(s, np.int64)  # token -> its padded slot
+        for i, t in enumerate(ids):
+            slot[t] = i * width + np.arange(len(t))
+        out = jnp.take(out, jnp.asarray(slot), axis=1)
     return out
 
 

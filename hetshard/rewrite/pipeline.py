@@ -106,7 +106,7 @@ class StageProgram:
         return out
 
     def evaluate(self, params, frozen, batch, recvs, remat=None, mesh=None,
-                 constrain=None, autocast=None) -> list:
+                 constrain=None, autocast=None, chunk_lengths=None) -> list:
         """The stage's sends from its inputs (lists in the orders above). ``remat`` =
         (wrap, count): the equations of each of the stage's first ``count`` layers (None:
         all) run as one function wrapped by ``wrap`` (``jax.checkpoint`` with a policy),
@@ -114,9 +114,9 @@ class StageProgram:
         stage's mesh, on which the flash kernel runs per device; ``constrain``: layouts
         for ``eval_equations`` (``hetshard.rewrite.spmd.stage_sequence_layouts``);
         ``autocast``: the stage's matmul dtype where it differs from the program's
-        (``eval_equations``)."""
+        (``eval_equations``); ``chunk_lengths``: uneven context chunks for attention."""
         sp = self._split
-        run = sp.runner(mesh)
+        run = sp.runner(mesh, chunk_lengths)
         jaxpr = sp.closed.jaxpr
         env = dict(zip(jaxpr.constvars, sp.closed.consts, strict=True))
         for idx, val in zip(self.params, params, strict=True):
@@ -141,12 +141,12 @@ class StageProgram:
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
     def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None,
-                autocast=None):
+                autocast=None, chunk_lengths=None):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
         ``(param_cts, float_recv_cts)``. ``remat`` = (wrap, count): the stage's
         rematerialisation, each of its first ``count`` layers (None: all) wrapped by
-        ``wrap``; ``mesh``, ``constrain`` and ``autocast``: the stage's (see
-        ``evaluate``)."""
+        ``wrap``; ``mesh``, ``constrain``, ``autocast`` and ``chunk_lengths``: the
+        stage's (see ``evaluate``)."""
         d_in, d_out = self.diff_recvs, self.diff_sends
         fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
 
@@ -154,7 +154,8 @@ class StageProgram:
             full = list(fixed)
             for i, val in zip(d_in, fr, strict=True):
                 full[i] = val
-            outs = self.evaluate(p, frozen, batch, full, remat, mesh, constrain, autocast)
+            outs = self.evaluate(p, frozen, batch, full, remat, mesh, constrain, autocast,
+                                 chunk_lengths)
             return ([outs[i] for i in d_out],
                     [o for i, o in enumerate(outs) if i not in set(d_out)])
         float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
@@ -175,18 +176,22 @@ class StageSplit:
     attention_options: dict = dataclasses.field(default_factory=dict)
     _runners: dict = dataclasses.field(default_factory=dict)
 
-    def runner(self, mesh=None) -> Callable:
+    def runner(self, mesh=None, chunk_lengths=None) -> Callable:
         """The attention implementation for a stage on ``mesh`` (None: ``run``): the flash
         kernel runs per device there (``hetshard.rewrite.attention._flash_on_mesh``); on a
-        mesh with a ``context`` axis either runs as a ring over it (``_ring_on_mesh``)."""
+        mesh with a ``context`` axis either runs as a ring over it (``_ring_on_mesh``), with
+        uneven ``chunk_lengths`` when given."""
         context = mesh is not None and mesh.shape.get("context", 1) > 1
         if mesh is None or (self.attention != "flash" and not context) or \
                 "mesh" in self.attention_options:
             return self.run
-        if mesh not in self._runners:
-            self._runners[mesh] = attention_runner(self.attention, mesh=mesh,
-                                                   **self.attention_options)
-        return self._runners[mesh]
+        key = (mesh, chunk_lengths)
+        if key not in self._runners:
+            options = dict(self.attention_options)
+            if chunk_lengths:
+                options["chunk_lengths"] = chunk_lengths
+            self._runners[key] = attention_runner(self.attention, mesh=mesh, **options)
+        return self._runners[key]
 
     @property
     def num_layers(self) -> int:

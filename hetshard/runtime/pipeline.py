@@ -339,7 +339,8 @@ class PipelineRunner:
             mesh, overlap=self.plan.tp_overlap)
         run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
                                              stage.remat_layers, mesh, layouts,
-                                             stage_autocast(self.plan, stage)),
+                                             stage_autocast(self.plan, stage),
+                                             self.plan.context_chunks(stage) or None),
                            program.cast_params)
         run.bwd = jax.jit(functools.partial(_backward, program))
         run.bwd_input = jax.jit(functools.partial(_backward_input, program))
@@ -719,16 +720,17 @@ def _samples_per_micro_batch(pipeline) -> int:
 
 # ---- jitted stage functions -----------------------------------------------------------
 
-def _forward(program, remat, remat_layers, mesh, layouts, autocast, params, frozen, batch,
-             recvs):
-    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts`` and
-    ``autocast`` (``stage_autocast``); under a remat each of its first ``remat_layers``
-    layers (None: all) is checkpointed on its own, so the backward recomputes one layer
-    at a time."""
+def _forward(program, remat, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
+             batch, recvs):
+    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``,
+    ``autocast`` (``stage_autocast``) and uneven context ``chunks`` for attention
+    (``Plan.context_chunks``); under a remat each of its first ``remat_layers`` layers
+    (None: all) is checkpointed on its own, so the backward recomputes one layer at a
+    time."""
     wrap = remat_wrap(remat)
     return program.forward(params, frozen, batch, recvs,
                            remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
-                           constrain=layouts, autocast=autocast)
+                           constrain=layouts, autocast=autocast, chunk_lengths=chunks)
 
 
 class _Forward:

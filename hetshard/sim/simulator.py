@@ -116,14 +116,14 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             dtype = priced_dtype(plan, profile, st)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
                    mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
-                   stage_chunks(plan, st))
+                   plan.context_chunks(st))
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
                                plan.distributed_optimizer, plan.tp_overlap, dtype,
-                               stage_chunks(plan, st))
+                               plan.context_chunks(st))
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -137,33 +137,28 @@ def priced_dtype(plan: Plan, profile: ModelProfile, st) -> str:
     return stage_dtype(st.gpu, profile.dtype, plan.gpu_dtypes)
 
 
-def stage_chunks(plan: Plan, st) -> tuple[int, ...]:
-    """The sequence chunk of each of ``st``'s context ranks when they are uneven (the
-    plan's ``context.chunk_lengths`` for a stage of that context degree), else ()."""
-    chunks = plan.context.chunk_lengths
-    if st.axis("context") != len(chunks) or len(set(chunks)) < 2:
-        return ()
-    return tuple(chunks)
-
-
 def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                        profile: ModelProfile, cluster: Cluster, cal: Calibration,
                        shard_optimizer: bool = False, tp_overlap: bool = False,
                        dtype: str | None = None, chunks: tuple[int, ...] = ()
                        ) -> dict[str, StageCost]:
-    """Per GPU type of stage ``st`` with uneven context ``chunks`` (``stage_chunks``): what
-    its devices spend on layers ``[start, end)``. Each type is priced at equal chunks on
-    the stage's mesh and scaled by the largest chunk one of its devices holds over the
-    equal chunk: every layer is sequence-local but attention, whose causal work per rank
-    under the zigzag split (a piece from each end of the sequence) is in proportion to
-    its length too. Times, activations and working sets scale; weights and optimizer
-    state do not. Without ``chunks``: the stage's pacing type alone (``layers_cost``)."""
+    """Per GPU type of stage ``st`` with uneven context ``chunks`` (``Plan.context_chunks``): what
+    its devices spend on layers ``[start, end)``, as the runtime runs them: the layers
+    around attention keep the sequence's even split, attention takes each device's chunk
+    (``hetshard.rewrite.attention._ring_on_mesh``). Each type is priced at equal chunks on
+    the stage's mesh with its attention time (kernels, the flash backward's recompute,
+    the ring's exposed transfers) scaled by the largest chunk one of its devices holds
+    over the equal chunk: under the zigzag split (a piece from each end of the sequence)
+    a rank's causal attention work is in proportion to its chunk. Every device holds
+    the attention inputs and outputs of the longest chunk (the ring pads to it).
+    Without ``chunks``: the stage's pacing type alone (``layers_cost``)."""
     if not chunks:
         cost = layers_cost(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
                            shard_optimizer, tp_overlap, dtype)
         return {_slowest(cluster, st.devices).name: cost}
     tp, cp = st.axis("tensor"), st.axis("context")
     equal = sum(chunks) / cp
+    pad = max(chunks) / equal
     share: dict[str, float] = {}
     types = {}
     for i, d in enumerate(st.devices):
@@ -172,18 +167,20 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
         share[t.name] = max(share.get(t.name, 0.0), chunks[(i // tp) % cp] / equal)
     return {name: _scaled(_priced(st, start, end, mbs, fsdp, attention, profile, cluster,
                                   cal, shard_optimizer, tp_overlap, dtype, types[name]),
-                          share[name])
+                          share[name], pad)
             for name in types}
 
 
-def _scaled(c: StageCost, f: float) -> StageCost:
-    """``c`` for ``f`` times the sequence: compute and activations scale, state does not."""
+def _scaled(c: StageCost, f: float, pad: float) -> StageCost:
+    """``c`` with ``f`` times its attention work and ``pad`` times its attention inputs
+    and outputs (``typed_layers_costs``)."""
     return dataclasses.replace(
-        c, fwd_s=c.fwd_s * f, bwd_s=c.bwd_s * f, bwd_weight_s=c.bwd_weight_s * f,
-        memory_per_microbatch_bytes=c.memory_per_microbatch_bytes * f,
-        memory_working_bytes=c.memory_working_bytes * f,
-        memory_carry_bytes=c.memory_carry_bytes * f,
-        memory_cotangent_bytes=c.memory_cotangent_bytes * f)
+        c, fwd_s=c.fwd_s + c.attention_fwd_s * (f - 1),
+        bwd_s=c.bwd_s + c.attention_bwd_s * (f - 1),
+        attention_fwd_s=c.attention_fwd_s * f, attention_bwd_s=c.attention_bwd_s * f,
+        memory_per_microbatch_bytes=c.memory_per_microbatch_bytes +
+        c.attention_memory_bytes * (pad - 1),
+        attention_memory_bytes=c.attention_memory_bytes * pad)
 
 
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
@@ -194,7 +191,7 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
     the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``);
     ``dtype``: the stage's compute dtype (``Plan.stage_dtype``; None: the program's);
-    ``chunks``: uneven context chunks (``stage_chunks``), the stage then paced by the
+    ``chunks``: uneven context chunks (``Plan.context_chunks``), the stage then paced by the
     GPU type that takes longest with its share (``typed_layers_costs``)."""
     if chunks:
         return max(typed_layers_costs(st, start, end, mbs, fsdp, attention, profile,
@@ -361,20 +358,20 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
     pipe = plan.pipelines[pi]
     p = pipe.num_workers
     mine = range(w, len(pipe.stages), p)
-    if not any(stage_chunks(plan, pipe.stages[s]) for s in mine):
+    if not any(plan.context_chunks(pipe.stages[s]) for s in mine):
         return None
     typed = {}
     for s in mine:
         st = pipe.stages[s]
         key = ("typed", st, pipe.stage_micro_batch(s), plan.fsdp, plan.attention,
                plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
-               stage_chunks(plan, st))
+               plan.context_chunks(st))
         if cache is None or key not in cache:
             got = typed_layers_costs(
                 st, st.start, st.end, pipe.stage_micro_batch(s),
                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile, cluster, cal,
                 plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
-                stage_chunks(plan, st))
+                plan.context_chunks(st))
             if cache is None:
                 typed[s] = got
                 continue

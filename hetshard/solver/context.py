@@ -5,21 +5,26 @@ layer but attention is sequence-local, and attention runs as a ring that passes 
 chunks around the group (``hetshard.kernels.ring_attention``; zigzag for causal
 masks, which gives each rank's pair of pieces causal work in proportion to its length).
 On a cluster that mixes GPU generations, a context group can span types, as HexiSeq
-(uneven context and head parallelism over H100 + A100) does: each device takes a chunk
-of the sequence in proportion to its speed, so the fast and the slow devices finish
-together instead of the fast ones waiting.
+(uneven context and head parallelism over H100 + A100) does: each device attends a chunk
+of the sequence sized to its speed, so the fast and the slow devices finish together
+instead of the fast ones waiting. Here the chunks are uneven for attention only (the
+runtime's ring pads each to the longest, ``hetshard.rewrite.attention._ring_on_mesh``);
+the layers around it keep an even split, which any traced program runs unchanged. At
+long sequences attention is most of the work (at 128K tokens about 5x a llama-7b
+block's matmuls).
 
 ``mixed_context_plans`` builds such plans: one pipeline over all the cluster's devices,
 ``pp`` stages of equal block counts, each stage ``data x context x tensor``, every
 context group holding the same share of every GPU type (``tp`` GPUs of one node per
-context rank), chunk lengths from each type's priced time for the stage
-(``speed_chunks``: in proportion to 1 / time, multiples of ``CHUNK_GRANULE``).
+context rank), chunk lengths from each type's priced times for the stage
+(``balanced_shares``: every rank's even-split time plus its share of attention equal;
+``speed_chunks``: multiples of ``CHUNK_GRANULE``).
 With ``chunks="equal"`` the same layouts get equal chunks (Megatron-LM's context
 parallelism on a mixed group: the slowest type paces it), the baseline the uneven ones
 are measured against. The simulator prices a stage with uneven chunks per GPU type,
-each type's equal-chunk time scaled by its largest chunk (``hetshard.sim.simulator``),
-and its memory per type. The planner adds these plans to its candidates for long
-sequences (``PlannerOptions.mixed_context``).
+each type's attention time scaled by its largest chunk over the equal one, every device
+holding the longest chunk's attention inputs (``hetshard.sim.simulator``). The planner
+adds these plans to its candidates for long sequences (``PlannerOptions.mixed_context``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,29 @@ def speed_chunks(seq_len: int, speeds: Sequence[float], granule: int = CHUNK_GRA
     return tuple(b * granule for b in base)
 
 
+def balanced_shares(times: Sequence[tuple[float, float]]) -> list[float]:
+    """Per context rank, its share of the sequence's attention (they average 1) so that
+    every rank finishes together: rank r takes ``other_r + share_r * attention_r`` (its
+    time for the layers around attention, which keep an even split, and for attention
+    at an equal chunk). Ranks that would need a negative share get a minimal one."""
+    shares = [1.0] * len(times)
+    if any(not att > 0 for _, att in times):
+        return shares  # no attention to redistribute
+    active = list(range(len(times)))
+    while active:
+        inv = sum(1.0 / times[r][1] for r in active)
+        total = len(times) - (len(times) - len(active)) * 1e-3
+        level = (total + sum(times[r][0] / times[r][1] for r in active)) / inv
+        shares = [1e-3] * len(times)
+        for r in active:
+            shares[r] = (level - times[r][0]) / times[r][1]
+        low = [r for r in active if shares[r] <= 1e-3]
+        if not low:
+            return shares
+        active = [r for r in active if r not in low]
+    return [1.0] * len(times)
+
+
 def _blocks_of(cluster: Cluster, tp: int) -> dict[str, list[tuple[int, ...]]]:
     """Per group: its devices in blocks of ``tp`` (one node each), node by node."""
     out = {}
@@ -76,8 +104,8 @@ def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
     """Plans whose stages hold context groups spanning every GPU type of ``cluster`` (see
     the module docstring): per tensor degree, stage count, data ways and context degree
     of ``opts`` (``PlannerOptions``) that share every group's blocks out evenly, per
-    micro-batch size and remat; ``chunks`` "speed" (in proportion to each type's speed)
-    or "equal"."""
+    micro-batch size and remat; ``chunks`` "speed" (balanced on each type's priced
+    times) or "equal"."""
     from hetshard.solver.inter_op import _heads, planned_gpu_dtypes
     if chunks not in ("speed", "equal"):
         raise SpecError("chunks", chunks, "speed or equal")
@@ -129,15 +157,17 @@ def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, 
         if chunks == "equal":
             lengths = (seq_len // cp,) * cp
         else:
-            # Each type's time for the largest stage at equal chunks: its speed.
+            # Each type's attention and other time for the largest stage at equal chunks.
             a, b = max(bounds, key=lambda r: r[1] - r[0])
-            time = {}
+            times = {}
             for t in {t.name: t for t in rank_types}.values():
                 c = stage_cost(profile, a, b, t, tp=tp, cp=cp, dp=dp, mbs=mbs, remat=remat,
                                attention=opts.attention, cal=cal,
                                dtype=stage_dtype(t.name, profile.dtype, gpu_dtypes))
-                time[t.name] = c.fwd_s + c.bwd_s
-            lengths = speed_chunks(seq_len, [1.0 / time[t.name] for t in rank_types])
+                att = c.attention_fwd_s + c.attention_bwd_s
+                times[t.name] = (c.fwd_s + c.bwd_s - att, att)
+            lengths = speed_chunks(seq_len, balanced_shares([times[t.name]
+                                                             for t in rank_types]))
         stages = tuple(Stage(lo, hi, devs, gpu, mesh, remat)
                        for (lo, hi), devs in zip(bounds, stages_devices, strict=True))
         pipe = Pipeline(stages, global_batch, mbs, global_batch // (dp * mbs), opts.schedule)

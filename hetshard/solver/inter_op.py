@@ -76,7 +76,6 @@ from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, war
 from hetshard.sim.simulator import (
     annotate,
     simulate,
-    stage_chunks,
     tune_warmup,
     upper_bound_tokens_per_s,
     warmup_short_of_memory,
@@ -114,16 +113,15 @@ class PlannerOptions:
     mbs_options: tuple[int, ...] = (1, 2, 4, 8)
     # "selective" (JAX's dots_with_no_batch_dims_saveable per layer) on request: searched
     # with the others, its candidates crowd out the starts whose descents end fastest
-    # (amp-t4-v100 gpt-1.3b: 86.9% of the bound instead of 91.8%; mix3-x256: 81.4%
-    # instead of 85.1%; flashflex llama-13b gains: 80.0% instead of 78.1%).
+    # (docs/planner.md has the measurements).
     remat_options: tuple[str, ...] = ("none", "full")
     tp_options: tuple[int, ...] = (1, 2, 4, 8)
     cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
     context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
     simulate_top: int = 24
-    # best simulated candidates improved by local search (3 lost amp-t4-v100 gpt-1.3b
-    # 4.5 points once collective matmuls made tensor-parallel starts rank higher)
+    # best simulated candidates improved by local search (fewer lost good starts once
+    # collective matmuls made tensor-parallel starts rank higher: docs/planner.md)
     refine_top: int = 4
     variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
     refine_evals: int = 300  # simulations per local search (deterministic effort)
@@ -164,9 +162,8 @@ class PlannerOptions:
     # types without bfloat16 tensor cores, V100 and T4, under a bfloat16 program).
     gpu_dtypes: str = "program"
     # For sequences of at least ``context_min_seq`` on clusters of several GPU types,
-    # also plans whose context groups span the types, each device's chunk in proportion
-    # to its speed (``hetshard.solver.context``; the runtime does not run uneven chunks
-    # yet, so ``hetshard.jit`` plans without them).
+    # also plans whose context groups span the types, each device attending a chunk
+    # sized to its speed (``hetshard.solver.context``).
     mixed_context: bool = True
 
     def __post_init__(self):
@@ -830,7 +827,7 @@ def single_type_stages(plan: Plan, cluster: Cluster, context_groups: bool = Fals
     program at its slowest GPU's pace), or with ``context_groups`` spanning types with
     uneven context chunks (``hetshard.solver.context``: each type its own share)."""
     return all(len({cluster.gpu_of(d).name for d in st.devices}) == 1 or
-               (context_groups and bool(stage_chunks(plan, st)))
+               (context_groups and bool(plan.context_chunks(st)))
                for q in plan.pipelines for st in q.stages)
 
 

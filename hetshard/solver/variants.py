@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 
 from hetshard.plan import Plan, grad_sync_for
-from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among, stage_chunks
+from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
 
 
 def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
@@ -70,13 +70,13 @@ def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
             mbs = pipe.stage_micro_batch(w)
             key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
                    recomputed_among(st, layer, layer + 1), mbs, plan.fsdp, plan.attention,
-                   plan.tp_overlap, priced_dtype(plan, profile, st), stage_chunks(plan, st))
+                   plan.tp_overlap, priced_dtype(plan, profile, st), plan.context_chunks(st))
             if key not in cache:
                 c = layers_cost(st, layer, layer + 1, mbs,
                                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
                                 cluster, cal, tp_overlap=plan.tp_overlap,
                                 dtype=priced_dtype(plan, profile, st),
-                                chunks=stage_chunks(plan, st))
+                                chunks=plan.context_chunks(st))
                 cache[key] = c.fwd_s + c.bwd_s
             out.append(cache[key])
         return out
