@@ -128,3 +128,47 @@ def test_a_long_sequence_makes_the_planner_span_types_with_uneven_chunks():
     single = make_plan(program, cluster, global_batch=1, options=dataclasses.replace(
         opts, mixed_context=False), shardings=False)
     assert plan.predicted.tokens_per_s > 1.2 * single.predicted.tokens_per_s
+
+
+def test_a_mixed_context_plan_from_the_planner_trains_as_one_device():
+    # The planner's layout for one context group over 4 H100s and 4 A100s, chunks sized
+    # from the priced times, run by hetshard.jit on 8 fake devices: attention over
+    # uneven chunks, the layers around it evenly split, losses and weights as one device.
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import hetshard
+    import models
+    from models import data, losses
+    small = "gpt:layers=2,hidden=64,heads=4,vocab=64,seq=64"
+    profile = profile_program(steps.program(small))
+    cluster = Cluster.load(SPEC)
+    opts = PlannerOptions(cp_options=(8,), tp_options=(1,), mbs_options=(1,),
+                          remat_options=("none",), context_min_seq=64, attention="reference")
+    (plan,) = mixed_context_plans(small, profile, cluster, global_batch=2, seq_len=64,
+                                  opts=opts, granule=2)
+    chunks = plan.context.chunk_lengths
+    assert len(set(chunks)) == 2 and chunks[0] > chunks[-1]  # H100s attend more
+    plan = dataclasses.replace(plan, fingerprint="")
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 2, 64, 64) for _ in range(2)]
+
+    def train(pinned):
+        model = models.build(small, rngs=0)
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+        def step(model, optimizer, batch):
+            grad = hetshard.value_and_grad if pinned else nnx.value_and_grad
+            loss, grads = grad(losses.text_loss)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+        run = hetshard.jit(step, cluster=SPEC, plan=plan) if pinned else nnx.jit(step)
+        out = [float(run(model, opt, batches[i % 2])) for i in range(3)]
+        return out, jax.tree.leaves(nnx.state(model, nnx.Param))
+    got, got_params = train(True)
+    want, want_params = train(False)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_params, want_params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

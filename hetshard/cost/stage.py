@@ -390,11 +390,12 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             fb = np.where(layer.fwd_attention, 0.0, fb)
             bf = np.where(layer.bwd_attention, bf * half, bf)
             bb = np.where(layer.bwd_attention, 0.0, bb)
-        t_f = _ops_time(ff, fb, layer.fwd_matmul, pf, bw, e.fusion) + \
+        f_ops = _op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
+        t_f = float(f_ops.sum()) + \
             e.kernel_launch_s * _kernels(layer.fwd_kernels, layer.fwd_attention, attention, 1)
         per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
-        layer_att_f = float(_op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)[
-            layer.fwd_attention].sum()) if layer.fwd_attention.any() else 0.0
+        layer_att_f = float(f_ops[layer.fwd_attention].sum()) \
+            if layer.fwd_attention.any() else 0.0
         layer_att_b = float(per_op[layer.bwd_attention].sum()) \
             if len(layer.bwd_attention) == len(per_op) and layer.bwd_attention.any() else 0.0
         t_b = float(per_op.sum()) + \
@@ -408,7 +409,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             if tp_overlap and sequence:
                 # Collective matmuls: a reduce-scatter or all-gather (half the ring of an
                 # all-reduce) per matmul group, each hidden behind its group's matmuls.
-                t_ops = _op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
+                t_ops = f_ops
                 half = ar / 2
                 for col, row in layer.tp_groups:
                     mc, mr = float(t_ops[list(col)].sum()), float(t_ops[list(row)].sum())

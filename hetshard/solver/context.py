@@ -100,12 +100,12 @@ def _blocks_of(cluster: Cluster, tp: int) -> dict[str, list[tuple[int, ...]]]:
 
 def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
                         global_batch: int, seq_len: int, opts, cal: Calibration = DEFAULT,
-                        chunks: str = "speed") -> list[Plan]:
+                        chunks: str = "speed", granule: int = CHUNK_GRANULE) -> list[Plan]:
     """Plans whose stages hold context groups spanning every GPU type of ``cluster`` (see
     the module docstring): per tensor degree, stage count, data ways and context degree
     of ``opts`` (``PlannerOptions``) that share every group's blocks out evenly, per
     micro-batch size and remat; ``chunks`` "speed" (balanced on each type's priced
-    times) or "equal"."""
+    times, multiples of ``granule`` tokens) or "equal"."""
     from hetshard.solver.inter_op import _heads, planned_gpu_dtypes
     if chunks not in ("speed", "equal"):
         raise SpecError("chunks", chunks, "speed or equal")
@@ -128,12 +128,12 @@ def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
             for pp in (p for p in range(1, k + 1) if k % p == 0 and blocks_total % p == 0):
                 dp = k // pp
                 plans += _layouts(model, profile, cluster, global_batch, seq_len, opts, cal,
-                                  chunks, tp, cp, pp, dp, blocks, per, gpu_dtypes)
+                                  chunks, tp, cp, pp, dp, blocks, per, gpu_dtypes, granule)
     return plans
 
 
 def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, tp, cp, pp,
-             dp, blocks, per, gpu_dtypes) -> list[Plan]:
+             dp, blocks, per, gpu_dtypes, granule) -> list[Plan]:
     from hetshard.solver.uniform import stage_bounds
     bounds = stage_bounds(profile, pp)
     names = list(per)
@@ -167,7 +167,7 @@ def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, 
                 att = c.attention_fwd_s + c.attention_bwd_s
                 times[t.name] = (c.fwd_s + c.bwd_s - att, att)
             lengths = speed_chunks(seq_len, balanced_shares([times[t.name]
-                                                             for t in rank_types]))
+                                                             for t in rank_types]), granule)
         stages = tuple(Stage(lo, hi, devs, gpu, mesh, remat)
                        for (lo, hi), devs in zip(bounds, stages_devices, strict=True))
         pipe = Pipeline(stages, global_batch, mbs, global_batch // (dp * mbs), opts.schedule)
