@@ -424,13 +424,20 @@ def test_pinned_plan_for_another_model_or_sequence_is_refused():
         hetshard.jit(step_fn, cluster=four, plan=plan)(model, opt, batch)
 
 
-@pytest.mark.parametrize("fix", ["dp=2,tp=1,pp=1,cp=4", "dp=2,tp=2,pp=1,cp=2"])
-def test_context_parallel_stage_matches_single_device_training(fix):
+@pytest.mark.parametrize("fix,chunks", [
+    ("dp=2,tp=1,pp=1,cp=4", None), ("dp=2,tp=2,pp=1,cp=2", None),
+    ("dp=2,tp=1,pp=1,cp=4", (6, 6, 2, 2)), ("dp=2,tp=1,pp=1,cp=4", (2, 8, 4, 2))])
+def test_context_parallel_stage_matches_single_device_training(fix, chunks):
     # A stage with a context axis (and data, and tensor): the batch and every layer
     # boundary split along the sequence, attention a ring over ``context`` (zigzag:
-    # gpt-tiny's attention is causal).
+    # gpt-tiny's attention is causal). Uneven chunks: each device attends its own share
+    # of the sequence, padded to the longest, while the other layers keep an even split.
+    from hetshard.plan import Context
     plan = _plan(fix, shardings="tp=2" in fix)
     assert plan.pipelines[0].stages[0].axis("context") > 1
+    if chunks:
+        plan = dataclasses.replace(plan, context=Context(4, chunks, True))
+        assert plan.context_chunks(plan.pipelines[0].stages[0]) == chunks
     losses, params, step, batches, _ = _run(plan)
     want_losses, want_params = _reference(batches, 3)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -442,26 +449,8 @@ def test_context_parallel_stage_matches_single_device_training(fix):
     hlo = jitted.lower(jax.device_put(nnx.state(_fresh_state()), s_shard),
                        jax.device_put(batches[0], b_shard)).as_text()
     assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring
-
-
-@pytest.mark.parametrize("chunks", [(6, 6, 2, 2), (2, 8, 4, 2)])
-def test_uneven_context_chunks_match_single_device_training(chunks):
-    # Attention over uneven chunks (each device attends its own share of the sequence,
-    # padded to the longest; zigzag halves) while the other layers keep an even split.
-    from hetshard.plan import Context
-    plan = dataclasses.replace(_plan("dp=2,tp=1,pp=1,cp=4"),
-                               context=Context(4, chunks, True))
-    assert plan.context_chunks(plan.pipelines[0].stages[0]) == chunks
-    losses, params, step, batches, _ = _run(plan)
-    want_losses, want_params = _reference(batches, 3)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    (entry,) = step._compiled.values()
-    hlo = entry.step.lower(jax.device_put(nnx.state(_fresh_state()), entry.state_shardings),
-                           jax.device_put(batches[0], entry.batch_shardings)).as_text()
-    # The ring's token positions: 4 devices x the longest chunk (the padded layout).
-    assert f"tensor<8x{4 * max(chunks)}xi32>" in hlo
+    if chunks:  # the ring's token positions: 4 devices x the longest chunk (padded)
+        assert f"tensor<8x{4 * max(chunks)}xi32>" in hlo
 
 
 def _fresh_state():
