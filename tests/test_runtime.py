@@ -196,7 +196,8 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training(overlap):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Each stage ran the flash kernel on its own mesh's devices (per sample and head).
     runner = next(iter(step._compiled.values())).runner
-    assert set(runner.splits[0]._runners) == {run.mesh for run in runner.runs[0]}
+    assert {mesh for mesh, _ in runner.splits[0]._runners} == {
+        run.mesh for run in runner.runs[0]}
     # ... with its activations split along the sequence between tensor-parallel matmuls
     # (layouts: the layer boundaries and row-parallel outputs split, gathers before the
     # column-parallel matmuls).
