@@ -6,8 +6,9 @@ Masking works on explicit token positions: query i may see key j when ``kv_pos[j
 match. The public entry point builds positions for the usual layout (ends aligned, as
 the reference does); ring attention passes the global positions of its chunks, which
 is how zigzag order and uneven per-device chunks get exact masks. A key block whose
-keys are all padding, or (causal) all after every query of the query block, is skipped,
-so padded or shorter chunks really cost less.
+keys are all padding, (causal) all after every query of the query block, or (segment
+ids) all of segments outside the query block's range, is skipped, so padded or shorter
+chunks and packed rows really cost less.
 
 Lowering: interpret mode on CPU; on GPU, Pallas's Triton backend, chosen in
 ``_lowering`` only (JAX 0.10's default GPU lowering is Mosaic GPU, Hopper-only; Triton
@@ -47,13 +48,23 @@ def _block_mask(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool):
     return mask
 
 
-def _block_active(qpos, kpos, causal: bool):
-    """False when the key block can be skipped for this query block."""
-    any_key = jnp.max(kpos) >= 0
-    if not causal:
-        return any_key
-    first_key = jnp.min(jnp.where(kpos >= 0, kpos, _BIG))
-    return any_key & (first_key <= jnp.max(qpos))
+def _block_active(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool):
+    """False when the key block can be skipped for this query block: its keys are all
+    padding, (causal) all after every query, or (segment ids) their segments' range
+    misses the queries' (packed rows keep each segment's tokens together, so a key
+    block of other documents is skipped and a row costs about the sum of its
+    documents' squared lengths, not its own)."""
+    valid = kpos >= 0
+    active = jnp.max(kpos) >= 0
+    if causal:
+        active = active & (jnp.min(jnp.where(valid, kpos, _BIG)) <= jnp.max(qpos))
+    if has_seg:
+        q_valid = qpos >= 0
+        active = active & (jnp.min(jnp.where(valid, kseg, _BIG))
+                           <= jnp.max(jnp.where(q_valid, qseg, -_BIG)))
+        active = active & (jnp.max(jnp.where(valid, kseg, -_BIG))
+                           >= jnp.min(jnp.where(q_valid, qseg, _BIG)))
+    return active
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
@@ -79,7 +90,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_r
             return (m_new, alpha * denom + p.sum(axis=1),
                     alpha[:, None] * acc + jnp.dot(p, v))
 
-        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda c: c, carry)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda c: c, carry)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.zeros((bq, d), jnp.float32))
@@ -108,7 +119,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_r
             ds = p * (jnp.dot(do, v.T) - delta[:, None])
             return dq + jnp.dot(ds, k) * scale
 
-        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda x: x, dq)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda x: x, dq)
 
     dq = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -134,7 +145,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
             ds = p * (jnp.dot(do, v.T) - delta[:, None])
             return dk + jnp.dot(ds.T, q) * scale, dv + jnp.dot(p.T, do)
 
-        return jax.lax.cond(_block_active(qpos, kpos, causal), compute, lambda c: c, carry)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda c: c, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, num_q_blocks, body, (zeros, zeros))

@@ -1,0 +1,12 @@
+"""Data-aware planning: each global batch of variable-length (and multimodal) samples
+gets its own packing, placement, context degrees and micro-steps on the static plan's
+GPU groups (``hetshard.data.planner``), and the packed arrays a model with segment ids
+trains on (``hetshard.data.packing``). See docs/data-aware.md."""
+
+from hetshard.data.packing import Row, geometric_buckets, pack, packed_arrays
+from hetshard.data.planner import (METHODS, BatchPlan, GroupCost, GroupPlan, MicroStep,
+                                   group_costs, identical, lower_bound, plan_batch)
+
+__all__ = ["METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
+           "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
+           "packed_arrays", "plan_batch"]

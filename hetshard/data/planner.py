@@ -1,0 +1,509 @@
+"""Per-batch plans: packing, placement, context degrees and micro-steps for one global
+batch of variable-length (and multimodal) samples, on GPUs of different speeds.
+
+The outer plan is fixed: the cluster's GPU groups are data-parallel replicas (one GPU
+type each; the group's devices shard the weights FSDP-style and each runs ``chunk``
+token slots per micro-step, what its memory holds). Per batch this module decides, in
+milliseconds:
+
+* **placement**: which samples each group takes. A sample's cost on a group is priced
+  by the cost model (``group_costs``): linear per token, quadratic in its length for
+  causal attention, plus a vision-encoder cost per image. Longest-processing-time first
+  (Graham 1969) on machines of different speeds, each sample to the group where it
+  finishes earliest, then re-run with each group's priced-to-estimated ratio until the
+  priced step time stops improving;
+* **packing** per group into rows of the group's buckets (``hetshard.data.packing``);
+* **context parallelism per sequence**: a row of bucket ``B`` runs over ``B / chunk``
+  devices (the K/V ring of ``hetshard.kernels.ring_attention``), so a long document
+  gets a context group and the short ones, packed into ``chunk``-long rows, none
+  (FlexSP's idea, Wang et al. ASPLOS'25, here per GPU type);
+* **micro-step composition**: a micro-step of bucket ``B`` runs ``devices / degree`` rows
+  at once and lasts as long as its slowest row, so rows of similar cost share one
+  (sorted, then cut: this minimises the sum of the micro-steps' maxima for given rows).
+
+The result is a :class:`BatchPlan` with its priced step time, a lower bound (a linear
+program over fractional placements: every sample's tokens and attention on some group,
+no padding, no ring; solved with OR-tools' GLOP) and the gap between them.
+
+Baselines priced by the same model (``plan_batch(method=...)``):
+``"pad"`` (every sample alone in a row of the largest bucket, static batch shares),
+``"fixed-cp"`` (Megatron-LM: samples concatenated in order into rows of the largest
+bucket, one context degree for all, static shares), ``"identical"`` (this planner
+believing every GPU is the cluster's average one: FlexSP's planner, made for identical
+GPUs) and ``"hetshard"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT, Calibration
+from hetshard.cost.comm import collective_time, topology
+from hetshard.cost.profile import ModelProfile
+from hetshard.cost.stage import stage_cost
+from hetshard.data.packing import Row, check_lengths, geometric_buckets, pack
+from hetshard.errors import SpecError
+
+METHODS = ("pad", "fixed-cp", "identical", "hetshard")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+    """What a sample costs on one data-parallel group (one GPU type), per device.
+
+    ``chunk`` token slots per device per micro-step; ``token_s`` forward+backward seconds
+    per token slot (everything but attention's scores); ``attention_s`` seconds per
+    squared token of causal attention (forward+backward, one device), of which
+    ``attention_fwd_share`` is the forward's; ``kv_bytes_per_token`` per layer, what the
+    context ring passes around; ``image_s`` the vision encoder's forward+backward per
+    image; ``step_s`` per step (the update and the gradient sync)."""
+
+    name: str
+    gpu: str
+    devices: tuple[int, ...]
+    chunk: int
+    token_s: float
+    attention_s: float
+    attention_fwd_share: float
+    layers: int
+    kv_bytes_per_token: float
+    remat: str = "none"
+    # Rows longer than ``devices * chunk`` run over every device of the group under
+    # ``long_remat`` (``long_chunk`` slots fit in memory there), at ``long_token_s``.
+    long_remat: str = ""
+    long_chunk: int = 0
+    long_token_s: float = 0.0
+    image_s: float = 0.0
+    image_tokens: int = 0
+    step_s: float = 0.0
+    buckets: tuple[int, ...] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.devices)
+
+    def degree(self, bucket: int) -> int:
+        d = max(1, bucket // self.chunk)
+        return d if d <= self.n or not self.long_chunk else self.n
+
+    def slots(self, bucket: int) -> int:
+        """Token slots per device of a micro-step of ``bucket`` rows."""
+        return max(self.chunk, bucket // self.degree(bucket))
+
+    def token_cost(self, bucket: int) -> float:
+        return self.long_token_s if self.slots(bucket) > self.chunk else self.token_s
+
+    @property
+    def longest(self) -> int:
+        return self.n * max(self.chunk, self.long_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStep:
+    bucket: int
+    degree: int
+    rows: tuple[Row, ...]  # at most devices // degree; the rest of the slots are padding
+    time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    group: str
+    samples: tuple[int, ...]
+    steps: tuple[MicroStep, ...]
+    time_s: float  # micro-steps plus the group's step_s
+    images: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    method: str
+    groups: tuple[GroupPlan, ...]
+    step_time_s: float
+    tokens: int
+    bound_s: float | None
+    planning_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s
+
+    @property
+    def gap(self) -> float | None:
+        return None if not self.bound_s else self.step_time_s / self.bound_s - 1.0
+
+    @property
+    def shapes(self) -> tuple[tuple[str, int], ...]:
+        """(group, bucket) of every compiled micro-step shape."""
+        return tuple(sorted({(g.group, s.bucket) for g in self.groups for s in g.steps}))
+
+
+# ---- costs from the cost model ----------------------------------------------------------
+
+def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
+                cal: Calibration = DEFAULT, remat: str | Sequence[str] = ("none", "full"), dtypes: dict | None = None,
+                vision: ModelProfile | None = None, image_tokens: int = 0,
+                max_buckets: int = 4, memory_margin: float = 0.9) -> tuple[GroupCost, ...]:
+    """One :class:`GroupCost` per group of ``cluster``, priced by
+    ``hetshard.cost.stage.stage_cost`` on the whole model (FSDP over the group, ``remat``):
+    the linear and attention parts from ``profile`` at its sequence length, the chunk
+    the largest power-of-two token count whose micro-batch fits in ``memory_margin`` of
+    the device (``mbs`` samples of the profile's length) under the first of ``remat``
+    whose chunks on the group's devices hold a ``max_context`` row, the buckets from the chunk to
+    ``max_context`` (at most ``max_buckets``). ``vision``: a vision encoder's profile
+    (one image a sample), priced per image the same way; ``image_tokens`` what each image
+    adds to the language model's sequence."""
+    seq = profile.seq_len
+    remats = (remat,) if isinstance(remat, str) else tuple(remat)
+    if max_context < seq or max_context & (max_context - 1):
+        raise SpecError("max_context", max_context,
+                        f"a power of two at least the profile's sequence length {seq}")
+    out = []
+    everyone = list(range(cluster.num_devices))
+    for g in cluster.groups:
+        devs = tuple(cluster.group_device_ids(g.name))
+        dtype = (dtypes or {}).get(g.gpu.name)
+        cap = memory_margin * g.gpu.memory_bytes
+        modes = []  # (remat, chunk, token_s, StageCost at one sample)
+        for mode in remats:
+            kw = dict(dp=len(devs), fsdp=len(devs) > 1, remat=mode, cal=cal, dtype=dtype,
+                      dp_topo=topology(cluster, devs))
+            one = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=1, **kw)
+            if one.peak_memory(1) > cap:
+                continue
+            mbs = 1
+            while mbs * 2 * seq <= max_context and stage_cost(
+                    profile, 0, profile.num_layers, g.gpu, mbs=mbs * 2,
+                    **kw).peak_memory(1) <= cap:
+                mbs *= 2
+            attention = one.attention_fwd_s + one.attention_bwd_s
+            modes.append((mode, mbs * seq, (one.fwd_s + one.bwd_s - attention) / seq, one))
+            if mbs * seq * len(devs) >= max_context:
+                break
+        if not modes or modes[-1][1] * len(devs) < max_context:
+            raise SpecError("cluster.groups", g.name,
+                            f"a group whose {len(devs)} {g.gpu.name} hold a {max_context}-"
+                            f"token row of {profile.model} under FSDP (remat {remats})")
+        mode, chunk, token_s, one = modes[0]
+        long = modes[-1] if len(modes) > 1 else ("", 0, 0.0, None)
+        attention = one.attention_fwd_s + one.attention_bwd_s
+        # The gradient sync of the whole model over every group, and the update.
+        sync = collective_time("all_reduce", one.grad_sync_bytes, topology(cluster, everyone),
+                               cal, g.gpu.name) if len(cluster.groups) > 1 else 0.0
+        image_s = 0.0
+        if vision is not None:
+            v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, **kw)
+            image_s = v.fwd_s + v.bwd_s
+        layer = profile.layers[len(profile.layers) // 2]
+        out.append(GroupCost(
+            name=g.name, gpu=g.gpu.name, devices=devs, chunk=chunk, token_s=token_s,
+            attention_s=attention / seq ** 2,
+            attention_fwd_share=one.attention_fwd_s / attention if attention else 0.5,
+            layers=profile.num_layers,
+            kv_bytes_per_token=2.0 * layer.boundary_bytes_per_sample / seq,
+            remat=mode, long_remat=long[0], long_chunk=long[1], long_token_s=long[2],
+            image_s=image_s, image_tokens=image_tokens,
+            step_s=one.optimizer_s + sync,
+            buckets=geometric_buckets(chunk, max_context, max_buckets)))
+    return tuple(out)
+
+
+def identical(groups: Sequence[GroupCost]) -> tuple[GroupCost, ...]:
+    """The groups as a planner made for identical GPUs sees them: every device the
+    cluster's device-weighted average one."""
+    n = sum(g.n for g in groups)
+    avg = lambda f: sum(getattr(g, f) * g.n for g in groups) / n  # noqa: E731
+    return tuple(dataclasses.replace(g, token_s=avg("token_s"), attention_s=avg("attention_s"),
+                                     image_s=avg("image_s")) for g in groups)
+
+
+# ---- pricing a placement ------------------------------------------------------------------
+
+class _Pricer:
+    """Row and micro-step times on one group (ring times cached per bucket)."""
+
+    def __init__(self, group: GroupCost, cluster: Cluster | None, cal: Calibration):
+        self.g = group
+        self._ring: dict[int, float] = {}
+        self.cluster, self.cal = cluster, cal
+
+    def ring(self, bucket: int) -> float:
+        """Seconds per layer for the K/V of a ``bucket`` row to go round its context
+        group (an all-gather's volume)."""
+        got = self._ring.get(bucket)
+        if got is None:
+            d = self.g.degree(bucket)
+            if d <= 1 or self.cluster is None:
+                got = 0.0
+            else:
+                topo = topology(self.cluster, self.g.devices[:d])
+                got = collective_time("all_gather", self.g.kv_bytes_per_token * bucket,
+                                      topo, self.cal, self.g.gpu)
+            self._ring[bucket] = got
+        return got
+
+    def row(self, row: Row, images: int = 0) -> float:
+        g = self.g
+        d = g.degree(row.bucket)
+        attn = g.attention_s * row.squares / d
+        t = g.token_cost(row.bucket) * g.slots(row.bucket) + attn + g.image_s * images / d
+        if d > 1:
+            exposed = self.ring(row.bucket) - g.attention_fwd_share * attn / g.layers
+            t += 3 * g.layers * max(0.0, exposed)  # forward, and the backward's two passes
+        return t
+
+    def empty(self, bucket: int) -> float:
+        return self.g.token_cost(bucket) * self.g.slots(bucket)
+
+
+def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
+             sort: bool) -> tuple[MicroStep, ...]:
+    """Micro-steps of ``rows`` per bucket: ``devices // degree`` rows each, sorted by
+    cost when ``sort`` (else in the given order)."""
+    g = pricer.g
+    steps = []
+    by_bucket: dict[int, list] = {}
+    for r in rows:
+        img = int(images[list(r.samples)].sum()) if images is not None else 0
+        by_bucket.setdefault(r.bucket, []).append((pricer.row(r, img), r))
+    for bucket in sorted(by_bucket):
+        d = g.degree(bucket)
+        if bucket > g.longest:
+            raise SpecError("bucket", bucket, f"at most {g.longest} tokens on group "
+                            f"{g.name!r} ({g.n} devices)")
+        per = g.n // d
+        costed = by_bucket[bucket]
+        if sort:
+            costed.sort(key=lambda x: -x[0])
+        for at in range(0, len(costed), per):
+            part = costed[at:at + per]
+            slowest = max(c for c, _ in part)
+            if len(part) < per:
+                slowest = max(slowest, pricer.empty(bucket))
+            steps.append(MicroStep(bucket, d, tuple(r for _, r in part), slowest))
+    return tuple(steps)
+
+
+def _fill_steps(g: GroupCost, rows: Sequence[Row], buckets: Sequence[int]) -> tuple[Row, ...]:
+    """Rows re-bucketed so that at most the largest bucket ends in a part-empty micro-step:
+    from the smallest bucket up, the rows a bucket's last micro-step would hold short of
+    full are merged, ``next / bucket`` at a time, into rows of the next bucket (the same
+    device slots, one context degree up), as packing them there would have."""
+    by: dict[int, list[Row]] = {b: [] for b in buckets}
+    for r in rows:
+        by[r.bucket].append(r)
+    for b, nxt in zip(buckets, buckets[1:]):
+        per = max(1, g.n // g.degree(b))
+        extra = len(by[b]) % per
+        if not extra or nxt > g.longest:
+            continue
+        # the least-filled rows move up
+        by[b].sort(key=lambda r: -r.used)
+        moving, by[b] = by[b][len(by[b]) - extra:], by[b][:len(by[b]) - extra]
+        m = nxt // b
+        for at in range(0, len(moving), m):
+            part = moving[at:at + m]
+            by[nxt].append(Row(nxt, tuple(i for r in part for i in r.samples),
+                               tuple(n for r in part for n in r.lengths)))
+    return tuple(r for b in buckets for r in by[b])
+
+
+def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
+                images: np.ndarray | None, order: str, sort: bool,
+                buckets: Sequence[int] | None = None) -> GroupPlan:
+    g = pricer.g
+    if samples.size == 0:
+        return GroupPlan(g.name, (), (), g.step_s)
+    rows = pack(lengths[samples], buckets or g.buckets, order=order)
+    ids = samples.tolist()
+    rows = tuple(Row(r.bucket, tuple([ids[i] for i in r.samples]), r.lengths) for r in rows)
+    if order == "best-fit":
+        rows = _fill_steps(g, rows, buckets or g.buckets)
+    steps = _compose(pricer, rows, images, sort)
+    n_img = int(images[samples].sum()) if images is not None else 0
+    return GroupPlan(g.name, tuple(int(i) for i in samples), steps,
+                     sum(s.time_s for s in steps) + g.step_s, n_img)
+
+
+# ---- placement -----------------------------------------------------------------------------
+
+def _sample_costs(groups: Sequence[GroupCost], lengths: np.ndarray,
+                  images: np.ndarray | None) -> np.ndarray:
+    """[groups, samples] device-seconds of each sample on each group (no padding, no
+    ring), infinite where the group cannot hold it."""
+    out = np.empty((len(groups), lengths.size))
+    for k, g in enumerate(groups):
+        c = g.token_s * lengths + g.attention_s * lengths.astype(np.float64) ** 2
+        if images is not None:
+            c = c + g.image_s * images
+        c[lengths > g.longest] = np.inf
+        out[k] = c
+    return out
+
+
+def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Group of each sample: longest first, to the group where it ends earliest."""
+    per = costs * (scale / n)[:, None]
+    order = np.argsort(-np.min(per, axis=0), kind="stable")
+    cols = per[:, order].T.tolist()
+    load = [0.0] * len(n)
+    rest = range(1, len(n))
+    where = [0] * costs.shape[1]
+    for i, c in zip(order.tolist(), cols):
+        k, end = 0, load[0] + c[0]
+        for j in rest:
+            e = load[j] + c[j]
+            if e < end:
+                k, end = j, e
+        where[i] = k
+        load[k] = end
+    return np.asarray(where, np.int64)
+
+
+def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.ndarray:
+    """How many of ``count`` equal items each group takes under a static plan: in
+    proportion to its throughput at ``length`` tokens (largest remainders)."""
+    speed = np.array([g.n / (g.token_s * length + g.attention_s * length ** 2)
+                      for g in groups])
+    ideal = count * speed / speed.sum()
+    out = np.floor(ideal).astype(int)
+    for k in np.argsort(-(ideal - out))[:count - out.sum()]:
+        out[k] += 1
+    return out
+
+
+def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
+               cluster: Cluster | None = None, cal: Calibration = DEFAULT,
+               method: str = "hetshard", max_context: int | None = None,
+               rounds: int = 2, bound: bool = True) -> BatchPlan:
+    """The per-batch plan of one global batch (see the module docstring).
+
+    ``lengths``: tokens per sample (each image adds the groups' ``image_tokens``);
+    ``images``: images per sample (None: a text batch); ``cluster``: where the groups'
+    devices are (prices the context ring; None: no ring cost); ``method``: one of
+    ``METHODS``; ``max_context``: the largest row (default: the groups' largest bucket).
+
+    Raises:
+      SpecError: empty or non-positive lengths, a sample longer than ``max_context``,
+        images on groups without a vision encoder, an unknown method.
+    """
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise SpecError("method", method, f"one of {METHODS}")
+    if not groups:
+        raise SpecError("groups", [], "at least one GroupCost")
+    lengths = check_lengths(lengths)
+    img = None
+    if images is not None:
+        img = check_lengths(np.asarray(images) + 1, "images") - 1  # counts may be 0
+        if img.shape != lengths.shape:
+            raise SpecError("images", f"{img.size} counts", f"one per sample ({lengths.size})")
+        if img.any() and any(g.image_s <= 0 for g in groups):
+            raise SpecError("images", f"{int(img.sum())} images",
+                            "a text-only batch: these groups price no vision encoder "
+                            "(group_costs(vision=...))")
+        lengths = lengths + img * groups[0].image_tokens
+    top = max_context or max(g.buckets[-1] for g in groups)
+    over = np.flatnonzero(lengths > top)
+    if over.size:
+        i = int(over[0])
+        raise SpecError(f"lengths[{i}]", int(lengths[i]),
+                        f"at most max_context={top} tokens"
+                        + (" (with its images' tokens)" if img is not None else ""))
+    pricers = [_Pricer(g, cluster, cal) for g in groups]
+    n = np.array([g.n for g in groups], dtype=np.float64)
+    if method in ("pad", "fixed-cp"):
+        plan = _static(method, pricers, lengths, img, top)
+    else:
+        believed = identical(groups) if method == "identical" else groups
+        costs = _sample_costs(believed, lengths, img)
+        if not np.isfinite(costs.min(axis=0)).all():
+            i = int(np.flatnonzero(~np.isfinite(costs.min(axis=0)))[0])
+            raise SpecError(f"lengths[{i}]", int(lengths[i]), "a sample some group can hold")
+        believed_pricers = pricers if believed is groups else [
+            _Pricer(b, cluster, cal) for b in believed]
+        scale = np.ones(len(groups))
+        best = None
+        for _ in range(rounds):
+            where = _lpt(costs, n, scale)
+            parts = [np.flatnonzero(where == k) for k in range(len(groups))]
+            # The planner prices its choice with the costs it believes in ...
+            seen = [_group_plan(p, parts[k], lengths, img, "best-fit", True)
+                    for k, p in enumerate(believed_pricers)]
+            worst = max(s.time_s for s in seen)
+            if best is not None and worst >= best[0]:
+                break
+            best = (worst, parts, tuple(seen))
+            est = np.array([costs[k, parts[k]].sum() / n[k] * scale[k] if parts[k].size
+                            else 0.0 for k in range(len(groups))])
+            ratio = np.array([s.time_s - groups[k].step_s for k, s in enumerate(seen)])
+            scale = np.where(est > 0, scale * ratio / np.maximum(est, 1e-30), scale)
+        # ... and runs it on the real GPUs.
+        plan = best[2] if believed is groups else tuple(
+            _group_plan(p, best[1][k], lengths, img, "best-fit", True)
+            for k, p in enumerate(pricers))
+    planning = time.perf_counter() - t0
+    step = max(g.time_s for g in plan)
+    lb = lower_bound(lengths, groups, img) if bound else None
+    return BatchPlan(method, plan, step, int(lengths.sum()), lb, planning)
+
+
+def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
+    groups = [p.g for p in pricers]
+    if method == "pad":
+        share = _static_shares(groups, lengths.size, top)
+        bounds = np.concatenate([[0], np.cumsum(share)])
+        return tuple(_padded(p, np.arange(bounds[k], bounds[k + 1]), lengths, img, top)
+                     for k, p in enumerate(pricers))
+    # fixed-cp: concatenate in order into rows of the largest bucket, rows shared out.
+    rows = pack(lengths, (top,), order="sequential")
+    share = _static_shares(groups, len(rows), top)
+    bounds = np.concatenate([[0], np.cumsum(share)])
+    out = []
+    for k, p in enumerate(pricers):
+        mine = rows[bounds[k]:bounds[k + 1]]
+        samples = tuple(i for r in mine for i in r.samples)
+        steps = _compose(p, mine, img, sort=False) if mine else ()
+        n_img = int(img[list(samples)].sum()) if img is not None and samples else 0
+        out.append(GroupPlan(p.g.name, samples, steps,
+                             sum(s.time_s for s in steps) + p.g.step_s, n_img))
+    return tuple(out)
+
+
+def _padded(pricer: _Pricer, samples: np.ndarray, lengths, img, top) -> GroupPlan:
+    rows = tuple(Row(top, (int(i),), (int(lengths[i]),)) for i in samples)
+    steps = _compose(pricer, rows, img, sort=False) if rows else ()
+    return GroupPlan(pricer.g.name, tuple(int(i) for i in samples), steps,
+                     sum(s.time_s for s in steps) + pricer.g.step_s,
+                     int(img[samples].sum()) if img is not None and samples.size else 0)
+
+
+# ---- the bound -----------------------------------------------------------------------------
+
+def lower_bound(lengths, groups: Sequence[GroupCost], images=None) -> float:
+    """No placement, packing or composition beats this: the least T such that the
+    samples, split fractionally between groups, take at most T - step_s of every device
+    of each group, counting each sample's tokens and attention only (no padding, no
+    ring). A linear program (OR-tools GLOP)."""
+    from ortools.linear_solver import pywraplp
+    lengths = np.asarray(lengths)
+    costs = _sample_costs(groups, lengths, None if images is None else np.asarray(images))
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    t = solver.NumVar(0.0, solver.infinity(), "T")
+    x = [[solver.NumVar(0.0, 1.0, "") if math.isfinite(costs[k, i]) else None
+          for i in range(lengths.size)] for k in range(len(groups))]
+    for i in range(lengths.size):
+        solver.Add(sum(x[k][i] for k in range(len(groups)) if x[k][i] is not None) == 1)
+    for k, g in enumerate(groups):
+        solver.Add(sum(float(costs[k, i]) * x[k][i] for i in range(lengths.size)
+                       if x[k][i] is not None) <= g.n * (t - g.step_s))
+    solver.Minimize(t)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return float("nan")
+    return float(t.solution_value())
