@@ -27,3 +27,14 @@ def mllm_loss(model, batch):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"]
     return ((ce * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1)).mean()
+
+
+def packed_text_loss(model, batch):
+    """Next-token cross-entropy of a GPT/LLaMA model over packed rows
+    (``hetshard.data.packed_arrays``): each row's ``loss_weight``-weighted sum, averaged
+    over rows; with weights for the batch's target count, the token mean of the samples
+    trained one by one."""
+    logits = model(batch["tokens"], positions_bs=batch["positions"],
+                   segment_ids_bs=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (ce * batch["loss_weight"]).sum(-1).mean()

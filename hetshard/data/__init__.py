@@ -4,8 +4,17 @@ GPU groups (``hetshard.data.planner``), and the packed arrays a model with segme
 trains on (``hetshard.data.packing``). See docs/data-aware.md."""
 
 from hetshard.data.packing import Row, geometric_buckets, pack, packed_arrays
-from hetshard.data.planner import (METHODS, BatchPlan, GroupCost, GroupPlan, MicroStep,
-                                   group_costs, identical, lower_bound, plan_batch)
+from hetshard.data.planner import (
+                                   METHODS,
+                                   BatchPlan,
+                                   GroupCost,
+                                   GroupPlan,
+                                   MicroStep,
+                                   group_costs,
+                                   identical,
+                                   lower_bound,
+                                   plan_batch,
+)
 
 __all__ = ["METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",

@@ -144,11 +144,12 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit") -> tuple[R
         sizes[r].append(n)
         if room > n:
             insort(rooms, (room - n, r))
-    return tuple(Row(w, tuple(s), tuple(n)) for w, s, n in zip(widths, samples, sizes))
+    return tuple(Row(w, tuple(s), tuple(n)) for w, s, n in zip(widths, samples, sizes, strict=True))
 
 
 def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
-                  targets: Sequence | None = None) -> dict[str, np.ndarray]:
+                  targets: Sequence | None = None, target_tokens: int | None = None
+                  ) -> dict[str, np.ndarray]:
     """The arrays of ``rows`` (all of one bucket) for a model taking packed sequences:
     ``tokens``, ``targets``, ``positions`` (restarting at 0 per sample), ``segment_ids``
     (1, 2, ... per sample in its row; padding 0) and ``loss_weight`` (1 on every target
@@ -156,6 +157,11 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
     the targets are the next tokens).
 
     ``samples``: 1-D integer token arrays, indexed as the rows' sample indices.
+    ``target_tokens``: the global batch's target count (over every bucket's rows). Given,
+    each weight is ``rows / target_tokens``, so the mean over rows of each row's weighted
+    token losses is the global batch's token mean: a per-row loss, which any split of the
+    rows into micro-batches, pipelines or calls of one bucket at a time sums exactly
+    (``models.losses.packed_text_loss``).
 
     Raises:
       SpecError: rows of several buckets, or a row that does not match its samples.
@@ -173,7 +179,7 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
            "loss_weight": np.zeros(shape, np.float32)}
     for r, row in enumerate(rows):
         at = 0
-        for seg, (i, n) in enumerate(zip(row.samples, row.lengths), start=1):
+        for seg, (i, n) in enumerate(zip(row.samples, row.lengths, strict=True), start=1):
             tok = np.asarray(samples[i]).reshape(-1)
             if tok.shape[0] != n:
                 raise SpecError(f"samples[{i}]", f"{tok.shape[0]} tokens",
@@ -188,4 +194,11 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
             out["positions"][r, at:at + n] = np.arange(n)
             out["segment_ids"][r, at:at + n] = seg
             at += n
+    if target_tokens is not None:
+        if isinstance(target_tokens, bool) or not isinstance(target_tokens, (int, np.integer)) \
+                or target_tokens < out["loss_weight"].sum():
+            raise SpecError("target_tokens", target_tokens,
+                            f"the batch's target count, at least these rows' "
+                            f"{int(out['loss_weight'].sum())}")
+        out["loss_weight"] *= len(rows) / target_tokens
     return out

@@ -147,15 +147,17 @@ class BatchPlan:
 # ---- costs from the cost model ----------------------------------------------------------
 
 def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
-                cal: Calibration = DEFAULT, remat: str | Sequence[str] = ("none", "full"), dtypes: dict | None = None,
+                cal: Calibration = DEFAULT, remat: str | Sequence[str] = ("none", "full"),
+                dtypes: dict | None = None,
                 vision: ModelProfile | None = None, image_tokens: int = 0,
                 max_buckets: int = 4, memory_margin: float = 0.9) -> tuple[GroupCost, ...]:
     """One :class:`GroupCost` per group of ``cluster``, priced by
     ``hetshard.cost.stage.stage_cost`` on the whole model (FSDP over the group, ``remat``):
-    the linear and attention parts from ``profile`` at its sequence length, the chunk
-    the largest power-of-two token count whose micro-batch fits in ``memory_margin`` of
-    the device (``mbs`` samples of the profile's length) under the first of ``remat``
-    whose chunks on the group's devices hold a ``max_context`` row, the buckets from the chunk to
+    the linear and attention parts from ``profile`` at its sequence length. The chunk (token
+    slots per device per micro-step) is that length, under the first of ``remat`` where
+    one such micro-batch fits in ``memory_margin`` of the device: the finest micro-steps.
+    Rows longer than the group's chunks run over all its devices under the first remat
+    that holds ``max_context`` so (``long_remat``). Buckets run from the chunk to
     ``max_context`` (at most ``max_buckets``). ``vision``: a vision encoder's profile
     (one image a sample), priced per image the same way; ``image_tokens`` what each image
     adds to the language model's sequence."""
@@ -170,35 +172,36 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
         devs = tuple(cluster.group_device_ids(g.name))
         dtype = (dtypes or {}).get(g.gpu.name)
         cap = memory_margin * g.gpu.memory_bytes
-        modes = []  # (remat, chunk, token_s, StageCost at one sample)
-        for mode in remats:
-            kw = dict(dp=len(devs), fsdp=len(devs) > 1, remat=mode, cal=cal, dtype=dtype,
-                      dp_topo=topology(cluster, devs))
-            one = stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=1, **kw)
-            if one.peak_memory(1) > cap:
-                continue
-            mbs = 1
-            while mbs * 2 * seq <= max_context and stage_cost(
-                    profile, 0, profile.num_layers, g.gpu, mbs=mbs * 2,
-                    **kw).peak_memory(1) <= cap:
-                mbs *= 2
-            attention = one.attention_fwd_s + one.attention_bwd_s
-            modes.append((mode, mbs * seq, (one.fwd_s + one.bwd_s - attention) / seq, one))
-            if mbs * seq * len(devs) >= max_context:
-                break
-        if not modes or modes[-1][1] * len(devs) < max_context:
+        def priced(mode: str, mbs: int, g=g, devs=devs, dtype=dtype):
+            return stage_cost(profile, 0, profile.num_layers, g.gpu, mbs=mbs, dp=len(devs),
+                              fsdp=len(devs) > 1, remat=mode, cal=cal, dtype=dtype,
+                              dp_topo=topology(cluster, devs))
+
+        # Short rows: the cheapest remat that holds one profile-length sequence per device
+        # (the finest micro-steps); rows beyond the group's chunks: the first remat that
+        # holds max_context spread over every device.
+        fits = [m for m in remats if priced(m, 1).peak_memory(1) <= cap]
+        need = -(-max_context // (seq * len(devs)))
+        long = next((m for m in remats if need > 1 and priced(m, need).peak_memory(1) <= cap),
+                    None)
+        if not fits or (need > 1 and long is None):
             raise SpecError("cluster.groups", g.name,
                             f"a group whose {len(devs)} {g.gpu.name} hold a {max_context}-"
                             f"token row of {profile.model} under FSDP (remat {remats})")
-        mode, chunk, token_s, one = modes[0]
-        long = modes[-1] if len(modes) > 1 else ("", 0, 0.0, None)
+        mode, chunk, one = fits[0], seq, priced(fits[0], 1)
+        long_cost = priced(long, 1) if long else None
+        token_s = (one.fwd_s + one.bwd_s - one.attention_fwd_s - one.attention_bwd_s) / seq
+        long = (long, need * seq, (long_cost.fwd_s + long_cost.bwd_s - long_cost.attention_fwd_s
+                                   - long_cost.attention_bwd_s) / seq) if long else ("", 0, 0.0)
         attention = one.attention_fwd_s + one.attention_bwd_s
         # The gradient sync of the whole model over every group, and the update.
         sync = collective_time("all_reduce", one.grad_sync_bytes, topology(cluster, everyone),
                                cal, g.gpu.name) if len(cluster.groups) > 1 else 0.0
         image_s = 0.0
         if vision is not None:
-            v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, **kw)
+            v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, dp=len(devs),
+                           fsdp=len(devs) > 1, remat=mode, cal=cal, dtype=dtype,
+                           dp_topo=topology(cluster, devs))
             image_s = v.fwd_s + v.bwd_s
         layer = profile.layers[len(profile.layers) // 2]
         out.append(GroupCost(
@@ -298,7 +301,7 @@ def _fill_steps(g: GroupCost, rows: Sequence[Row], buckets: Sequence[int]) -> tu
     by: dict[int, list[Row]] = {b: [] for b in buckets}
     for r in rows:
         by[r.bucket].append(r)
-    for b, nxt in zip(buckets, buckets[1:]):
+    for b, nxt in zip(buckets, buckets[1:], strict=False):
         per = max(1, g.n // g.degree(b))
         extra = len(by[b]) % per
         if not extra or nxt > g.longest:
@@ -355,7 +358,7 @@ def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
     load = [0.0] * len(n)
     rest = range(1, len(n))
     where = [0] * costs.shape[1]
-    for i, c in zip(order.tolist(), cols):
+    for i, c in zip(order.tolist(), cols, strict=True):
         k, end = 0, load[0] + c[0]
         for j in rest:
             e = load[j] + c[j]

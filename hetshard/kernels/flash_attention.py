@@ -90,7 +90,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_r
             return (m_new, alpha * denom + p.sum(axis=1),
                     alpha[:, None] * acc + jnp.dot(p, v))
 
-        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda c: c, carry)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
+                            compute, lambda c: c, carry)
 
     init = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.zeros((bq, d), jnp.float32))
@@ -119,7 +120,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_r
             ds = p * (jnp.dot(do, v.T) - delta[:, None])
             return dq + jnp.dot(ds, k) * scale
 
-        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda x: x, dq)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
+                            compute, lambda x: x, dq)
 
     dq = jax.lax.fori_loop(0, num_k_blocks, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -145,7 +147,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
             ds = p * (jnp.dot(do, v.T) - delta[:, None])
             return dk + jnp.dot(ds.T, q) * scale, dv + jnp.dot(p.T, do)
 
-        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg), compute, lambda c: c, carry)
+        return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
+                            compute, lambda c: c, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, num_q_blocks, body, (zeros, zeros))
