@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "nn": None,  # the submodule itself
     "data": None,
+    "checkpoint": None,
     "value_and_grad": "hetshard.autodiff",
     "CATALOG": "hetshard.cluster",
     "BoundCluster": "hetshard.cluster",

@@ -333,7 +333,9 @@ class HetshardJit:
         with no_ambient_mesh():
             return self._call(*args)
 
-    def _call(self, *args):
+    def _prepare(self, args):
+        """(compiled entry, non-batch arguments, batch) for ``args``: planned and
+        compiled on the first call with their shapes."""
         idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
         if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
                 args):
@@ -386,6 +388,10 @@ class HetshardJit:
                 entry = self._compile_pipelines(plan, program, others, batch)
             self._compiled[sig] = entry
             self.plan, self.program = plan, program
+        return entry, others, batch
+
+    def _call(self, *args):
+        entry, others, batch = self._prepare(args)
         if isinstance(entry, _Mpmd):
             runner = entry.runner
             out, new_state = runner.step(runner.state_of(others), batch,
@@ -396,6 +402,27 @@ class HetshardJit:
         if isinstance(entry, _Shares):
             return self._run_pipelines(entry, others, batch)
         return self._run(entry, others, batch)
+
+    def state_shardings(self, *args):
+        """Where this step keeps the state of ``args`` (a step's arguments, batch
+        included) under its plan: per leaf of the non-batch arguments' state (NNX: as
+        ``nnx.to_pure_dict(nnx.state(objects))`` nests it), the ``NamedSharding`` the step
+        hands it back in; plans and compiles for these shapes first, runs nothing. What
+        ``hetshard.checkpoint.Checkpointer.restore(shardings=...)`` reads a checkpoint
+        straight into."""
+        with no_ambient_mesh():
+            entry, others, _ = self._prepare(args)
+        program = entry.program if not isinstance(entry, _Mpmd) else entry.runner.program
+        if isinstance(entry, _Spmd):
+            tree = entry.state_shardings
+        elif isinstance(entry, _Shares):
+            tree = entry.parts[0][2]
+        else:
+            runner = entry.runner
+            leaves = [runner.runs[0][runner.owner[0].get(i, 0)].shardings[i]
+                      for i in range(len(runner.state_avals))]
+            tree = jax.tree.unflatten(program.state_tree, leaves)
+        return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
     def _compile_pipelines(self, plan, program: Program, others, batch):
         """Several single-stage pipelines with (uneven) batch shares: each computes the
