@@ -152,7 +152,8 @@ def _restricted(options, program: Program):
 
 def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
         plan: Plan | str | None = None, nan_policy: str = "skip",
-        loss_output: str | int | None = None, quiet: bool = False, **planner_options):
+        loss_output: str | int | None = None, quiet: bool = False, elastic: bool = False,
+        **planner_options):
     """Compiles ``fn`` (a train step) for ``cluster``; usable as ``@hetshard.jit(...)``.
 
     Args:
@@ -173,15 +174,20 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
         named ``loss``, else a scalar output or the first leaf of a tuple output.
       quiet: no line on stderr when planning starts and with the plan chosen (also
         ``HETSHARD_QUIET=1``).
+      elastic: when fewer JAX devices are present than ``cluster`` has GPUs (a node
+        lost, a job restarted on what is left), plan for the spec's first GPUs that are
+        there (``Cluster.shrunk``) instead of failing to bind; a pinned ``plan`` that
+        needs a missing device is set aside for a new plan, with a warning. Restore a
+        checkpoint into the new plan with ``state_shardings`` (``hetshard.checkpoint``).
       planner_options: PlannerOptions fields (time_limit_s, tp_options, ...).
     """
     if fn is None:
         return functools.partial(jit, cluster=cluster, global_batch=global_batch,
                                  batch_argnums=batch_argnums, plan=plan,
                                  nan_policy=nan_policy, loss_output=loss_output,
-                                 quiet=quiet, **planner_options)
+                                 quiet=quiet, elastic=elastic, **planner_options)
     return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                       planner_options, loss_output, quiet)
+                       planner_options, loss_output, quiet, elastic)
 
 
 def _rewriting(fn, plan: Plan, mesh=None):
@@ -223,7 +229,7 @@ def _signature(args) -> str:
 
 class HetshardJit:
     def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                 planner_options, loss_output=None, quiet=False):
+                 planner_options, loss_output=None, quiet=False, elastic=False):
         from hetshard.solver import PlannerOptions
         self.fn = fn
         self.cluster = Cluster.load(cluster)
@@ -242,6 +248,10 @@ class HetshardJit:
         self.options = _options(PlannerOptions, planner_options, "hetshard.jit")
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
+        self.elastic = bool(elastic)
+        self.spec_cluster = self.cluster
+        if self.elastic:
+            self._fit_devices()
         self.program: Program | None = None
         self._compiled: dict[str, _Spmd | _Shares | _Mpmd] = {}
         self._bound = None
@@ -285,6 +295,22 @@ class HetshardJit:
         self._say(f"planned in {plan.solver.wall_time_s:.1f} s: {plan.summary()}")
         cache.store(key, plan)
         return plan
+
+    def _fit_devices(self) -> None:
+        """``elastic``: the cluster of the spec's GPUs that have a JAX device."""
+        n = len(jax.devices())
+        if n >= self.cluster.num_devices:
+            return
+        shrunk = self.cluster.shrunk(n)
+        self._say(f"elastic: {n} of the {self.cluster.num_devices} devices of "
+                  f"{self.cluster.name!r} are present; planning for {shrunk.name!r}")
+        self.cluster = shrunk
+        if self.pinned is not None and any(
+                d >= n for p in self.pinned.pipelines for st in p.stages for d in st.devices):
+            warnings.warn(f"hetshard.jit(elastic=True): the pinned plan needs devices "
+                          f"beyond the {n} present; making a new plan for {shrunk.name!r}",
+                          stacklevel=4)
+            self.pinned = self.plan = None
 
     def _say(self, line: str) -> None:
         if not self.quiet and jax.process_index() == 0:

@@ -179,3 +179,59 @@ def test_bad_input(tmp_path):
         ck.save(1, (model, opt), data_position=object())
     with pytest.raises(hetshard.HetshardError, match="no checkpoint"):
         ck.restore((model, opt))
+
+
+_RESUME_ON_6 = textwrap.dedent("""
+    import json, sys, warnings
+    import jax
+    jax.config.update("jax_num_cpu_devices", 6)
+    import numpy as np
+    import hetshard
+    from hetshard.checkpoint import Checkpointer
+    from hetshard.errors import DeviceBindingError
+    sys.path.insert(0, sys.argv[2])
+    import test_checkpoint as t
+
+    batches = t._batches()
+    model, opt = t._fresh(seed=9)
+    try:
+        hetshard.jit(t.STEP, cluster=t.CLUSTER, plan=t.SPMD8, quiet=True)(model, opt, batches[2])
+        refused = False
+    except DeviceBindingError:
+        refused = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = hetshard.jit(t.STEP, cluster=t.CLUSTER, plan=t.SPMD8, elastic=True,
+                            quiet=True, time_limit_s=5)
+    info = Checkpointer(sys.argv[1]).restore(
+        (model, opt), shardings=step.state_shardings(model, opt, batches[2]))
+    losses = [float(step(model, opt, b)) for b in batches[info.data_position:]]
+    used = sorted({d for p in step.plan.pipelines for st in p.stages for d in st.devices})
+    print(json.dumps({"losses": losses, "refused": refused, "cluster": step.cluster.name,
+                      "devices": used, "warned": any("pinned plan" in str(w.message)
+                                                     for w in caught)}))
+""")
+
+
+@pytest.mark.slow
+def test_two_devices_lost_the_run_replans_and_resumes_from_its_checkpoint(tmp_path):
+    """Train on 8 devices and checkpoint; a new process with 6 devices (two lost) and
+    hetshard.jit(elastic=True) re-plans for what is left, restores into the new plan and
+    continues: the losses equal one uninterrupted device's."""
+    import json
+    batches = _batches()
+    want = _reference(batches)
+    model, opt = _fresh()
+    first = hetshard.jit(STEP, cluster=CLUSTER, plan=SPMD8, quiet=True)
+    got = [float(first(model, opt, b)) for b in batches[:2]]
+    ck = Checkpointer(tmp_path)
+    ck.save(2, (model, opt), data_position=2, plan=first.plan)
+    ck.close()
+    r = subprocess.run([sys.executable, "-c", _RESUME_ON_6, str(tmp_path),
+                        os.path.dirname(__file__)], capture_output=True, text=True,
+                       timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["refused"] and out["warned"]
+    assert out["cluster"] == "a100-x8-first6" and max(out["devices"]) <= 5
+    np.testing.assert_allclose(got + out["losses"], want, rtol=1e-5)

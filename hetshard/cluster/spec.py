@@ -128,6 +128,35 @@ class Cluster:
         raise UnknownNameError("group", name, [g.name for g in self.groups],
                                where=f"cluster {self.name!r}")
 
+    def shrunk(self, num_devices: int) -> Cluster:
+        """The cluster of this spec's first ``num_devices`` GPUs in device-id order (what
+        is left when the last ones are gone): whole nodes kept, a node cut short becomes
+        a group of its own (``<group>-partial``), later groups dropped.
+
+        Raises:
+          SpecError: ``num_devices`` not between 1 and this cluster's count.
+        """
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or not (
+                1 <= num_devices <= self.num_devices):
+            raise SpecError("num_devices", num_devices,
+                            f"1 to the cluster's {self.num_devices} devices")
+        left, groups = num_devices, []
+        for g in self.groups:
+            if left <= 0:
+                break
+            whole = min(g.nodes, left // g.gpus_per_node)
+            if whole:
+                groups.append(dataclasses.replace(
+                    g, nodes=whole, processes=g.processes[:whole] if g.processes else None))
+                left -= whole * g.gpus_per_node
+            if whole < g.nodes and 0 < left < g.gpus_per_node:
+                groups.append(dataclasses.replace(
+                    g, name=f"{g.name}-partial", nodes=1, gpus_per_node=left,
+                    processes=(g.processes[whole],) if g.processes else None))
+                left = 0
+        return dataclasses.replace(self, name=f"{self.name}-first{num_devices}",
+                                   groups=tuple(groups))
+
     def peak_flops(self, dtype: str = "bfloat16") -> float:
         """Aggregate peak FLOP/s of every GPU in the cluster."""
         return sum(g.num_devices * g.gpu.peak_flops(dtype) for g in self.groups)
