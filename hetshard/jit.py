@@ -249,6 +249,7 @@ class HetshardJit:
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
         self.elastic = bool(elastic)
+        self._timing = (False, {})  # time_stages: (on, injected delays)
         self.spec_cluster = self.cluster
         if self.elastic:
             self._fit_devices()
@@ -406,7 +407,10 @@ class HetshardJit:
                     f"(hetshard scales its loss), and {program.call_error}")
             if multi_stage:
                 from hetshard.runtime.pipeline import PipelineRunner
-                entry = _Mpmd(PipelineRunner(plan, self._bound.devices, program))
+                runner = PipelineRunner(plan, self._bound.devices, program)
+                on, delays = self._timing
+                runner.clock, runner.delays = ({} if on else None), delays
+                entry = _Mpmd(runner)
             elif len(plan.pipelines) == 1:
                 mesh = stage_mesh(plan, self._bound.devices)
                 entry = self._compile(plan, mesh, program, others, batch)
@@ -449,6 +453,36 @@ class HetshardJit:
                       for i in range(len(runner.state_avals))]
             tree = jax.tree.unflatten(program.state_tree, leaves)
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+    def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
+        """Time each pipeline stage's tasks from the next step on (``stage_times``; each
+        task then waits for its results, so the pipeline no longer overlaps stages), and
+        add ``delays`` ((pipeline, stage) -> seconds per task: a straggler stand-in on
+        fake devices). Pipeline plans (several stages) only."""
+        self._timing = (bool(on), dict(delays or {}))
+        for entry in self._compiled.values():
+            if isinstance(entry, _Mpmd):
+                entry.runner.clock = {} if on else None
+                entry.runner.delays = dict(delays or {})
+
+    def stage_times(self) -> dict:
+        """(pipeline, stage) -> seconds busy in the last timed step (``time_stages``)."""
+        for entry in self._compiled.values():
+            if isinstance(entry, _Mpmd) and entry.runner.plan is self.plan:
+                return dict(entry.runner.clock or {})
+        raise PlanNotExecutableError("stage_times: the step has run no timed pipeline plan "
+                                     "(call time_stages() and run a step of a plan with "
+                                     "several stages)")
+
+    def adopt(self, replan) -> None:
+        """Runs ``replan.plan`` (``hetshard.elastic.StragglerMonitor``) from the next call:
+        the cluster with the straggler's measured speed, the new plan pinned, entries
+        compiled for the old plan dropped. The state stays in the caller's objects and
+        moves to the new plan's layout at the next call."""
+        self.cluster = replan.cluster
+        self.pinned = self.plan = replan.plan
+        self._compiled.clear()
+        self._bound = None
 
     def _compile_pipelines(self, plan, program: Program, others, batch):
         """Several single-stage pipelines with (uneven) batch shares: each computes the

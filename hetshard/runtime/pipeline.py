@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 
 import jax
@@ -163,6 +164,10 @@ class PipelineRunner:
         self.published: list | None = None
         # float16 stages: the loss scale (None: gradients unscaled)
         self.loss_scale = DynamicLossScale() if plan.loss_scaled else None
+        # Per (pipeline, stage), seconds busy in the last step when timed (``timing``),
+        # and injected delays per task (a straggler stand-in on fake devices).
+        self.clock: dict | None = None
+        self.delays: dict = {}
 
     def state_of(self, others):
         """The step's non-batch arguments as flat state (what ``step`` takes)."""
@@ -411,6 +416,8 @@ class PipelineRunner:
         the transfers that touch them); returns (the step's output, the new state or
         None when ``may_apply(output, finite, loss)`` refused the update: ``finite`` says
         whether the loss and every gradient are finite, on every process)."""
+        if self.clock is not None:
+            self.clock = {}
         leaves = jax.tree.leaves(state)
         if self.published is None or len(leaves) != len(self.published) or any(
                 a is not b for a, b in zip(leaves, self.published, strict=True)):
@@ -510,6 +517,18 @@ class PipelineRunner:
             return transfer(have() if a.here else None,
                             [v.aval for v in variables], srcs, dsts)
 
+        def clocked(s, f):
+            """``f()``; timed (to its results) when the step is timed, plus any delay
+            injected for stage ``s``."""
+            if self.clock is None:
+                return f()
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f())
+            if self.delays.get((pi, s)):
+                time.sleep(self.delays[pi, s])
+            self.clock[pi, s] = self.clock.get((pi, s), 0.0) + time.perf_counter() - t0
+            return out
+
         def forward(s, mb):
             run, st = runs[s], runs[s].program
             by_producer: dict[int, list] = {}
@@ -535,9 +554,9 @@ class PipelineRunner:
                                         (mbs, *np.shape(batch_leaves[i])[1:]), run.mesh, mbs,
                                         self.plan.seq_len))
                      for i in st.batch]
-            fo, oo, vjp = run.fwd([view[i] for i in st.params],
-                                  [view[i] for i in st.frozen], batch,
-                                  [recvd[v] for v in st.recvs])
+            fo, oo, vjp = clocked(s, lambda: run.fwd([view[i] for i in st.params],
+                                                     [view[i] for i in st.frozen], batch,
+                                                     [recvd[v] for v in st.recvs]))
             vjps[s, mb] = vjp
             outs = [None] * len(st.sends)
             for j, x in zip(st.diff_sends, fo, strict=True):
@@ -571,10 +590,12 @@ class PipelineRunner:
                     rc = []
                 elif split:  # ZB-H1: the input's cotangent now, the weights' at the W pass
                     vjp = vjps.pop((s, mb))
-                    rc, seeded, carried = run.bwd_input(vjp, incoming, seeds)
+                    rc, seeded, carried = clocked(
+                        s, lambda: run.bwd_input(vjp, incoming, seeds))
                     pending[s, mb] = (vjp, seeded, carried)
                 else:
-                    acc[s], rc = run.bwd(vjps.pop((s, mb)), incoming, seeds, acc[s])
+                    acc[s], rc = clocked(s, lambda: run.bwd(vjps.pop((s, mb)), incoming,
+                                                            seeds, acc[s]))
                 rc = dict(zip((st.recvs[i] for i in st.diff_recvs), rc, strict=True))
             by_producer: dict[int, list] = {}
             for i in st.diff_recvs:
@@ -589,9 +610,9 @@ class PipelineRunner:
             if not runs[s].here:
                 return
             if runs[s].program.diff_recvs:
-                acc[s] = runs[s].bwd_weight(*pending.pop((s, mb)), acc[s])
+                acc[s] = clocked(s, lambda: runs[s].bwd_weight(*pending.pop((s, mb)), acc[s]))
             else:
-                acc[s], _ = runs[s].bwd(*pending.pop((s, mb)), acc[s])
+                acc[s], _ = clocked(s, lambda: runs[s].bwd(*pending.pop((s, mb)), acc[s]))
 
         split = pipeline.schedule == "zbh1"
         pending: dict = {}
