@@ -137,7 +137,10 @@ class Checkpointer:
         self._manager.close()
 
     def _seal(self) -> None:
-        """Manifests for the landed checkpoints that have none."""
+        """Manifests for the landed checkpoints that have none (process 0 writes them:
+        every process sees the same directory)."""
+        if jax.process_index() != 0:
+            return
         for step in self._manager.all_steps():
             root = self._step_dir(step)
             path = os.path.join(root, MANIFEST)

@@ -476,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--devices-per-proc", type=int, default=1)
     sp.add_argument("--cluster", default=None,
                     help="cluster spec passed to the processes as $HETSHARD_CLUSTER")
+    sp.add_argument("--max-restarts", type=int, default=0,
+                    help="start a failed job again, every process, up to this many times "
+                         "($HETSHARD_RESTART counts the starts; default 0)")
     sp.add_argument("command", nargs=argparse.REMAINDER,
                     help="-- python train.py ... (the command every process runs)")
     sp.set_defaults(func=cmd_launch)
@@ -488,7 +491,8 @@ def cmd_launch(args) -> int:
     if args.cluster:
         from hetshard.cluster import Cluster
         Cluster.load(args.cluster)  # a bad spec fails here, before any process starts
-    return launch(args.nprocs, args.devices_per_proc, command, cluster=args.cluster)
+    return launch(args.nprocs, args.devices_per_proc, command, cluster=args.cluster,
+                  max_restarts=args.max_restarts)
 
 
 _OUTPUTS = ("json", "png", "trace", "out")

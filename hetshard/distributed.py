@@ -40,6 +40,7 @@ ENV_COORDINATOR = "HETSHARD_COORDINATOR"
 ENV_NUM_PROCESSES = "HETSHARD_NUM_PROCESSES"
 ENV_PROCESS_ID = "HETSHARD_PROCESS_ID"
 ENV_TIMEOUT = "HETSHARD_TIMEOUT_S"
+ENV_RESTART = "HETSHARD_RESTART"
 _SCHEDULER_VARS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "KUBERNETES_SERVICE_HOST",
                    "JAX_COORDINATOR_ADDRESS")
 _STATE = {"initialised": False}
@@ -191,17 +192,37 @@ def _executable(command: list[str]) -> None:
 
 
 def launch(nprocs: int, devices_per_proc: int, command: list[str], *, cluster: str | None = None,
-           grace_s: float | None = None, out=None) -> int:
+           grace_s: float | None = None, out=None, max_restarts: int = 0) -> int:
     """Runs ``command`` as ``nprocs`` local processes (see the module docstring).
 
     Returns the exit status of the process that failed first (128 + N for one killed by
     signal N), else 0. Once one fails, the others get ``grace_s`` seconds (default
     ``HETSHARD_TIMEOUT_S``) to stop before they are killed; the failing process's Python
-    traceback is then printed again as the cause.
+    traceback is then printed again as the cause. With ``max_restarts`` > 0 a failed job
+    is started again, every process (the survivors too: a ``jax.distributed`` job has one
+    coordinator), up to that many times; ``HETSHARD_RESTART`` tells the processes which
+    start they are (0 first), and a script that restores its last checkpoint under
+    ``hetshard.jit(elastic=True)`` resumes there with a new plan.
 
     Raises:
       DistributedError: no command, or a command that is not an executable.
     """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise DistributedError(f"hetshard launch: --max-restarts={max_restarts!r} is invalid; "
+                               f"expected a count of restarts, 0 or more")
+    status = 0
+    for attempt in range(max_restarts + 1):
+        status = _launch_once(nprocs, devices_per_proc, command, cluster=cluster,
+                              grace_s=grace_s, out=out, attempt=attempt)
+        if status == 0 or attempt == max_restarts:
+            return status
+        (out or sys.stdout).write(f"hetshard launch: restarting all {nprocs} processes "
+                                  f"(restart {attempt + 1} of {max_restarts})\n")
+    return status
+
+
+def _launch_once(nprocs: int, devices_per_proc: int, command: list[str], *,
+                 cluster: str | None, grace_s: float | None, out, attempt: int) -> int:
     check_positive("nprocs", nprocs, integer=True, where="hetshard launch")
     check_positive("devices_per_proc", devices_per_proc, integer=True, where="hetshard launch")
     if not command:
@@ -222,6 +243,7 @@ def launch(nprocs: int, devices_per_proc: int, command: list[str], *, cluster: s
         env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
         env[ENV_NUM_PROCESSES] = str(nprocs)
         env[ENV_PROCESS_ID] = str(rank)
+        env[ENV_RESTART] = str(attempt)
         if cluster:
             env["HETSHARD_CLUSTER"] = cluster
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

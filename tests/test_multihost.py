@@ -222,3 +222,51 @@ def test_init_distributed_is_a_no_op_in_one_process_and_checks_its_environment(m
     monkeypatch.setenv("HETSHARD_TIMEOUT_S", "-3")
     with pytest.raises(DistributedError, match="HETSHARD_TIMEOUT_S"):
         hd.timeout_s()
+
+
+ELASTIC_WORKER = os.path.join(os.path.dirname(__file__), "multihost", "elastic_worker.py")
+
+
+@pytest.mark.slow
+def test_a_killed_process_restarts_and_the_run_resumes_from_its_checkpoint(tmp_path):
+    """2 processes checkpoint every 2 steps; process 1 is killed after step 3; the
+    launcher restarts both (--max-restarts 1), which restore step 2 into their plan and
+    go on: every step's loss equals one device's, one step was done twice."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import models
+    from models import data, losses, steps
+    out = io.StringIO()
+    old = os.environ.copy()
+    os.environ["HETSHARD_TIMEOUT_S"] = "5"
+    try:
+        rc = launch(2, 2, [sys.executable, ELASTIC_WORKER, str(tmp_path / "ckpt"), "6", "2",
+                           "3"], out=out, grace_s=10, max_restarts=1)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    text = out.getvalue()
+    assert rc == 0, text[-3000:]
+    assert "restarting all 2 processes (restart 1 of 1)" in text
+    assert "[0] RESUMED 2 restart 1" in text
+    got = {}
+    for line in text.splitlines():
+        if line.startswith("[0] LOSS "):
+            _, _, i, loss = line.split()
+            got.setdefault(int(i), []).append(float(loss))
+    assert sorted(got) == list(range(6)) and len(got[2]) == 2  # step 2 ran before the kill
+    rng = np.random.default_rng(0)
+    batches = [data.text_batch(rng, 8, 32, 128) for _ in range(6)]
+    model = models.build("gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32", rngs=0)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    step = nnx.jit(steps.train_step(losses.text_loss))
+    want = [float(step(model, opt, b)) for b in batches]
+    for i, seen in got.items():
+        assert seen == pytest.approx([want[i]] * len(seen), rel=1e-5), (i, seen, want[i])
+
+
+def test_launch_refuses_a_negative_restart_count():
+    with pytest.raises(DistributedError, match="max-restarts"):
+        launch(1, 1, [sys.executable, "-c", "pass"], max_restarts=-1)
