@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -250,6 +251,7 @@ class HetshardJit:
         self.plan: Plan | None = self.pinned
         self.elastic = bool(elastic)
         self._timing = (False, {})  # time_stages: (on, injected delays)
+        self._share_clock = None
         self.spec_cluster = self.cluster
         if self.elastic:
             self._fit_devices()
@@ -458,7 +460,8 @@ class HetshardJit:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each
         task then waits for its results, so the pipeline no longer overlaps stages), and
         add ``delays`` ((pipeline, stage) -> seconds per task: a straggler stand-in on
-        fake devices). Pipeline plans (several stages) only."""
+        fake devices). Plans with several stages or several pipelines (a single SPMD
+        stage has nothing to compare against)."""
         self._timing = (bool(on), dict(delays or {}))
         for entry in self._compiled.values():
             if isinstance(entry, _Mpmd):
@@ -468,11 +471,15 @@ class HetshardJit:
     def stage_times(self) -> dict:
         """(pipeline, stage) -> seconds busy in the last timed step (``time_stages``)."""
         for entry in self._compiled.values():
-            if isinstance(entry, _Mpmd) and entry.runner.plan is self.plan:
-                return dict(entry.runner.clock or {})
-        raise PlanNotExecutableError("stage_times: the step has run no timed pipeline plan "
-                                     "(call time_stages() and run a step of a plan with "
-                                     "several stages)")
+            if isinstance(entry, _Mpmd) and entry.runner.plan is self.plan \
+                    and entry.runner.clock:
+                return dict(entry.runner.clock)
+        shares = getattr(self, "_share_clock", None)
+        if shares is not None and shares[1]:
+            return dict(shares[1])
+        raise PlanNotExecutableError("stage_times: the step has run no timed plan with "
+                                     "several stages or pipelines (call time_stages(), "
+                                     "then run a step)")
 
     def adopt(self, replan) -> None:
         """Runs ``replan.plan`` (``hetshard.elastic.StragglerMonitor``) from the next call:
@@ -529,14 +536,23 @@ class HetshardJit:
         total = sum(share for share, *_ in parts)
         start, results, states, batches = 0, [], [], []
         scale = (np.float32(entry.loss_scale.scale),) if entry.loss_scale else ()
-        for (share, _mesh, s_shard, b_shard), f in zip(parts, cap, strict=True):
+        timed, delays = self._timing
+        clock = {}
+        for pi, ((share, _mesh, s_shard, b_shard), f) in enumerate(zip(parts, cap,
+                                                                      strict=True)):
             sl = jax.tree.map(lambda x, a=start, n=share: x[a:a + n], batch)
             st = jax.device_put(state, s_shard)
             bt = jax.device_put(sl, b_shard)
+            t0 = time.perf_counter()
             results.append(f(st, bt, *scale))  # dispatched asynchronously on each submesh
+            if timed:  # time_stages: each pipeline to its results, plus an injected delay
+                jax.block_until_ready(results[-1])
+                time.sleep(delays.get((pi, 0), 0.0))
+                clock[pi, 0] = time.perf_counter() - t0
             states.append(st)
             batches.append(bt)
             start += share
+        self._share_clock = (entry, clock) if timed else None
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient.
         home = NamedSharding(parts[0][1], PartitionSpec())
         combined = None

@@ -91,3 +91,33 @@ def test_monitor_needs_every_stage_time():
     # equal ratios: nobody is a straggler, however slow the fake devices are
     assert all(m.observe({k: 1e3 * v for k, v in m.priced.items()}) is None
                for _ in range(5))
+
+
+SHARES = Plan(MODEL, Cluster.load(CLUSTER).to_dict(), 8, 32, (
+    Pipeline((Stage(0, 6, (0, 1, 2, 3), A, (("data", 4),)),), 4, 1, 1),
+    Pipeline((Stage(0, 6, (4, 5, 6, 7), A, (("data", 4),)),), 4, 1, 1)),
+    attention="reference")
+
+
+@pytest.mark.slow
+def test_a_straggling_pipeline_of_a_shares_plan_gets_a_smaller_share():
+    rng = np.random.default_rng(1)
+    batches = [data.text_batch(rng, 8, 32, 128) for _ in range(4)]
+    model, opt = _fresh()
+    step = hetshard.jit(STEP, cluster=CLUSTER, plan=SHARES, quiet=True)
+    step.time_stages(delays={(1, 0): 0.3})
+    step(model, opt, batches[0])
+    monitor = StragglerMonitor(step.plan, step.program, CLUSTER, threshold=1.5, patience=2,
+                               options={"time_limit_s": 5})
+    decisions = []
+    with pytest.warns(StragglerWarning, match="group 'b'"):
+        for b in batches[1:3]:
+            step(model, opt, b)
+            times = step.stage_times()
+            assert set(times) == {(0, 0), (1, 0)} and times[1, 0] > 0.3
+            decisions.append(monitor.observe(times))
+    d = decisions[-1]
+    assert decisions[0] is None and d is not None and d.group == "b"
+    on_b = sum(p.batch_share for p in d.plan.pipelines
+               if set(p.stages[0].devices) <= set(range(4, 8)))
+    assert on_b < 4 and d.gain > 1
