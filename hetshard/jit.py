@@ -252,6 +252,10 @@ class HetshardJit:
         self.elastic = bool(elastic)
         self._timing = (False, {})  # time_stages: (on, injected delays)
         self._share_clock = None
+        # hetshard.data micro-steps: traced programs, captures per (shapes, plan), apply
+        self._programs: dict = {}
+        self._captures: dict = {}
+        self._apply: dict = {}
         self.spec_cluster = self.cluster
         if self.elastic:
             self._fit_devices()
@@ -455,6 +459,99 @@ class HetshardJit:
                       for i in range(len(runner.state_avals))]
             tree = jax.tree.unflatten(program.state_tree, leaves)
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+    # ---- a step assembled from micro-steps of other shapes (hetshard.data) --------------
+    def _split_args(self, args):
+        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums % len(args)
+        batch = untyped(args[idx])
+        return idx, batch, tuple(a for i, a in enumerate(args) if i != idx)
+
+    def program_for(self, *args) -> Program:
+        """The traced step for arguments of these shapes (cached by their signature)."""
+        sig = _signature(args)
+        got = self._programs.get(sig)
+        if got is None:
+            idx, batch, _ = self._split_args(args)
+            args = (*args[:idx], batch, *args[idx + 1:])
+            with _tracing(self.fn, batch, "hetshard.jit"):
+                got = Program(self.fn, args, batch_argnum=idx)
+            if got.call is None:
+                raise PlanNotExecutableError(
+                    f"micro-steps need a step that calls hetshard.value_and_grad, and "
+                    f"{got.call_error}")
+            self._programs[sig] = got
+        return got
+
+    def grads_under(self, plan: Plan, *args):
+        """``(value, gradients)`` of the step's ``hetshard.value_and_grad`` loss on
+        ``args`` run under ``plan`` (one pipeline of one stage: its devices, data,
+        tensor and context axes), left on the plan's mesh; nothing is updated. Compiled
+        once per plan and argument shapes. Summed over micro-steps and handed to
+        :meth:`apply_grads`, this is one step made of batches of different shapes
+        (``hetshard.data.run_batch_plan``)."""
+        if len(plan.pipelines) != 1 or len(plan.pipelines[0].stages) != 1:
+            raise PlanNotExecutableError("grads_under takes a plan of one pipeline of one "
+                                         f"stage, not {[len(p.stages) for p in plan.pipelines]}")
+        with no_ambient_mesh():
+            program = self.program_for(*args)
+            _, batch, others = self._split_args(args)
+            key = (_signature(args), plan.what_runs())
+            got = self._captures.get(key)
+            if got is None:
+                n = program.layering(2, plan.split_blocks).num_layers
+                st = plan.pipelines[0].stages[0]
+                if (st.start, st.end) != (0, n):
+                    raise SpecError("plan.pipelines[0].stages[0]", (st.start, st.end),
+                                    f"the program's layers (0, {n})", where="grads_under")
+                if self._bound is None:
+                    self._bound = self.cluster.bind()
+                mesh = stage_mesh(plan, self._bound.devices)
+                s_shard = state_shardings(_state(program, others), plan, mesh)
+                b_shard = batch_sharding(batch, plan, mesh)
+
+                def capture(state, batch):
+                    with entered(mode="capture", captured=None, used=False,
+                                 loss_scale=None) as ctx:
+                        _call(program, state, batch)
+                        return ctx.captured
+                got = (jax.jit(_rewriting(capture, plan, mesh),
+                               in_shardings=(s_shard, b_shard)), s_shard, b_shard)
+                self._captures[key] = got
+            f, s_shard, b_shard = got
+            return f(jax.device_put(_state(program, others), s_shard),
+                     jax.device_put(batch, b_shard))
+
+    def apply_grads(self, value_and_grads, *args):
+        """Runs the step on ``args`` with ``hetshard.value_and_grad`` returning
+        ``value_and_grads`` (e.g. the sum of :meth:`grads_under` over a batch's
+        micro-steps) instead of computing them: the update is applied to the NNX objects
+        (skipped, with the step's ``nan_policy``, when they are not finite); returns the
+        step's output."""
+        with no_ambient_mesh():
+            program = self.program_for(*args)
+            _, batch, others = self._split_args(args)
+            leaf = jax.tree.leaves(value_and_grads)[0]
+            home = NamedSharding(leaf.sharding.mesh, PartitionSpec()) \
+                if isinstance(leaf.sharding, NamedSharding) else leaf.sharding
+            provided = jax.device_put(value_and_grads, home)
+            state = jax.device_put(_state(program, others), home)
+            sig = _signature(args)
+            if sig not in self._apply:
+                def apply(state, batch, provided):
+                    with entered(mode="provide", provided=provided):
+                        out, objs = _call(program, state, batch)
+                    return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
+                self._apply[sig] = jax.jit(apply)
+            out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
+            value, grads = provided
+            value = value[0] if program.call.has_aux else value
+            ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
+                                    value)
+            if self._may_apply(out, ok, loss):
+                if new_state is not None:
+                    nnx.update(others, new_state)
+                return out
+            return _withheld(program, out, jax.tree.leaves(state))
 
     def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each

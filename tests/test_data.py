@@ -227,3 +227,71 @@ def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
            for _, b in batches]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(step._compiled) == 2
+
+
+@pytest.mark.slow
+def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
+    """A batch of variable-length samples planned on two groups of different speeds
+    (the faster one takes more), long rows over a context group of 2, short rows packed:
+    every group's micro-steps summed into one update under hetshard.jit; losses and
+    weights equal one device training the samples one by one, over two steps; each
+    (group, bucket) compiled once."""
+    import optax
+    from flax import nnx
+
+    import hetshard
+    import models
+    from hetshard.data import run_batch_plan
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+
+    cluster = {"name": "two-speeds", "groups": [
+        {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
+        {"name": "slow", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
+    groups = tuple(GroupCost(name=n, gpu=g, devices=tuple(range(o, o + 4)), chunk=16,
+                             token_s=t, attention_s=t / 200, attention_fwd_share=0.3,
+                             layers=4, kv_bytes_per_token=0.0, buckets=(16, 32))
+                   for n, g, o, t in (("fast", "H100-80GB", 0, 1.0),
+                                      ("slow", "A100-80GB", 4, 2.5)))
+    rng = np.random.default_rng(4)
+    batches = []
+    for _ in range(2):
+        lengths = np.concatenate([rng.integers(20, 33, 2), rng.integers(3, 12, 10)])
+        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+        plan = plan_batch(lengths, groups, bound=False)
+        batches.append((samples, plan))
+    assert any(s.degree == 2 for _, p in batches for g in p.groups for s in g.steps)
+    fast, slow = (sum(len(g.samples) for _, p in batches for g in p.groups if g.group == n)
+                  for n in ("fast", "slow"))
+    assert fast > slow
+
+    def one_by_one(model, samples):
+        total = sum(s.size - 1 for s in samples)
+        loss = 0.0
+        for s in samples:
+            logits = model(jnp.asarray(s[None, :-1]))
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(s[None, 1:]))
+            loss = loss + ce.sum() / total
+        return loss
+
+    def reference_step(model, opt, samples):
+        loss, grads = nnx.value_and_grad(one_by_one)(model, samples)
+        opt.update(model, grads)
+        return loss
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want = [float(reference_step(model, opt, s)) for s, _ in batches]
+    want_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    got = [float(run_batch_plan(step, (model, opt, None), s, p, groups))
+           for s, p in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    got_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    shapes = {s for _, p in batches for s in p.shapes}
+    assert len(step._captures) == len(shapes) <= 4

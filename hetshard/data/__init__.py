@@ -15,7 +15,8 @@ from hetshard.data.planner import (
                                    lower_bound,
                                    plan_batch,
 )
+from hetshard.data.runner import micro_step_plan, run_batch_plan
 
 __all__ = ["METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
-           "packed_arrays", "plan_batch"]
+           "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan"]

@@ -1,0 +1,87 @@
+"""Running a per-batch plan: one training step made of every group's micro-steps.
+
+Each micro-step of a :class:`~hetshard.data.planner.BatchPlan` is a set of rows of one
+bucket on one group: it runs on that group's devices as a one-stage plan whose mesh is
+``data = devices / degree`` by ``context = degree`` (rows split over data, each row's
+sequence over context, attention a ring, ``hetshard.kernels.ring_attention``), computing
+the value and gradients of the step's ``hetshard.value_and_grad`` loss
+(``HetshardJit.grads_under``). The rows' loss weights are normalised by the batch's
+target count (``packed_arrays(target_tokens=)``), so the micro-steps' values and
+gradients *sum* to the whole batch's token-mean loss and gradient; the sum is then
+applied once (``HetshardJit.apply_grads``). A (group, bucket) pair compiles once: a run
+compiles at most as many programs as the groups have buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hetshard.data.packing import Row, packed_arrays
+from hetshard.data.planner import BatchPlan, GroupCost
+from hetshard.errors import SpecError
+from hetshard.plan import Context, Pipeline, Plan, Stage
+
+
+def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
+                    attention: str = "flash") -> Plan:
+    """The one-stage plan a micro-step of ``bucket`` rows at ``degree`` runs under on
+    ``group``'s devices (``step``: the ``hetshard.jit`` step, ``args`` its arguments
+    with a batch of that shape)."""
+    cluster = step.cluster
+    rows = group.n // degree
+    program = step.program_for(*args)
+    layers = program.layering(2, False).num_layers
+    axes = (("data", rows),) + ((("context", degree),) if degree > 1 else ())
+    gpu = cluster.gpu_of(group.devices[0]).name
+    return Plan(program.name, cluster.to_dict(), rows, bucket, (
+        Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes),), rows, 1, 1),),
+        attention=attention, context=Context(degree) if degree > 1 else Context(),
+        fingerprint=program.model_fingerprint)
+
+
+def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
+                   groups: Sequence[GroupCost], *, batch_argnum: int = -1,
+                   attention: str = "flash"):
+    """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
+    rows: ``models.losses.packed_text_loss``) on ``samples`` (1-D token arrays) as
+    ``plan`` places them on ``groups``; ``args``: the step's other arguments with any
+    batch at ``batch_argnum`` (replaced per micro-step). Returns the step's output.
+
+    Raises:
+      SpecError: a plan that does not place every sample exactly once, or names a group
+        not in ``groups``.
+    """
+    by_name = {g.name: g for g in groups}
+    placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
+                    for i in r.samples)
+    if placed != list(range(len(samples))):
+        raise SpecError("plan", f"{len(placed)} placed samples",
+                        f"every one of the {len(samples)} samples exactly once")
+    targets = int(sum(max(0, np.size(s) - 1) for s in samples))
+    args = list(args)
+    at = batch_argnum % len(args)
+    total, first = None, None
+    for gp in plan.groups:
+        if gp.group not in by_name:
+            raise SpecError("plan.groups", gp.group, f"one of {sorted(by_name)}")
+        group = by_name[gp.group]
+        for ms in gp.steps:
+            per = group.n // ms.degree
+            rows = list(ms.rows) + [Row(ms.bucket, (), ())] * (per - len(ms.rows))
+            batch = {k: jnp.asarray(v) for k, v in
+                     packed_arrays(samples, rows, target_tokens=targets).items()}
+            args[at] = batch
+            p = micro_step_plan(step, args, group, ms.bucket, ms.degree, attention)
+            got = step.grads_under(p, *args)
+            if total is None:  # summed on the first micro-step's devices, replicated
+                home = NamedSharding(jax.tree.leaves(got)[0].sharding.mesh, PartitionSpec())
+                total, first = jax.device_put(got, home), batch
+            else:
+                total = jax.tree.map(jnp.add, total, jax.device_put(got, home))
+    args[at] = first
+    return step.apply_grads(total, *args)
