@@ -90,8 +90,10 @@ def geometric_buckets(smallest: int, largest: int, count: int) -> tuple[int, ...
     return tuple(out)
 
 
-def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit") -> tuple[Row, ...]:
-    """Rows holding every sample of ``lengths`` exactly once.
+def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
+         ids: Sequence[int] | None = None) -> tuple[Row, ...]:
+    """Rows holding every sample of ``lengths`` exactly once (``ids``: what the rows
+    call the samples; default their positions in ``lengths``).
 
     ``order="best-fit"``: best-fit decreasing (see the module docstring).
     ``order="sequential"``: samples in the given order, each appended to the last row
@@ -113,17 +115,19 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit") -> tuple[R
     if order == "sequential":
         rows: list[list] = []
         room = 0
+        names = range(lengths.size) if ids is None else list(ids)
         for i, n in enumerate(lengths.tolist()):
             if not rows or n > room:
                 rows.append([top, [], []])
                 room = top
-            rows[-1][1].append(i)
+            rows[-1][1].append(names[i])
             rows[-1][2].append(n)
             room -= n
         return tuple(Row(b, tuple(s), tuple(n)) for b, s, n in rows)
     if order != "best-fit":
         raise SpecError("order", order, "'best-fit' or 'sequential'")
     ls = lengths.tolist()
+    names = list(range(len(ls))) if ids is None else list(ids)
     samples: list[list[int]] = []
     sizes: list[list[int]] = []
     widths: list[int] = []
@@ -140,7 +144,7 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit") -> tuple[R
             widths.append(room)
             samples.append([])
             sizes.append([])
-        samples[r].append(i)
+        samples[r].append(names[i])
         sizes[r].append(n)
         if room > n:
             insort(rooms, (room - n, r))

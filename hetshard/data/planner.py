@@ -36,6 +36,7 @@ GPUs) and ``"hetshard"``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -234,6 +235,7 @@ class _Pricer:
     def __init__(self, group: GroupCost, cluster: Cluster | None, cal: Calibration):
         self.g = group
         self._ring: dict[int, float] = {}
+        self._buckets: dict[int, tuple] = {}
         self.cluster, self.cal = cluster, cal
 
     def ring(self, bucket: int) -> float:
@@ -251,18 +253,32 @@ class _Pricer:
             self._ring[bucket] = got
         return got
 
+    def _of(self, bucket: int) -> tuple:
+        """(degree, empty-row seconds, attention per squared token per device, ring
+        seconds per layer) of ``bucket`` rows on this group, computed once."""
+        got = self._buckets.get(bucket)
+        if got is None:
+            g = self.g
+            d = g.degree(bucket)
+            got = (d, g.token_cost(bucket) * g.slots(bucket), g.attention_s / d,
+                   self.ring(bucket))
+            self._buckets[bucket] = got
+        return got
+
     def row(self, row: Row, images: int = 0) -> float:
         g = self.g
-        d = g.degree(row.bucket)
-        attn = g.attention_s * row.squares / d
-        t = g.token_cost(row.bucket) * g.slots(row.bucket) + attn + g.image_s * images / d
+        d, t, per_square, ring = self._of(row.bucket)
+        attn = per_square * row.squares
+        t += attn
+        if images:
+            t += g.image_s * images / d
         if d > 1:
-            exposed = self.ring(row.bucket) - g.attention_fwd_share * attn / g.layers
+            exposed = ring - g.attention_fwd_share * attn / g.layers
             t += 3 * g.layers * max(0.0, exposed)  # forward, and the backward's two passes
         return t
 
     def empty(self, bucket: int) -> float:
-        return self.g.token_cost(bucket) * self.g.slots(bucket)
+        return self._of(bucket)[1]
 
 
 def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
@@ -270,10 +286,11 @@ def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
     """Micro-steps of ``rows`` per bucket: ``devices // degree`` rows each, sorted by
     cost when ``sort`` (else in the given order)."""
     g = pricer.g
+    images = images.tolist() if images is not None else None
     steps = []
     by_bucket: dict[int, list] = {}
     for r in rows:
-        img = int(images[list(r.samples)].sum()) if images is not None else 0
+        img = sum(images[i] for i in r.samples) if images is not None else 0
         by_bucket.setdefault(r.bucket, []).append((pricer.row(r, img), r))
     for bucket in sorted(by_bucket):
         d = g.degree(bucket)
@@ -323,9 +340,7 @@ def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
     g = pricer.g
     if samples.size == 0:
         return GroupPlan(g.name, (), (), g.step_s)
-    rows = pack(lengths[samples], buckets or g.buckets, order=order)
-    ids = samples.tolist()
-    rows = tuple(Row(r.bucket, tuple([ids[i] for i in r.samples]), r.lengths) for r in rows)
+    rows = pack(lengths[samples], buckets or g.buckets, order=order, ids=samples.tolist())
     if order == "best-fit":
         rows = _fill_steps(g, rows, buckets or g.buckets)
     steps = _compose(pricer, rows, images, sort)
@@ -396,6 +411,20 @@ def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
       SpecError: empty or non-positive lengths, a sample longer than ``max_context``,
         images on groups without a vision encoder, an unknown method.
     """
+    # The planner allocates many small objects; a full garbage collection landing in
+    # it would cost more than the planning (collected after, not during).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_batch(lengths, groups, images, cluster, cal, method, max_context,
+                           rounds, bound)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, rounds,
+                bound) -> BatchPlan:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise SpecError("method", method, f"one of {METHODS}")
@@ -446,7 +475,10 @@ def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
             est = np.array([costs[k, parts[k]].sum() / n[k] * scale[k] if parts[k].size
                             else 0.0 for k in range(len(groups))])
             ratio = np.array([s.time_s - groups[k].step_s for k, s in enumerate(seen)])
-            scale = np.where(est > 0, scale * ratio / np.maximum(est, 1e-30), scale)
+            new_scale = np.where(est > 0, scale * ratio / np.maximum(est, 1e-30), scale)
+            if np.allclose(new_scale / new_scale.max(), scale / scale.max(), rtol=0.01):
+                break  # the same relative speeds: the same placement
+            scale = new_scale
         # ... and runs it on the real GPUs.
         plan = best[2] if believed is groups else tuple(
             _group_plan(p, best[1][k], lengths, img, "best-fit", True)
