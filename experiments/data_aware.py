@@ -32,6 +32,7 @@ import os
 import time
 
 import numpy as np
+from long_context import DGX_A100, DGX_H100, DGX_V100  # the DGX node specs
 
 from hetshard.cluster import Cluster
 from hetshard.data import METHODS, group_costs, plan_batch
@@ -39,14 +40,6 @@ from models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LENGTHS = os.path.join(HERE, "..", "..", "shared", "data", "lengths", "wikipedia-flexsp.txt.gz")
-
-_DGX_H100 = {"gpu": "H100-80GB", "gpus_per_node": 8, "intra_node_gbs": 450.0,
-             "inter_node_gbs": 400.0}
-_DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
-             "inter_node_gbs": 200.0}
-_DGX_V100 = {"gpu": "V100-32GB", "gpus_per_node": 8, "intra_node_gbs": 150.0,
-             "inter_node_gbs": 100.0}
-
 
 def _cluster(name: str, *groups) -> Cluster:
     return Cluster.from_dict({
@@ -56,11 +49,11 @@ def _cluster(name: str, *groups) -> Cluster:
 
 
 CLUSTERS = {
-    "a100-x32": lambda: _cluster("a100-x32", (_DGX_A100, 4)),
-    "h100-a100-x32": lambda: _cluster("h100-a100-x32", (_DGX_H100, 2), (_DGX_A100, 2)),
-    "a100-x64": lambda: _cluster("a100-x64", (_DGX_A100, 8)),
-    "h100-a100-x64": lambda: _cluster("h100-a100-x64", (_DGX_H100, 4), (_DGX_A100, 4)),
-    "a100-v100-x64": lambda: _cluster("a100-v100-x64", (_DGX_A100, 4), (_DGX_V100, 4)),
+    "a100-x32": lambda: _cluster("a100-x32", (DGX_A100, 4)),
+    "h100-a100-x32": lambda: _cluster("h100-a100-x32", (DGX_H100, 2), (DGX_A100, 2)),
+    "a100-x64": lambda: _cluster("a100-x64", (DGX_A100, 8)),
+    "h100-a100-x64": lambda: _cluster("h100-a100-x64", (DGX_H100, 4), (DGX_A100, 4)),
+    "a100-v100-x64": lambda: _cluster("a100-v100-x64", (DGX_A100, 4), (DGX_V100, 4)),
 }
 # (cluster, max context, multimodal)
 RUNS = [(c, m, False) for c in CLUSTERS for m in (32768, 131072)] + [

@@ -41,12 +41,12 @@ from hetshard.solver.uniform import Fix, uniform_plan
 from models import profile as profile_model
 from models.steps import make_plan
 
-_DGX_H100 = {"gpu": "H100-80GB", "gpus_per_node": 8, "intra_node_gbs": 450.0,
-             "inter_node_gbs": 400.0}
-_DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
-             "inter_node_gbs": 200.0}
-_DGX_V100 = {"gpu": "V100-32GB", "gpus_per_node": 8, "intra_node_gbs": 150.0,
-             "inter_node_gbs": 100.0}
+DGX_H100 = {"gpu": "H100-80GB", "gpus_per_node": 8, "intra_node_gbs": 450.0,
+            "inter_node_gbs": 400.0}
+DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
+            "inter_node_gbs": 200.0}
+DGX_V100 = {"gpu": "V100-32GB", "gpus_per_node": 8, "intra_node_gbs": 150.0,
+            "inter_node_gbs": 100.0}
 
 
 def _cluster(name: str, *groups) -> Cluster:
@@ -58,10 +58,10 @@ def _cluster(name: str, *groups) -> Cluster:
 
 # name, cluster, the dtype its models compute in (V100s have no bfloat16 tensor cores)
 CLUSTERS = [
-    ("h100-x32", lambda: _cluster("h100-x32", (_DGX_H100, 4)), "bfloat16"),
-    ("h100-a100-x32", lambda: _cluster("h100-a100-x32", (_DGX_H100, 2), (_DGX_A100, 2)),
+    ("h100-x32", lambda: _cluster("h100-x32", (DGX_H100, 4)), "bfloat16"),
+    ("h100-a100-x32", lambda: _cluster("h100-a100-x32", (DGX_H100, 2), (DGX_A100, 2)),
      "bfloat16"),
-    ("a100-v100-x32", lambda: _cluster("a100-v100-x32", (_DGX_A100, 2), (_DGX_V100, 2)),
+    ("a100-v100-x32", lambda: _cluster("a100-v100-x32", (DGX_A100, 2), (DGX_V100, 2)),
      "float16"),
 ]
 # model, sequence lengths, global batch per sequence length (about 2M tokens per step)

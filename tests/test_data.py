@@ -173,6 +173,29 @@ def test_packed_flash_attention_equals_each_sample_alone():
         at += n
 
 
+def _one_by_one(model, opt, batches):
+    """Per-step losses of one device training each batch's samples one at a time
+    (unpacked), the loss their token mean: what packed training must equal."""
+    import optax
+    from flax import nnx
+
+    def loss_of(model, samples):
+        total = sum(s.size - 1 for s in samples)
+        loss = 0.0
+        for s in samples:
+            logits = model(jnp.asarray(s[None, :-1]))
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(s[None, 1:]))
+            loss = loss + ce.sum() / total
+        return loss
+
+    out = []
+    for samples in batches:
+        loss, grads = nnx.value_and_grad(loss_of)(model, samples)
+        opt.update(model, grads)
+        out.append(float(loss))
+    return out
+
+
 @pytest.mark.slow
 def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
     """Two steps, each a global batch of variable-length samples packed into rows of its
@@ -199,23 +222,9 @@ def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
         targets = int(sum(n - 1 for n in lengths))
         batches.append((samples, packed_arrays(samples, rows, target_tokens=targets)))
 
-    def one_by_one(model, samples):
-        total = sum(s.size - 1 for s in samples)
-        loss = 0.0
-        for s in samples:
-            logits = model(jnp.asarray(s[None, :-1]))
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(s[None, 1:]))
-            loss = loss + ce.sum() / total
-        return loss
-
-    def reference_step(model, opt, samples):
-        loss, grads = nnx.value_and_grad(one_by_one)(model, samples)
-        opt.update(model, grads)
-        return loss
-
     model = models.build("llama-tiny", rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    want = [float(reference_step(model, opt, s)) for s, _ in batches]
+    want = _one_by_one(model, opt, [s for s, _ in batches])
 
     model = models.build("llama-tiny", rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -265,23 +274,9 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
                   for n in ("fast", "slow"))
     assert fast > slow
 
-    def one_by_one(model, samples):
-        total = sum(s.size - 1 for s in samples)
-        loss = 0.0
-        for s in samples:
-            logits = model(jnp.asarray(s[None, :-1]))
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(s[None, 1:]))
-            loss = loss + ce.sum() / total
-        return loss
-
-    def reference_step(model, opt, samples):
-        loss, grads = nnx.value_and_grad(one_by_one)(model, samples)
-        opt.update(model, grads)
-        return loss
-
     model = models.build("llama-tiny", rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    want = [float(reference_step(model, opt, s)) for s, _ in batches]
+    want = _one_by_one(model, opt, [s for s, _ in batches])
     want_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
     model = models.build("llama-tiny", rngs=0)
