@@ -130,6 +130,11 @@ class ModelProfile:
         return len(self.layers)
 
     @property
+    def tensor_divisor(self) -> int:
+        """What a tensor degree must divide: the attention heads (1 when unknown)."""
+        return self.heads or 1
+
+    @property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 

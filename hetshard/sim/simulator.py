@@ -64,6 +64,11 @@ class SimResult:
     tasks: tuple[Task, ...]
     stage_costs: tuple[tuple[StageCost, ...], ...]
 
+    @property
+    def rank(self) -> tuple[bool, float]:
+        """How plans are ranked, best first: the ones that fit, then the faster."""
+        return (not self.fits, self.step_time_s)
+
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
@@ -282,7 +287,7 @@ def tune_warmup(plan: Plan, profile: ModelProfile, cluster: Cluster,
     if fitted is not None:
         options.append(fitted)
     options = list({q.what_runs(): q for q in options}.values())
-    keys = [(not r.fits, r.step_time_s) for r in
+    keys = [r.rank for r in
             (simulate(q, profile, cluster, cal, trace=False, cache=cache, margin=margin)
              for q in options)]
     return options[keys.index(min(keys))]

@@ -30,9 +30,9 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                        deadline: float | None = None) -> list[Plan]:
     """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats);
     past ``deadline`` (``time.perf_counter``) the ones built so far, at least one."""
-    from hetshard.solver.inter_op import _heads, planned_gpu_dtypes
+    from hetshard.solver.inter_op import planned_gpu_dtypes
     n = cluster.num_devices
-    heads = _heads(profile)
+    heads = profile.tensor_divisor
     max_tp = min(g.gpus_per_node for g in cluster.groups)
     out = []
     for tp in opts.tp_options:
@@ -73,7 +73,7 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None,
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
         r = simulate(p, profile, cluster, cal, trace=False, cache=cache, margin=margin)
-        key = (not r.fits, r.step_time_s)
+        key = r.rank
         if best is None or key < best[0]:
             best = (key, p, r)
     if best is None:
@@ -129,13 +129,13 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
     batch share (Metis' per-pipeline uneven batches are not modelled here)."""
     import math
 
-    from hetshard.solver.inter_op import Family, _divisors, _heads, build_plan
+    from hetshard.solver.inter_op import Family, build_plan, divisors
     groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
-    heads = _heads(profile)
+    heads = profile.tensor_divisor
     n_layers = profile.num_layers
     plans = []
     gcd = math.gcd(*[g.num_devices for g in groups])
-    for r in _divisors(gcd):
+    for r in divisors(gcd):
         for tp in opts.tp_options:
             if heads % tp or any(tp > g.gpus_per_node or g.num_devices % (r * tp)
                                  for g in groups):
@@ -203,7 +203,6 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     split balanced on that assumption), then priced on the real cluster."""
     from hetshard.solver.inter_op import (
         Family,
-        _heads,
         assign_batch,
         build_plan,
         family_configs,
@@ -215,7 +214,7 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     import time
     tables = LayerTables(profile, homo, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
-    fams = family_configs(tuple(homo.groups), tables, profile, opts, _heads(profile),
+    fams = family_configs(tuple(homo.groups), tables, profile, opts, profile.tensor_divisor,
                           time.perf_counter() + opts.time_limit_s)
     plans = []
     for fam in sorted(fams, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)[:8]:

@@ -106,12 +106,12 @@ def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
     of ``opts`` (``PlannerOptions``) that share every group's blocks out evenly, per
     micro-batch size and remat; ``chunks`` "speed" (balanced on each type's priced
     times, multiples of ``granule`` tokens) or "equal"."""
-    from hetshard.solver.inter_op import _heads, planned_gpu_dtypes
+    from hetshard.solver.inter_op import planned_gpu_dtypes
     if chunks not in ("speed", "equal"):
         raise SpecError("chunks", chunks, "speed or equal")
     if len(cluster.groups) < 2 or seq_len < opts.context_min_seq:
         return []
-    heads = _heads(profile)
+    heads = profile.tensor_divisor
     gpu_dtypes = planned_gpu_dtypes(profile, cluster, opts)
     blocks_total = len(profile.block_indices())
     plans = []

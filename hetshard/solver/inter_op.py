@@ -213,13 +213,8 @@ class Family:
         return self.mbs * self.r
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _heads(profile: ModelProfile) -> int:
-    """What a tensor degree must divide: the attention heads (``ModelProfile.heads``)."""
-    return profile.heads or 1
 
 
 def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: ModelProfile,
@@ -231,7 +226,7 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
     gcd = math.gcd(*[g.num_devices for g in groups])
     cps = [c for c in opts.cp_options if c == 1 or (profile.seq_len >= opts.context_min_seq
                                                      and profile.seq_len % c == 0)]
-    for r, cp, tp in itertools.product(_divisors(gcd), cps, opts.tp_options):
+    for r, cp, tp in itertools.product(divisors(gcd), cps, opts.tp_options):
         if heads % tp or any(tp > g.gpus_per_node for g in groups):
             continue
         if any(g.num_devices % (r * tp * cp) for g in groups):
@@ -508,7 +503,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
     tables = LayerTables(profile, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap,
                          planned_gpu_dtypes(profile, cluster, opts))
-    heads = _heads(profile)
+    heads = profile.tensor_divisor
     cache: dict = {}  # stage costs shared by every simulation of this search
     timed_out = False
 
@@ -638,7 +633,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             break
         r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
                      margin=opts.memory_margin)
-        scored.append(((not r.fits, r.step_time_s), cand, r))
+        scored.append((r.rank, cand, r))
     scored.sort(key=lambda x: x[0])
     refine_deadline = t0 + opts.time_limit_s * 0.85
 
@@ -698,7 +693,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             if other is not None:
                 r = simulate(other, profile, cluster, cal, trace=False, cache=cache,
                              margin=opts.memory_margin)
-                variants.append(((not r.fits, r.step_time_s), other, r))
+                variants.append((r.rank, other, r))
     variants.sort(key=lambda x: x[0])
     if 1 not in opts.virtual_options:
         scored = [x for x in scored if interleaved_as(x[1], opts.virtual_options)]
@@ -725,8 +720,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
                                              opts.refine_evals, cache, opts.memory_margin,
                                              opts.remat_options)
         timed_out = timed_out or cut
-        if (not better_r.fits, better_r.step_time_s) < best[0]:
-            best = ((not better_r.fits, better_r.step_time_s), better, better_r)
+        if better_r.rank < best[0]:
+            best = (better_r.rank, better, better_r)
     # The last variants (ZB-H1, without ZeRO-1) only improve on the best: skipped once the
     # limit is near (on the largest clusters each simulation takes seconds).
     chosen, result = (best[1], best[2]) if late(0.85) else \
@@ -744,7 +739,7 @@ def _evaluator(profile: ModelProfile, cluster: Cluster, cal: Calibration,
         p = tune_warmup(p, profile, cluster, cal, margin=opts.memory_margin, cache=cache)
         r = simulate(p, profile, cluster, cal, trace=False, cache=cache,
                      margin=opts.memory_margin)
-        return (not r.fits, r.step_time_s), p, r
+        return r.rank, p, r
     return evaluate
 
 
@@ -774,8 +769,8 @@ def _last_variants(best, profile, cluster, cal, opts: PlannerOptions, cache: dic
     if zb is not None:
         r = simulate(zb, profile, cluster, cal, trace=False, cache=cache,
                      margin=opts.memory_margin)
-        if (not r.fits, r.step_time_s) < best[0]:
-            best = ((not r.fits, r.step_time_s), zb, r)
+        if r.rank < best[0]:
+            best = (r.rank, zb, r)
     if opts.distributed_optimizer is None:
         best = zero1_choice(best, profile, cluster, cal, cache, opts.memory_margin)
     return best[1], best[2]
@@ -810,7 +805,7 @@ def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None,
         return scored
     plain = dataclasses.replace(p, distributed_optimizer=False)
     r = simulate(plain, profile, cluster, cal, trace=False, cache=cache, margin=margin)
-    other = (not r.fits, r.step_time_s)
+    other = r.rank
     return (other, plain, r) if other < key else scored
 
 
@@ -1007,7 +1002,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     tables = LayerTables(halves, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap,
                          planned_gpu_dtypes(halves, cluster, opts))
-    heads = _heads(halves)
+    heads = halves.tensor_divisor
     cache: dict = {}
     evaluate = _evaluator(halves, cluster, cal, opts, cache)
     found = [evaluate(as_halves(plan, blocks, halves))]
@@ -1028,8 +1023,8 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                                          t0 + opts.time_limit_s * 0.85, opts.refine_evals,
                                          cache, opts.memory_margin, opts.remat_options)
     cut = cut or len(found) < 3 or layouts_cut
-    if (not better_r.fits, better_r.step_time_s) < best[0]:
-        best = ((not better_r.fits, better_r.step_time_s), better, better_r)
+    if better_r.rank < best[0]:
+        best = (better_r.rank, better, better_r)
     chosen, result = _last_variants(best, halves, cluster, cal, opts, cache)
     return _annotated(chosen, result, halves, cluster, cal, opts, t0, cut,
                       " refining with blocks split")
