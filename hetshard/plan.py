@@ -22,15 +22,18 @@ from typing import Any
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
 # ``Plan.split_blocks`` (absent: layers are whole blocks), 7 ``Plan.tp_overlap``
 # (absent: no collective matmuls, as those plans ran), 8 ``Plan.fingerprint`` (absent:
 # the plan names no traced program, and is run on any program whose layers it covers), 9
-# ``Plan.gpu_dtypes`` (absent: every stage computes in ``dtype``).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# ``Plan.gpu_dtypes`` (absent: every stage computes in ``dtype``), 10 ``Stage.activations``
+# (before, activation layouts were ``Stage.shardings`` entries named "activation:<layer>";
+# they load into ``activations``).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+_ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
@@ -50,7 +53,11 @@ class Stage:
     # The remat covers the stage's first ``remat_layers`` layers, each recomputed on its
     # own (None: all of them); the others keep their activations.
     remat_layers: int | None = None
-    shardings: tuple[tuple[str, tuple], ...] = ()  # (param or activation path, spec)
+    # (parameter path, PartitionSpec entries) of the stage's weights
+    shardings: tuple[tuple[str, tuple], ...] = ()
+    # (layer name, PartitionSpec entries) of the activation the stage's last layer hands
+    # on (its batch over the data axes); empty: the runtime's default layout
+    activations: tuple[tuple[str, tuple], ...] = ()
     predicted_fwd_s: float = 0.0
     predicted_bwd_s: float = 0.0
     predicted_memory_bytes: float = 0.0
@@ -202,8 +209,11 @@ class Plan:
                             f"one of {READS_VERSIONS} (this hetshard's plan schemas)",
                             where=source)
         try:
-            # Versions 1 and 2 read unchanged: the fields they lack take their defaults
-            # (one virtual stage, no distributed optimizer).
+            # Older versions read unchanged: the fields they lack take their defaults
+            # (one virtual stage, no distributed optimizer, ...); before 10, activation
+            # layouts move out of ``shardings``.
+            if d["version"] < 10:
+                d = _split_activations(d)
             return _from(cls, {**d, "version": SCHEMA_VERSION})
         except SpecError as e:
             if e.where or type(e) is not SpecError:
@@ -425,6 +435,18 @@ def _check_types(plan: Plan) -> None:
                     or isinstance(a[1], bool) or a[1] < 1 for a in st.mesh_shape):
                 raise SpecError(f"{where}.mesh_shape", st.mesh_shape,
                                 "a list of [axis, size] pairs with positive sizes")
+            for field in ("shardings", "activations"):
+                entries = getattr(st, field)
+                if not isinstance(entries, tuple) or any(
+                        not isinstance(e, tuple) or len(e) != 2 or not isinstance(e[0], str)
+                        or not isinstance(e[1], tuple) for e in entries):
+                    raise SpecError(f"{where}.{field}", entries,
+                                    "a list of [name, [axis or null, ...]] pairs")
+            bad = [n for n, _ in st.shardings if n.startswith(_ACTIVATION_PREFIX)]
+            if bad:
+                raise SpecError(f"{where}.shardings", bad[0],
+                                "parameter paths (activation layouts go in "
+                                f"{where}.activations, since plan schema 10)")
 
 
 def _cluster_devices(cluster) -> int | None:
@@ -572,6 +594,27 @@ def _tuplify(x):
     if isinstance(x, list):
         return tuple(_tuplify(v) for v in x)
     return x
+
+
+def _split_activations(d: dict) -> dict:
+    """A schema <= 9 plan dict with each stage's "activation:<layer>" shardings moved to
+    ``activations``."""
+    pipes = []
+    for p in d.get("pipelines", []):
+        stages = []
+        for st in p.get("stages", []) if isinstance(p, dict) else []:
+            if isinstance(st, dict) and isinstance(st.get("shardings"), list):
+                entries = st["shardings"]
+                acts = [[e[0][len(_ACTIVATION_PREFIX):], e[1]] for e in entries
+                        if isinstance(e, list) and e and isinstance(e[0], str)
+                        and e[0].startswith(_ACTIVATION_PREFIX)]
+                params = [e for e in entries if not (
+                    isinstance(e, list) and e and isinstance(e[0], str)
+                    and e[0].startswith(_ACTIVATION_PREFIX))]
+                st = {**st, "shardings": params, "activations": acts}
+            stages.append(st)
+        pipes.append({**p, "stages": stages} if isinstance(p, dict) else p)
+    return {**d, "pipelines": pipes} if "pipelines" in d else d
 
 
 def _from(cls, d):

@@ -833,7 +833,9 @@ def test_plan_and_compare_cli(capsys, tmp_path):
     assert "solver:" in capsys.readouterr().out
     from hetshard.plan import Plan
     p = Plan.load(tmp_path / "plan.json")
-    assert p.pipelines and any(s.shardings for q in p.pipelines for s in q.stages)
+    # make_plan wrote every stage's hand-on layout (and tensor stages' weight layouts)
+    assert p.pipelines and all(s.activations for q in p.pipelines for s in q.stages)
+    assert all(s.shardings for q in p.pipelines for s in q.stages if s.axis("tensor") > 1)
     assert main(["compare", *args, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     names = [r["name"] for r in data["results"]]

@@ -153,8 +153,7 @@ def test_tensor_stage_without_shardings_runs_tensor_parallel():
     # --fix`, or by hand): hetshard.jit solves the layouts make_plan would write, so the
     # weights are really split over `tensor` (as the simulator prices them), not replicated.
     plan = _plan("dp=2,tp=4,pp=1")
-    assert all(name.startswith("activation:")
-               for name, _ in plan.pipelines[0].stages[0].shardings)
+    assert not plan.pipelines[0].stages[0].shardings
     losses, params, step, batches, _ = _run(plan)
     want_losses, want_params = _reference(batches, 3)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -358,7 +357,7 @@ def test_tensor_parallel_stage_splits_activations_along_the_sequence():
     plan = _plan("dp=2,tp=4,pp=1", shardings=True)
     stage = plan.pipelines[0].stages[0]
     mesh = mesh_of(stage, jax.devices())
-    specs = {n: tuple(sp) for n, sp in stage.shardings if not n.startswith("activation:")}
+    specs = {n: tuple(sp) for n, sp in stage.shardings}
     graphdef, params, rest = nnx.split(models.build(MODEL, rngs=0), nnx.Param, ...)
     params = jax.device_put(params, jax.tree_util.tree_map_with_path(
         lambda p, x: NamedSharding(mesh, leaf_spec(path_string(p), x.shape, specs, mesh)),

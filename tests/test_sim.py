@@ -554,7 +554,7 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 9
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 10
     # Schema 8 (no gpu_dtypes: every stage computes in the plan's dtype) reads unchanged.
     old = zero1.to_dict()
     del old["gpu_dtypes"]
@@ -668,3 +668,23 @@ def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
     extra = tuned.pipelines[0].extra_warmup
     assert all(a >= b for a, b in zip(extra[:6], warmup[:6], strict=True))
     assert any(a < b for a, b in zip(extra[6:], warmup[6:], strict=True))
+
+
+def test_schema_9_activation_layouts_load_into_their_own_field():
+    """Plan schema 10 keeps parameter layouts (Stage.shardings) and the activation a
+    stage hands on (Stage.activations) apart; a schema 9 plan's "activation:<layer>"
+    shardings load into activations, and schema 10 refuses them among the parameters."""
+    stage = Stage(0, 4, (0, 1), "A100-80GB", (("data", 2),),
+                  shardings=(("decoder/blocks/0/attn/wq/kernel", (None, "tensor")),),
+                  activations=(("decoder/blocks/3", ("data", None, None)),))
+    plan = Plan("gpt-tiny", {}, 8, 64, (Pipeline((stage,), 8, 2, 2),))
+    assert Plan.from_json(plan.to_json()) == plan
+    old = plan.to_dict()
+    old["version"] = 9
+    st = old["pipelines"][0]["stages"][0]
+    st["shardings"] = st["shardings"] + [["activation:decoder/blocks/3", ["data", None, None]]]
+    del st["activations"]
+    assert Plan.from_dict(old) == plan
+    old["version"] = 10
+    with pytest.raises(SpecError, match=r"stages\[0\]\.shardings.*activations"):
+        Plan.from_dict(old)

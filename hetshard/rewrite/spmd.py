@@ -45,7 +45,7 @@ def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
     the data axes and, on a stage with a ``context`` axis, its sequence (dimension 1)
     over ``context``."""
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-    named = [spec for name, spec in stage.shardings if name.startswith("activation:")]
+    named = [spec for _, spec in stage.activations]
     if named and "data" not in tuple(named[0])[:1]:
         return None
     ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
@@ -280,8 +280,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
         # the kernel per device (``_flash_on_mesh``), the ring over ``context``
         options.setdefault("mesh", mesh)
     run = attention_runner(attention, **options)
-    specs = {name: tuple(spec) for name, spec in stage.shardings
-             if not name.startswith("activation:")}
+    specs = {name: tuple(spec) for name, spec in stage.shardings}
     # With a context axis the sequence is split over it; Megatron's sequence parallelism
     # over ``tensor`` is not combined with it (the tensor axis splits heads and weights).
     sequence = (sequence_parallel and not context and mesh.shape.get("tensor", 1) > 1

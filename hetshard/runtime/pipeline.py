@@ -325,8 +325,7 @@ class PipelineRunner:
         owned = sorted(i for i, s in self.owner[pi].items() if s == si)
         local = sorted(set(owned) | set(self.shared) | set(program.params) |
                        set(program.frozen))
-        specs = {name: tuple(spec) for name, spec in stage.shardings
-                 if not name.startswith("activation:")}
+        specs = {name: tuple(spec) for name, spec in stage.shardings}
         # ZeRO-1: leaves that are not parameters (the optimizer's state) split over data.
         zero1 = self.plan.distributed_optimizer
         params = set(self.grad_index)

@@ -82,8 +82,7 @@ def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> Partiti
 def state_shardings(tree, plan: Plan, mesh: Mesh):
     import jax
     (stage,) = plan.pipelines[0].stages
-    specs = {name: tuple(spec) for name, spec in stage.shardings
-             if not name.startswith("activation:")}
+    specs = {name: tuple(spec) for name, spec in stage.shardings}
     params = param_paths(tree) if plan.distributed_optimizer else None
     return jax.tree_util.tree_map_with_path(
         lambda p, x: NamedSharding(mesh, leaf_spec(

@@ -60,8 +60,9 @@ def attach_shardings(plan: Plan, program: Program, cluster: Cluster,
                                               tp, gpu, cluster, st, cal, limit)
                 for pos, spec in sorted(solved[key].items()):
                     entries.append((program.param_path(reads[li][pos]), spec))
-            entries.append((f"activation:{lay.names[st.end - 1]}", ("data", None, None)))
-            stages.append(dataclasses.replace(st, shardings=tuple(entries)))
+            stages.append(dataclasses.replace(
+                st, shardings=tuple(entries),
+                activations=((lay.names[st.end - 1], ("data", None, None)),)))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipes))
 
@@ -88,8 +89,7 @@ def _solve_kind(program, plan, layer: int, mbs: int, tp: int, gpu, cluster, stag
 def lacks_shardings(stage) -> bool:
     """A stage with a ``tensor`` axis whose plan names no parameter layout for it (a plan
     written by hand, by ``uniform_plan`` or ``hetshard simulate --fix``)."""
-    return stage.axis("tensor") > 1 and not any(
-        not name.startswith("activation:") for name, _ in stage.shardings)
+    return stage.axis("tensor") > 1 and not stage.shardings
 
 
 def fill_missing_shardings(plan: Plan, program: Program, cluster: Cluster,
