@@ -38,6 +38,9 @@ CLUSTER = {"name": "a100-2x4", "groups": [
     {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
     {"name": "b", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
 
+STRAGGLER_DELAY_S = 0.2  # injected per task into the stalled stage
+PATIENCE = 2  # steps over the threshold before the monitor re-plans
+
 _COMMON = textwrap.dedent("""
     import json, os, sys, time, warnings
     import jax
@@ -99,14 +102,14 @@ _SECOND = _COMMON + textwrap.dedent("""
                   Stage(3, 6, (4, 5), A, (("data", 2),))), 8, 1, 2),),
         attention="reference")
     step = hetshard.jit(STEP, cluster=step.cluster, plan=plan6, quiet=True)
-    step.time_stages(delays={{(0, 1): 0.2}})
+    step.time_stages(delays={{(0, 1): {delay}}})
     monitor = None
     for i in range(info.data_position + 2, STEPS):
         out["losses"][i] = float(step(model, opt, BATCHES[i]))
         if "straggler" not in out:
             if monitor is None:
                 monitor = StragglerMonitor(step.plan, step.program, step.cluster,
-                                           threshold=1.5, patience=2,
+                                           threshold=1.5, patience={patience},
                                            options={{"time_limit_s": 5}})
                 continue  # the first timed step compiled
             t0 = time.perf_counter()
@@ -115,6 +118,7 @@ _SECOND = _COMMON + textwrap.dedent("""
                 d = monitor.observe(step.stage_times())
             if d is not None:
                 out["straggler"] = {{"at_step": i, "group": d.group,
+                                    "injected_delay_s": {delay}, "patience": {patience},
                                     "slowdown": d.slowdown, "old_step_s": d.old_step_s,
                                     "new_step_s": d.new_step_s, "gain": d.gain,
                                     "replan_s": time.perf_counter() - t0,
@@ -132,7 +136,7 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=5)
     args = ap.parse_args()
     fmt = dict(model=MODEL, cluster=CLUSTER, steps=args.steps, every=args.every,
-               kill_at=args.kill_at)
+               kill_at=args.kill_at, delay=STRAGGLER_DELAY_S, patience=PATIENCE)
     ckdir = tempfile.mkdtemp(prefix="hetshard-elastic-")
     # a fresh plan cache: the re-plan time is a planning time, not a cache hit
     env = {**os.environ, "HETSHARD_CACHE_DIR": tempfile.mkdtemp(prefix="hetshard-cache-")}

@@ -28,10 +28,7 @@ def _table(columns, rows) -> list[str]:
     return out
 
 
-def planner(lines):
-    data = _load("planner_bench.json")
-    if data is None:
-        return
+def planner(lines, data):
     lines += ["## Planner benchmark", "",
               "`python experiments/planner_bench.py`: hetshard's plan and every baseline's, "
               "priced by the same simulator; clusters with pre-Ampere GPUs in float16. "
@@ -57,9 +54,8 @@ def planner(lines):
     lines.append("")
 
 
-def accuracy(lines):
-    data = _load("cost_model_accuracy.json")
-    if data is None or "sets" not in data:
+def accuracy(lines, data):
+    if "sets" not in data:
         return
     lines += ["## Cost model against measured runs", "",
               "`python experiments/cost_model_accuracy.py`: step-time error per measured "
@@ -87,10 +83,7 @@ def accuracy(lines):
     lines.append("")
 
 
-def whatif(lines):
-    data = _load("tp_overlap_whatif.json")
-    if data is None:
-        return
+def whatif(lines, data):
     lines += ["## Collective matmuls' overlap assumption", "",
               "`python experiments/tp_overlap_whatif.py`: the rows replanned with "
               "tensor-parallel collectives priced under each setting.", ""]
@@ -100,10 +93,7 @@ def whatif(lines):
     lines.append("")
 
 
-def gpu_dtypes(lines):
-    data = _load("gpu_dtypes.json")
-    if data is None:
-        return
+def gpu_dtypes(lines, data):
     lines += ["## Per-GPU compute dtypes", "",
               "`python experiments/gpu_dtypes.py`: bfloat16 models planned with every GPU in "
               "bfloat16 (`program`), with V100/T4/P100 stages in float16 and loss scaling "
@@ -118,10 +108,7 @@ def gpu_dtypes(lines):
     lines.append("")
 
 
-def long_context(lines):
-    data = _load("long_context.json")
-    if data is None:
-        return
+def long_context(lines, data):
     lines += ["## Long sequences", "",
               "`python experiments/long_context.py`: hetshard against uniform context "
               f"parallelism, about {data['tokens_per_step'] / 2**20:g}M tokens per step, "
@@ -141,10 +128,7 @@ def long_context(lines):
     lines.append("")
 
 
-def attention(lines):
-    data = _load("attention_bench.json")
-    if data is None:
-        return
+def attention(lines, data):
     shape = data["shape"]
     lines += ["## Flash attention memory", "",
               f"`python experiments/attention_bench.py`: compiled temporary bytes of forward "
@@ -158,37 +142,33 @@ def attention(lines):
     lines.append("")
 
 
-def runtime(lines):
-    data = _load("runtime_overhead.json")
-    if data is not None:
-        lines += ["## Runtime overhead", "",
-                  f"`python experiments/runtime_overhead.py` ({data['devices']} fake devices, "
-                  f"{data['model']}): median step {data['hetshard_median_step_s']:.3f} s vs "
-                  f"{data['jax_median_step_s']:.3f} s for a hand-written `jax.jit` (ratio "
-                  f"{data['step_time_ratio']:.2f}, target {data['targets']['step_time_ratio']}); "
-                  f"first call {data['hetshard_first_call_s']:.2f} s vs "
-                  f"{data['jax_first_call_s']:.2f} s (ratio {data['compile_time_ratio']:.2f}, "
-                  f"target {data['targets']['compile_time_ratio']}).", ""]
-    data = _load("multihost_bench.json")
-    if data is not None:
-        lines += ["## Across processes", "",
-                  "`python experiments/multihost_bench.py` (loopback, gloo, 2 x 4 fake "
-                  "devices).", ""]
-        rows = [[f"{t['bytes'] / 2**20:g} MiB", f"{t['in_process_device_put_s'] * 1e3:.2f}",
-                 f"{t['cross_process_collective_s'] * 1e3:.2f}",
-                 f"{t['cross_process_device_put_s'] * 1e3:.2f}"] for t in data["transfers"]]
-        lines += _table(["size", "in-process device_put ms", "cross-process collective ms",
-                         "cross-process device_put ms"], rows)
-        lines += ["", f"Data-parallel step {data['dp_step_one_process_s'] * 1e3:.0f} ms in one "
-                  f"process vs {data['dp_step_two_processes_s'] * 1e3:.0f} ms in two; 2-stage "
-                  f"pipeline {data['pp_step_one_process_s'] * 1e3:.0f} ms vs "
-                  f"{data['pp_step_two_processes_s'] * 1e3:.0f} ms.", ""]
+def runtime(lines, data):
+    lines += ["## Runtime overhead", "",
+              f"`python experiments/runtime_overhead.py` ({data['devices']} fake devices, "
+              f"{data['model']}): median step {data['hetshard_median_step_s']:.3f} s vs "
+              f"{data['jax_median_step_s']:.3f} s for a hand-written `jax.jit` (ratio "
+              f"{data['step_time_ratio']:.2f}, target {data['targets']['step_time_ratio']}); "
+              f"first call {data['hetshard_first_call_s']:.2f} s vs "
+              f"{data['jax_first_call_s']:.2f} s (ratio {data['compile_time_ratio']:.2f}, "
+              f"target {data['targets']['compile_time_ratio']}).", ""]
 
 
-def data_aware(lines):
-    data = _load("data_aware.json")
-    if data is None:
-        return
+def multihost(lines, data):
+    lines += ["## Across processes", "",
+              "`python experiments/multihost_bench.py` (loopback, gloo, 2 x 4 fake "
+              "devices).", ""]
+    rows = [[f"{t['bytes'] / 2**20:g} MiB", f"{t['in_process_device_put_s'] * 1e3:.2f}",
+             f"{t['cross_process_collective_s'] * 1e3:.2f}",
+             f"{t['cross_process_device_put_s'] * 1e3:.2f}"] for t in data["transfers"]]
+    lines += _table(["size", "in-process device_put ms", "cross-process collective ms",
+                     "cross-process device_put ms"], rows)
+    lines += ["", f"Data-parallel step {data['dp_step_one_process_s'] * 1e3:.0f} ms in one "
+              f"process vs {data['dp_step_two_processes_s'] * 1e3:.0f} ms in two; 2-stage "
+              f"pipeline {data['pp_step_one_process_s'] * 1e3:.0f} ms vs "
+              f"{data['pp_step_two_processes_s'] * 1e3:.0f} ms.", ""]
+
+
+def data_aware(lines, data):
     lines += ["## Data-aware planning", "",
               "`python experiments/data_aware.py`: per-batch plans of Wikipedia-length "
               f"batches ({data['batches']} batches of {data['tokens_per_gpu'] // 1024}K tokens "
@@ -209,27 +189,33 @@ def data_aware(lines):
     lines.append("")
 
 
-def elastic(lines):
-    d = _load("elastic.json")
-    if d is None:
-        return
+def elastic(lines, d):
     s = d.get("straggler") or {}
     lines += ["## Elastic training", "",
               "`python experiments/elastic.py` (8 fake CPU devices): a worker killed after "
               f"step {d['killed_after_step']} (checkpoints every {d['checkpoint_every']} "
               f"steps) restarted on {d['devices_after']} devices with `elastic=True`.", ""]
-    rows = [["re-plan on 6 devices", f"{d['replan_s']:.1f} s"],
+    rows = [[f"re-plan on {d['devices_after']} devices", f"{d['replan_s']:.1f} s"],
             ["restore into the new plan", f"{d['restore_s']:.2f} s"],
             ["steps lost", d["steps_lost"]],
             ["largest relative loss difference vs one device",
              f"{d['max_rel_loss_difference']:.1e}"]]
     if s:
-        rows += [["straggler found (injected 0.2 s/task)", f"group {s['group']}, "
-                  f"{s['slowdown']:.1f}x, after 2 observed steps"],
+        rows += [[f"straggler found (injected {s['injected_delay_s']:g} s/task)",
+                  f"group {s['group']}, {s['slowdown']:.1f}x, after {s['patience']} "
+                  f"observed steps (step {s['at_step']})"],
                  ["straggler re-plan", f"{s['replan_s']:.1f} s, predicted "
                   f"{s['gain']:.2f}x faster"]]
     lines += _table(["what", "measured"], rows)
     lines.append("")
+
+
+# The sections of docs/results.md in order: the JSON each reads, and how.
+SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
+            ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
+            ("long_context.json", long_context), ("data_aware.json", data_aware),
+            ("elastic.json", elastic), ("attention_bench.json", attention),
+            ("runtime_overhead.json", runtime), ("multihost_bench.json", multihost))
 
 
 def main() -> int:
@@ -238,9 +224,10 @@ def main() -> int:
              "`experiments/results/*.json`; each section names the script that wrote its "
              "numbers. Everything ran on a 2-core CPU machine with fake devices: throughputs "
              "are the simulator's.", ""]
-    for section in (planner, accuracy, whatif, gpu_dtypes, long_context, data_aware,
-                    elastic, attention, runtime):
-        section(lines)
+    for name, section in SECTIONS:
+        data = _load(name)
+        if data is not None:  # a benchmark not run yet has no section
+            section(lines, data)
     with open(OUT, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {OUT}")

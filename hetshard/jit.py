@@ -256,7 +256,6 @@ class HetshardJit:
         self._programs: dict = {}
         self._captures: dict = {}
         self._apply: dict = {}
-        self.spec_cluster = self.cluster
         if self.elastic:
             self._fit_devices()
         self.program: Program | None = None
@@ -369,12 +368,7 @@ class HetshardJit:
     def _prepare(self, args):
         """(compiled entry, non-batch arguments, batch) for ``args``: planned and
         compiled on the first call with their shapes."""
-        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
-        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
-                args):
-            raise SpecError("batch_argnums", idx, f"an argument index below {len(args)}",
-                            where="hetshard.jit")
-        idx %= len(args)
+        idx = self._batch_index(args)
         batch = untyped(args[idx])
         args = (*args[:idx], batch, *args[idx + 1:])
         size = check_batch(batch)
@@ -461,8 +455,16 @@ class HetshardJit:
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
     # ---- a step assembled from micro-steps of other shapes (hetshard.data) --------------
+    def _batch_index(self, args) -> int:
+        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
+        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
+                args):
+            raise SpecError("batch_argnums", idx, f"an argument index below {len(args)}",
+                            where="hetshard.jit")
+        return idx % len(args)
+
     def _split_args(self, args):
-        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums % len(args)
+        idx = self._batch_index(args)
         batch = untyped(args[idx])
         return idx, batch, tuple(a for i, a in enumerate(args) if i != idx)
 
@@ -508,13 +510,7 @@ class HetshardJit:
                 mesh = stage_mesh(plan, self._bound.devices)
                 s_shard = state_shardings(_state(program, others), plan, mesh)
                 b_shard = batch_sharding(batch, plan, mesh)
-
-                def capture(state, batch):
-                    with entered(mode="capture", captured=None, used=False,
-                                 loss_scale=None) as ctx:
-                        _call(program, state, batch)
-                        return ctx.captured
-                got = (jax.jit(_rewriting(capture, plan, mesh),
+                got = (jax.jit(_rewriting(_capturing(program), plan, mesh),
                                in_shardings=(s_shard, b_shard)), s_shard, b_shard)
                 self._captures[key] = got
             f, s_shard, b_shard = got
@@ -537,21 +533,9 @@ class HetshardJit:
             state = jax.device_put(_state(program, others), home)
             sig = _signature(args)
             if sig not in self._apply:
-                def apply(state, batch, provided):
-                    with entered(mode="provide", provided=provided):
-                        out, objs = _call(program, state, batch)
-                    return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
-                self._apply[sig] = jax.jit(apply)
+                self._apply[sig] = jax.jit(_providing(program))
             out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
-            value, grads = provided
-            value = value[0] if program.call.has_aux else value
-            ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
-                                    value)
-            if self._may_apply(out, ok, loss):
-                if new_state is not None:
-                    nnx.update(others, new_state)
-                return out
-            return _withheld(program, out, jax.tree.leaves(state))
+            return self._settle(program, out, new_state, provided, others, state)
 
     def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each
@@ -571,9 +555,8 @@ class HetshardJit:
             if isinstance(entry, _Mpmd) and entry.runner.plan is self.plan \
                     and entry.runner.clock:
                 return dict(entry.runner.clock)
-        shares = getattr(self, "_share_clock", None)
-        if shares is not None and shares[1]:
-            return dict(shares[1])
+        if self._share_clock:
+            return dict(self._share_clock)
         raise PlanNotExecutableError("stage_times: the step has run no timed plan with "
                                      "several stages or pipelines (call time_stages(), "
                                      "then run a step)")
@@ -604,21 +587,7 @@ class HetshardJit:
             parts.append((p.batch_share, mesh, s_shard, b_shard))
             subs.append(sub)
 
-        def capture(state, batch, *scale):  # the loss scale: loss-scaled plans only
-            with entered(mode="capture", captured=None, used=False,
-                         loss_scale=scale[0] if scale else None) as ctx:
-                _call(program, state, batch)
-                if ctx.captured is None:
-                    raise PlanNotExecutableError(
-                        "plans with several pipelines need the step to call "
-                        "hetshard.value_and_grad (it found none)")
-                return ctx.captured
-
-        def apply(state, batch, provided):
-            with entered(mode="provide", provided=provided):
-                out, objs = _call(program, state, batch)
-            return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
-
+        capture, apply = _capturing(program), _providing(program)
         # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
         cap = [jax.jit(_rewriting(capture, sub, mesh), in_shardings=(s, b) + (
                    (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()))
@@ -649,7 +618,7 @@ class HetshardJit:
             states.append(st)
             batches.append(bt)
             start += share
-        self._share_clock = (entry, clock) if timed else None
+        self._share_clock = clock if timed else None
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient.
         home = NamedSharding(parts[0][1], PartitionSpec())
         combined = None
@@ -658,11 +627,19 @@ class HetshardJit:
             term = jax.tree.map(lambda x, w=share / total: x * w, moved)
             combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
         out, new_state = app(states[0], batches[0], combined)
-        value, grads = combined
+        return self._settle(program, out, new_state, combined, others, state,
+                            entry.loss_scale)
+
+    def _settle(self, program: Program, out, new_state, provided, others, state,
+                loss_scale=None):
+        """The step's output once its update ran on the ``provided`` value and
+        gradients: the NNX objects updated, unless those are not finite (``nan_policy``;
+        a loss-scaled step's overflow lowers the scale) and the state is withheld."""
+        value, grads = provided
         value = value[0] if program.call.has_aux else value
         ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
                                 value)
-        if _overflowed(entry.loss_scale, ok, loss):
+        if _overflowed(loss_scale, ok, loss):
             return _withheld(program, out, jax.tree.leaves(state))
         if self._may_apply(out, ok, loss):
             if new_state is not None:
@@ -839,6 +816,31 @@ def _overflowed(scale: DynamicLossScale | None, finite, loss) -> bool:
     """True when a loss-scaled step's gradients overflowed under a finite loss: the step
     is skipped and the scale lowered (``DynamicLossScale.overflowed``)."""
     return scale is not None and scale.overflowed(bool(finite), bool(np.isfinite(float(loss))))
+
+
+def _capturing(program: Program):
+    """``capture(state, batch, *scale)``: the value and gradients the step's
+    ``hetshard.value_and_grad`` computes (``scale``: the loss scale of loss-scaled plans)."""
+    def capture(state, batch, *scale):
+        with entered(mode="capture", captured=None, used=False,
+                     loss_scale=scale[0] if scale else None) as ctx:
+            _call(program, state, batch)
+            if ctx.captured is None:
+                raise PlanNotExecutableError(
+                    "plans with several pipelines or micro-steps need the step to call "
+                    "hetshard.value_and_grad (it found none)")
+            return ctx.captured
+    return capture
+
+
+def _providing(program: Program):
+    """``apply(state, batch, provided)``: the step run with ``hetshard.value_and_grad``
+    returning ``provided``; (output, new NNX state or None)."""
+    def apply(state, batch, provided):
+        with entered(mode="provide", provided=provided):
+            out, objs = _call(program, state, batch)
+        return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
+    return apply
 
 
 def _state(program: Program, others):

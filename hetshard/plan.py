@@ -598,23 +598,25 @@ def _tuplify(x):
 
 def _split_activations(d: dict) -> dict:
     """A schema <= 9 plan dict with each stage's "activation:<layer>" shardings moved to
-    ``activations``."""
-    pipes = []
-    for p in d.get("pipelines", []):
-        stages = []
-        for st in p.get("stages", []) if isinstance(p, dict) else []:
-            if isinstance(st, dict) and isinstance(st.get("shardings"), list):
-                entries = st["shardings"]
-                acts = [[e[0][len(_ACTIVATION_PREFIX):], e[1]] for e in entries
-                        if isinstance(e, list) and e and isinstance(e[0], str)
-                        and e[0].startswith(_ACTIVATION_PREFIX)]
-                params = [e for e in entries if not (
-                    isinstance(e, list) and e and isinstance(e[0], str)
-                    and e[0].startswith(_ACTIVATION_PREFIX))]
-                st = {**st, "shardings": params, "activations": acts}
-            stages.append(st)
-        pipes.append({**p, "stages": stages} if isinstance(p, dict) else p)
-    return {**d, "pipelines": pipes} if "pipelines" in d else d
+    ``activations`` (malformed entries are left for validation to name)."""
+    def named_activation(e) -> bool:
+        return isinstance(e, list) and bool(e) and isinstance(e[0], str) \
+            and e[0].startswith(_ACTIVATION_PREFIX)
+
+    def split(st):
+        if not isinstance(st, dict) or not isinstance(st.get("shardings"), list):
+            return st
+        entries = st["shardings"]
+        return {**st, "shardings": [e for e in entries if not named_activation(e)],
+                "activations": [[e[0][len(_ACTIVATION_PREFIX):], *e[1:]] for e in entries
+                                if named_activation(e)]}
+
+    if not isinstance(d.get("pipelines"), list):
+        return d
+    return {**d, "pipelines": [
+        {**p, "stages": [split(st) for st in p["stages"]]}
+        if isinstance(p, dict) and isinstance(p.get("stages"), list) else p
+        for p in d["pipelines"]]}
 
 
 def _from(cls, d):
