@@ -17,12 +17,11 @@ catalog's NVLink and 4 x 200 Gb/s Slingshot.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 from hetshard.cluster import Cluster
-from hetshard.plan import Pipeline, Plan, Stage, grad_sync_for
+from hetshard.plan import Pipeline, Plan, Stage
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 VALIDATION = os.path.join(DATA, "sailor-validation.json")
@@ -109,8 +108,6 @@ def plan_for(row: dict, cluster: Cluster) -> Plan:
     # Sailor's runtime reduces the gradients after the pipeline's flush (its simulator
     # adds the all-reduce to the pipeline time; the validation rows time it apart as
     # ``red_grads``): no overlap with the last backward.
-    sync = tuple(dataclasses.replace(g, overlap=False) for g in grad_sync_for(pipes,
-                                                                            share * dp))
     return Plan(row["model"], cluster.to_dict(), share * dp, 2048, tuple(pipes),
-                grad_sync=sync, dtype="float32", attention="reference",
+                grad_sync_overlap=False, dtype="float32", attention="reference",
                 distributed_optimizer=False)

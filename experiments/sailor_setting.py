@@ -28,7 +28,7 @@ import sailor_plans as sp
 
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import Calibration
-from hetshard.plan import Pipeline, Plan, Stage, grad_sync_for
+from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions
 from models import profile as profile_model
@@ -67,8 +67,7 @@ def sailor_plan_32_96(c: Cluster) -> Plan:
         stages = (Stage(0, 13, devs, gpu, mesh),
                   Stage(13, 26, dev2, "A100-40GB", (("data", 1), ("tensor", 1))))
         pipes.append(Pipeline(stages, 2 * m, 2, m))
-    sync = tuple(grad_sync_for(pipes, 1024))
-    return Plan("OPT-350", c.to_dict(), 1024, 2048, tuple(pipes), grad_sync=sync,
+    return Plan("OPT-350", c.to_dict(), 1024, 2048, tuple(pipes),
                 dtype="float32", attention="reference", distributed_optimizer=False)
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,16 @@ class LossCall:
         return self.args[self.argnums]
 
 
+Mode = Literal["record", "capture", "provide"]
+MODES = ("record", "capture", "provide")
+
+
 @dataclasses.dataclass
 class StepContext:
-    """What ``value_and_grad`` does in the current thread (see the module docstring)."""
+    """What ``value_and_grad`` does in the current thread (see the module docstring).
+    Callers set fields only through :func:`entered`, which restores them after."""
 
-    mode: str | None = None  # None, "record", "capture" or "provide"
+    mode: Mode | None = None  # None: the loss computed and returned as it is
     rewrite: Callable | None = None  # loss -> loss, applied before differentiation
     provided: object = None
     captured: object = None
@@ -89,7 +95,14 @@ def context() -> StepContext:
 @contextlib.contextmanager
 def entered(**fields):
     """Sets fields of the thread's :class:`StepContext` for the block, restoring them
-    after."""
+    after; a name that is not a field, or a mode not among ``MODES``, is a TypeError (a
+    typo would otherwise set an attribute nothing reads)."""
+    names = {f.name for f in dataclasses.fields(StepContext)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(f"StepContext has no field {unknown[0]!r} (fields: {sorted(names)})")
+    if fields.get("mode") not in (None, *MODES):
+        raise TypeError(f"StepContext.mode {fields['mode']!r}: one of {MODES} or None")
     ctx = context()
     previous = {k: getattr(ctx, k) for k in fields}
     for k, v in fields.items():
@@ -101,7 +114,7 @@ def entered(**fields):
             setattr(ctx, k, v)
 
 
-class _Recorded(Exception):  # noqa: N818 (control flow, never escapes hetshard)
+class Recorded(Exception):  # noqa: N818 (control flow, never escapes hetshard)
     def __init__(self, call):
         super().__init__("recorded")
         self.call = call
@@ -172,7 +185,7 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
         ctx = context()
         ctx.used = True
         if ctx.mode == "record":
-            raise _Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx))
+            raise Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx))
         if ctx.mode == "provide":
             return ctx.provided
         if ctx.rewrite is None or kwargs:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from hetshard.autodiff import is_graph
 from hetshard.errors import HetshardError, SpecError
+from hetshard.plan import Plan
 
 MANIFEST = "hetshard-manifest.json"
 
@@ -238,7 +239,6 @@ class Checkpointer:
             meta = out["meta"]
             plan = None
             if meta.get("plan") is not None:
-                from hetshard.plan import Plan
                 plan = Plan.from_dict(meta["plan"])
             return out["state"], Restored(int(meta["step"]), meta.get("data_position"),
                                           plan, tuple(skipped))

@@ -24,8 +24,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.profile import profile_program
 from hetshard.errors import SpecError
 from hetshard.plan import Plan
+from hetshard.sim import simulate
+from hetshard.solver import PlannerOptions, make_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +86,6 @@ class StragglerMonitor:
 
     def __init__(self, plan: Plan, program, cluster, *, threshold: float = 1.3,
                  patience: int = 3, options=None, calibration=None):
-        from hetshard.cost.calibration import DEFAULT
-        from hetshard.cost.profile import profile_program
-        from hetshard.sim import simulate
         if not threshold > 1:
             raise SpecError("threshold", threshold, "a ratio above 1")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
@@ -93,9 +94,7 @@ class StragglerMonitor:
         self.cluster = Cluster.load(cluster)
         self.threshold, self.patience = threshold, patience
         if isinstance(options, Mapping):  # PlannerOptions fields, as hetshard.jit takes them
-            from hetshard.jit import _options
-            from hetshard.solver import PlannerOptions
-            options = _options(PlannerOptions, dict(options), "StragglerMonitor")
+            options = PlannerOptions.from_fields(dict(options), "StragglerMonitor")
         self.options, self.cal = options, calibration or DEFAULT
         self.profile = profile_program(program, plan.split_blocks)
         r = simulate(plan, self.profile, self.cluster, self.cal, trace=False)
@@ -139,8 +138,6 @@ class StragglerMonitor:
         return self._replan(g, factor)
 
     def _replan(self, group: str, factor: float) -> Replan:
-        from hetshard.sim import simulate
-        from hetshard.solver import make_plan
         cluster = slowed(self.cluster, group, factor)
         old = simulate(_on(self.plan, cluster), self.profile, cluster, self.cal,
                        trace=False).step_time_s

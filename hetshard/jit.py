@@ -26,10 +26,7 @@ import dataclasses
 import functools
 import os
 import sys
-import time
 import warnings
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,26 +34,31 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard import cache
-from hetshard.autodiff import all_finite, entered, is_graph
+from hetshard import __version__, cache
+from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT
+from hetshard.distributed import agree
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, check_batch, path_string
+from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
-from hetshard.runtime.precision import DynamicLossScale, stage_autocast
-from hetshard.runtime.spmd import batch_sharding, stage_mesh, state_shardings
-
-NAN_POLICIES = ("skip", "apply", "raise")
-
-
-class PlanNotExecutableError(HetshardError, ValueError):
-    """The plan needs something the step does not provide: pipeline plans and several
-    pipelines need a step that calls ``hetshard.value_and_grad``."""
-
-
-class NonFiniteLossError(HetshardError, FloatingPointError):
-    """The step's loss was NaN or infinite (``nan_policy="raise"``)."""
+from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
+    NAN_POLICIES,
+    Executable,
+    Guard,
+    NonFiniteLossError,
+    PlanNotExecutableError,
+    capturing,
+    compile_plan,
+    find_loss,
+    providing,
+    rewriting,
+    step_state,
+)
+from hetshard.solver import PlannerOptions, make_plan
+from hetshard.solver.shardings import fill_missing_shardings
 
 
 class StepTraceError(HetshardError, RuntimeError):
@@ -115,23 +117,13 @@ def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: in
       SpecError: an unknown planner option, a batch without one leading size.
       NoFeasiblePlanError: nothing fits the cluster.
     """
-    from hetshard.solver import PlannerOptions, make_plan
-    options = _options(PlannerOptions, planner_options, "hetshard.plan")
+    options = PlannerOptions.from_fields(planner_options, "hetshard.plan")
     with no_ambient_mesh(), _tracing(step, args[-1 if batch_argnum is None else
                                               batch_argnum] if args else None,
                                       "hetshard.plan"):
         program = Program(step, args, batch_argnum=batch_argnum)
         return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
                          options=_restricted(options, program), calibration=calibration)
-
-
-def _options(cls, given: dict, where: str):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(given) - fields)
-    if unknown:
-        raise SpecError(unknown[0], given[unknown[0]],
-                        f"a PlannerOptions field among {sorted(fields)}", where=where)
-    return cls(**given)
 
 
 def _restricted(options, program: Program):
@@ -191,36 +183,6 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
                        planner_options, loss_output, quiet, elastic)
 
 
-def _rewriting(fn, plan: Plan, mesh=None):
-    """``fn`` run with ``hetshard.value_and_grad`` rewriting the loss as the plan says:
-    its attention choice and, given the stage ``mesh`` of a single-stage plan, its
-    layer-boundary layouts (``hetshard.rewrite.spmd``), applied before differentiating
-    (rewrites precede autodiff)."""
-    if mesh is not None:
-        from hetshard.rewrite.spmd import constrain_layers
-        stage = plan.pipelines[0].stages[0]
-
-        def rewrite(loss):
-            return constrain_layers(loss, mesh, stage, attention=plan.attention,
-                                    split_blocks=plan.split_blocks,
-                                    tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag,
-                                    autocast=stage_autocast(plan, stage),
-                                    chunk_lengths=plan.context_chunks(stage) or None)
-    elif plan.attention in (None, "reference"):
-        rewrite = None
-    else:
-        from hetshard.rewrite import swap_attention
-
-        def rewrite(loss):
-            return swap_attention(loss, plan.attention)
-
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with entered(rewrite=rewrite):
-            return fn(*args)
-    return wrapped
-
-
 def _signature(args) -> str:
     leaves, tree = jax.tree.flatten(jax.tree.map(
         lambda x: (tuple(np.shape(x)), str(jnp.result_type(x))) if hasattr(x, "shape")
@@ -231,27 +193,19 @@ def _signature(args) -> str:
 class HetshardJit:
     def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
                  planner_options, loss_output=None, quiet=False, elastic=False):
-        from hetshard.solver import PlannerOptions
         self.fn = fn
         self.cluster = Cluster.load(cluster)
         self.global_batch = global_batch
         self.batch_argnums = batch_argnums
-        if nan_policy not in NAN_POLICIES:
-            raise SpecError("nan_policy", nan_policy, f"one of {NAN_POLICIES}")
-        self.nan_policy = nan_policy
-        if loss_output is not None and (isinstance(loss_output, bool) or not isinstance(
-                loss_output, (str, int))):
-            raise SpecError("loss_output", loss_output,
-                            "a path in the step's output (str) or a tuple position (int)",
-                            where="hetshard.jit")
-        self.loss_output = loss_output
+        # nan_policy, loss_output: what every executable does with a non-finite step
+        self.guard = Guard(nan_policy, loss_output)
+        self.nan_policy, self.loss_output = nan_policy, loss_output
         self.quiet = bool(quiet) or os.environ.get("HETSHARD_QUIET", "") not in ("", "0")
-        self.options = _options(PlannerOptions, planner_options, "hetshard.jit")
+        self.options = PlannerOptions.from_fields(planner_options, "hetshard.jit")
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
         self.plan: Plan | None = self.pinned
         self.elastic = bool(elastic)
         self._timing = (False, {})  # time_stages: (on, injected delays)
-        self._share_clock = None
         # hetshard.data micro-steps: traced programs, captures per (shapes, plan), apply
         self._programs: dict = {}
         self._captures: dict = {}
@@ -259,9 +213,8 @@ class HetshardJit:
         if self.elastic:
             self._fit_devices()
         self.program: Program | None = None
-        self._compiled: dict[str, _Spmd | _Shares | _Mpmd] = {}
+        self._compiled: dict[str, Executable] = {}  # per argument signature
         self._bound = None
-        self._warned_vg = False
         functools.update_wrapper(self, fn)
 
     # ---- planning --------------------------------------------------------------------
@@ -273,17 +226,13 @@ class HetshardJit:
                                 f"the pinned plan's global batch {self.pinned.global_batch} "
                                 f"(split {shares})", where="hetshard.jit")
             self._check_pinned(program)
-            from hetshard.solver.shardings import fill_missing_shardings
             # A stage with a tensor axis and no parameter layouts gets the ones make_plan
             # would write, so it runs tensor-parallel as the simulator prices it.
             self.pinned = fill_missing_shardings(self.pinned, program, self.cluster)
             return self.pinned
-        from hetshard import __version__
-        from hetshard.cost.calibration import DEFAULT
-        from hetshard.solver import make_plan
         options = _restricted(self.options, program)
-        if program.call is None and options is not self.options and not self._warned_vg:
-            self._warned_vg = True
+        if program.call is None and options is not self.options and not self.guard.warned_vg:
+            self.guard.warned_vg = True
             warnings.warn(f"the step's loss cannot be cut per micro-batch "
                           f"({program.call_error}): hetshard restricts itself to "
                           f"single-stage plans for it", stacklevel=4)
@@ -363,7 +312,8 @@ class HetshardJit:
     def __call__(self, *args):
         # hetshard's programs run on their own submeshes, outside a caller's jax.set_mesh.
         with no_ambient_mesh():
-            return self._call(*args)
+            entry, others, batch = self._prepare(args)
+            return entry.run(others, batch)
 
     def _prepare(self, args):
         """(compiled entry, non-batch arguments, batch) for ``args``: planned and
@@ -385,53 +335,16 @@ class HetshardJit:
                     find_loss(program.output_shape, self.loss_output)
                 plan = self._plan_for(program, size)
             if jax.process_count() > 1:  # every process must run the same plan
-                from hetshard.distributed import agree
                 agree(plan.what_runs(), "plan")
             if self._bound is None:
                 self._bound = self.cluster.bind()
-            # Across processes every multi-pipeline plan runs as MPMD: each process runs
-            # only its own pipelines' programs.
-            multi_stage = any(len(p.stages) != 1 for p in plan.pipelines) or (
-                jax.process_count() > 1 and len(plan.pipelines) > 1)
-            if (multi_stage or len(plan.pipelines) > 1) and program.call is None:
-                raise PlanNotExecutableError(
-                    f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
-                    f"pipeline; pipeline plans and several pipelines need a step whose "
-                    f"hetshard.value_and_grad loss can be cut per micro-batch, and "
-                    f"{program.call_error} (or plan with max_stages=1 and "
-                    f"max_pipelines=1)")
-            if plan.gpu_dtypes and program.call is None:
-                raise PlanNotExecutableError(
-                    f"plan.gpu_dtypes={[list(e) for e in plan.gpu_dtypes]}: stages computing "
-                    f"in another dtype need a step that calls hetshard.value_and_grad "
-                    f"(hetshard scales its loss), and {program.call_error}")
-            if multi_stage:
-                from hetshard.runtime.pipeline import PipelineRunner
-                runner = PipelineRunner(plan, self._bound.devices, program)
-                on, delays = self._timing
-                runner.clock, runner.delays = ({} if on else None), delays
-                entry = _Mpmd(runner)
-            elif len(plan.pipelines) == 1:
-                mesh = stage_mesh(plan, self._bound.devices)
-                entry = self._compile(plan, mesh, program, others, batch)
-            else:
-                entry = self._compile_pipelines(plan, program, others, batch)
+            entry = compile_plan(plan, self._bound.devices, program, others, batch,
+                                 self.guard)
+            if self._timing[0]:
+                entry.time(*self._timing)
             self._compiled[sig] = entry
             self.plan, self.program = plan, program
         return entry, others, batch
-
-    def _call(self, *args):
-        entry, others, batch = self._prepare(args)
-        if isinstance(entry, _Mpmd):
-            runner = entry.runner
-            out, new_state = runner.step(runner.state_of(others), batch,
-                                         self._may_apply)
-            if new_state is not None and runner.program.kind == "nnx":
-                nnx.update(others, new_state)
-            return out
-        if isinstance(entry, _Shares):
-            return self._run_pipelines(entry, others, batch)
-        return self._run(entry, others, batch)
 
     def state_shardings(self, *args):
         """Where this step keeps the state of ``args`` (a step's arguments, batch
@@ -442,16 +355,7 @@ class HetshardJit:
         straight into."""
         with no_ambient_mesh():
             entry, others, _ = self._prepare(args)
-        program = entry.program if not isinstance(entry, _Mpmd) else entry.runner.program
-        if isinstance(entry, _Spmd):
-            tree = entry.state_shardings
-        elif isinstance(entry, _Shares):
-            tree = entry.parts[0][2]
-        else:
-            runner = entry.runner
-            leaves = [runner.runs[0][runner.owner[0].get(i, 0)].shardings[i]
-                      for i in range(len(runner.state_avals))]
-            tree = jax.tree.unflatten(program.state_tree, leaves)
+        tree = entry.state_shardings()
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
     # ---- a step assembled from micro-steps of other shapes (hetshard.data) --------------
@@ -508,13 +412,13 @@ class HetshardJit:
                 if self._bound is None:
                     self._bound = self.cluster.bind()
                 mesh = stage_mesh(plan, self._bound.devices)
-                s_shard = state_shardings(_state(program, others), plan, mesh)
+                s_shard = state_shardings(step_state(program, others), plan, mesh)
                 b_shard = batch_sharding(batch, plan, mesh)
-                got = (jax.jit(_rewriting(_capturing(program), plan, mesh),
+                got = (jax.jit(rewriting(capturing(program), plan, mesh),
                                in_shardings=(s_shard, b_shard)), s_shard, b_shard)
                 self._captures[key] = got
             f, s_shard, b_shard = got
-            return f(jax.device_put(_state(program, others), s_shard),
+            return f(jax.device_put(step_state(program, others), s_shard),
                      jax.device_put(batch, b_shard))
 
     def apply_grads(self, value_and_grads, *args):
@@ -530,12 +434,12 @@ class HetshardJit:
             home = NamedSharding(leaf.sharding.mesh, PartitionSpec()) \
                 if isinstance(leaf.sharding, NamedSharding) else leaf.sharding
             provided = jax.device_put(value_and_grads, home)
-            state = jax.device_put(_state(program, others), home)
+            state = jax.device_put(step_state(program, others), home)
             sig = _signature(args)
             if sig not in self._apply:
-                self._apply[sig] = jax.jit(_providing(program))
+                self._apply[sig] = jax.jit(providing(program))
             out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
-            return self._settle(program, out, new_state, provided, others, state)
+            return self.guard.settle(program, out, new_state, provided, others, state)
 
     def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each
@@ -545,18 +449,14 @@ class HetshardJit:
         stage has nothing to compare against)."""
         self._timing = (bool(on), dict(delays or {}))
         for entry in self._compiled.values():
-            if isinstance(entry, _Mpmd):
-                entry.runner.clock = {} if on else None
-                entry.runner.delays = dict(delays or {})
+            entry.time(*self._timing)
 
     def stage_times(self) -> dict:
         """(pipeline, stage) -> seconds busy in the last timed step (``time_stages``)."""
         for entry in self._compiled.values():
-            if isinstance(entry, _Mpmd) and entry.runner.plan is self.plan \
-                    and entry.runner.clock:
-                return dict(entry.runner.clock)
-        if self._share_clock:
-            return dict(self._share_clock)
+            times = entry.stage_times() if entry.plan is self.plan else None
+            if times:
+                return times
         raise PlanNotExecutableError("stage_times: the step has run no timed plan with "
                                      "several stages or pipelines (call time_stages(), "
                                      "then run a step)")
@@ -571,291 +471,4 @@ class HetshardJit:
         self._compiled.clear()
         self._bound = None
 
-    def _compile_pipelines(self, plan, program: Program, others, batch):
-        """Several single-stage pipelines with (uneven) batch shares: each computes the
-        value and gradients of its share on its submesh; the runtime combines them
-        weighted by share; each then applies the same update (see value_and_grad)."""
-        parts, subs = [], []
-        state = _state(program, others)
-        for p in plan.pipelines:
-            sub = dataclasses.replace(plan, pipelines=(p,), global_batch=p.batch_share,
-                                      grad_sync=())
-            mesh = stage_mesh(sub, self._bound.devices)
-            s_shard = state_shardings(state, sub, mesh)
-            b_shard = batch_sharding(jax.tree.map(lambda x, n=p.batch_share: x[:n], batch),
-                                     sub, mesh)
-            parts.append((p.batch_share, mesh, s_shard, b_shard))
-            subs.append(sub)
 
-        capture, apply = _capturing(program), _providing(program)
-        # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
-        cap = [jax.jit(_rewriting(capture, sub, mesh), in_shardings=(s, b) + (
-                   (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()))
-               for (_, mesh, s, b), sub in zip(parts, subs, strict=True)]
-        # The combined update is applied once, on the first pipeline's devices; the next
-        # step hands every pipeline a copy of the updated state.
-        return _Shares(parts, cap, jax.jit(apply), program, _loss_scale(plan))
-
-    def _run_pipelines(self, entry: _Shares, others, batch):
-        parts, cap, app, program = entry.parts, entry.capture, entry.apply, entry.program
-        state = _state(program, others)
-        total = sum(share for share, *_ in parts)
-        start, results, states, batches = 0, [], [], []
-        scale = (np.float32(entry.loss_scale.scale),) if entry.loss_scale else ()
-        timed, delays = self._timing
-        clock = {}
-        for pi, ((share, _mesh, s_shard, b_shard), f) in enumerate(zip(parts, cap,
-                                                                      strict=True)):
-            sl = jax.tree.map(lambda x, a=start, n=share: x[a:a + n], batch)
-            st = jax.device_put(state, s_shard)
-            bt = jax.device_put(sl, b_shard)
-            t0 = time.perf_counter()
-            results.append(f(st, bt, *scale))  # dispatched asynchronously on each submesh
-            if timed:  # time_stages: each pipeline to its results, plus an injected delay
-                jax.block_until_ready(results[-1])
-                time.sleep(delays.get((pi, 0), 0.0))
-                clock[pi, 0] = time.perf_counter() - t0
-            states.append(st)
-            batches.append(bt)
-            start += share
-        self._share_clock = clock if timed else None
-        # Weighted sum on the first pipeline's devices: the global-batch mean gradient.
-        home = NamedSharding(parts[0][1], PartitionSpec())
-        combined = None
-        for (share, *_), res in zip(parts, results, strict=True):
-            moved = jax.device_put(res, home)
-            term = jax.tree.map(lambda x, w=share / total: x * w, moved)
-            combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
-        out, new_state = app(states[0], batches[0], combined)
-        return self._settle(program, out, new_state, combined, others, state,
-                            entry.loss_scale)
-
-    def _settle(self, program: Program, out, new_state, provided, others, state,
-                loss_scale=None):
-        """The step's output once its update ran on the ``provided`` value and
-        gradients: the NNX objects updated, unless those are not finite (``nan_policy``;
-        a loss-scaled step's overflow lowers the scale) and the state is withheld."""
-        value, grads = provided
-        value = value[0] if program.call.has_aux else value
-        ok, loss = self._health(program, out, new_state, _all_finite_jit((value, grads)),
-                                value)
-        if _overflowed(loss_scale, ok, loss):
-            return _withheld(program, out, jax.tree.leaves(state))
-        if self._may_apply(out, ok, loss):
-            if new_state is not None:
-                nnx.update(others, new_state)
-            return out
-        return _withheld(program, out, jax.tree.leaves(state))
-
-    def _compile(self, plan, mesh, program: Program, others, batch):
-        b_shard = batch_sharding(batch, plan, mesh)
-        state = _state(program, others)
-        if program.kind == "tree" and plan.distributed_optimizer:
-            raise PlanNotExecutableError(
-                "plan.distributed_optimizer is true but the step takes plain pytrees, whose "
-                "optimizer state cannot be told from the parameters; pass NNX objects "
-                "(nnx.Optimizer) or a plan with distributed_optimizer false")
-        s_shard = state_shardings(state, plan, mesh)
-
-        def pure(state, batch, *scale):  # the loss scale: loss-scaled plans only
-            with entered(used=False, finite=None, value=None,
-                         loss_scale=scale[0] if scale else None) as ctx:
-                out, objs = _call(program, state, batch)
-                used = jnp.asarray(bool(ctx.used))
-                finite, value = ctx.finite, ctx.value
-            new = None
-            if program.kind == "nnx":
-                new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
-            return out, new, used, self._health(program, out, new, finite, value)
-        scaled = (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()
-        jitted = jax.jit(_rewriting(pure, plan, mesh),
-                         in_shardings=(s_shard, b_shard, *scaled))
-        return _Spmd(jitted, s_shard, b_shard, program, _loss_scale(plan))
-
-    def _run(self, entry: _Spmd, others, batch):
-        jitted, s_shard, b_shard = entry.step, entry.state_shardings, entry.batch_shardings
-        program = entry.program
-        batch = jax.device_put(batch, b_shard)
-        state = jax.device_put(_state(program, others), s_shard)
-        scale = (np.float32(entry.loss_scale.scale),) if entry.loss_scale else ()
-        out, new_state, used_vg, (ok, loss) = jitted(state, batch, *scale)
-        if program.kind == "nnx" and not bool(used_vg) and not self._warned_vg:
-            self._warned_vg = True
-            warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "
-                          "to single-stage plans for it (use hetshard.value_and_grad)",
-                          stacklevel=3)
-        if _overflowed(entry.loss_scale, ok, loss):
-            return _withheld(program, out, jax.tree.leaves(state))
-        if self._may_apply(out, ok, loss):
-            if new_state is not None:
-                nnx.update(others, new_state)
-            return out
-        return _withheld(program, out, jax.tree.leaves(state))
-
-    def _health(self, program: Program, out, new_state, finite, value):
-        """(whether the step's loss and gradients are finite, its loss) in-graph: the
-        loss and gradients ``hetshard.value_and_grad`` computed (``finite``, ``value``),
-        the output at ``loss_output`` and, for a step without ``hetshard.value_and_grad``,
-        the state it returns (a non-finite gradient shows there)."""
-        ok = jnp.asarray(True) if finite is None else finite
-        found = find_loss(out, self.loss_output)
-        if found is not None:
-            ok = ok & all_finite(found)
-        if finite is None:
-            ok = ok & all_finite(new_state if program.kind == "nnx"
-                                 else _state_in_output(program, out))
-        loss = value if value is not None else found
-        return ok, (jnp.float32(jnp.nan) if loss is None else _scalar(loss))
-
-    def _may_apply(self, out, finite, loss) -> bool:
-        """True when the step's update may be applied (``nan_policy``)."""
-        if bool(finite):
-            return True
-        what = (f"non-finite loss {float(loss)}" if not np.isfinite(float(loss))
-                else f"non-finite gradients (loss {float(loss)})" if not np.isnan(float(loss))
-                else "non-finite loss or gradients")
-        if self.nan_policy == "raise":
-            raise NonFiniteLossError(f"the step's {what} (nan_policy='raise')")
-        if self.nan_policy == "skip":
-            warnings.warn(f"{what}: the step was not applied (nan_policy='skip')",
-                          stacklevel=4)
-            return False
-        warnings.warn(f"{what} (applied: nan_policy='apply')", stacklevel=4)
-        return True
-
-
-_all_finite_jit = jax.jit(all_finite)
-
-
-def _scalar(x) -> jax.Array:
-    """A loss output as one float32 number (the mean of a non-scalar one)."""
-    return jnp.mean(jnp.asarray(x, jnp.float32))
-
-
-def find_loss(out, key: str | int | None = None, where: str = "hetshard.jit"):
-    """The step's loss among its outputs: the leaf at ``key`` (a path such as ``"loss"``
-    or ``"metrics/loss"``, or a position in a tuple output); by default the one leaf named
-    ``loss``, else a scalar output or the first leaf of a tuple output. None: by default,
-    when no output is the loss.
-
-    Raises:
-      SpecError: ``key`` names no output leaf (the message lists the paths there are).
-    """
-    flat = jax.tree_util.tree_flatten_with_path(out)[0]
-    if key is not None:
-        for path, x in flat:
-            if path_string(path) == str(key):
-                return x
-        raise SpecError("loss_output", key, f"a path of the step's output among "
-                        f"{[path_string(p) for p, _ in flat]}", where=where)
-    named = [x for path, x in flat
-             if path and str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower()
-             == "loss"]
-    if named:
-        return named[0] if len(named) == 1 else None
-    if flat and not any(hasattr(k, "key") or hasattr(k, "name") for p, _ in flat for k in p):
-        x = flat[0][1]
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and not np.ndim(x):
-            return x
-    return None
-
-
-def _state_in_output(program: Program, out) -> list:
-    """The leaves of a pytree step's output that are its new state."""
-    _, mapping = program.state_outputs()
-    leaves = jax.tree.leaves(out)
-    return [leaves[m] for m in mapping if m is not None]
-
-
-def _withheld(program: Program, out, old_state_leaves):
-    """A pytree step's output with the state it returns put back to what it was given
-    (the update refused); an NNX step's output as it is."""
-    if program.kind == "nnx":
-        return out
-    tree, mapping = program.state_outputs()
-    leaves = jax.tree.leaves(out)
-    for i, m in enumerate(mapping):
-        if m is not None:
-            leaves[m] = old_state_leaves[i]
-    return jax.tree.unflatten(tree, leaves)
-
-
-class _Spmd(NamedTuple):
-    """A compiled single-pipeline, single-stage plan: one jitted SPMD step."""
-
-    step: Callable  # (state, batch, loss scale) -> (output, new NNX state, used_vg,
-    #                                                (finite, loss))
-    state_shardings: object
-    batch_shardings: object
-    program: Program
-    loss_scale: DynamicLossScale | None  # float16 stages (Plan.loss_scaled)
-
-
-class _Shares(NamedTuple):
-    """Several single-stage pipelines with batch shares: per-share capture of the value
-    and gradients on each submesh, one apply of the combined update."""
-
-    parts: list  # (share, mesh, state shardings, batch shardings) per pipeline
-    capture: list  # jitted per pipeline
-    apply: Callable
-    program: Program
-    loss_scale: DynamicLossScale | None
-
-
-class _Mpmd(NamedTuple):
-    """A pipeline plan run stage by stage (``hetshard.runtime.pipeline``)."""
-
-    runner: object
-
-
-def _loss_scale(plan: Plan) -> DynamicLossScale | None:
-    return DynamicLossScale() if plan.loss_scaled else None
-
-
-def _overflowed(scale: DynamicLossScale | None, finite, loss) -> bool:
-    """True when a loss-scaled step's gradients overflowed under a finite loss: the step
-    is skipped and the scale lowered (``DynamicLossScale.overflowed``)."""
-    return scale is not None and scale.overflowed(bool(finite), bool(np.isfinite(float(loss))))
-
-
-def _capturing(program: Program):
-    """``capture(state, batch, *scale)``: the value and gradients the step's
-    ``hetshard.value_and_grad`` computes (``scale``: the loss scale of loss-scaled plans)."""
-    def capture(state, batch, *scale):
-        with entered(mode="capture", captured=None, used=False,
-                     loss_scale=scale[0] if scale else None) as ctx:
-            _call(program, state, batch)
-            if ctx.captured is None:
-                raise PlanNotExecutableError(
-                    "plans with several pipelines or micro-steps need the step to call "
-                    "hetshard.value_and_grad (it found none)")
-            return ctx.captured
-    return capture
-
-
-def _providing(program: Program):
-    """``apply(state, batch, provided)``: the step run with ``hetshard.value_and_grad``
-    returning ``provided``; (output, new NNX state or None)."""
-    def apply(state, batch, provided):
-        with entered(mode="provide", provided=provided):
-            out, objs = _call(program, state, batch)
-        return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
-    return apply
-
-
-def _state(program: Program, others):
-    """The step's non-batch arguments as the program flattens them: NNX state, or the
-    pytrees themselves."""
-    return nnx.state(others) if program.kind == "nnx" else others
-
-
-def _call(program: Program, state, batch):
-    """``step(*args)`` from the state ``_state`` gives; (output, objects after)."""
-    if program.kind == "nnx":
-        objs = list(nnx.merge(program.graphdef, state))
-    else:
-        objs = list(state)
-    objs.insert(program.batch_index, batch)
-    out = program.step(*objs)
-    del objs[program.batch_index]
-    return out, objs

@@ -6,8 +6,9 @@ each with a ``batch_share`` (shares sum to B), micro-batch size and count, and
 ``stages``: contiguous layer ranges on submeshes of one GPU type with a named
 mesh shape. With ``virtual_stages = v > 1`` a pipeline's ``p * v`` stages run on
 ``p`` submeshes, stage ``j`` on the submesh of stage ``j mod p`` (interleaved
-pipelining, as Megatron-LM's virtual pipeline stages). ``grad_sync`` says which
-devices sum which layers' gradients; ``context`` gives per-device sequence chunks;
+pipelining, as Megatron-LM's virtual pipeline stages). ``grad_sync`` (derived from the
+pipelines) says which devices sum which layers' gradients, ``grad_sync_overlap``
+whether that sum streams during the last backward; ``context`` gives per-device sequence chunks;
 ``predicted`` and ``solver`` record what the simulator and solver said. Plans
 serialise to versioned JSON.
 """
@@ -15,14 +16,16 @@ serialise to versioned JSON.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 from typing import Any
 
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -31,10 +34,13 @@ SCHEMA_VERSION = 10
 # the plan names no traced program, and is run on any program whose layers it covers), 9
 # ``Plan.gpu_dtypes`` (absent: every stage computes in ``dtype``), 10 ``Stage.activations``
 # (before, activation layouts were ``Stage.shardings`` entries named "activation:<layer>";
-# they load into ``activations``).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# they load into ``activations``), 11 ``Plan.grad_sync_overlap`` (before, ``grad_sync``
+# entries, derived from the pipelines, each with an ``overlap`` flag: they load as the
+# flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 REMATS = ("none", "selective", "full")
 DTYPES = ("bfloat16", "float16", "float32")  # compute dtypes the cost model prices
@@ -112,14 +118,13 @@ class Pipeline:
 
 @dataclasses.dataclass(frozen=True)
 class GradSync:
-    """Layers ``[start, end)``: gradients summed over ``devices``, pipeline ``weights``."""
+    """Layers ``[start, end)``: gradients summed over ``devices`` (every stage holding
+    them), each holding pipeline weighted by its share of the batch (``weights``)."""
 
     start: int
     end: int
     devices: tuple[int, ...]
     weights: tuple[float, ...]
-    collective: str = "all_reduce"
-    overlap: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +160,10 @@ class Plan:
     global_batch: int
     seq_len: int
     pipelines: tuple[Pipeline, ...]
-    grad_sync: tuple[GradSync, ...] = ()
+    # The gradient sum of each stage streams in buckets from the start of its last
+    # backward (PyTorch DDP's and Megatron-LM's overlap), else it starts once every
+    # holder's backward is done (the simulator prices either).
+    grad_sync_overlap: bool = True
     context: Context = Context()
     dtype: str = "bfloat16"
     fsdp: bool = False
@@ -186,6 +194,13 @@ class Plan:
     def __post_init__(self):
         validate(self)
 
+    @functools.cached_property
+    def grad_sync(self) -> tuple[GradSync, ...]:
+        """Per layer interval, the devices holding it and each holding pipeline's batch
+        weight: derived from the pipelines (:func:`grad_sync_for`), never stored, so a
+        plan changed in code or by hand cannot carry a stale one."""
+        return grad_sync_for(self.pipelines, self.global_batch)
+
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(dataclasses.asdict(self))
@@ -214,6 +229,12 @@ class Plan:
             # layouts move out of ``shardings``.
             if d["version"] < 10:
                 d = _split_activations(d)
+            if d["version"] < 11:
+                d = _overlap_flag(d)
+            elif "grad_sync" in d:
+                raise SpecError("grad_sync", "given", "no such field since plan schema 11 "
+                                "(it is derived from the pipelines; grad_sync_overlap says "
+                                "whether the sum overlaps the last backward)")
             return _from(cls, {**d, "version": SCHEMA_VERSION})
         except SpecError as e:
             if e.where or type(e) is not SpecError:
@@ -309,6 +330,13 @@ class Plan:
                              f"{s.predicted_fwd_s / t_scale:>8.2f} "
                              f"{s.predicted_bwd_s / t_scale:>8.2f} "
                              f"{s.predicted_memory_bytes / m_scale:>7.2f}")
+        shared = [g for g in self.grad_sync if len(g.weights) > 1]
+        when = "during" if self.grad_sync_overlap else "after"
+        lines.append("gradient sync " + (
+            "across pipelines: " + "; ".join(
+                f"layers {g.start}-{g.end - 1} over {len(g.devices)} devices weighted "
+                + "/".join(f"{w:.3g}" for w in g.weights) for g in shared)
+            if shared else "within each stage's data ways") + f", {when} the last backward")
         pr = self.predicted
         lines.append(f"predicted: step {seconds(pr.step_time_s)}, {pr.tokens_per_s:,.0f} "
                      f"tokens/s, {pr.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
@@ -464,7 +492,8 @@ def validate(plan: Plan) -> None:
     _check_types(plan)
     if plan.attention not in ("flash", "reference"):
         raise SpecError("attention", plan.attention, "flash or reference")
-    for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap"):
+    for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap",
+                 "grad_sync_overlap"):
         if not isinstance(getattr(plan, name), bool):
             raise SpecError(name, getattr(plan, name), "true or false")
     shares = sum(p.batch_share for p in plan.pipelines)
@@ -578,8 +607,8 @@ def _check_warmup(p: Pipeline, i: int) -> None:
 
 
 def data_ways(s: Stage) -> int:
-    """Data-parallel ways inside a stage (its ``data`` and ``fsdp`` axes)."""
-    return s.axis("data") * s.axis("fsdp")
+    """Data-parallel ways inside a stage (the product of its ``BATCH_AXES``)."""
+    return math.prod(s.axis(a) for a in BATCH_AXES)
 
 
 def _to_jsonable(x):
@@ -594,6 +623,21 @@ def _tuplify(x):
     if isinstance(x, list):
         return tuple(_tuplify(v) for v in x)
     return x
+
+
+def _overlap_flag(d: dict) -> dict:
+    """A schema <= 10 plan dict without its ``grad_sync`` entries (hetshard derived them
+    from the pipelines when it wrote them, and derives them again) and with their
+    ``overlap`` flags as ``grad_sync_overlap`` (true unless one said false; their
+    ``collective`` names were never read)."""
+    d = dict(d)
+    given = d.pop("grad_sync", [])
+    if not isinstance(given, list):
+        raise SpecError("grad_sync", given, "a list of {start, end, devices, weights, "
+                        "collective, overlap} (plan schema <= 10)")
+    d.setdefault("grad_sync_overlap", all(not isinstance(g, dict) or g.get("overlap", True)
+                                          is not False for g in given))
+    return d
 
 
 def _split_activations(d: dict) -> dict:
@@ -626,7 +670,7 @@ def _from(cls, d):
     if extra:
         raise KeyError(f"unknown field {sorted(extra)[0]!r} in {cls.__name__}")
     for name, value in d.items():
-        sub = {"pipelines": Pipeline, "stages": Stage, "grad_sync": GradSync}.get(name)
+        sub = {"pipelines": Pipeline, "stages": Stage}.get(name)
         if sub is not None:
             kw[name] = tuple(_from(sub, v) for v in value)
         elif name == "context":

@@ -161,8 +161,8 @@ def test_context_parallel_pipeline_stages_match_one_device(attention):
     # Stage 0: data 2 x context 2 (over H100s and A100s), stage 1: context 4 on the V100s;
     # each splits the micro-batch's sequence over its context axis (tokens and the
     # activations it receives) and runs attention as a zigzag ring over it.
+    from hetshard.layout import activation_sharding
     from hetshard.plan import Context
-    from hetshard.runtime.pipeline import activation_sharding
     stages = (_stage(0, 2, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2),
               _stage(2, 4, (4, 5, 6, 7), V, context=4))
     # Stage 1 attends uneven chunks (its context degree is the plan's): 6, 6, 2, 2 tokens.
@@ -536,7 +536,7 @@ def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, sche
     # peak for the device. The model also counts a backward's working set (transient
     # inside one program, not a live array between tasks). (Vocabulary x hidden here is
     # the size of 4 micro-batches' activations: the profile tells them apart by shape.)
-    import hetshard.runtime.pipeline as runtime
+    import hetshard.runtime.walk as runtime
     from models import profile as profile_model
     plan = _two_stage_plan(spec, schedule, remat=remat)
     walk, peaks = runtime.schedule_walk, {}

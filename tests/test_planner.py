@@ -20,9 +20,14 @@ from hetshard.ir.program import reduced_graph
 from hetshard.ir.trace import trace
 from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
-from hetshard.solver import NoFeasiblePlanError, PlannerOptions, options_from_fix
+from hetshard.solver import (
+    NoFeasiblePlanError,
+    PlannerOptions,
+    PlannerTimeLimitWarning,
+    options_from_fix,
+)
 from hetshard.solver.baselines import BASELINES, run_baseline
-from hetshard.solver.inter_op import PlannerTimeLimitWarning, plan
+from hetshard.solver.inter_op import estimates
 from hetshard.solver.intra_op import solve, spec_of
 from hetshard.solver.layouts import improve_layouts, layouts, relayout, segments
 from hetshard.solver.splits import (
@@ -282,7 +287,7 @@ def test_partial_remat_splits_are_optimal(stage_layers, caps, ahead):
 
 
 def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
-    from hetshard.solver.inter_op import pipeline_estimate
+    from hetshard.solver.families import pipeline_estimate
     cluster = Cluster.load(TINY_CLUSTER)
     profile = profile_model(TINY, 64, "float16")
     tables = LayerTables(profile, cluster, DEFAULT, "flash")
@@ -320,10 +325,9 @@ def test_pipeline_estimate_charges_transfers_and_the_1f1b_loop():
 def test_planner_search_is_exact_on_a_tiny_instance():
     cluster = Cluster.load(TINY_CLUSTER)
     profile = profile_model(TINY, 64, "float16")
-    estimates = plan(TINY, profile, cluster, global_batch=4, seq_len=64, options=OPTS,
-                     return_estimates=True)
+    found = estimates(TINY, profile, cluster, global_batch=4, seq_len=64, options=OPTS)
     want = _brute_force(profile, cluster, 4, OPTS)
-    assert estimates[0][0] == pytest.approx(want, rel=1e-6, abs=2e-6)
+    assert found[0][0] == pytest.approx(want, rel=1e-6, abs=2e-6)
 
 
 @pytest.mark.slow
@@ -333,9 +337,8 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
     model = "gpt:layers=6,hidden=4096,heads=32,vocab=256,seq=12288"
     cluster = Cluster.load(SHORT_CLUSTER)
     profile = profile_model(model, 12288, "float16")
-    estimates = plan(model, profile, cluster, global_batch=8, seq_len=12288, options=OPTS,
-                     return_estimates=True)
-    best, families = estimates[0][0], estimates[0][1]
+    found = estimates(model, profile, cluster, global_batch=8, seq_len=12288, options=OPTS)
+    best, families = found[0][0], found[0][1]
     assert best == pytest.approx(_brute_force(profile, cluster, 8, OPTS), rel=1e-6)
     assert any(f.remat_of(s)[1] is not None for f in families
                for s in range(len(f.bounds)))
@@ -355,8 +358,8 @@ def test_planner_puts_a_fast_gpu_short_of_memory_last():
     profile = profile_model(model, 2048, "float16")
 
     def best(**kw):
-        return plan(model, profile, cluster, global_batch=16, seq_len=2048,
-                    options=dataclasses.replace(OPTS, **kw), return_estimates=True)[0]
+        return estimates(model, profile, cluster, global_batch=16, seq_len=2048,
+                         options=dataclasses.replace(OPTS, **kw))[0]
 
     t, families, _ = best()
     first = best(stage_orders=("fastest-first",))[0]
@@ -373,7 +376,7 @@ def test_planner_puts_a_fast_gpu_short_of_memory_last():
 def test_planner_plans_with_blocks_split_or_whole_and_keeps_the_faster():
     # split_blocks=True searches block halves as layers; the default (None) refines the
     # whole-block plan with boundaries allowed inside blocks and keeps it when faster.
-    from hetshard.solver.inter_op import as_halves
+    from hetshard.solver.halves import as_halves
     cluster = Cluster.load("a100-v100-x16")
     base = PlannerOptions(time_limit_s=30)
     plans = {split: make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
@@ -437,7 +440,7 @@ def test_layout_descent_keeps_memory_for_the_warm_up_a_slow_link_needs():
     # for it (the first T4 stage recomputes two halves) is faster than both (36.6 s a
     # step against 40.8 and 40.9).
     from hetshard.sim.simulator import tune_warmup, warmup_short_of_memory
-    from hetshard.solver.inter_op import _evaluator
+    from hetshard.solver.evaluator import Evaluator
     cluster = Cluster.load(ONE_V100_THREE_T4)
     profile = profile_model("gpt-6.7b", 2048, "float16", split_blocks=True)
     t4, v100 = (("data", 1), ("tensor", 2)), (("data", 1), ("tensor", 2))
@@ -451,7 +454,7 @@ def test_layout_descent_keeps_memory_for_the_warm_up_a_slow_link_needs():
                  dtype="float16", distributed_optimizer=True, split_blocks=True)
     tables = LayerTables(profile, cluster, DEFAULT, "flash", True)
     opts = PlannerOptions()
-    evaluate = _evaluator(profile, cluster, DEFAULT, opts, {})
+    evaluate = Evaluator(profile, cluster, DEFAULT, opts).evaluate
     plain, roomy = relayout(start, 0, (6, 8), (1, 4), tables, cluster,
                             remats=("none", "full"), margin=0.05, partial=True,
                             aheads=(0, 1))
@@ -678,7 +681,7 @@ def test_a_phase_cut_by_the_limit_leaves_the_later_phases_their_share(monkeypatc
     # AMP-style seed is built): the Metis-style seed is skipped and the plan says the
     # limit cut it, but every later phase still runs in its own share, so the plan is as
     # good as without the overrun. (A sticky "late" flag once cut every later phase.)
-    import hetshard.solver.baselines as baselines
+    import hetshard.solver.inter_op as inter_op
     program = models.program("gpt-1.3b", seq_len=2048, dtype="bfloat16")
     from hetshard.solver import make_plan as plan_program
     cluster = Cluster.load("metis-4types")
@@ -686,12 +689,12 @@ def test_a_phase_cut_by_the_limit_leaves_the_later_phases_their_share(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         free = plan_program(program, cluster, global_batch=256, shardings=False, options=opts)
-        real, offset, amp = time.perf_counter, {"t": 0.0}, baselines.amp_like
+        real, offset, amp = time.perf_counter, {"t": 0.0}, inter_op.amp_like
 
         def slow_amp(*args, **kwargs):
             offset["t"] += 0.3 * opts.time_limit_s
             return amp(*args, **kwargs)
-        monkeypatch.setattr(baselines, "amp_like", slow_amp)
+        monkeypatch.setattr(inter_op, "amp_like", slow_amp)
         monkeypatch.setattr(time, "perf_counter", lambda: real() + offset["t"])
         cut = plan_program(program, cluster, global_batch=256, shardings=False, options=opts)
     assert free.solver.status == "searched" and cut.solver.status == "time_limit"
@@ -702,7 +705,8 @@ def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatc
     # On the largest clusters one simulation takes seconds: once the limit is (nearly)
     # spent the search prices only until a plan fits and skips its last variants.
     import hetshard.solver.baselines as baselines
-    import hetshard.solver.inter_op as inter_op
+    import hetshard.solver.evaluator as evaluator
+    import hetshard.solver.search as search
     program = models.program("gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=512",
                              seq_len=512, dtype="bfloat16")
     from hetshard.solver import make_plan as plan_program
@@ -714,8 +718,8 @@ def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatc
         def counted(*a, _calls=calls, **k):
             _calls.append(1)
             return simulate(*a, **k)
-        monkeypatch.setattr(inter_op, "simulate", counted)
-        monkeypatch.setattr(baselines, "simulate", counted)
+        for module in (evaluator, search, baselines):
+            monkeypatch.setattr(module, "simulate", counted)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p = plan_program(program, cluster, global_batch=64, shardings=False,

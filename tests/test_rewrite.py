@@ -48,7 +48,8 @@ def test_flash_on_a_stage_mesh_runs_per_device(kv_heads, heads_split, rng):
     # tensor degree divides both head counts) heads, with no gather; same values and
     # gradients as the reference, grouped-query attention and segments included.
     from hetshard.kernels.reference import attention_reference
-    from hetshard.rewrite.attention import attention_layout, attention_runner
+    from hetshard.layout import attention_layout
+    from hetshard.rewrite.attention import attention_runner
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
     q = jnp.asarray(rng.standard_normal((4, 32, 8, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((4, 32, kv_heads, 16)), jnp.float32)

@@ -202,7 +202,7 @@ def test_uniform_pipeline_parallel_plan_matches_single_device_training(overlap):
     # column-parallel matmuls).
     # With tp_overlap the column-parallel matmuls are all-gather rings (computed from the
     # parameters: ``reads``), without it gathers then matmuls.
-    from hetshard.rewrite.attention import Replace
+    from hetshard.ir.interpret import Replace
     for run in runner.runs[0]:
         layouts = run.fwd.fn.args[4]
         assert any(isinstance(c, Replace) for c in layouts.values())
@@ -274,14 +274,14 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
                         fix=parse_fix("dp=8,tp=1,pp=1"), attention=attention)
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
-    jaxpr = str(entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+    jaxpr = str(entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
                                jax.device_put(batches[0], entry.batch_shardings)).jaxpr)
     # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
     assert jaxpr.count("pallas_call") == kernels
     # XLA cannot split a Pallas call: each runs inside a shard_map on its device's
     # samples. Left to the partitioner, every device gathered the whole batch's q, k, v
     # (and cotangents) and computed attention for all of it.
-    hlo = entry.step.lower(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+    hlo = entry.step.lower(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
                          jax.device_put(batches[0], entry.batch_shardings)).compile().as_text()
     assert jaxpr.count("shard_map") == (4 if kernels else 0)  # per layer: fwd, bwd
     assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
@@ -304,7 +304,7 @@ def test_single_stage_plan_runs_its_remat_per_layer(remat, layers, checkpoints):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     entry = next(iter(step._compiled.values()))
-    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
                            jax.device_put(batches[0], entry.batch_shardings)).jaxpr
 
     def count(jaxpr):
@@ -323,7 +323,7 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
     plan = _plan("dp=2,tp=4,pp=1", shardings=True)
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
-    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings),
+    jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
                            jax.device_put(batches[0], entry.batch_shardings)).jaxpr
     batch_split = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"
                    and tuple(e.params["sharding"].spec)[:1] in (("data",), (("data",),))
@@ -338,7 +338,7 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
         return loss_fn(nnx.merge(graphdef, state), batch)
     closed = jax.make_jaxpr(loss)(state, batches[0])
     assert len(layer_boundaries(closed)) >= 3
-    mesh = next(iter(step._compiled.values())).state_shardings
+    mesh = next(iter(step._compiled.values())).state_shardings()
     mesh = jax.tree.leaves(mesh)[0].mesh
     rewritten = jax.jit(constrain_layers(loss, mesh, plan.pipelines[0].stages[0]))
     np.testing.assert_allclose(rewritten(state, batches[0]), jax.jit(loss)(state, batches[0]),
@@ -352,8 +352,9 @@ def test_tensor_parallel_stage_splits_activations_along_the_sequence():
     # row-parallel one). Without it XLA kept them whole on every tensor rank.
     import re
 
+    from hetshard.ir.program import path_string
+    from hetshard.layout import leaf_spec, mesh_of
     from hetshard.rewrite.spmd import constrain_layers
-    from hetshard.runtime.spmd import leaf_spec, mesh_of, path_string
     plan = _plan("dp=2,tp=4,pp=1", shardings=True)
     stage = plan.pipelines[0].stages[0]
     mesh = mesh_of(stage, jax.devices())
@@ -444,7 +445,7 @@ def test_context_parallel_stage_matches_single_device_training(fix, chunks):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     (entry,) = step._compiled.values()
-    jitted, s_shard, b_shard = entry.step, entry.state_shardings, entry.batch_shardings
+    jitted, s_shard, b_shard = entry.step, entry.state_shardings(), entry.batch_shardings
     assert tuple(b_shard["tokens"].spec)[1] == "context"  # the batch's sequence is split
     hlo = jitted.lower(jax.device_put(nnx.state(_fresh_state()), s_shard),
                        jax.device_put(batches[0], b_shard)).as_text()

@@ -16,13 +16,11 @@ from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import (
     Context,
-    GradSync,
     Pipeline,
     Plan,
     Predicted,
     SolverStats,
     Stage,
-    grad_sync_for,
 )
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.schedule import (
@@ -393,8 +391,8 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
     # same layers: the flag changes neither time nor memory.
     pipes = tuple(Pipeline((Stage(0, 6, (d,), "H100-80GB", (("data", 1),)),), 8, 2, 4)
                   for d in (0, 1))
-    one = [Plan(SPEC, c.to_dict(), 16, 32, pipes, dtype="float32", distributed_optimizer=z,
-                grad_sync=grad_sync_for(pipes, 16)) for z in (False, True)]
+    one = [Plan(SPEC, c.to_dict(), 16, 32, pipes, dtype="float32", distributed_optimizer=z)
+           for z in (False, True)]
     x, y = (simulate(p, prof, c) for p in one)
     assert x.tasks == y.tasks and x.memory_per_device == y.memory_per_device
 
@@ -500,7 +498,7 @@ def plans(draw):
     gb = sum(p.batch_share for p in pipes)
     return Plan(model="gpt-tiny", cluster={"name": "x"}, global_batch=gb, seq_len=64,
                 pipelines=tuple(pipes),
-                grad_sync=(GradSync(0, layers, tuple(range(next_dev)), (1.0,)),),
+                grad_sync_overlap=draw(st.booleans()),
                 context=Context(2, (40, 24)), fsdp=draw(st.booleans()),
                 distributed_optimizer=draw(st.booleans()),
                 predicted=Predicted(step_time_s=draw(st.floats(0, 100))),
@@ -554,7 +552,7 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 10
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 11
     # Schema 8 (no gpu_dtypes: every stage computes in the plan's dtype) reads unchanged.
     old = zero1.to_dict()
     del old["gpu_dtypes"]
@@ -688,3 +686,53 @@ def test_schema_9_activation_layouts_load_into_their_own_field():
     old["version"] = 10
     with pytest.raises(SpecError, match=r"stages\[0\]\.shardings.*activations"):
         Plan.from_dict(old)
+
+
+def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof):
+    """Plan schema 11: ``grad_sync`` follows the pipelines (a replaced plan never keeps a
+    stale one) and is not stored; a schema 10 file's per-entry ``overlap`` flags load as
+    ``grad_sync_overlap``, a schema 11 file naming ``grad_sync`` is refused; the
+    simulator starts the sum later without overlap."""
+    c = Cluster.load("h100-a100-v100-x8")
+    plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
+    first, second = (tuple(st.devices) for st in plan.pipelines[0].stages)
+    assert [(g.start, g.end, g.devices) for g in plan.grad_sync] == [
+        (plan.pipelines[0].stages[0].start, plan.pipelines[0].stages[0].end, first),
+        (plan.pipelines[0].stages[1].start, plan.pipelines[0].stages[1].end, second)]
+    assert all(g.weights == (1.0,) for g in plan.grad_sync)  # one pipeline
+    # The two stages swap devices: the sync follows.
+    pipe = plan.pipelines[0]
+    swapped = dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=(
+        dataclasses.replace(pipe.stages[0], devices=second),
+        dataclasses.replace(pipe.stages[1], devices=first))),))
+    assert swapped.grad_sync[0].devices == second
+    # Two pipelines sharing layers: weighted by their batch shares.
+    one = tuple(Stage(0, 6, (d,), "H100-80GB", (("data", 1),)) for d in (0, 1))
+    two = Plan(SPEC, c.to_dict(), 16, 32, (Pipeline((one[0],), 12, 2, 6),
+                                           Pipeline((one[1],), 4, 2, 2)))
+    assert [(g.devices, g.weights) for g in two.grad_sync] == [((0, 1), (0.75, 0.25))]
+    assert "layers 0-5 over 2 devices weighted 0.75/0.25, during" in two.explain()
+    d = plan.to_dict()
+    assert "grad_sync" not in d and Plan.from_dict(d) == plan
+    with pytest.raises(SpecError, match="grad_sync.*derived from the pipelines"):
+        Plan.from_dict({**d, "grad_sync": []})
+    old = json.loads(json.dumps(d))
+    old["version"] = 10
+    del old["grad_sync_overlap"]
+    old["grad_sync"] = [{"start": g.start, "end": g.end, "devices": list(g.devices),
+                         "weights": list(g.weights), "collective": "all_reduce",
+                         "overlap": False} for g in plan.grad_sync]
+    late = Plan.from_dict(old)
+    assert not late.grad_sync_overlap and late == dataclasses.replace(
+        plan, grad_sync_overlap=False)
+    assert "after the last backward" in late.explain()
+    for g in old["grad_sync"]:
+        g["overlap"] = True
+    assert Plan.from_dict(old) == plan
+    with pytest.raises(SpecError, match="grad_sync_overlap='no'"):
+        dataclasses.replace(plan, grad_sync_overlap="no")
+    # Read by the simulator: without overlap every stage's sum waits for its last
+    # backward to end, not start.
+    on, off = simulate(plan, prof, c), simulate(late, prof, c)
+    assert off.step_time_s > on.step_time_s

@@ -240,3 +240,19 @@ def test_several_pipelines_and_other_schedules(name, kind):
                 dtype=program.dtype, attention="reference")
     got, _ = _hetshard(name, plan)
     np.testing.assert_allclose(got, _reference(name), rtol=1e-5)
+
+
+def test_step_context_takes_its_fields_and_modes_only_and_restores_them():
+    from hetshard.autodiff import context, entered
+    with pytest.raises(TypeError, match="no field 'mdoe'"):
+        with entered(mdoe="capture"):
+            pass
+    with pytest.raises(TypeError, match="mode 'grab'"):
+        with entered(mode="grab"):
+            pass
+    with entered(mode="capture", captured=1) as ctx:
+        assert ctx is context() and (ctx.mode, ctx.captured) == ("capture", 1)
+        with entered(mode="provide"):
+            assert context().mode == "provide"
+        assert context().mode == "capture"
+    assert (context().mode, context().captured) == (None, None)

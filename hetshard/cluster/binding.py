@@ -9,9 +9,12 @@ plan for the spec runs for real; only the speed is not the GPUs'.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from hetshard.cluster.spec import Cluster
 from hetshard.errors import DeviceBindingError
+
+if TYPE_CHECKING:  # annotations only: bind reads a Cluster's fields, spec.py imports bind
+    from hetshard.cluster.spec import Cluster
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 
-from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError, UnknownNameError
 
 
@@ -103,17 +102,18 @@ for _base, (_gpu, _intra, _inter, _desc) in _DGX.items():
         PRESETS[f"{_base}-x{_n}"] = f"{_n} GPUs; {_desc}"
 
 
-def preset(name: str) -> Cluster:
-    """Builds the preset ``name`` (see :data:`PRESETS`; any ``dgx-*-x{8k}`` up to 3072)."""
+def preset_spec(name: str) -> dict:
+    """The spec (a dict :meth:`hetshard.Cluster.from_dict` reads) of the preset ``name``
+    (see :data:`PRESETS`; any ``dgx-*-x{8k}`` up to 3072); ``hetshard.cluster.preset``
+    builds the cluster."""
     if name in _HETERO:
         spec, _ = _HETERO[name]
-        return Cluster.from_dict({"name": name, **spec}, source=f"preset {name!r}")
+        return {"name": name, **spec}
     m = re.fullmatch(r"(dgx-[a-z0-9-]+)-x(\d+)", name)
     if m and m.group(1) in _DGX:
         n = int(m.group(2))
         if n % 8 or not 8 <= n <= 3072:
             raise SpecError("cluster", name, "dgx-*-x{N} with N a multiple of 8 in 8..3072")
         gpu, intra, inter, _ = _DGX[m.group(1)]
-        return Cluster.from_dict({"name": name, "groups": [
-            _g("dgx", gpu, n // 8, 8, intra, inter)]}, source=f"preset {name!r}")
+        return {"name": name, "groups": [_g("dgx", gpu, n // 8, 8, intra, inter)]}
     raise UnknownNameError("cluster", name, PRESETS)

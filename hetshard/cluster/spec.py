@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hetshard.cluster.catalog import CATALOG, DeviceType, device_type, device_type_from_dict
+from hetshard.cluster.binding import BoundCluster, bind
+from hetshard.cluster.catalog import (
+    CATALOG,
+    DeviceType,
+    device_type,
+    device_type_for_kind,
+    device_type_from_dict,
+)
+from hetshard.cluster.presets import PRESETS, preset_spec
 from hetshard.errors import SpecError, SpecParseError, UnknownNameError, check_positive
 from hetshard.fileio import parse_json, read_text, write_atomic
 
@@ -174,7 +182,6 @@ class Cluster:
         if not isinstance(source, str):
             raise SpecError("cluster", source, "a preset name, a path, JSON text, a dict "
                             "or a Cluster")
-        from hetshard.cluster.presets import PRESETS, preset
         if source.lstrip().startswith("{"):
             return cls.from_json(source)
         if source in PRESETS or re.fullmatch(r"dgx-[a-z0-9-]+-x\d+", source):
@@ -248,7 +255,6 @@ class Cluster:
         """
         import jax
 
-        from hetshard.cluster.catalog import device_type_for_kind
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
             raise SpecError("devices", devices, "at least one JAX device")
@@ -299,10 +305,15 @@ class Cluster:
         path = Path(path)
         write_atomic(path, self.to_toml() if path.suffix == ".toml" else self.to_json())
 
-    def bind(self, devices=None):
+    def bind(self, devices=None) -> BoundCluster:
         """Maps this spec's GPUs onto JAX devices; see :func:`hetshard.cluster.bind`."""
-        from hetshard.cluster.binding import bind
         return bind(self, devices)
+
+
+def preset(name: str) -> Cluster:
+    """Builds the preset ``name`` (see :data:`hetshard.cluster.PRESETS`; any
+    ``dgx-*-x{8k}`` up to 3072)."""
+    return Cluster.from_dict(preset_spec(name), source=f"preset {name!r}")
 
 
 def _check_fields(data: Mapping, fields: dict[str, bool], prefix: str, source: str) -> None:

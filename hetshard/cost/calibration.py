@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 
+from hetshard.cost.measured import is_profile, load_profiles
 from hetshard.errors import SpecError, check_positive
 from hetshard.fileio import parse_json, read_text, write_atomic
 
@@ -158,7 +159,6 @@ class Calibration:
         """A calibration file (``hetshard profile``'s efficiencies) or a measured
         per-layer profile (hetshard's, AMP's or Sailor's: ``hetshard.cost.measured``),
         the latter with the built-in efficiencies for what it does not cover."""
-        from hetshard.cost.measured import is_profile, load_profiles
         data = parse_json(read_text(path, "calibration"), str(path))
         if is_profile(data):
             return cls(default=Efficiency(), source=str(path),

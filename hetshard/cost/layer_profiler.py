@@ -15,9 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hetshard.cluster.catalog import device_type_for_kind
 from hetshard.cost.measured import MeasuredProfile, Timing
+from hetshard.cost.profile import profile_program
 from hetshard.cost.profiler import _best_time
 from hetshard.errors import SpecError
+from hetshard.rewrite.pipeline import split_stages
 
 
 def _values(avals, key):
@@ -63,9 +66,6 @@ def profile_layers(program, micro_batches=(1, 2), *, reps: int = 5,
       SpecError: a program without a ``hetshard.value_and_grad`` loss or without a
         repeated block; micro-batch sizes that are not positive.
     """
-    from hetshard.cluster.catalog import device_type_for_kind
-    from hetshard.cost.profile import profile_program
-    from hetshard.rewrite.pipeline import split_stages
     if program.call is None:
         raise SpecError("model", program.name, "a step that calls hetshard.value_and_grad "
                         "(its loss is what is cut into layers)", where="hetshard profile")

@@ -32,6 +32,7 @@ import statistics
 from typing import Any
 
 from hetshard.errors import SpecError
+from hetshard.fileio import parse_json, read_text, write_atomic
 
 PROFILE_FORMAT = "hetshard-profile"
 ROLES = ("embedding", "block", "head")
@@ -111,7 +112,6 @@ class MeasuredProfile:
                 "name": self.name, "model": self.model, "gpus": gpus}
 
     def save(self, path) -> None:
-        from hetshard.fileio import write_atomic
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
 
@@ -160,7 +160,6 @@ def load_profiles(source: str | os.PathLike | dict, model: str | None = None
     if isinstance(source, dict):
         data = source
     else:
-        from hetshard.fileio import parse_json, read_text
         data = parse_json(read_text(source, "profile"), where)
     if not isinstance(data, dict):
         raise SpecError("profile", type(data).__name__, "a JSON object", where=where)

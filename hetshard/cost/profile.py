@@ -22,6 +22,7 @@ import numpy as np
 
 from hetshard.errors import SpecError
 from hetshard.ir.graph import MATMULS, OpGraph
+from hetshard.ir.program import reduced_graph
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -286,7 +287,6 @@ def clear_profiles() -> None:
 
 
 def _profile(program, split_blocks: bool) -> ModelProfile:
-    from hetshard.ir.program import reduced_graph
     g1, lay, rep, _ = reduced_graph(program, 2, split_blocks)
     g2, lay2, _, _ = reduced_graph(program, 4, split_blocks)
     if lay2.kinds != lay.kinds and lay2.names != lay.names:

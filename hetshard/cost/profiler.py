@@ -20,6 +20,7 @@ import numpy as np
 
 from hetshard.cluster.catalog import device_type_for_kind
 from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
+from hetshard.kernels import attention_reference, flash_attention
 
 
 def _best_time(fn, *args, reps: int = 5) -> float:
@@ -39,10 +40,7 @@ def attention_rate(dtype, quick: bool = False, platform: str | None = None) -> f
     platform = platform or jax.devices()[0].platform
     b, s, h, d = (1, 256, 2, 64) if quick else ((4, 2048, 16, 128) if platform == "gpu"
                                                 else (2, 1024, 8, 64))
-    if platform == "gpu":
-        from hetshard.kernels import flash_attention as attend
-    else:
-        from hetshard.kernels import attention_reference as attend
+    attend = flash_attention if platform == "gpu" else attention_reference
     q = jnp.ones((b, s, h, d), dtype) * 0.01
 
     def loss(q, k, v):

@@ -33,22 +33,17 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as ext
 
-from hetshard.autodiff import LossCall, LossCallError, _Recorded, entered, is_graph
+from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph
 from hetshard.errors import SpecError
+from hetshard.ir.graph import OpGraph
+from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
+from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
+from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
+from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
 
 _INT_KINDS = ("i", "u")
-
-
-def path_string(path) -> str:
-    """``a/b/3/kernel`` for a pytree key path (NNX's ``value`` wrappers dropped)."""
-    parts = []
-    for k in path:
-        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        if str(k) not in ("value", ".value"):
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def _aval(x) -> jax.ShapeDtypeStruct:
@@ -162,7 +157,7 @@ class Program:
         self.call_error = "it does not call hetshard.value_and_grad"
         try:
             jax.eval_shape(probe, self.state_avals, self.batch_avals)
-        except _Recorded as rec:
+        except Recorded as rec:
             self.call_error = ""
             return rec.call
         except LossCallError as e:
@@ -274,7 +269,6 @@ class Program:
         """The recorded loss on flat leaves (what ``hetshard.value_and_grad``
         differentiates), for one micro-batch: ``loss_flat(state_leaves, batch_leaves)``,
         its stacks of scanned blocks unrolled (``hetshard.rewrite.unroll``)."""
-        from hetshard.rewrite.unroll import unroll_scans
         return unroll_scans(self._loss_flat)
 
     def _loss_flat(self, state_leaves, batch_leaves):
@@ -300,7 +294,6 @@ class Program:
                 return self.call_step(state_leaves, batch_leaves)[0]
             return jax.make_jaxpr(whole, return_shape=True)(self.state_avals,
                                                             self.batch_at(mbs))
-        from hetshard.rewrite.unroll import unrolled_jaxpr
         batch = self.batch_at(mbs)
         closed, shape = jax.make_jaxpr(self._loss_flat, return_shape=True)(
             self.state_avals, batch)
@@ -610,7 +603,6 @@ def reduced_graph(program: Program, mbs: int, split_blocks: bool = False):
 
 def _relabelled(graph, rename: dict):
     """``graph`` with its layer names mapped through ``rename``."""
-    from hetshard.ir.graph import OpGraph
     ops = [dataclasses.replace(op, layer=rename.get(op.layer, op.layer)) for op in graph.ops]
     return OpGraph(ops, graph.edges, [rename.get(x, x) for x in graph.param_layers],
                    graph.param_bytes, graph.param_sizes, graph.opt_state_bytes,
@@ -634,8 +626,6 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
     shapes), so what follows the stack reads values of the right shapes; a step without
     ``hetshard.value_and_grad`` is traced whole, as one layer.
     """
-    from hetshard.ir.trace import trace
-    from hetshard.rewrite.attention import eval_equations
 
     closed, out_shape = program.loss_jaxpr(mbs)
     lay = program.layering(mbs, split_blocks)

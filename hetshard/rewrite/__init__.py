@@ -1,5 +1,6 @@
 """Rewrite passes over traced jaxprs."""
 
-from hetshard.rewrite.attention import IMPLEMENTATIONS, count_attention, swap_attention
+from hetshard.ir.attention_patterns import count_attention
+from hetshard.rewrite.attention import IMPLEMENTATIONS, swap_attention
 
 __all__ = ["IMPLEMENTATIONS", "count_attention", "swap_attention"]

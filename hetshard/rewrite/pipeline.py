@@ -30,8 +30,10 @@ import numpy as np
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
+from hetshard.ir.attention_patterns import skipped_equations
+from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import LayerDiscoveryError, discover
-from hetshard.rewrite.attention import attention_runner, eval_equations, skipped_equations
+from hetshard.rewrite.attention import attention_runner
 
 
 class StageSplitError(HetshardError, ValueError):

@@ -7,7 +7,7 @@ pipeline rewrite finds stage boundaries) gets a ``with_sharding_constraint`` to 
 plan's activation layout, and attention is computed by the plan's implementation (the
 flash kernel per device of the mesh, ``hetshard.rewrite.attention._flash_on_mesh``). The
 parameters' and the batch's layouts are the program's input shardings
-(``hetshard.runtime.spmd``); with the boundaries pinned as well, XLA's propagation
+(``hetshard.layout``); with the boundaries pinned as well, XLA's propagation
 cannot drift the batch layout across layers (for example toward a tensor-split weight's
 layout), so the program the plan priced is the program that runs, with the stage's
 remat (each recomputed layer under its own checkpoint, as in the pipeline rewrite).
@@ -27,8 +27,12 @@ import numpy as np
 from jax.extend import core as ext
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetshard.collectives.matmul import allgather_matmul, matmul_reducescatter
+from hetshard.ir.interpret import Replace, eval_equations
+from hetshard.ir.paths import path_string
+from hetshard.layout import batch_axes_for, boundary_layout, leaf_spec
 from hetshard.plan import Stage
-from hetshard.rewrite.attention import attention_runner, eval_equations
+from hetshard.rewrite.attention import attention_runner
 from hetshard.rewrite.pipeline import (
     StageSplitError,
     eval_segments,
@@ -36,31 +40,6 @@ from hetshard.rewrite.pipeline import (
     layer_sequence,
     remat_wrap,
 )
-from hetshard.runtime.spmd import leaf_spec as _leaf_spec
-from hetshard.runtime.spmd import path_string
-
-
-def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
-    """The layout of a boundary activation of ``shape`` on the stage mesh: its batch over
-    the data axes and, on a stage with a ``context`` axis, its sequence (dimension 1)
-    over ``context``."""
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-    named = [spec for _, spec in stage.activations]
-    if named and "data" not in tuple(named[0])[:1]:
-        return None
-    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if not len(shape) or shape[0] % ways:
-        return None
-    cp = mesh.shape.get("context", 1)
-    if cp > 1 and len(shape) >= 3 and shape[1] % cp == 0:
-        return NamedSharding(mesh, PartitionSpec(axes if axes else None, "context"))
-    return NamedSharding(mesh, PartitionSpec(axes if axes else None))
-
-
-def _batch_axes(mesh: Mesh, n: int):
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    return (axes or None) if n % ways == 0 else None
 
 
 def _sequence_split(mesh: Mesh, shape) -> NamedSharding | None:
@@ -70,13 +49,13 @@ def _sequence_split(mesh: Mesh, shape) -> NamedSharding | None:
     tp = mesh.shape.get("tensor", 1)
     if tp == 1 or len(shape) < 3 or shape[1] % tp:
         return None
-    return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh, shape[0]), "tensor"))
+    return NamedSharding(mesh, PartitionSpec(batch_axes_for(mesh, shape[0]), "tensor"))
 
 
 def _gather_sequence(mesh: Mesh, shape):
     """Megatron's ``g`` under sequence parallelism: the input of a column-parallel matmul
     gathered along its sequence (an all-gather), its cotangent reduce-scattered back."""
-    full = NamedSharding(mesh, PartitionSpec(_batch_axes(mesh, shape[0])))
+    full = NamedSharding(mesh, PartitionSpec(batch_axes_for(mesh, shape[0])))
     split = _sequence_split(mesh, shape)
 
     @jax.custom_vjp
@@ -112,14 +91,12 @@ def _weight_spec(eqn, spec) -> tuple | None:
 def _row_matmul(eqn, mesh: Mesh, spec: tuple):
     """A ``Replace`` computing the row-parallel ``eqn`` as a matmul + reduce-scatter ring
     (``matmul_reducescatter``), or None."""
-    from hetshard.collectives.matmul import matmul_reducescatter
-    from hetshard.rewrite.attention import Replace
     wspec = _weight_spec(eqn, spec)
     if wspec is None:
         return None
     lhs = eqn.invars[0].aval
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    batch = _batch_axes(mesh, lhs.shape[0])
+    batch = batch_axes_for(mesh, lhs.shape[0])
     x = [batch] + [None] * (len(lhs.shape) - 1)
     x[lc[list(rc).index(wspec.index("tensor"))]] = "tensor"
     dot = _dot(eqn)
@@ -133,11 +110,9 @@ def _column_group(group, mesh: Mesh, spec_of: dict, made_from: dict) -> dict | N
     sharing their input) as one all-gather ring (``allgather_matmul``), or None. The
     first computes them all, from the parameters the weights are made of (a cast or
     transpose of one may come after it), and hands the others their results."""
-    from hetshard.collectives.matmul import allgather_matmul
-    from hetshard.rewrite.attention import Replace
     wspecs, outs, makers = [], [], []
     lhs = group[0].invars[0]
-    batch = _batch_axes(mesh, lhs.aval.shape[0])
+    batch = batch_axes_for(mesh, lhs.aval.shape[0])
     for eqn in group:
         rhs = eqn.invars[1]
         wspec = _weight_spec(eqn, spec_of[rhs])
@@ -227,7 +202,6 @@ def _gathered_matmul(eqn, mesh: Mesh):
     """A ``Replace`` computing a column-parallel ``eqn`` on its input gathered along the
     sequence (``_gather_sequence``), the gathered input not kept for the backward pass
     (which gathers it again, as Megatron-LM does): it stays stored split."""
-    from hetshard.rewrite.attention import Replace
     gather, dot = _gather_sequence(mesh, eqn.invars[0].aval.shape), _dot(eqn)
     matmul = jax.checkpoint(lambda a, b: dot(gather(a), b),
                             policy=jax.checkpoint_policies.nothing_saveable)
@@ -298,7 +272,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                      if (layout := boundary_layout(stage, mesh, v.aval.shape)) is not None}
         leaves = jax.tree_util.tree_flatten_with_path(args)[0]
         if sequence:
-            weights = {var: _leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
+            weights = {var: leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
                        for var, (path, x) in zip(jaxpr.invars, leaves, strict=True)
                        if path and getattr(path[0], "idx", None) == 0}
             constrain.update(stage_sequence_layouts(closed, range(len(jaxpr.eqns)), weights,

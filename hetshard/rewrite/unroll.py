@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as ext
 
-from hetshard.rewrite.attention import eval_equations
+from hetshard.ir.interpret import eval_equations
 
 _DENSE = ("dot_general", "conv_general_dilated")
 

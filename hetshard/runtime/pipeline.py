@@ -19,7 +19,8 @@ What one step does (``PipelineRunner.step``):
 4. Each stage applies the user's step (the optimizer update) to the state it owns, on
    its own submesh: the step is traced with the gradients and loss provided to
    ``hetshard.value_and_grad`` and every leaf the stage does not hold filled with zeros,
-   which is exact because the step was checked to be separable (``_ownership``): every
+   which is exact because the step was checked to be separable
+   (``hetshard.runtime.ownership``): every
    updated leaf reads only its own state, its own parameters' gradients, the loss and
    shared leaves (step counters), never another stage's. Shared leaves are kept on
    every stage and updated identically everywhere.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 
 import jax
@@ -58,58 +58,18 @@ from hetshard.collectives import (
     takes_part,
     transfer,
 )
-from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.dependencies import output_dependencies
+from hetshard.errors import SpecError
 from hetshard.ir.program import Program
+from hetshard.layout import leaf_spec, mesh_of
 from hetshard.plan import Plan
-from hetshard.rewrite.backward import input_backward, weight_backward
-from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
+from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
+from hetshard.runtime import stage_fns
+from hetshard.runtime.ownership import PipelineSetupError, ownership
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
-from hetshard.runtime.spmd import leaf_spec, mesh_of
-from hetshard.sim.schedule import schedule_walk
+from hetshard.runtime.walk import PipelineWalk, samples_per_micro_batch
 
 _all_finite = jax.jit(all_finite)
-
-
-class PipelineSetupError(HetshardError, ValueError):
-    """The step cannot run under this plan's pipelines (the message says why and what
-    would work)."""
-
-
-def _batch_axes(mesh: Mesh) -> tuple:
-    return tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-
-
-def activation_sharding(shape, mesh: Mesh, mbs: int, seq_len: int | None = None
-                        ) -> NamedSharding:
-    """Micro-batch values are split over the stage's data axes when their leading
-    dimension is the micro-batch and divides evenly, and replicated otherwise; on a stage
-    with a ``context`` axis, values ``[micro-batch, seq_len, ...]`` (token arrays,
-    boundary activations) are also split along their sequence over it."""
-    axes = _batch_axes(mesh)
-    ways = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    batch = axes if axes and len(shape) and shape[0] == mbs and mbs % ways == 0 else None
-    cp = mesh.shape.get("context", 1)
-    if cp > 1 and seq_len and len(shape) >= 2 and shape[0] == mbs and \
-            shape[1] == seq_len and seq_len % cp == 0:
-        return NamedSharding(mesh, PartitionSpec(batch, "context"))
-    return NamedSharding(mesh, PartitionSpec(batch) if batch else PartitionSpec())
-
-
-class _UnionFind:
-    def __init__(self):
-        self.parent: dict = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        self.parent[self.find(a)] = self.find(b)
 
 
 @dataclasses.dataclass
@@ -127,7 +87,8 @@ class _StageRun:
     bwd: Callable = None
     bwd_input: Callable = None  # ZB-H1's B pass
     bwd_weight: Callable = None  # ZB-H1's W pass
-    apply: Callable = None
+    apply: Callable = None  # the optimizer update of the leaves it owns
+    owned_params: list[int] = dataclasses.field(default_factory=list)  # owned, with gradients
 
 
 class PipelineRunner:
@@ -187,7 +148,7 @@ class PipelineRunner:
                                 f"a multiple of its {p.num_micro_batches} micro-batches")
 
     def _split(self, pipeline):
-        mbs = _samples_per_micro_batch(pipeline)
+        mbs = samples_per_micro_batch(pipeline)
         mb_avals = self.program.batch_at(mbs)
         ranges = [(s.start, s.end) for s in pipeline.stages]
         try:
@@ -233,90 +194,14 @@ class PipelineRunner:
 
     def _ownership(self):
         """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
-        closed = self.splits[0].closed
         self._loss_tree = self.splits[0].out_tree
-        loss_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                      for v in closed.jaxpr.outvars]
-        self.loss_out_avals = loss_avals
-        grad_avals = [self.state_avals[i] for i in self.grad_index]
-        apply = self._apply_fn()
-        traced, out_shape = jax.make_jaxpr(apply, return_shape=True)(
-            self.state_avals, grad_avals, loss_avals, self.batch_avals)
-        self._out_tree = jax.tree.structure(out_shape[0])
-        n_out = len(jax.tree.leaves(out_shape[0]))
-        if len(jax.tree.leaves(out_shape[1])) != len(self.state_avals):
-            raise PipelineSetupError("the step changes the structure of its state")
-        deps = output_dependencies(traced)
-        ns, ng, nl = len(self.state_avals), len(grad_avals), len(loss_avals)
-        grad_of = {ns + k: self.grad_index[k] for k in range(ng)}
-        batch_inputs = set(range(ns + ng + nl, ns + ng + nl + len(self.batch_avals)))
-        loss_inputs = set(range(ns + ng, ns + ng + nl))
-        new = deps[n_out:]
-        for i, d in enumerate(new):
-            if d & batch_inputs:
-                raise PipelineSetupError(
-                    f"the step updates {self.paths[i]} from the batch outside "
-                    f"hetshard.value_and_grad; pipeline plans need the batch used only "
-                    f"by the loss")
-        shared = {i for i, d in enumerate(new) if not (d & set(grad_of))}
-        changed = True
-        while changed:
-            changed = False
-            for i in list(shared):
-                if any(j < ns and j not in shared for j in new[i]):
-                    shared.discard(i)
-                    changed = True
-        for k, d in enumerate(deps[:n_out]):
-            bad = [j for j in d if not (j in loss_inputs or (j < ns and j in shared))]
-            if bad:
-                raise PipelineSetupError(
-                    f"output {k} of the step reads "
-                    f"{self._input_name(bad[0], ns, grad_of)} (not only the loss); under a "
-                    f"pipeline plan the step may return the loss and aux of "
-                    f"hetshard.value_and_grad, and values of shared scalars")
-        uf = _UnionFind()
-        for i, d in enumerate(new):
-            if i in shared:
-                continue
-            uf.find(i)
-            for j in d:
-                if j < ns and j not in shared:
-                    uf.union(i, j)
-                elif j in grad_of:
-                    uf.union(i, grad_of[j])
-        comps: dict = {}
-        for i in range(ns):
-            if i not in shared:
-                comps.setdefault(uf.find(i), []).append(i)
-        self.shared = sorted(shared)
-        self.owner = []  # per pipeline: state leaf -> stage
-        for split in self.splits:
-            first: dict[int, int] = {}
-            for st in split.stages:
-                for i in st.params + st.frozen:
-                    first.setdefault(i, st.index)
-            owner = {}
-            for members in comps.values():
-                stages = {first[i] for i in members if i in first and i in set(self.diff)}
-                if len(stages) > 1:
-                    names = sorted({self.paths[i] for i in members if i in first})[:3]
-                    raise PipelineSetupError(
-                        f"the optimizer update couples parameters of pipeline stages "
-                        f"{sorted(stages)} (e.g. {names}); a global-norm clip or another "
-                        f"cross-parameter transform needs all gradients in one place. Use a "
-                        f"per-parameter optimizer or a single-stage plan (max_stages=1)")
-                readers = [first[i] for i in members if i in first]
-                stage = min(stages) if stages else (min(readers) if readers else 0)
-                for i in members:
-                    owner[i] = stage
-            self.owner.append(owner)
+        self.loss_out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                               for v in self.splits[0].closed.jaxpr.outvars]
+        found = ownership(self._apply_fn(), self.state_avals, self.grad_index,
+                          self.loss_out_avals, self.batch_avals, self.paths, self.diff,
+                          self.splits)
+        self._out_tree, self.shared, self.owner = found.out_tree, found.shared, found.owner
 
-    def _input_name(self, j, ns, grad_of):
-        if j < ns:
-            return self.paths[j]
-        if j in grad_of:
-            return f"the gradient of {self.paths[grad_of[j]]}"
-        return f"input {j}"
 
     def _stage_run(self, pi, si) -> _StageRun:
         pipeline = self.plan.pipelines[pi]
@@ -341,14 +226,14 @@ class PipelineRunner:
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
-        run.fwd = _Forward(functools.partial(_forward, program, stage.remat,
+        run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program, stage.remat,
                                              stage.remat_layers, mesh, layouts,
                                              stage_autocast(self.plan, stage),
                                              self.plan.context_chunks(stage) or None),
                            program.cast_params)
-        run.bwd = jax.jit(functools.partial(_backward, program))
-        run.bwd_input = jax.jit(functools.partial(_backward_input, program))
-        run.bwd_weight = jax.jit(functools.partial(_backward_weight, program))
+        run.bwd = jax.jit(functools.partial(stage_fns.backward, program))
+        run.bwd_input = jax.jit(functools.partial(stage_fns.backward_input, program))
+        run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))
         run.apply = jax.jit(self._stage_apply(run, pi))
         return run
 
@@ -426,7 +311,7 @@ class PipelineRunner:
         start = 0
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         for pi, p in enumerate(self.plan.pipelines):
-            g, loss = self._run_pipeline(pi, p, batch_leaves, start, scale)
+            g, loss = PipelineWalk(self, pi, batch_leaves, start, scale).run()
             grads.append(g)
             losses.append(loss)
             start += p.batch_share
@@ -481,178 +366,6 @@ class PipelineRunner:
         return (self.full_output(out, self.published),
                 jax.tree.unflatten(self.state_tree, self.published))
 
-    def _run_pipeline(self, pi, pipeline, batch_leaves, start, scale=1.0):
-        """Every process walks the same schedule; it runs its own stages' tasks and joins
-        the transfers into or out of them; the loss's cotangent is seeded with ``scale``
-        times the micro-batch's weight (gradients come back scaled)."""
-        runs = self.runs[pi]
-        n, m = len(runs), pipeline.num_micro_batches
-        mbs = _samples_per_micro_batch(pipeline)
-        weight = mbs / self.global_batch
-        producer, readers = {}, {}
-        for st in self.splits[pi].stages:
-            for v in st.sends:
-                producer[v] = st.index
-            for v in st.recvs:
-                readers[v] = readers.get(v, 0) + 1
-        unread = [dict(readers) for _ in range(m)]  # a sent value is dropped once read
-        values: list[dict] = [{} for _ in range(m)]
-        cts: list[dict] = [{} for _ in range(m)]
-        vjps: dict = {}
-        acc: list = [None] * n
-        loss_acc: dict = {}
-
-        def act(v, mesh):
-            return activation_sharding(v.aval.shape, mesh, mbs, self.plan.seq_len)
-
-        def move(variables, src, dst, have):
-            """Moves activations (or cotangents) of ``variables`` from stage ``src`` to
-            stage ``dst``; ``have`` gives the source values (read only where src runs)."""
-            a, b = runs[src], runs[dst]
-            srcs = [act(v, a.mesh) for v in variables]
-            dsts = [act(v, b.mesh) for v in variables]
-            if not variables or not takes_part(srcs[0], dsts[0]):
-                return None
-            return transfer(have() if a.here else None,
-                            [v.aval for v in variables], srcs, dsts)
-
-        def clocked(s, f):
-            """``f()``; timed (to its results) when the step is timed, plus any delay
-            injected for stage ``s``."""
-            if self.clock is None:
-                return f()
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(f())
-            if self.delays.get((pi, s)):
-                time.sleep(self.delays[pi, s])
-            self.clock[pi, s] = self.clock.get((pi, s), 0.0) + time.perf_counter() - t0
-            return out
-
-        def forward(s, mb):
-            run, st = runs[s], runs[s].program
-            by_producer: dict[int, list] = {}
-            for v in st.recvs:
-                by_producer.setdefault(producer[v], []).append(v)
-            recvd = {}
-            for p, vs in by_producer.items():
-                got = move(vs, p, s, lambda vs=vs: [values[mb][v] for v in vs])
-                if got is not None:
-                    recvd.update(zip(vs, got, strict=True))
-                for v in vs:
-                    unread[mb][v] -= 1
-                    if not unread[mb][v]:
-                        values[mb].pop(v, None)
-            if not run.here:
-                return
-            lo = start + mb * mbs
-            view = self.views[pi][s]
-            batch = [jax.device_put(np.asarray(batch_leaves[i][lo:lo + mbs])
-                                    if isinstance(batch_leaves[i], np.ndarray)
-                                    else batch_leaves[i][lo:lo + mbs],
-                                    activation_sharding(
-                                        (mbs, *np.shape(batch_leaves[i])[1:]), run.mesh, mbs,
-                                        self.plan.seq_len))
-                     for i in st.batch]
-            fo, oo, vjp = clocked(s, lambda: run.fwd([view[i] for i in st.params],
-                                                     [view[i] for i in st.frozen], batch,
-                                                     [recvd[v] for v in st.recvs]))
-            vjps[s, mb] = vjp
-            outs = [None] * len(st.sends)
-            for j, x in zip(st.diff_sends, fo, strict=True):
-                outs[j] = x
-            rest = iter(oo)
-            for j in range(len(st.sends)):
-                if outs[j] is None:
-                    outs[j] = next(rest)
-            for j, (v, x) in enumerate(zip(st.sends, outs, strict=True)):
-                if unread[mb].get(v):
-                    values[mb][v] = x
-                if j in st.outputs:
-                    pos = st.outputs[j]
-                    loss_acc[pos] = _accumulate(loss_acc.get(pos), x, weight)
-
-        def backward(s, mb):
-            run, st = runs[s], runs[s].program
-            rc = None
-            if run.here:
-                incoming = []
-                for j in st.diff_sends:
-                    parts = cts[mb].pop(st.sends[j], [])
-                    incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-                seeds = [weight * scale if st.outputs.get(j) == 0 else None
-                         for j in st.diff_sends]
-                if split and not st.diff_recvs:
-                    # ZB-H1 on a stage with no input cotangent to send (the first): its
-                    # whole backward runs as W, as the simulator times it, so nothing
-                    # computed in B waits for W.
-                    pending[s, mb] = (vjps.pop((s, mb)), incoming, seeds)
-                    rc = []
-                elif split:  # ZB-H1: the input's cotangent now, the weights' at the W pass
-                    vjp = vjps.pop((s, mb))
-                    rc, seeded, carried = clocked(
-                        s, lambda: run.bwd_input(vjp, incoming, seeds))
-                    pending[s, mb] = (vjp, seeded, carried)
-                else:
-                    acc[s], rc = clocked(s, lambda: run.bwd(vjps.pop((s, mb)), incoming,
-                                                            seeds, acc[s]))
-                rc = dict(zip((st.recvs[i] for i in st.diff_recvs), rc, strict=True))
-            by_producer: dict[int, list] = {}
-            for i in st.diff_recvs:
-                by_producer.setdefault(producer[st.recvs[i]], []).append(st.recvs[i])
-            for p, vs in by_producer.items():
-                got = move(vs, s, p, lambda vs=vs: [rc[v] for v in vs])
-                if got is not None:
-                    for v, c in zip(vs, got, strict=True):
-                        cts[mb].setdefault(v, []).append(c)
-
-        def weights(s, mb):
-            if not runs[s].here:
-                return
-            if runs[s].program.diff_recvs:
-                acc[s] = clocked(s, lambda: runs[s].bwd_weight(*pending.pop((s, mb)), acc[s]))
-            else:
-                acc[s], _ = clocked(s, lambda: runs[s].bwd(*pending.pop((s, mb)), acc[s]))
-
-        split = pipeline.schedule == "zbh1"
-        pending: dict = {}
-        task = {"F": forward, "B": backward, "W": weights}
-        for s, kind, mb in schedule_walk(pipeline.schedule, n, m, pipeline.virtual_stages,
-                                         pipeline.extra_warmup):
-            task[kind](s, mb)
-        for run in runs:
-            run.fwd.release()  # the step's casts (the vjps that read them are gone)
-        # Tied parameters: gradients of read copies go to the owning stage.
-        grads = [dict(zip(runs[s].program.params, acc[s], strict=True)) if runs[s].here
-                 else dict.fromkeys(runs[s].program.params) for s in range(n)]
-        owner = self.owner[pi]
-        for s in range(n):
-            for i in list(runs[s].program.params):
-                o = owner.get(i, s)
-                if o == s:
-                    continue
-                g = grads[s].pop(i)
-                src, dst = runs[s].shardings[i], runs[o].shardings[i]
-                moved = (transfer([g] if runs[s].here else None, [self.state_avals[i]],
-                                  [src], [dst]) if takes_part(src, dst) else None)
-                if runs[o].here:
-                    held = grads[o].get(i)
-                    grads[o][i] = moved[0] if held is None else _add(held, moved[0])
-                else:
-                    grads[o].setdefault(i, None)
-        outputs = [loss_acc.get(k) for k in range(len(self.loss_out_avals))]
-        home = NamedSharding(runs[self.loss_stage[pi]].mesh, PartitionSpec())
-        for st in self.splits[pi].stages:  # outputs computed before the loss stage
-            if st.index == self.loss_stage[pi] or not st.outputs:
-                continue
-            pos = sorted(st.outputs.values())
-            src = NamedSharding(runs[st.index].mesh, PartitionSpec())
-            if takes_part(src, home):
-                got = transfer([outputs[k] for k in pos] if here(src) else None,
-                               [self.loss_out_avals[k] for k in pos],
-                               [src] * len(pos), [home] * len(pos))
-                for k, x in zip(pos, got or [None] * len(pos), strict=True):
-                    outputs[k] = x
-        return grads, outputs
 
     def _sync(self, grads):
         """Sums each parameter's gradient over the pipelines (module docstring, 3)."""
@@ -720,7 +433,7 @@ class PipelineRunner:
             moved = transfer(list(losses[pi]) if here(src) else None, avals,
                              [src] * len(avals), [home] * len(avals))
             if total is not None:
-                total = [_add(a, b) for a, b in zip(total, moved, strict=True)]
+                total = [stage_fns.add(a, b) for a, b in zip(total, moved, strict=True)]
         return total
 
     def _loss_to(self, loss, mesh):
@@ -730,145 +443,3 @@ class PipelineRunner:
             return None
         k = len(self.loss_out_avals)
         return transfer(loss, self.loss_out_avals, [home] * k, [dst] * k)
-
-
-def _samples_per_micro_batch(pipeline) -> int:
-    """Samples in one micro-batch of the pipeline (the plan's ``micro_batch_size`` is per
-    data-parallel replica of a stage)."""
-    return pipeline.batch_share // pipeline.num_micro_batches
-
-
-# ---- jitted stage functions -----------------------------------------------------------
-
-def _forward(program, remat, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
-             batch, recvs):
-    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``,
-    ``autocast`` (``stage_autocast``) and uneven context ``chunks`` for attention
-    (``Plan.context_chunks``); under a remat each of its first ``remat_layers`` layers
-    (None: all) is checkpointed on its own, so the backward recomputes one layer at a
-    time."""
-    wrap = remat_wrap(remat)
-    return program.forward(params, frozen, batch, recvs,
-                           remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
-                           constrain=layouts, autocast=autocast, chunk_lengths=chunks)
-
-
-class _Forward:
-    """A stage's jitted forward whose vjp holds no copies of the stage's parameters.
-
-    A jitted function's outputs are new buffers even when they are its inputs, so a
-    vjp returned from ``jax.jit`` would hold a copy of every parameter its backward
-    reads as is (what ``jax.checkpoint`` saves of a layer, a matmul's weight read
-    without a cast): one per micro-batch in flight. Those residuals are left out of the
-    jitted outputs and put back from the caller's arrays. Which residuals they are is
-    fixed by the arguments' shapes and dtypes, read when the function is traced for
-    them. Parameters the stage
-    reads only through a cast (``casts``: position -> dtype; the compute-dtype copy of
-    a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
-    that copy instead of keeping one each (their gradients come back in the cast dtype;
-    ``_backward`` converts them back, as the cast's transpose would)."""
-
-    def __init__(self, fn, casts: dict | None = None):
-        self.fn = fn
-        self.casts = dict(casts or {})
-        # per argument signature: (vjp treedef, per vjp leaf: the parameter's index or None)
-        self.layouts: dict = {}
-        self.jitted = jax.jit(self._traced)
-        self._cast = jax.jit(lambda xs: [x.astype(self.casts[k]) for k, x in xs.items()])
-        self._held = ((), {})  # (the step's parameter arrays that were cast, the casts)
-
-    def _cast_once(self, params) -> list:
-        if not self.casts:
-            return params
-        src = tuple(params[k] for k in sorted(self.casts))
-        held, casts = self._held
-        if len(held) != len(src) or any(a is not b for a, b in zip(held, src, strict=True)):
-            casts = self._cast({k: params[k] for k in sorted(self.casts)})
-            casts = dict(zip(sorted(self.casts), casts, strict=True))
-            self._held = (src, casts)
-        return [casts.get(k, p) for k, p in enumerate(params)]
-
-    def _traced(self, params, frozen, batch, recvs):
-        float_outs, other, vjp = self.fn(params, frozen, batch, recvs)
-        leaves, tree = jax.tree.flatten(vjp)
-        index = {id(p): k for k, p in enumerate(params)}
-        where = [index.get(id(x)) for x in leaves]
-        self.layouts[_signature(params, frozen, batch, recvs)] = (tree, where)
-        return float_outs, other, [x for x, k in zip(leaves, where, strict=True) if k is None]
-
-    def release(self) -> None:
-        self._held = ((), {})
-
-    def _cache_size(self) -> int:
-        """Compilations of the forward (as ``jax.jit``'s)."""
-        return self.jitted._cache_size()
-
-    def __call__(self, params, frozen, batch, recvs):
-        params = self._cast_once(params)
-        float_outs, other, rest = self.jitted(params, frozen, batch, recvs)
-        tree, where = self.layouts[_signature(params, frozen, batch, recvs)]
-        rest = iter(rest)
-        leaves = [next(rest) if k is None else params[k] for k in where]
-        return float_outs, other, jax.tree.unflatten(tree, leaves)
-
-
-def _signature(*args) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
-
-
-def _seeded(program, incoming, seeds) -> list:
-    """The sends' cotangents: what later stages sent back plus the loss's seed."""
-    cts = []
-    for j, ct, seed in zip(program.diff_sends, incoming, seeds, strict=True):
-        aval = program.sends[j].aval
-        base = jnp.zeros(aval.shape, aval.dtype) if seed is None else \
-            jnp.full(aval.shape, seed, aval.dtype)
-        cts.append(base if ct is None else base + ct.astype(aval.dtype))
-    return cts
-
-
-def _param_dtypes(program, pcts) -> list:
-    """Parameter cotangents in the parameters' dtypes (those of parameters given cast,
-    ``_Forward``, come in the cast dtype; converting is the cast's transpose)."""
-    return [g if g.dtype == dt else g.astype(dt)
-            for g, dt in zip(pcts, program.param_dtypes, strict=True)]
-
-
-def _backward(program, vjp, incoming, seeds, acc):
-    pcts, rcts = vjp(_seeded(program, incoming, seeds))
-    pcts = _param_dtypes(program, pcts)
-    if acc is not None:
-        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
-    return pcts, list(rcts)
-
-
-def _backward_input(program, vjp, incoming, seeds):
-    """ZB-H1's B: (received values' cotangents, the seeded cotangents, what W reads)."""
-    cts = _seeded(program, incoming, seeds)
-    rcts, carried = input_backward(vjp, cts)
-    return rcts, cts, carried
-
-
-def _backward_weight(program, vjp, cts, carried, acc):
-    """ZB-H1's W: the parameters' cotangents, accumulated."""
-    pcts = _param_dtypes(program, weight_backward(vjp, cts, carried))
-    if acc is not None:
-        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
-    return pcts
-
-
-@jax.jit
-def _add(a, b):
-    return a + b
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _weighted(acc, x, w):
-    x = x * jnp.asarray(w, x.dtype)
-    return x if acc is None else acc + x
-
-
-def _accumulate(acc, x, w):
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    return _weighted(acc, x, w)

@@ -28,7 +28,7 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Plan, Predicted, stage_dtype
+from hetshard.plan import Plan, Predicted, data_ways, stage_dtype
 from hetshard.sim.schedule import (
     best_warmup,
     capped_warmup,
@@ -211,7 +211,7 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
             tp_overlap, dtype, gpu) -> StageCost:
     """``layers_cost`` with the stage's work priced on GPU type ``gpu``."""
     tp, cp = st.axis("tensor"), st.axis("context")
-    dp = st.axis("data") * st.axis("fsdp")
+    dp = data_ways(st)
     devs = list(st.devices)
     # Device order inside a stage: data-major, then context, then tensor (innermost). A
     # stage spanning GPU types or nodes runs at its slowest group's pace.
@@ -566,7 +566,7 @@ def _sync_partners(plan: Plan, pi: int, stage):
     pipelines and the stage's own data axis; None when it has no replica."""
     devices = list(stage.devices)
     holders = []
-    dp = stage.axis("data") * stage.axis("fsdp")
+    dp = data_ways(stage)
     for qi, q in enumerate(plan.pipelines):
         for qs, other in enumerate(q.stages):
             if other.start < stage.end and other.end > stage.start:
@@ -575,7 +575,7 @@ def _sync_partners(plan: Plan, pi: int, stage):
                     devices += list(other.devices)
     if dp <= 1 and len(holders) == 1:
         return None
-    overlap = all(g.overlap for g in plan.grad_sync) if plan.grad_sync else True
+    overlap = plan.grad_sync_overlap
     tp_cp = stage.axis("tensor") * stage.axis("context")
     # One representative device per replica: the collective runs tp*cp-way in parallel.
     return devices[::tp_cp], holders, overlap

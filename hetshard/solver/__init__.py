@@ -7,7 +7,22 @@ import time
 import warnings
 
 from hetshard import progress
-from hetshard.solver.inter_op import NoFeasiblePlanError, PlannerOptions, PlannerTimeLimitWarning
+from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.profile import profile_program
+from hetshard.errors import SpecError, check_positive
+from hetshard.ir.program import Program
+from hetshard.solver.halves import refine_halves
+from hetshard.solver.inter_op import plan
+from hetshard.solver.options import (
+    BUDGET,
+    NoFeasiblePlanError,
+    PlannerOptions,
+    PlannerTimeLimitWarning,
+)
+from hetshard.solver.shardings import attach_shardings
+from hetshard.solver.uniform import parse_fix
 
 
 def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
@@ -18,8 +33,6 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     Raises SpecError for keys the planner cannot honour (dp, pp, cp decide the layout,
     which is the planner's job: use ``hetshard simulate`` to price a fixed layout).
     """
-    from hetshard.errors import SpecError
-    from hetshard.solver.uniform import parse_fix
     if not text:
         return base
     fix = parse_fix(text)
@@ -62,12 +75,6 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
       PlannerTimeLimitWarning: ``options.time_limit_s`` cut the search; the plan is the
       best found, and the warning (and ``plan.solver``) gives its gap to the compute bound.
     """
-    from hetshard.cluster import Cluster
-    from hetshard.cost.calibration import DEFAULT
-    from hetshard.cost.profile import profile_program
-    from hetshard.errors import SpecError, check_positive
-    from hetshard.ir.program import Program
-    from hetshard.solver.shardings import attach_shardings
     if not isinstance(program, Program):
         raise SpecError("program", type(program).__name__,
                         "a hetshard.Program (hetshard.Program(step, args), or "
@@ -80,7 +87,6 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         raise SpecError("global_batch", global_batch, "a positive integer")
     check_positive("time_limit_s", opts.time_limit_s, where="PlannerOptions")
     seq_len = program.seq_len
-    from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
     warn_precision_fallback(cluster, program.dtype,
                             gpu_dtypes=gpu_dtypes(cluster, program.dtype, opts.gpu_dtypes))
     t0 = time.perf_counter()
@@ -96,10 +102,10 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
                         f"heads and at most {max_gpn} (GPUs per node)")
     cal = calibration or DEFAULT
     # One budget from the start (tracing and pricing the layers included): the inter-op
-    # search ends by 85% of it, the intra-op shardings take the rest (one CP-SAT model
-    # per block and layout, returning its best so far); where the whole-block plan is
-    # then refined in halves, the search keeps a quarter of its share for that.
-    inter = opts.time_limit_s * (0.85 if shardings else 1.0)
+    # search ends by its share of it, the intra-op shardings take the rest (one CP-SAT
+    # model per block and layout, returning its best so far); where the whole-block plan
+    # is then refined in halves, the search keeps part of its share for that (BUDGET).
+    inter = opts.time_limit_s * (BUDGET.inter_op if shardings else 1.0)
     refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
     # The searches' own time-limit warnings name their share of the budget and the gap
@@ -123,12 +129,10 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
               refine, t0):
     """(plan, its profile): the whole-block search, refined in block halves when
     ``refine`` (kept when faster)."""
-    from hetshard.cost.profile import profile_program
-    from hetshard.solver.inter_op import plan, refine_halves
     share = max(0.0, t0 + inter - time.perf_counter())  # less what tracing took
     result = plan(profile.model, profile, cluster, global_batch=global_batch,
                   seq_len=seq_len, cal=cal, options=dataclasses.replace(
-                      narrowed, time_limit_s=share * (0.75 if refine else 1.0)))
+                      narrowed, time_limit_s=share * (BUDGET.whole_blocks if refine else 1.0)))
     if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when it fits and is faster (the whole-block plan in

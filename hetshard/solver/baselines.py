@@ -17,6 +17,11 @@ from hetshard.cost.profile import ModelProfile
 from hetshard.errors import HetshardError
 from hetshard.plan import Plan
 from hetshard.sim.simulator import annotate, simulate
+from hetshard.solver.batch import assign_batch
+from hetshard.solver.evaluator import zero1_choice
+from hetshard.solver.families import Family, build_plan, divisors, family_configs
+from hetshard.solver.options import planned_gpu_dtypes
+from hetshard.solver.splits import LayerTables, split_layers
 from hetshard.solver.uniform import Fix, stage_bounds, uniform_plan
 
 BASELINES = ("megatron-uniform", "fastest-only", "metis-like", "amp-like", "alpa-homogeneous")
@@ -30,7 +35,6 @@ def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                        deadline: float | None = None) -> list[Plan]:
     """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats);
     past ``deadline`` (``time.perf_counter``) the ones built so far, at least one."""
-    from hetshard.solver.inter_op import planned_gpu_dtypes
     n = cluster.num_devices
     heads = profile.tensor_divisor
     max_tp = min(g.gpus_per_node for g in cluster.groups)
@@ -79,7 +83,6 @@ def _best(plans, profile, cluster, cal, deadline: float | None = None,
     if best is None:
         return None
     if choose_zero1:
-        from hetshard.solver.inter_op import zero1_choice
         best = zero1_choice(best, profile, cluster, cal, cache, margin)
     return annotate(best[1], best[2])
 
@@ -105,8 +108,7 @@ def _shift(plan: Plan, offset: int, cluster: Cluster) -> Plan:
         stages = tuple(dataclasses.replace(s, devices=tuple(d + offset for d in s.devices))
                        for s in p.stages)
         pipes.append(dataclasses.replace(p, stages=stages))
-    return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster.to_dict(),
-                               grad_sync=())
+    return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster.to_dict())
 
 
 def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
@@ -129,7 +131,6 @@ def metis_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT
     batch share (Metis' per-pipeline uneven batches are not modelled here)."""
     import math
 
-    from hetshard.solver.inter_op import Family, build_plan, divisors
     groups = tuple(sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype)))
     heads = profile.tensor_divisor
     n_layers = profile.num_layers
@@ -168,8 +169,6 @@ def amp_like(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
     """AMP (Li et al., NeurIPS'22), simplified: uniform TP x PP x DP degrees (as AMP
     searches), with the layers re-split across the pipeline stages to balance each
     stage's predicted time on its own (slowest) GPU type."""
-    from hetshard.solver.inter_op import planned_gpu_dtypes
-    from hetshard.solver.splits import LayerTables, split_layers
     tables = LayerTables(profile, cluster, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap,
                          planned_gpu_dtypes(profile, cluster, opts))
@@ -201,17 +200,9 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     """Alpa (Zheng et al., OSDI'22), simplified: its stage/submesh search run as if every
     GPU were the cluster's most common type (one pipeline over all devices, stage layer
     split balanced on that assumption), then priced on the real cluster."""
-    from hetshard.solver.inter_op import (
-        Family,
-        assign_batch,
-        build_plan,
-        family_configs,
-    )
-    from hetshard.solver.splits import LayerTables
     common = max(cluster.groups, key=lambda g: g.num_devices).gpu
     homo = dataclasses.replace(cluster, groups=tuple(dataclasses.replace(g, gpu=common)
                                                      for g in cluster.groups))
-    import time
     tables = LayerTables(profile, homo, cal, opts.attention,
                          opts.distributed_optimizer is not False, opts.tp_overlap)
     fams = family_configs(tuple(homo.groups), tables, profile, opts, profile.tensor_divisor,

@@ -38,7 +38,9 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Context, Pipeline, Plan, Stage, grad_sync_for, stage_dtype
+from hetshard.plan import Context, Pipeline, Plan, Stage, stage_dtype
+from hetshard.solver.options import planned_gpu_dtypes
+from hetshard.solver.uniform import stage_bounds
 
 # Chunk lengths are multiples of this (the flash kernel's block, and the zigzag's two
 # halves per rank).
@@ -106,7 +108,6 @@ def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
     of ``opts`` (``PlannerOptions``) that share every group's blocks out evenly, per
     micro-batch size and remat; ``chunks`` "speed" (balanced on each type's priced
     times, multiples of ``granule`` tokens) or "equal"."""
-    from hetshard.solver.inter_op import planned_gpu_dtypes
     if chunks not in ("speed", "equal"):
         raise SpecError("chunks", chunks, "speed or equal")
     if len(cluster.groups) < 2 or seq_len < opts.context_min_seq:
@@ -134,7 +135,6 @@ def mixed_context_plans(model: str, profile: ModelProfile, cluster: Cluster, *,
 
 def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, tp, cp, pp,
              dp, blocks, per, gpu_dtypes, granule) -> list[Plan]:
-    from hetshard.solver.uniform import stage_bounds
     bounds = stage_bounds(profile, pp)
     names = list(per)
     stages_devices, rank_types = [], None
@@ -173,7 +173,6 @@ def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, 
         pipe = Pipeline(stages, global_batch, mbs, global_batch // (dp * mbs), opts.schedule)
         plans.append(Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
                           seq_len=seq_len, pipelines=(pipe,),
-                          grad_sync=grad_sync_for((pipe,), global_batch),
                           context=Context(cp, lengths, True), dtype=profile.dtype,
                           distributed_optimizer=opts.distributed_optimizer is not False,
                           attention=opts.attention, split_blocks=profile.split_blocks,

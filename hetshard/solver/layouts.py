@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.errors import HetshardError
-from hetshard.plan import Pipeline, Plan, Stage, data_ways, grad_sync_for
+from hetshard.plan import Pipeline, Plan, Stage, data_ways
 from hetshard.solver.splits import (
     LayerTables,
     choice_parts,
@@ -126,8 +126,7 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
         if any(q.pipelines[pi].stages == stages for q in out):
             continue
         pipes = plan.pipelines[:pi] + (new,) + plan.pipelines[pi + 1:]
-        out.append(dataclasses.replace(plan, pipelines=pipes,
-                                       grad_sync=grad_sync_for(pipes, plan.global_batch)))
+        out.append(dataclasses.replace(plan, pipelines=pipes))
     return out
 
 

@@ -28,6 +28,7 @@ from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.plan import stage_dtype
+from hetshard.solver.options import PlannerOptions, planned_gpu_dtypes
 
 
 class LayerTables:
@@ -41,6 +42,14 @@ class LayerTables:
         self.tp_overlap = tp_overlap  # collective matmuls (Plan.tp_overlap)
         self.gpu_dtypes = gpu_dtypes  # compute dtypes per GPU type (Plan.gpu_dtypes)
         self._cache: dict = {}
+
+    @classmethod
+    def for_search(cls, profile: ModelProfile, cluster: Cluster, cal: Calibration,
+                   opts: PlannerOptions) -> LayerTables:
+        """The tables a search under ``opts`` prices stages with (its attention, ZeRO-1
+        unless the options rule it out, collective matmuls, compute dtypes per GPU)."""
+        return cls(profile, cluster, cal, opts.attention, opts.distributed_optimizer is not False,
+                   opts.tp_overlap, planned_gpu_dtypes(profile, cluster, opts))
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
         key = (group.name, tp, mbs, remat, r, cp)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from hetshard.plan import Plan, grad_sync_for
+from hetshard.plan import Plan
 from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
 
 
@@ -43,8 +43,7 @@ def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
             pipe = dataclasses.replace(pipe, stages=tuple(stages), virtual_stages=v,
                                        extra_warmup=())
         pipes[i] = pipe
-    return dataclasses.replace(plan, pipelines=tuple(pipes),
-                               grad_sync=grad_sync_for(pipes, plan.global_batch))
+    return dataclasses.replace(plan, pipelines=tuple(pipes))
 
 
 def zero_bubble(plan: Plan) -> Plan | None:

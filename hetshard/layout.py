@@ -1,0 +1,209 @@
+"""Layouts: how a stage's named mesh axes lay out every value. The one owner of the
+translation from the plan's axes to ``NamedSharding`` (as MaxText's ``sharding.py`` and
+the llama3 example's ``ShardingRules`` are for theirs); the runtime, the rewrites and
+the checkpoint restore all ask here.
+
+* Axes: a stage's mesh has named axes among ``MESH_AXES``; the batch splits over
+  ``BATCH_AXES`` (``data``, then ``fsdp``; both are the plan's vocabulary, from
+  ``hetshard.plan``), a sequence over ``context``, heads and weight dimensions over
+  ``tensor``.
+* State leaves (:func:`leaf_spec`): the plan's per-parameter spec when it names one
+  (optimizer moments follow their parameter), otherwise the largest dimension divisible
+  by the ``fsdp`` axis under FSDP, otherwise replicated. With the plan's distributed
+  optimizer (ZeRO-1) every state leaf that is not an ``nnx.Param`` (the optimizer's
+  moments, its step count) is further split over ``data`` along its largest dimension
+  the spec leaves free and ``data`` divides: each data way keeps and updates one shard,
+  XLA reduces the gradients into it and all-gathers the updated parameters.
+* Values with a batch dimension (:func:`batch_sharding`, :func:`activation_sharding`,
+  :func:`boundary_layout`, :func:`attention_layout`): the batch over the batch axes where
+  their product divides it; on a stage with a ``context`` axis, token arrays and
+  activations also along their sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetshard.errors import SpecError
+from hetshard.ir.paths import path_string
+from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage
+
+__all__ = ["BATCH_AXES", "MESH_AXES", "activation_sharding", "attention_layout",
+           "batch_axes", "batch_axes_for", "batch_sharding", "batch_ways",
+           "boundary_layout", "leaf_spec", "mesh_of", "param_paths", "spec",
+           "stage_mesh", "state_shardings"]
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's batch axes of more than one device, in order."""
+    return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+
+
+def batch_ways(mesh: Mesh) -> int:
+    """How many ways the batch splits on ``mesh`` (the product of its batch axes)."""
+    return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))
+
+
+def batch_axes_for(mesh: Mesh, n: int) -> tuple[str, ...] | None:
+    """The batch axes (as a PartitionSpec entry) for a leading dimension of ``n``: all of
+    them when their product divides it, else None (replicated)."""
+    axes = batch_axes(mesh)
+    return (axes or None) if n % batch_ways(mesh) == 0 else None
+
+
+def mesh_of(stage: Stage, devices) -> Mesh:
+    """The stage's devices (``devices[i]`` for each cluster id) as a Mesh of its shape."""
+    shape = [n for _, n in stage.mesh_shape]
+    names = [a for a, _ in stage.mesh_shape]
+    return Mesh(np.array([devices[i] for i in stage.devices]).reshape(shape), names)
+
+
+def stage_mesh(plan: Plan, devices) -> Mesh:
+    """The mesh of a single-stage plan's one stage."""
+    (stage,) = plan.pipelines[0].stages
+    return mesh_of(stage, devices)
+
+
+# ---- state leaves --------------------------------------------------------------------
+
+def spec(entries) -> PartitionSpec:
+    """A PartitionSpec without trailing Nones: ``P(None, None)`` and ``P()`` are the
+    same layout, but a jitted function compiled for one misses its cache on the other
+    (the arrays its update returns come back as ``P()``)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
+              shard_data: bool = False) -> PartitionSpec:
+    """The PartitionSpec of one state leaf (see the module docstring); ``shard_data``:
+    a leaf of the optimizer's state under the distributed optimizer."""
+    base = _base_spec(path, shape, specs, mesh)
+    data = mesh.shape.get("data", 1)
+    if not shard_data or data == 1 or not shape:
+        return base
+    entries = list(base) + [None] * (len(shape) - len(base))
+    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % data == 0]
+    if not free:
+        return base
+    entries[max(free, key=lambda d: (shape[d], -d))] = "data"
+    return spec(entries)
+
+
+def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> PartitionSpec:
+    best = None
+    for name, entries in specs.items():
+        if (path == name or path.endswith("/" + name)) and len(entries) == len(shape):
+            if best is None or len(name) > len(best[0]):
+                best = (name, entries)
+    if best is not None:
+        return spec(a if a is None or shape[i] % mesh.shape[a] == 0 else None
+                    for i, a in enumerate(best[1]))
+    fsdp = mesh.shape.get("fsdp", 1)
+    if fsdp > 1 and shape:
+        dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+        for d in dims:
+            if shape[d] % fsdp == 0:
+                return spec("fsdp" if i == d else None for i in range(len(shape)))
+    return PartitionSpec()
+
+
+def state_shardings(tree, plan: Plan, mesh: Mesh):
+    """Per leaf of ``tree`` (a step's state) its NamedSharding under a single-stage
+    plan."""
+    (stage,) = plan.pipelines[0].stages
+    specs = {name: tuple(entries) for name, entries in stage.shardings}
+    params = param_paths(tree) if plan.distributed_optimizer else None
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(
+            path_string(p), np.shape(x), specs, mesh,
+            shard_data=params is not None and path_string(p) not in params)),
+        tree)
+
+
+def param_paths(tree) -> set[str]:
+    """Paths (``path_string``) of the ``nnx.Param`` leaves of an NNX state."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {path_string(p) for p, x in flat if isinstance(x, nnx.Param)}
+
+
+# ---- values with a batch dimension ----------------------------------------------------
+
+def batch_sharding(batch, plan: Plan, mesh: Mesh):
+    """The batch's leading dimension over the batch axes; on a stage with a ``context``
+    axis, token arrays (dimension 1 of the plan's sequence length) also along their
+    sequence over ``context``."""
+    axes, ways = batch_axes(mesh), batch_ways(mesh)
+    cp = mesh.shape.get("context", 1)
+
+    def one(x):
+        n = np.shape(x)[0] if np.ndim(x) else None
+        if n is None or n % ways:
+            raise SpecError("batch", f"leading dimension {n}",
+                            f"a multiple of the plan's {ways} data-parallel ways "
+                            f"(valid batch sizes: {[ways * k for k in range(1, 5)]})")
+        entry = axes if axes else None
+        if cp > 1 and np.ndim(x) >= 2 and np.shape(x)[1] == plan.seq_len:
+            if plan.seq_len % cp:
+                raise SpecError("seq_len", plan.seq_len,
+                                f"a multiple of the plan's context degree {cp}")
+            return NamedSharding(mesh, PartitionSpec(entry, "context"))
+        return NamedSharding(mesh, PartitionSpec(entry))
+    return jax.tree.map(one, batch)
+
+
+def activation_sharding(shape, mesh: Mesh, mbs: int, seq_len: int | None = None
+                        ) -> NamedSharding:
+    """A pipeline stage's micro-batch value: split over the batch axes when its leading
+    dimension is the micro-batch and divides evenly, and replicated otherwise; on a stage
+    with a ``context`` axis, values ``[micro-batch, seq_len, ...]`` (token arrays,
+    boundary activations) also along their sequence over it."""
+    axes = batch_axes(mesh)
+    ways = batch_ways(mesh)
+    batch = axes if axes and len(shape) and shape[0] == mbs and mbs % ways == 0 else None
+    cp = mesh.shape.get("context", 1)
+    if cp > 1 and seq_len and len(shape) >= 2 and shape[0] == mbs and \
+            shape[1] == seq_len and seq_len % cp == 0:
+        return NamedSharding(mesh, PartitionSpec(batch, "context"))
+    return NamedSharding(mesh, PartitionSpec(batch) if batch else PartitionSpec())
+
+
+def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
+    """The layout of a boundary activation of ``shape`` on the stage mesh: its batch over
+    the batch axes and, on a stage with a ``context`` axis, its sequence (dimension 1)
+    over ``context``; None where the stage's activation layout does not split the batch
+    first or the shape does not divide."""
+    axes = batch_axes(mesh)
+    named = [entries for _, entries in stage.activations]
+    if named and "data" not in tuple(named[0])[:1]:
+        return None
+    if not len(shape) or shape[0] % batch_ways(mesh):
+        return None
+    cp = mesh.shape.get("context", 1)
+    if cp > 1 and len(shape) >= 3 and shape[1] % cp == 0:
+        return NamedSharding(mesh, PartitionSpec(axes if axes else None, "context"))
+    return NamedSharding(mesh, PartitionSpec(axes if axes else None))
+
+
+def attention_layout(mesh: Mesh, q_shape, kv_heads: int):
+    """``(batch axes or None, heads axis or None)``: how attention splits over a stage
+    mesh, each sample and head being independent. The batch goes over the batch axes
+    (``data``, then ``fsdp``) as far as their product divides it; the heads over
+    ``tensor`` when it divides the query and the key/value heads (grouped-query
+    attention keeps each key/value head with its queries)."""
+    b, h = q_shape[0], q_shape[2]
+    batch, ways = [], 1
+    for a in BATCH_AXES:
+        n = mesh.shape.get(a, 1)
+        if n > 1 and b % (ways * n) == 0:
+            batch.append(a)
+            ways *= n
+    tp = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tp > 1 and h % tp == 0 and kv_heads % tp == 0 else None
+    return (tuple(batch) or None), heads

@@ -1,0 +1,147 @@
+"""A pipeline stage's jitted functions: its forward (whose vjp holds no copies of the
+stage's parameters, weights cast once per step), its backward (whole, or ZB-H1's B and
+W passes), and the accumulation of gradients and losses over micro-batches."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hetshard.rewrite.backward import input_backward, weight_backward
+from hetshard.rewrite.pipeline import remat_wrap
+
+
+def stage_forward(program, remat, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
+             batch, recvs):
+    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``,
+    ``autocast`` (``stage_autocast``) and uneven context ``chunks`` for attention
+    (``Plan.context_chunks``); under a remat each of its first ``remat_layers`` layers
+    (None: all) is checkpointed on its own, so the backward recomputes one layer at a
+    time."""
+    wrap = remat_wrap(remat)
+    return program.forward(params, frozen, batch, recvs,
+                           remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
+                           constrain=layouts, autocast=autocast, chunk_lengths=chunks)
+
+
+class Forward:
+    """A stage's jitted forward whose vjp holds no copies of the stage's parameters.
+
+    A jitted function's outputs are new buffers even when they are its inputs, so a
+    vjp returned from ``jax.jit`` would hold a copy of every parameter its backward
+    reads as is (what ``jax.checkpoint`` saves of a layer, a matmul's weight read
+    without a cast): one per micro-batch in flight. Those residuals are left out of the
+    jitted outputs and put back from the caller's arrays. Which residuals they are is
+    fixed by the arguments' shapes and dtypes, read when the function is traced for
+    them. Parameters the stage
+    reads only through a cast (``casts``: position -> dtype; the compute-dtype copy of
+    a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
+    that copy instead of keeping one each (their gradients come back in the cast dtype;
+    ``backward`` converts them back, as the cast's transpose would)."""
+
+    def __init__(self, fn, casts: dict | None = None):
+        self.fn = fn
+        self.casts = dict(casts or {})
+        # per argument signature: (vjp treedef, per vjp leaf: the parameter's index or None)
+        self.layouts: dict = {}
+        self.jitted = jax.jit(self._traced)
+        self._cast = jax.jit(lambda xs: [x.astype(self.casts[k]) for k, x in xs.items()])
+        self._held = ((), {})  # (the step's parameter arrays that were cast, the casts)
+
+    def _cast_once(self, params) -> list:
+        if not self.casts:
+            return params
+        src = tuple(params[k] for k in sorted(self.casts))
+        held, casts = self._held
+        if len(held) != len(src) or any(a is not b for a, b in zip(held, src, strict=True)):
+            casts = self._cast({k: params[k] for k in sorted(self.casts)})
+            casts = dict(zip(sorted(self.casts), casts, strict=True))
+            self._held = (src, casts)
+        return [casts.get(k, p) for k, p in enumerate(params)]
+
+    def _traced(self, params, frozen, batch, recvs):
+        float_outs, other, vjp = self.fn(params, frozen, batch, recvs)
+        leaves, tree = jax.tree.flatten(vjp)
+        index = {id(p): k for k, p in enumerate(params)}
+        where = [index.get(id(x)) for x in leaves]
+        self.layouts[_signature(params, frozen, batch, recvs)] = (tree, where)
+        return float_outs, other, [x for x, k in zip(leaves, where, strict=True) if k is None]
+
+    def release(self) -> None:
+        self._held = ((), {})
+
+    def _cache_size(self) -> int:
+        """Compilations of the forward (as ``jax.jit``'s)."""
+        return self.jitted._cache_size()
+
+    def __call__(self, params, frozen, batch, recvs):
+        params = self._cast_once(params)
+        float_outs, other, rest = self.jitted(params, frozen, batch, recvs)
+        tree, where = self.layouts[_signature(params, frozen, batch, recvs)]
+        rest = iter(rest)
+        leaves = [next(rest) if k is None else params[k] for k in where]
+        return float_outs, other, jax.tree.unflatten(tree, leaves)
+
+
+def _signature(*args) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args))
+
+
+def _seeded(program, incoming, seeds) -> list:
+    """The sends' cotangents: what later stages sent back plus the loss's seed."""
+    cts = []
+    for j, ct, seed in zip(program.diff_sends, incoming, seeds, strict=True):
+        aval = program.sends[j].aval
+        base = jnp.zeros(aval.shape, aval.dtype) if seed is None else \
+            jnp.full(aval.shape, seed, aval.dtype)
+        cts.append(base if ct is None else base + ct.astype(aval.dtype))
+    return cts
+
+
+def _param_dtypes(program, pcts) -> list:
+    """Parameter cotangents in the parameters' dtypes (those of parameters given cast,
+    ``Forward``, come in the cast dtype; converting is the cast's transpose)."""
+    return [g if g.dtype == dt else g.astype(dt)
+            for g, dt in zip(pcts, program.param_dtypes, strict=True)]
+
+
+def backward(program, vjp, incoming, seeds, acc):
+    pcts, rcts = vjp(_seeded(program, incoming, seeds))
+    pcts = _param_dtypes(program, pcts)
+    if acc is not None:
+        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
+    return pcts, list(rcts)
+
+
+def backward_input(program, vjp, incoming, seeds):
+    """ZB-H1's B: (received values' cotangents, the seeded cotangents, what W reads)."""
+    cts = _seeded(program, incoming, seeds)
+    rcts, carried = input_backward(vjp, cts)
+    return rcts, cts, carried
+
+
+def backward_weight(program, vjp, cts, carried, acc):
+    """ZB-H1's W: the parameters' cotangents, accumulated."""
+    pcts = _param_dtypes(program, weight_backward(vjp, cts, carried))
+    if acc is not None:
+        pcts = [a + g for a, g in zip(acc, pcts, strict=True)]
+    return pcts
+
+
+@jax.jit
+def add(a, b):
+    return a + b
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _weighted(acc, x, w):
+    x = x * jnp.asarray(w, x.dtype)
+    return x if acc is None else acc + x
+
+
+def accumulate(acc, x, w):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return _weighted(acc, x, w)

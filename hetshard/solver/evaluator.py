@@ -1,0 +1,127 @@
+"""How the solver prices a plan: one :class:`Evaluator` per search holds the program's
+profile, the cluster, the calibration, the options (memory margin included) and the
+stage-cost cache every simulation of that search shares; each priced plan is a
+:class:`Candidate` (its ranking key, the plan, the simulator's result)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import NamedTuple
+
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.calibration import Calibration
+from hetshard.cost.profile import ModelProfile
+from hetshard.plan import Plan, SolverStats
+from hetshard.sim.simulator import (
+    SimResult,
+    annotate,
+    simulate,
+    tune_warmup,
+    upper_bound_tokens_per_s,
+    warmup_short_of_memory,
+)
+from hetshard.solver.options import PlannerOptions, PlannerTimeLimitWarning
+from hetshard.solver.variants import zero_bubble
+
+
+class Candidate(NamedTuple):
+    """A priced plan. ``key`` (``SimResult.rank``) orders plans that fit first, then by
+    step time."""
+
+    key: tuple
+    plan: Plan
+    result: SimResult
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Prices plans for one search (see the module docstring)."""
+
+    profile: ModelProfile
+    cluster: Cluster
+    cal: Calibration
+    opts: PlannerOptions
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def margin(self) -> float:
+        return self.opts.memory_margin
+
+    def price(self, plan: Plan) -> Candidate:
+        """The plan as it is, simulated."""
+        r = simulate(plan, self.profile, self.cluster, self.cal, trace=False,
+                     cache=self.cache, margin=self.margin)
+        return Candidate(r.rank, plan, r)
+
+    def tuned(self, plan: Plan) -> Plan:
+        """The plan with its 1F1B extra warm-up tuned within memory."""
+        return tune_warmup(plan, self.profile, self.cluster, self.cal, margin=self.margin,
+                           cache=self.cache)
+
+    def evaluate(self, plan: Plan) -> Candidate:
+        """The plan with its warm-up tuned, simulated."""
+        return self.price(self.tuned(plan))
+
+    def short_of_memory(self, plan: Plan) -> bool:
+        """Whether the plan's extra warm-up is held back by memory (the layout descent
+        then also splits layers keeping room for it)."""
+        return warmup_short_of_memory(plan, self.profile, self.cluster, self.cal,
+                                      margin=self.margin, cache=self.cache)
+
+    def zero_bubble(self, plan: Plan) -> Plan | None:
+        """``plan`` under ZB-H1 with its best warm-up option, when the options allow it."""
+        opts = self.opts
+        zb = zero_bubble(plan) if opts.zero_bubble and opts.schedule == "1f1b" else None
+        return zb and tune_warmup(zb, self.profile, self.cluster, self.cal,
+                                  margin=self.margin, cache=self.cache,
+                                  zero_bubble_options=True)
+
+    def last_variants(self, best: Candidate) -> Candidate:
+        """The local optimum ``best`` also tried under ZB-H1 (the searches start from
+        1F1B) and without ZeRO-1, the fastest kept."""
+        best = Candidate(*best)
+        zb = self.zero_bubble(best.plan) if not best.key[0] else None
+        if zb is not None:
+            other = self.price(zb)
+            if other.key < best.key:
+                best = other
+        if self.opts.distributed_optimizer is None:
+            best = zero1_choice(best, self.profile, self.cluster, self.cal, self.cache,
+                                self.margin)
+        return best
+
+    def annotated(self, chosen: Candidate, t0: float, timed_out: bool, doing: str,
+                  stacklevel: int = 3) -> Plan:
+        """The chosen plan with the simulator's prediction and the solver's statistics
+        (wall time since ``t0``, status, gap to the compute bound); a warning when the
+        clock cut the search (``doing`` says which; ``stacklevel`` for ``warnings.warn``,
+        the frame of the planner's caller)."""
+        plan, result, opts = chosen.plan, chosen.result, self.opts
+        upper = upper_bound_tokens_per_s(self.profile, self.cluster, self.cal,
+                                         attention=opts.attention,
+                                         gpu_dtypes=plan.gpu_dtypes)
+        gap = max(0.0, 1 - plan.global_batch * plan.seq_len / upper / result.step_time_s)
+        status = "time_limit" if timed_out else "searched"
+        if timed_out:
+            warnings.warn(PlannerTimeLimitWarning(
+                f"planner hit its {opts.time_limit_s:g} s limit{doing}: best plan found, gap "
+                f"to the compute bound {gap:.1%}"), stacklevel=stacklevel)
+        plan = dataclasses.replace(plan, solver=SolverStats(time.perf_counter() - t0,
+                                                            status, gap))
+        return annotate(plan, result, upper)
+
+
+def zero1_choice(scored, profile, cluster, cal, cache: dict | None = None,
+                 margin: float = 0.0) -> Candidate:
+    """``scored`` = (key, plan, result) or, when the plan uses the distributed optimizer
+    and simulates faster without it (and fits, less ``margin``), the plan without it: the
+    optimizer state is then whole on every data way, but the parameter all-gather no
+    longer waits for the update."""
+    key, p, r0 = scored
+    if not p.distributed_optimizer:
+        return Candidate(key, p, r0)
+    plain = dataclasses.replace(p, distributed_optimizer=False)
+    r = simulate(plain, profile, cluster, cal, trace=False, cache=cache, margin=margin)
+    return Candidate(r.rank, plain, r) if r.rank < key else Candidate(key, p, r0)

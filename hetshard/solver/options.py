@@ -1,0 +1,128 @@
+"""The planner's options, its errors and how it shares its time limit among phases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
+from hetshard.cluster.spec import Cluster
+from hetshard.cost.profile import ModelProfile
+from hetshard.errors import HetshardError, SpecError
+
+
+class NoFeasiblePlanError(HetshardError, ValueError):
+    """No plan in the search space fits the cluster's memory (or divides the batch)."""
+
+
+class PlannerTimeLimitWarning(UserWarning):
+    """The time limit cut the search: the plan is the best found, with its gap."""
+
+
+# How a family of several GPU types orders its stages (``_orders``).
+STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    time_limit_s: float = 60.0
+    mbs_options: tuple[int, ...] = (1, 2, 4, 8)
+    # "selective" (JAX's dots_with_no_batch_dims_saveable per layer) on request: searched
+    # with the others, its candidates crowd out the starts whose descents end fastest
+    # (docs/planner.md has the measurements).
+    remat_options: tuple[str, ...] = ("none", "full")
+    tp_options: tuple[int, ...] = (1, 2, 4, 8)
+    cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
+    context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
+    memory_margin: float = 0.05  # fraction of each GPU's memory kept free
+    simulate_top: int = 24
+    # best simulated candidates improved by local search (fewer lost good starts once
+    # collective matmuls made tensor-parallel starts rank higher: docs/planner.md)
+    refine_top: int = 4
+    variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
+    refine_evals: int = 300  # simulations per local search (deterministic effort)
+    layout_top: int = 12  # best simulated plans given a layout per GPU type
+    partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
+    layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
+    exact_combos: int = 512  # exact micro-batch counts for every combination up to this
+    attention: str = "flash"
+    # Tensor-parallel stages as collective matmuls (``Plan.tp_overlap``; the runtime's
+    # ``hetshard.collectives.matmul``), priced with their collectives overlapped (never
+    # slower than without: what cannot hide is paid as the plain collective would be).
+    tp_overlap: bool = True
+    schedule: str = "1f1b"
+    # With schedule "1f1b": the best plans also tried under ZB-H1 (backward split into B
+    # and W passes, W filling the bubbles), and kept where faster within memory.
+    zero_bubble: bool = True
+    virtual_options: tuple[int, ...] = (1, 2, 3, 4)  # stages per submesh (interleaving)
+    # ZeRO-1 (Megatron-LM's distributed optimizer): optimizer state sharded over each
+    # stage's data ways, for the same traffic as the gradient all-reduce it replaces, but
+    # the parameter all-gather waits for the update. None: chosen per plan (families are
+    # sized with it; the best plans are also simulated without); True/False: always/never
+    distributed_optimizer: bool | None = None
+    include_uniform: bool = True
+    max_stages: int | None = None  # per pipeline (None: no limit)
+    max_pipelines: int | None = None
+    # Stage boundaries inside blocks (attention | MLP halves as layers): True searches
+    # halves from the start, False never splits, None refines the best whole-block plan
+    # in halves (``refine_halves``) on clusters of at most ``split_blocks_max_devices``
+    # GPUs and keeps it when faster.
+    split_blocks: bool | None = None
+    split_blocks_max_devices: int = 256
+    # Stage orders tried for every family of several GPU types (``STAGE_ORDERS``).
+    stage_orders: tuple[str, ...] = STAGE_ORDERS
+    exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
+    exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
+    # Compute dtype per GPU type (``Plan.gpu_dtypes``, ``catalog.gpu_dtypes``): "program"
+    # (every GPU in the program's dtype) or "fastest" (float16 with loss scaling on GPU
+    # types without bfloat16 tensor cores, V100 and T4, under a bfloat16 program).
+    gpu_dtypes: str = "program"
+    # For sequences of at least ``context_min_seq`` on clusters of several GPU types,
+    # also plans whose context groups span the types, each device attending a chunk
+    # sized to its speed (``hetshard.solver.context``).
+    mixed_context: bool = True
+
+    @classmethod
+    def from_fields(cls, given: dict, where: str) -> PlannerOptions:
+        """Options from keyword fields (``hetshard.jit(..., tp_options=(1, 2))``); an
+        unknown name is a SpecError listing the fields."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - fields)
+        if unknown:
+            raise SpecError(unknown[0], given[unknown[0]],
+                            f"a PlannerOptions field among {sorted(fields)}", where=where)
+        return cls(**given)
+
+    def __post_init__(self):
+        if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
+            raise SpecError("gpu_dtypes", self.gpu_dtypes, f"one of {GPU_DTYPE_POLICIES}")
+        if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
+                any(o not in STAGE_ORDERS for o in self.stage_orders)):
+            raise SpecError("stage_orders", self.stage_orders,
+                            f"a non-empty tuple of {STAGE_ORDERS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How the search shares ``PlannerOptions.time_limit_s``: the end of each phase, as a
+    fraction of the limit from the search's start. The effort is set by the options; a
+    phase past its end stops and the plan says so (status "time_limit", a warning). A
+    phase cut early does not make the later phases late: each has its own end."""
+
+    seeds: float = 0.25  # heuristic starting points (AMP-, Metis-like)
+    families: float = 0.6  # family configurations, group assignments, candidate plans
+    refine: float = 0.85  # pricing, layouts per GPU type, variants, local search
+    halves_layouts: float = 0.5  # refine_halves: its layout descents
+    # make_plan: the inter-op search's share of the whole limit (tracing included) when
+    # intra-op shardings follow, and of that share the whole-block search's when it is
+    # then refined in block halves
+    inter_op: float = 0.85
+    whole_blocks: float = 0.75
+
+
+BUDGET = Budget()
+
+
+def planned_gpu_dtypes(profile: ModelProfile, cluster: Cluster,
+                       opts: PlannerOptions) -> tuple[tuple[str, str], ...]:
+    """``Plan.gpu_dtypes`` of the options' policy for the program and cluster."""
+    return gpu_dtypes(cluster, profile.dtype, opts.gpu_dtypes)
