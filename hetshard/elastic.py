@@ -76,7 +76,7 @@ def _on(plan: Plan, cluster: Cluster) -> Plan:
     pipes = tuple(dataclasses.replace(p, stages=tuple(
         dataclasses.replace(st, gpu=cluster.gpu_of(st.devices[0]).name) for st in p.stages))
         for p in plan.pipelines)
-    return dataclasses.replace(plan, pipelines=pipes, cluster=cluster.to_dict())
+    return dataclasses.replace(plan, pipelines=pipes, cluster=cluster)
 
 
 class StragglerMonitor:

@@ -20,8 +20,10 @@ import functools
 import json
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
@@ -156,7 +158,8 @@ class SolverStats:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     model: str
-    cluster: dict
+    # The cluster the plan is for (a spec dict is read as one; None or {}: not said)
+    cluster: Cluster | None
     global_batch: int
     seq_len: int
     pipelines: tuple[Pipeline, ...]
@@ -192,6 +195,12 @@ class Plan:
     version: int = SCHEMA_VERSION
 
     def __post_init__(self):
+        if isinstance(self.cluster, Mapping):
+            object.__setattr__(self, "cluster", Cluster.from_dict(
+                self.cluster, source="plan.cluster") if self.cluster else None)
+        elif self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise SpecError("cluster", type(self.cluster).__name__,
+                            "a Cluster, a cluster spec (dict) or None")
         validate(self)
 
     @functools.cached_property
@@ -203,7 +212,11 @@ class Plan:
 
     # ---- serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(dataclasses.asdict(self))
+        """The plan as JSON values (its cluster as the spec ``Cluster.to_dict`` writes;
+        ``{}`` when the plan names none)."""
+        d = dataclasses.asdict(self)
+        d["cluster"] = self.cluster.to_dict() if self.cluster is not None else {}
+        return _to_jsonable(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -477,12 +490,9 @@ def _check_types(plan: Plan) -> None:
                                 f"{where}.activations, since plan schema 10)")
 
 
-def _cluster_devices(cluster) -> int | None:
-    """The device count of a plan's cluster dict (None where it does not say)."""
-    try:
-        return sum(int(g["nodes"]) * int(g["gpus_per_node"]) for g in cluster["groups"])
-    except (KeyError, TypeError, ValueError):
-        return None
+def _cluster_devices(cluster: Cluster | None) -> int | None:
+    """The device count of a plan's cluster (None where the plan names none)."""
+    return None if cluster is None else cluster.num_devices
 
 
 def validate(plan: Plan) -> None:

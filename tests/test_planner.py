@@ -706,7 +706,6 @@ def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatc
     # spent the search prices only until a plan fits and skips its last variants.
     import hetshard.solver.baselines as baselines
     import hetshard.solver.evaluator as evaluator
-    import hetshard.solver.search as search
     program = models.program("gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=512",
                              seq_len=512, dtype="bfloat16")
     from hetshard.solver import make_plan as plan_program
@@ -718,7 +717,7 @@ def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatc
         def counted(*a, _calls=calls, **k):
             _calls.append(1)
             return simulate(*a, **k)
-        for module in (evaluator, search, baselines):
+        for module in (evaluator, baselines):
             monkeypatch.setattr(module, "simulate", counted)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

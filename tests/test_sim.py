@@ -496,7 +496,7 @@ def plans(draw):
             extra = tuple(max(0, 2 - j) for j in range(k))  # (2, 1, 0, ...)
         pipes.append(Pipeline(tuple(stages), mbs * m * dp, mbs, m, schedule, v, extra))
     gb = sum(p.batch_share for p in pipes)
-    return Plan(model="gpt-tiny", cluster={"name": "x"}, global_batch=gb, seq_len=64,
+    return Plan(model="gpt-tiny", cluster={}, global_batch=gb, seq_len=64,
                 pipelines=tuple(pipes),
                 grad_sync_overlap=draw(st.booleans()),
                 context=Context(2, (40, 24)), fsdp=draw(st.booleans()),
@@ -736,3 +736,27 @@ def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof):
     # backward to end, not start.
     on, off = simulate(plan, prof, c), simulate(late, prof, c)
     assert off.step_time_s > on.step_time_s
+
+
+def test_plan_cluster_is_a_typed_cluster_written_as_its_spec(prof):
+    """Plan.cluster is a Cluster (a spec dict is read as one, {} as none); the JSON holds
+    the spec Cluster.to_dict writes; a malformed spec is refused naming its field."""
+    c = Cluster.load("h100-a100-v100-x8")
+    plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
+                        fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
+    assert isinstance(plan.cluster, Cluster) and plan.cluster == c
+    d = plan.to_dict()
+    assert d["cluster"] == c.to_dict()
+    assert Plan.from_dict(d) == plan and Plan.from_dict(d).cluster.num_devices == 8
+    assert dataclasses.replace(plan, cluster=c.to_dict()) == plan
+    bare = dataclasses.replace(plan, cluster={})
+    assert bare.cluster is None and bare.to_dict()["cluster"] == {}
+    bad = json.loads(json.dumps(d))
+    bad["cluster"]["groups"][0]["nodes"] = 0
+    with pytest.raises(SpecError, match="nodes"):
+        Plan.from_dict(bad)
+    with pytest.raises(SpecError, match="cluster.*a Cluster, a cluster spec"):
+        dataclasses.replace(plan, cluster="h100")
+    # Devices beyond the cluster's are refused (the cluster's device count is read).
+    with pytest.raises(SpecError, match="devices"):
+        dataclasses.replace(plan, cluster=Cluster.load("dgx-h100-x8").shrunk(4))

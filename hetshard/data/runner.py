@@ -38,7 +38,7 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
     layers = program.layering(2, False).num_layers
     axes = (("data", rows),) + ((("context", degree),) if degree > 1 else ())
     gpu = cluster.gpu_of(group.devices[0]).name
-    return Plan(program.name, cluster.to_dict(), rows, bucket, (
+    return Plan(program.name, cluster, rows, bucket, (
         Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes),), rows, 1, 1),),
         attention=attention, context=Context(degree) if degree > 1 else Context(),
         fingerprint=program.model_fingerprint)

@@ -108,7 +108,7 @@ def _shift(plan: Plan, offset: int, cluster: Cluster) -> Plan:
         stages = tuple(dataclasses.replace(s, devices=tuple(d + offset for d in s.devices))
                        for s in p.stages)
         pipes.append(dataclasses.replace(p, stages=stages))
-    return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster.to_dict())
+    return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster)
 
 
 def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):

@@ -171,7 +171,7 @@ def _layouts(model, profile, cluster, global_batch, seq_len, opts, cal, chunks, 
         stages = tuple(Stage(lo, hi, devs, gpu, mesh, remat)
                        for (lo, hi), devs in zip(bounds, stages_devices, strict=True))
         pipe = Pipeline(stages, global_batch, mbs, global_batch // (dp * mbs), opts.schedule)
-        plans.append(Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
+        plans.append(Plan(model=model, cluster=cluster, global_batch=global_batch,
                           seq_len=seq_len, pipelines=(pipe,),
                           context=Context(cp, lengths, True), dtype=profile.dtype,
                           distributed_optimizer=opts.distributed_optimizer is not False,

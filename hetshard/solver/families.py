@@ -228,7 +228,7 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
     # Stages are single-type, so equal chunks balance a stage's context axis; the kernels
     # also take uneven chunks (context_parallel_attention) for mixed-speed devices.
     context = Context(cp, (seq_len // cp,) * cp if cp > 1 else (), True)
-    return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
+    return Plan(model=model, cluster=cluster, global_batch=global_batch,
                 seq_len=seq_len, pipelines=tuple(pipes), context=context,
                 dtype=profile.dtype, distributed_optimizer=opts.distributed_optimizer is not False,
                 attention=opts.attention, split_blocks=profile.split_blocks,

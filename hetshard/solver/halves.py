@@ -71,11 +71,9 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
                                      deadline=layout_deadline))
     layouts_cut = time.perf_counter() > layout_deadline
     best = min(found, key=lambda x: x[0])
-    better, better_r, cut = local_search(best[1], best[2], halves, cluster, cal,
-                                         t0 + opts.time_limit_s * BUDGET.refine,
-                                         opts.refine_evals, ev.cache, opts.memory_margin,
-                                         opts.remat_options)
+    better, cut = local_search(Candidate(*best), ev, t0 + opts.time_limit_s * BUDGET.refine,
+                               opts.refine_evals)
     cut = cut or len(found) < 3 or layouts_cut
-    if better_r.rank < best[0]:
-        best = Candidate(better_r.rank, better, better_r)
+    if better.key < best[0]:
+        best = better
     return ev.annotated(ev.last_variants(best), t0, cut, " refining with blocks split")

@@ -355,12 +355,11 @@ class _Search:
                 continue
             if self.late(BUDGET.refine):
                 break
-            better, better_r, cut = local_search(
-                cand, r, self.profile, self.cluster, self.cal, self._deadline(BUDGET.refine),
-                opts.refine_evals, self.ev.cache, opts.memory_margin, opts.remat_options)
+            better, cut = local_search(Candidate(key, cand, r), self.ev,
+                                       self._deadline(BUDGET.refine), opts.refine_evals)
             self.timed_out = self.timed_out or cut
-            if better_r.rank < best[0]:
-                best = Candidate(better_r.rank, better, better_r)
+            if better.key < best[0]:
+                best = better
         chosen = Candidate(*best) if self.late(BUDGET.refine) else \
             self.ev.last_variants(Candidate(*best))
         if not chosen.result.fits:

@@ -11,7 +11,7 @@ import time
 from hetshard.cost.stage import REMATS
 from hetshard.errors import HetshardError
 from hetshard.plan import Plan, Stage
-from hetshard.sim.simulator import simulate, tune_warmup
+from hetshard.solver.evaluator import Candidate, Evaluator
 
 
 def _resized(st: Stage, start: int, end: int, more: int = 0) -> Stage:
@@ -82,18 +82,18 @@ def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS):
         yield dataclasses.replace(plan, pipelines=tuple(new))
 
 
-def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
-                 evals: int = 1 << 30, cache: dict | None = None,
-                 margin: float | None = None, remats: tuple[str, ...] = REMATS):
-    """First-improvement hill climbing on the simulated step time (memory must fit, less
-    ``margin``), for at most ``evals`` simulations; with ``margin``, each neighbour's 1F1B
-    warm-up is re-tuned to its layer split (``tune_warmup``); moves stay within
-    ``remats``. Returns (plan, result, whether the clock cut it)."""
-    best, best_r = plan, result
+def local_search(start: Candidate, ev: Evaluator, deadline: float,
+                 evals: int = 1 << 30) -> tuple[Candidate, bool]:
+    """First-improvement hill climbing on the simulated step time from ``start``: each
+    neighbour (``_neighbours``, moves within the options' remats) with its 1F1B warm-up
+    re-tuned to its layer split, priced by ``ev`` (memory must fit, less the options'
+    margin), for at most ``evals`` simulations. Returns (the local optimum, whether the
+    clock cut the search)."""
+    best = start
     improved, cut = True, False
     while improved and evals > 0 and not cut:
         improved = False
-        for cand in _neighbours(best, remats):
+        for cand in _neighbours(best.plan, ev.opts.remat_options):
             if evals <= 0:
                 break
             if time.perf_counter() > deadline:
@@ -101,13 +101,11 @@ def local_search(plan: Plan, result, profile, cluster, cal, deadline: float,
                 break
             evals -= 1
             try:
-                if margin is not None:
-                    cand = tune_warmup(cand, profile, cluster, cal, margin=margin, cache=cache)
-                r = simulate(cand, profile, cluster, cal, trace=False, cache=cache,
-                             margin=margin or 0.0)
+                got = ev.evaluate(cand)
             except HetshardError:
                 continue
-            if r.fits and r.step_time_s < best_r.step_time_s * (1 - 1e-9):
-                best, best_r, improved = cand, r, True
+            if got.result.fits and \
+                    got.result.step_time_s < best.result.step_time_s * (1 - 1e-9):
+                best, improved = got, True
                 break
-    return best, best_r, cut
+    return best, cut

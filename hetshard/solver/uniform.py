@@ -139,7 +139,7 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                             mesh_shape=mesh, remat=fix.remat))
     pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,
                     num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
-    return Plan(model=model, cluster=cluster.to_dict(), global_batch=global_batch,
+    return Plan(model=model, cluster=cluster, global_batch=global_batch,
                 seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
                 split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap,
