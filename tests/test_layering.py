@@ -1,0 +1,109 @@
+"""The packages' dependencies stay one-way: no import cycle among hetshard's modules, not
+even through an import inside a function, and no private name imported across
+packages (issue 27)."""
+
+import ast
+import pathlib
+
+import hetshard
+
+ROOT = pathlib.Path(hetshard.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, known: dict):
+    """(imported hetshard module, imported names) per import statement of the module,
+    those inside functions included, those under ``if TYPE_CHECKING`` left out (they
+    never run)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known:
+                    yield a.name, []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [a.name for a in node.names]
+            if module in known:
+                yield module, names
+            for n in names:  # ``from hetshard.solver import inter_op``
+                if f"{module}.{n}" in known:
+                    yield f"{module}.{n}", []
+
+
+def _graph():
+    known = _modules()
+    edges = {name: set() for name in known}
+    for name, path in known.items():
+        for module, _ in _imports(name, path, known):
+            if module not in (name, "hetshard"):
+                edges[name].add(module)
+    return edges
+
+
+def _cycles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_even_through_imports_inside_functions():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_is_imported_across_packages():
+    known = _modules()
+    offenders = []
+    for name, path in known.items():
+        for module, names in _imports(name, path, known):
+            home = module.split(".")[:2]
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and name.split(".")[:2] != home:
+                    offenders.append(f"{name} imports {module}.{n}")
+    assert offenders == []
