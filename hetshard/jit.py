@@ -199,7 +199,6 @@ class HetshardJit:
         self.batch_argnums = batch_argnums
         # nan_policy, loss_output: what every executable does with a non-finite step
         self.guard = Guard(nan_policy, loss_output)
-        self.nan_policy, self.loss_output = nan_policy, loss_output
         self.quiet = bool(quiet) or os.environ.get("HETSHARD_QUIET", "") not in ("", "0")
         self.options = PlannerOptions.from_fields(planner_options, "hetshard.jit")
         self.pinned = Plan.load(plan) if isinstance(plan, str) else plan
@@ -331,8 +330,8 @@ class HetshardJit:
         if entry is None:
             with _tracing(self.fn, batch, "hetshard.jit"):
                 program = Program(self.fn, args, batch_argnum=idx)
-                if self.loss_output is not None:  # a wrong path is refused before planning
-                    find_loss(program.output_shape, self.loss_output)
+                if self.guard.loss_output is not None:  # a wrong path: refused before planning
+                    find_loss(program.output_shape, self.guard.loss_output)
                 plan = self._plan_for(program, size)
             if jax.process_count() > 1:  # every process must run the same plan
                 agree(plan.what_runs(), "plan")

@@ -349,7 +349,10 @@ class Plan:
             "across pipelines: " + "; ".join(
                 f"layers {g.start}-{g.end - 1} over {len(g.devices)} devices weighted "
                 + "/".join(f"{w:.3g}" for w in g.weights) for g in shared)
-            if shared else "within each stage's data ways") + f", {when} the last backward")
+            if shared else "within each stage's data ways" if any(
+                data_ways(s) > 1 for p in self.pipelines for s in p.stages)
+            else "not needed (one device per stage, one pipeline)")
+            + ("" if not self.grad_sync else f", {when} the last backward"))
         pr = self.predicted
         lines.append(f"predicted: step {seconds(pr.step_time_s)}, {pr.tokens_per_s:,.0f} "
                      f"tokens/s, {pr.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "

@@ -713,6 +713,8 @@ def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof):
                                            Pipeline((one[1],), 4, 2, 2)))
     assert [(g.devices, g.weights) for g in two.grad_sync] == [((0, 1), (0.75, 0.25))]
     assert "layers 0-5 over 2 devices weighted 0.75/0.25, during" in two.explain()
+    alone = Plan(SPEC, c.to_dict(), 4, 32, (Pipeline((one[0],), 4, 2, 2),))
+    assert alone.grad_sync == () and "gradient sync not needed" in alone.explain()
     d = plan.to_dict()
     assert "grad_sync" not in d and Plan.from_dict(d) == plan
     with pytest.raises(SpecError, match="grad_sync.*derived from the pipelines"):
