@@ -3,6 +3,7 @@ the lower bound, bad sample lists, packed arrays and the flash kernel's segment 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetshard.data import GroupCost, geometric_buckets, lower_bound, pack, packed_arrays, plan_batch
-from hetshard.data.planner import _group_plan, _Pricer
+from hetshard.data.planner import _group_plan, _lp_bound, _Pricer, _two_group_bound
 from hetshard.errors import SpecError
 from hetshard.kernels.flash_attention import _block_active, flash_attention_positions
 from hetshard.kernels.reference import attention_reference
@@ -133,6 +134,28 @@ def test_lower_bound_is_below_every_method():
     lb = lower_bound(lengths, _groups())
     for m in ("pad", "fixed-cp", "identical", "hetshard"):
         assert plan_batch(lengths, _groups(), method=m, bound=False).step_time_s >= lb
+
+
+def test_two_group_bound_is_the_linear_programs_optimum():
+    """The sorted-ratio bound equals GLOP's optimum of the same LP, with fixed step
+    times (a group's update outlasting its share) and samples only one group holds."""
+    rng = np.random.default_rng(5)
+    base = _groups()
+    for trial in range(60):
+        groups = tuple(dataclasses.replace(
+            g, devices=tuple(range(int(rng.integers(1, 6)))),
+            step_s=float(rng.exponential(1.0)) * (trial % 3)) for g in base)
+        costs = rng.exponential(1.0, (2, int(rng.integers(1, 25)))) * \
+            rng.exponential(1.0, (2, 1))
+        if trial % 4 == 0:  # some samples fit on one group only
+            only = rng.random(costs.shape) < 0.25
+            only[1] &= ~only[0]
+            costs[only] = np.inf
+        want = _lp_bound(costs, groups)
+        got = _two_group_bound(costs, groups)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), trial
+    # nothing fits one sample: no bound
+    assert np.isnan(_two_group_bound(np.array([[1.0, np.inf], [2.0, np.inf]]), base))
 
 
 def test_packed_arrays_restart_positions_per_sample():

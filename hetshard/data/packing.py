@@ -126,29 +126,44 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
         return tuple(Row(b, tuple(s), tuple(n)) for b, s, n in rows)
     if order != "best-fit":
         raise SpecError("order", order, "'best-fit' or 'sequential'")
-    ls = lengths.tolist()
-    names = list(range(len(ls))) if ids is None else list(ids)
-    samples: list[list[int]] = []
-    sizes: list[list[int]] = []
     widths: list[int] = []
-    rooms: list[tuple[int, int]] = []  # (room left, row index), sorted
+    # Open rows as ``room * SHIFT + row`` in increasing order: one integer per row keeps
+    # the search a bisection over ints (the least room that takes n is the first key at
+    # or above n * SHIFT), the row with the lower index first among equal rooms.
+    shift = 1 << max(1, lengths.size.bit_length())
+    rooms: list[int] = []
     find, insort = bisect.bisect_left, bisect.insort
-    for i in sorted(range(len(ls)), key=ls.__getitem__, reverse=True):
-        n = ls[i]
-        at = find(rooms, (n, -1))
+    order = np.argsort(-lengths, kind="stable")
+    row_of = []  # per sample in that order
+    for n in lengths[order].tolist():
+        need = n * shift
+        at = find(rooms, need)
         if at < len(rooms):
-            room, r = rooms.pop(at)
+            key = rooms.pop(at) - need  # the room left, same row
+            row_of.append(key & (shift - 1))
         else:
             r = len(widths)
-            room = buckets[find(buckets, n)]
-            widths.append(room)
-            samples.append([])
-            sizes.append([])
-        samples[r].append(names[i])
-        sizes[r].append(n)
-        if room > n:
-            insort(rooms, (room - n, r))
-    return tuple(Row(w, tuple(s), tuple(n)) for w, s, n in zip(widths, samples, sizes, strict=True))
+            width = buckets[find(buckets, n)]
+            widths.append(width)
+            row_of.append(r)
+            key = (width - n) * shift + r
+        if key >= shift:  # room left
+            insort(rooms, key)
+    # each row's samples in the order they went in (longest first)
+    by_row = np.argsort(np.asarray(row_of, np.int64), kind="stable")
+    taken = order[by_row]
+    cuts = np.cumsum(np.bincount(np.asarray(row_of, np.int64), minlength=len(widths)))[:-1]
+    names_of = taken.tolist()
+    if ids is not None:
+        names = list(ids)
+        names_of = [names[i] for i in names_of]
+    sizes_of = lengths[taken].tolist()
+    out = []
+    lo = 0
+    for w, hi in zip(widths, cuts.tolist() + [lengths.size], strict=True):
+        out.append(Row(w, tuple(names_of[lo:hi]), tuple(sizes_of[lo:hi])))
+        lo = hi
+    return tuple(out)
 
 
 def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,

@@ -23,7 +23,8 @@ milliseconds:
 
 The result is a :class:`BatchPlan` with its priced step time, a lower bound (a linear
 program over fractional placements: every sample's tokens and attention on some group,
-no padding, no ring; solved with OR-tools' GLOP) and the gap between them.
+no padding, no ring; exact by sorting for two groups, OR-tools' GLOP for more) and the
+gap between them.
 
 Baselines priced by the same model (``plan_batch(method=...)``):
 ``"pad"`` (every sample alone in a row of the largest bucket, static batch shares),
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -265,20 +266,35 @@ class _Pricer:
             self._buckets[bucket] = got
         return got
 
-    def row(self, row: Row, images: int = 0) -> float:
-        g = self.g
-        d, t, per_square, ring = self._of(row.bucket)
-        attn = per_square * row.squares
-        t += attn
-        if images:
-            t += g.image_s * images / d
-        if d > 1:
-            exposed = ring - g.attention_fwd_share * attn / g.layers
-            t += 3 * g.layers * max(0.0, exposed)  # forward, and the backward's two passes
-        return t
-
     def empty(self, bucket: int) -> float:
         return self._of(bucket)[1]
+
+    def rows(self, rows: Sequence[Row], images: np.ndarray | None) -> np.ndarray:
+        """Seconds of each of ``rows`` on one slot of this group (``images``: per sample
+        of the batch, or None): an empty row of its bucket, plus attention over its
+        samples' squared lengths and their images' encoder time spread over the row's
+        context group, plus the K/V ring where attention's forward does not hide it
+        (forward and the backward's two passes)."""
+        g = self.g
+        counts = np.fromiter((len(r.samples) for r in rows), np.int64, len(rows))
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        lens = np.fromiter(itertools.chain.from_iterable(r.lengths for r in rows), np.int64)
+        filled = counts > 0
+        squares = np.zeros(len(rows), np.int64)
+        squares[filled] = np.add.reduceat(lens * lens, starts[filled])
+        buckets = np.fromiter((r.bucket for r in rows), np.int64, len(rows))
+        kinds, which = np.unique(buckets, return_inverse=True)
+        per = np.array([self._of(b) for b in kinds.tolist()], np.float64)[which]
+        d, empty, per_square, ring = per.T
+        attn = per_square * squares
+        t = empty + attn
+        if images is not None:
+            ids = np.fromiter(itertools.chain.from_iterable(r.samples for r in rows), np.int64)
+            img = np.zeros(len(rows), np.int64)
+            img[filled] = np.add.reduceat(np.asarray(images)[ids], starts[filled])
+            t = np.where(img > 0, t + g.image_s * img / d, t)
+        exposed = ring - g.attention_fwd_share * attn / g.layers
+        return np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
 
 
 def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
@@ -286,27 +302,28 @@ def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
     """Micro-steps of ``rows`` per bucket: ``devices // degree`` rows each, sorted by
     cost when ``sort`` (else in the given order)."""
     g = pricer.g
-    images = images.tolist() if images is not None else None
+    if not rows:
+        return ()
+    times = pricer.rows(rows, images)
+    buckets = np.fromiter((r.bucket for r in rows), np.int64, len(rows))
     steps = []
-    by_bucket: dict[int, list] = {}
-    for r in rows:
-        img = sum(images[i] for i in r.samples) if images is not None else 0
-        by_bucket.setdefault(r.bucket, []).append((pricer.row(r, img), r))
-    for bucket in sorted(by_bucket):
+    for bucket in np.unique(buckets).tolist():
         d = g.degree(bucket)
         if bucket > g.longest:
             raise SpecError("bucket", bucket, f"at most {g.longest} tokens on group "
                             f"{g.name!r} ({g.n} devices)")
         per = g.n // d
-        costed = by_bucket[bucket]
+        mine = np.flatnonzero(buckets == bucket)
         if sort:
-            costed.sort(key=lambda x: -x[0])
-        for at in range(0, len(costed), per):
-            part = costed[at:at + per]
-            slowest = max(c for c, _ in part)
-            if len(part) < per:
-                slowest = max(slowest, pricer.empty(bucket))
-            steps.append(MicroStep(bucket, d, tuple(r for _, r in part), slowest))
+            mine = mine[np.argsort(-times[mine], kind="stable")]
+        starts = np.arange(0, mine.size, per)
+        slowest = np.maximum.reduceat(times[mine], starts).tolist()
+        if mine.size % per:  # a part-empty last micro-step lasts at least an empty row
+            slowest[-1] = max(slowest[-1], pricer.empty(bucket))
+        order = mine.tolist()
+        for k, at in enumerate(starts.tolist()):
+            steps.append(MicroStep(bucket, d, tuple(rows[i] for i in order[at:at + per]),
+                                   slowest[k]))
     return tuple(steps)
 
 
@@ -345,7 +362,7 @@ def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
         rows = _fill_steps(g, rows, buckets or g.buckets)
     steps = _compose(pricer, rows, images, sort)
     n_img = int(images[samples].sum()) if images is not None else 0
-    return GroupPlan(g.name, tuple(int(i) for i in samples), steps,
+    return GroupPlan(g.name, tuple(samples.tolist()), steps,
                      sum(s.time_s for s in steps) + g.step_s, n_img)
 
 
@@ -369,6 +386,20 @@ def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Group of each sample: longest first, to the group where it ends earliest."""
     per = costs * (scale / n)[:, None]
     order = np.argsort(-np.min(per, axis=0), kind="stable")
+    if len(n) == 2:  # the common case, without the inner loop
+        where = np.zeros(costs.shape[1], np.int64)
+        second = []
+        l0 = l1 = 0.0
+        for i, a, b in zip(order.tolist(), per[0, order].tolist(), per[1, order].tolist(),
+                           strict=True):
+            e0, e1 = l0 + a, l1 + b
+            if e1 < e0:
+                second.append(i)
+                l1 = e1
+            else:
+                l0 = e0
+        where[second] = 1
+        return where
     cols = per[:, order].T.tolist()
     load = [0.0] * len(n)
     rest = range(1, len(n))
@@ -525,19 +556,72 @@ def lower_bound(lengths, groups: Sequence[GroupCost], images=None) -> float:
     """No placement, packing or composition beats this: the least T such that the
     samples, split fractionally between groups, take at most T - step_s of every device
     of each group, counting each sample's tokens and attention only (no padding, no
-    ring). A linear program (OR-tools GLOP)."""
-    from ortools.linear_solver import pywraplp
+    ring). A linear program: solved exactly by sorting for two groups, by OR-tools GLOP
+    for more."""
     lengths = np.asarray(lengths)
     costs = _sample_costs(groups, lengths, None if images is None else np.asarray(images))
+    if len(groups) == 1:
+        g = groups[0]
+        total = costs[0].sum()
+        return float(total / g.n + g.step_s) if np.isfinite(total) else float("nan")
+    if len(groups) == 2:
+        return _two_group_bound(costs, groups)
+    return _lp_bound(costs, groups)
+
+
+def _two_group_bound(costs: np.ndarray, groups: Sequence[GroupCost]) -> float:
+    """The two-group LP's optimum. Some optimum gives the first group the samples with
+    the least cost ratio (first's over second's): exchanging a fraction of a sample it
+    holds for one of a lower ratio the second holds, at equal load on the second, never
+    adds to the first's load. So the optimum is a prefix of the samples sorted by that
+    ratio, one sample split where the two groups' finishing times cross."""
+    a, b = groups
+    c1, c2 = costs
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.isinf(c1), np.inf, np.where(np.isinf(c2), -np.inf, c1 / c2))
+    order = np.argsort(ratio, kind="stable")
+    c1, c2 = c1[order], c2[order]
+    # t1[j]: the first group's time holding samples [0, j); t2[j]: the second's, [j, N)
+    t1 = np.concatenate([[0.0], np.cumsum(c1)]) / a.n + a.step_s
+    t2 = np.concatenate([np.cumsum(c2[::-1])[::-1], [0.0]]) / b.n + b.step_s
+    if (np.isinf(c1) & np.isinf(c2)).any():
+        return float("nan")  # a sample neither group holds: infeasible
+    # j: the last prefix the first group finishes no later than the second (t1 rises,
+    # t2 falls); sample j then moves over by the fraction f where both finish together
+    first = np.flatnonzero(t1 <= t2)
+    if not first.size:
+        return float(t1[0])  # the first group's fixed step outlasts every sample on the other
+    j = int(first[-1])
+    if j == c1.size:
+        return float(t2[j])  # all on the first group, within the second's fixed step
+    d1, d2 = c1[j] / a.n, c2[j] / b.n
+    if np.isinf(d1):
+        return float(t2[j])
+    if np.isinf(d2):
+        return float(t1[j + 1])
+    f = float(np.clip((t2[j] - t1[j]) / (d1 + d2), 0.0, 1.0))
+    return float(max(t1[j] + f * d1, t2[j] - f * d2))
+
+
+def _lp_bound(costs: np.ndarray, groups: Sequence[GroupCost]) -> float:
+    from ortools.linear_solver import pywraplp
     solver = pywraplp.Solver.CreateSolver("GLOP")
-    t = solver.NumVar(0.0, solver.infinity(), "T")
-    x = [[solver.NumVar(0.0, 1.0, "") if math.isfinite(costs[k, i]) else None
-          for i in range(lengths.size)] for k in range(len(groups))]
-    for i in range(lengths.size):
-        solver.Add(sum(x[k][i] for k in range(len(groups)) if x[k][i] is not None) == 1)
-    for k, g in enumerate(groups):
-        solver.Add(sum(float(costs[k, i]) * x[k][i] for i in range(lengths.size)
-                       if x[k][i] is not None) <= g.n * (t - g.step_s))
+    inf = solver.infinity()
+    t = solver.NumVar(0.0, inf, "T")
+    # Built coefficient by coefficient (the expression API is slower to build than GLOP
+    # is to solve on batches of thousands of samples).
+    loads = []
+    for g in groups:
+        c = solver.Constraint(-inf, -g.n * g.step_s)  # sum_i cost * x - n * T <= -n * step
+        c.SetCoefficient(t, -float(g.n))
+        loads.append(c)
+    finite = np.isfinite(costs)
+    for i in range(costs.shape[1]):
+        one = solver.Constraint(1.0, 1.0)
+        for k in np.flatnonzero(finite[:, i]).tolist():
+            x = solver.NumVar(0.0, 1.0, "")
+            one.SetCoefficient(x, 1.0)
+            loads[k].SetCoefficient(x, float(costs[k, i]))
     solver.Minimize(t)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return float("nan")
