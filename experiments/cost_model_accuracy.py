@@ -187,7 +187,7 @@ def sailor_evaluate(name):
     cal = Calibration.load(sp.PROFILES)
     out = []
     for row in data["rows"][SAILOR_SETS[name]]:
-        spec = sp.MODELS[row["model"]]
+        spec = sp.spec_for(row)
         prof = _profile(spec, 2048, "float32")
         cluster = sp.cluster_for(row, data)
         plan = sp.plan_for(row, cluster)

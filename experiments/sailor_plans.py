@@ -39,6 +39,19 @@ GPUS = {"RTX-3090": "RTX-3090", "RTX-2080": "RTX-2080Ti", "Titan-RTX": "TITAN-RT
         "GH-96": "GH200-96GB"}
 
 
+def spec_for(row: dict) -> str:
+    """The zoo spec of the model a row ran: its architecture from MODELS, its sizes from
+    the row's own ``model_config`` (Sailor's training config: GPT-Neo-2.7 ran with 32
+    heads and a 128,256-token vocabulary, not the published checkpoint's 20 and 50,257)."""
+    cfg = row["model_config"]
+    sizes = {"layers": cfg["num_layers"], "hidden": cfg["hidden_size"], "heads": cfg["heads"],
+             "vocab": cfg["vocab_size"], "seq": cfg["sequence_length"]}
+    kind, _, rest = MODELS[row["model"]].partition(":")
+    items = dict(item.split("=", 1) for item in rest.split(","))
+    items.update({k: str(v) for k, v in sizes.items()})
+    return kind + ":" + ",".join(f"{k}={v}" for k, v in items.items())
+
+
 def load() -> dict:
     with open(VALIDATION) as f:
         return json.load(f)
