@@ -351,6 +351,21 @@ def test_sailors_setting_the_planner_beats_sailors_plan_under_the_shared_profile
     assert ours.step_time_s < theirs.step_time_s
 
 
+def test_sailors_rows_are_priced_with_the_model_config_they_ran():
+    # Sailor's GPT-Neo runs used 32 heads and a 128,256-token vocabulary (the validation
+    # file's model_config), not the published checkpoint's 20 heads and 50,257 tokens.
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+    import sailor_plans as sp
+    row = {"model": "GPT-Neo-2.7", "model_config": {
+        "num_layers": 32, "hidden_size": 2560, "heads": 32, "vocab_size": 128256,
+        "sequence_length": 2048}}
+    items = dict(kv.split("=") for kv in sp.spec_for(row).partition(":")[2].split(","))
+    assert (items["heads"], items["vocab"], items["layers"]) == ("32", "128256", "32")
+    # the architecture stays the zoo's: tied embeddings, float32
+    assert (items["tied"], items["dtype"]) == ("true", "float32")
+
+
 # ---- the roofline fallback: fused kernels, GEMM shapes, launches ----------------------
 
 def _kernels_of(fn, shape, dtype="float32"):
