@@ -16,7 +16,7 @@ sets are priced from measured per-layer profiles, which neither constant touches
 A constant the held-out errors do not move across its range is one no measured set we
 can price constrains: it stays an assumption, reported as such (docs/cost-model.md).
 
-Usage: python experiments/constant_sensitivity.py
+Usage: python experiments/constant_sensitivity.py [CONSTANT ...]  (default: both)
 Writes experiments/results/constant_sensitivity.json.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import cost_model_accuracy as cma
@@ -82,8 +83,16 @@ def evaluate() -> dict:
 
 def main() -> int:
     t0 = time.time()
+    path = os.path.join(HERE, "results", "constant_sensitivity.json")
     result: dict = {"sweeps": {}, "shipped": {}}
-    for const, (module, values) in SWEEPS.items():
+    if os.path.exists(path):  # a sweep of some constants keeps the others' results
+        with open(path) as f:
+            result = json.load(f)
+    only = sys.argv[1:] or list(SWEEPS)
+    bad = [c for c in only if c not in SWEEPS]
+    if bad:
+        raise SystemExit(f"unknown constant(s) {bad}; accepted: {', '.join(SWEEPS)}")
+    for const, (module, values) in ((c, SWEEPS[c]) for c in only):
         shipped = getattr(module, const)
         result["shipped"][const] = shipped
         rows = []
@@ -101,8 +110,8 @@ def main() -> int:
             _forget()
         result["sweeps"][const] = rows
     result["wall_time_s"] = time.time() - t0
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "constant_sensitivity.json"), "w") as f:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return 0
 
