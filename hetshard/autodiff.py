@@ -151,34 +151,46 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
     def rewritten(rewrite, args):
         # The loss as a function of the differentiated leaves, rewritten, then
         # differentiated: gradients keep the structure nnx/jax.value_and_grad return.
+        # An NNX model's other state (RNG streams, batch statistics) goes in as an
+        # argument and comes out updated, as nnx.value_and_grad does: a dropout layer
+        # advances its RNG count inside the loss, which NNX allows only at the trace
+        # level the state entered.
         target = args[argnums]
         others = args[:argnums] + args[argnums + 1:]
         if _is_graph(target):
             graphdef, params, rest = nnx.split(target, nnx.Param, ...)
 
-            def rebuild(p):
-                return nnx.merge(graphdef, p, rest)
+            def rebuild(p, r):
+                model = nnx.merge(graphdef, p, r)
+                return model, (lambda: nnx.split(model, nnx.Param, ...)[2])
         else:
-            params = target
+            params, rest = target, None
 
-            def rebuild(p):
-                return p
+            def rebuild(p, r):
+                return p, (lambda: None)
 
-        def loss_of(params, *others):
+        def loss_of(params, rest, *others):
             full = list(others)
-            full.insert(argnums, rebuild(params))
-            return fn(*full)
+            model, state_after = rebuild(params, rest)
+            full.insert(argnums, model)
+            out = fn(*full)
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, state_after())
         scale = context().loss_scale
         if scale is None:
-            return jax.value_and_grad(rewrite(loss_of), has_aux=has_aux)(params, *others)
-
-        def scaled(p, *o):
-            out = rewrite(loss_of)(p, *o)
-            loss = out[0] if has_aux else out
-            return loss * jnp.asarray(scale, jnp.result_type(loss)), out
-        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(params, *others)
-        inverse = 1.0 / jnp.asarray(scale, jnp.float32)
-        return out, jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
+            (loss, (aux, after)), grads = jax.value_and_grad(rewrite(loss_of), has_aux=True)(
+                params, rest, *others)
+        else:
+            def scaled(p, r, *o):
+                loss, extra = rewrite(loss_of)(p, r, *o)
+                return loss * jnp.asarray(scale, jnp.result_type(loss)), (loss, extra)
+            (_, (loss, (aux, after))), grads = jax.value_and_grad(scaled, has_aux=True)(
+                params, rest, *others)
+            inverse = 1.0 / jnp.asarray(scale, jnp.float32)
+            grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
+        if after is not None:
+            nnx.update(target, after)
+        return ((loss, aux) if has_aux else loss), grads
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

@@ -256,3 +256,19 @@ def test_step_context_takes_its_fields_and_modes_only_and_restores_them():
             assert context().mode == "provide"
         assert context().mode == "capture"
     assert (context().mode, context().captured) == (None, None)
+
+
+def test_a_model_with_dropout_trains_as_nnx_jit_does():
+    """nnx.Dropout keeps an RNG stream (a key-typed array and a count the loss advances
+    inside the differentiated function): it is traced, planned and run, its count
+    advancing as under nnx.jit, so the dropout masks and the losses are the same."""
+    ref_step, ref_args, batches = user_models.make_dropout()
+    want = _train(nnx.jit(ref_step), ref_args, batches)
+    step, args, _ = user_models.make_dropout()
+    got = _train(hetshard.jit(step, cluster=CLUSTER, quiet=True), args, batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert len(set(got)) == len(got)  # the masks changed from step to step
+    def counts(model):
+        return [int(x) for x in jax.tree.leaves(nnx.state(model, nnx.RngCount))]
+    assert counts(args[0]) == counts(ref_args[0])
+    assert max(counts(args[0])) > 0

@@ -253,3 +253,28 @@ def make_two_tower(seed=0):
 
 MODELS = {"transformer": make_transformer, "scanned": make_scanned, "mixer": make_mixer,
           "functional": make_functional, "two_tower": make_two_tower}
+
+
+# ---- a model with dropout: an RNG stream in the model state ----------------------------
+# Not in MODELS: under micro-batches each micro-batch draws its own dropout keys, so a
+# pipeline plan trains with other masks than one device (as in every framework); the
+# one-stage plans match nnx.jit exactly.
+
+class DropoutMLP(nnx.Module):
+    def __init__(self, rngs, layers=3, d=DIM):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.hidden = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(layers)])
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for lin in self.hidden:
+            x = x + self.drop(jax.nn.gelu(lin(x)))
+        return self.head(x)
+
+
+def make_dropout(seed=0):
+    model = DropoutMLP(nnx.Rngs(seed, dropout=seed + 1))
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    return nnx_step(lm_loss), [model, opt, None], _text_batches(np.random.default_rng(seed))

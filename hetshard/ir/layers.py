@@ -179,7 +179,7 @@ def _nbytes(v) -> float:
     dtype = getattr(aval, "dtype", None)
     if dtype is None:
         return 0.0
-    return float(math.prod(getattr(aval, "shape", ())) * np.dtype(dtype).itemsize)
+    return float(math.prod(getattr(aval, "shape", ())) * dtype.itemsize)
 
 
 def _bodies(eqn):

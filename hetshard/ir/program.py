@@ -239,14 +239,14 @@ class Program:
                     out = eqn.outvars[0].aval
                     n = math.prod(out.shape)
                     slices.setdefault(pos[v], []).append(
-                        (k, n * np.dtype(out.dtype).itemsize, n))
+                        (k, n * out.dtype.itemsize, n))
                 else:
                     whole.setdefault(pos[v], k)
         out = [[0, 0] for _ in range(lay.num_layers)]
         for j in params:
             a = self.state_avals[j]
             if j in whole:
-                out[whole[j]][0] += math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                out[whole[j]][0] += math.prod(a.shape) * a.dtype.itemsize
                 out[whole[j]][1] += math.prod(a.shape)
             else:
                 for k, nbytes, n in slices.get(j, ()):
@@ -328,7 +328,7 @@ class Program:
         """Tokens per sample: dimension 1 of the first integer batch leaf of rank >= 2
         (the tokens); 1 for a batch without tokens (images: throughput in samples)."""
         for a in self.batch_avals:
-            if len(a.shape) >= 2 and np.dtype(a.dtype).kind in _INT_KINDS:
+            if len(a.shape) >= 2 and getattr(a.dtype, "kind", "") in _INT_KINDS:
                 return int(a.shape[1])
         return 1
 
@@ -375,13 +375,13 @@ class Program:
         for i, (p, a) in enumerate(zip(self.paths, self.state_avals, strict=True)):
             inside = i in diff or (pre and (p == pre or p.startswith(pre + "/")))
             if not inside and a.shape:
-                total += math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                total += math.prod(a.shape) * a.dtype.itemsize
         return int(total)
 
     @functools.cached_property
     def param_bytes(self) -> int:
         return int(sum(math.prod(self.state_avals[i].shape) *
-                       np.dtype(self.state_avals[i].dtype).itemsize for i in self.diff))
+                       self.state_avals[i].dtype.itemsize for i in self.diff))
 
     @functools.cached_property
     def model_fingerprint(self) -> str:

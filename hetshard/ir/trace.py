@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import jax
 import jax.experimental.roofline  # noqa: F401  (registers the per-primitive rules)
-import numpy as np
 from jax.extend import core as jcore
 
 from hetshard.ir.graph import Op, OpGraph
@@ -219,7 +218,7 @@ def trace(fn: Callable, *args, param_argnum: int | None = 0,
     opt_bytes = 0
     if opt_state_argnum is not None:
         # Per-parameter state only: scalar step counters are a few bytes per model.
-        opt_bytes = int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        opt_bytes = int(sum(math.prod(x.shape) * x.dtype.itemsize
                             for x in jax.tree.leaves(args[opt_state_argnum]) if x.shape))
     _attach_untagged(b.ops)
     return OpGraph(b.ops, b.edges, param_layers, param_bytes, param_sizes, opt_bytes,
