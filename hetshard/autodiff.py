@@ -157,25 +157,19 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
         # level the state entered.
         target = args[argnums]
         others = args[:argnums] + args[argnums + 1:]
-        if _is_graph(target):
+        graph = _is_graph(target)
+        if graph:
             graphdef, params, rest = nnx.split(target, nnx.Param, ...)
-
-            def rebuild(p, r):
-                model = nnx.merge(graphdef, p, r)
-                return model, (lambda: nnx.split(model, nnx.Param, ...)[2])
         else:
             params, rest = target, None
 
-            def rebuild(p, r):
-                return p, (lambda: None)
-
         def loss_of(params, rest, *others):
+            model = nnx.merge(graphdef, params, rest) if graph else params
             full = list(others)
-            model, state_after = rebuild(params, rest)
             full.insert(argnums, model)
             out = fn(*full)
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, state_after())
+            return loss, (aux, nnx.split(model, nnx.Param, ...)[2] if graph else None)
         scale = context().loss_scale
         if scale is None:
             (loss, (aux, after)), grads = jax.value_and_grad(rewrite(loss_of), has_aux=True)(

@@ -269,9 +269,10 @@ class _Pricer:
     def empty(self, bucket: int) -> float:
         return self._of(bucket)[1]
 
-    def rows(self, rows: Sequence[Row], images: np.ndarray | None) -> np.ndarray:
-        """Seconds of each of ``rows`` on one slot of this group (``images``: per sample
-        of the batch, or None): an empty row of its bucket, plus attention over its
+    def rows(self, rows: Sequence[Row], images: np.ndarray | None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, seconds) of each of ``rows`` on one slot of this group (``images``: per
+        sample of the batch, or None): an empty row of its bucket, plus attention over its
         samples' squared lengths and their images' encoder time spread over the row's
         context group, plus the K/V ring where attention's forward does not hide it
         (forward and the backward's two passes)."""
@@ -294,7 +295,7 @@ class _Pricer:
             img[filled] = np.add.reduceat(np.asarray(images)[ids], starts[filled])
             t = np.where(img > 0, t + g.image_s * img / d, t)
         exposed = ring - g.attention_fwd_share * attn / g.layers
-        return np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
+        return buckets, np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
 
 
 def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
@@ -304,8 +305,7 @@ def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
     g = pricer.g
     if not rows:
         return ()
-    times = pricer.rows(rows, images)
-    buckets = np.fromiter((r.bucket for r in rows), np.int64, len(rows))
+    buckets, times = pricer.rows(rows, images)
     steps = []
     for bucket in np.unique(buckets).tolist():
         d = g.degree(bucket)
