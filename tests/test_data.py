@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hetshard.cost.calibration import DEFAULT
 from hetshard.data import GroupCost, geometric_buckets, lower_bound, pack, packed_arrays, plan_batch
-from hetshard.data.planner import _group_plan, _lp_bound, _Pricer, _two_group_bound
+from hetshard.data.planner import _compose, _group_plan, _lp_bound, _Pricer, _two_group_bound
 from hetshard.errors import SpecError
 from hetshard.kernels.flash_attention import _block_active, flash_attention_positions
 from hetshard.kernels.reference import attention_reference
@@ -126,6 +127,22 @@ def test_long_rows_get_a_context_degree_and_short_rows_none():
     assert {(s.bucket, s.degree) for s in steps} <= {(8, 1), (16, 2)}
     assert any(s.degree == 2 for s in steps)
     assert len(r.shapes) <= 4
+
+
+def test_a_part_empty_micro_step_is_not_merged_into_long_remat_rows():
+    """Three 16-token rows on 4 devices run as two micro-steps of 2 rows; the last one's
+    row must not be merged up into a 64-token row, which on this group runs under the
+    long remat at twice the slots per device (the merge cost 4x its row's time)."""
+    g = dataclasses.replace(_groups(fast=(4, 1.0, 0.02))[0], buckets=(8, 16, 64),
+                            long_remat="full", long_chunk=16, long_token_s=1.5)
+    assert g.slots(64) > g.slots(16)  # 64-rows run in the long regime here
+    pricer = _Pricer(g, None, DEFAULT)
+    lengths = np.array([16, 16, 16])
+    plan = _group_plan(pricer, np.arange(3), lengths, None, "best-fit", True)
+    assert {s.bucket for s in plan.steps} == {16}
+    merged = _compose(pricer, pack([16, 16], (16,)) + pack([16], (64,)), None, True)
+    assert {s.bucket for s in merged} == {16, 64}
+    assert plan.time_s < sum(s.time_s for s in merged) + g.step_s
 
 
 def test_lower_bound_is_below_every_method():

@@ -331,14 +331,16 @@ def _fill_steps(g: GroupCost, rows: Sequence[Row], buckets: Sequence[int]) -> tu
     """Rows re-bucketed so that at most the largest bucket ends in a part-empty micro-step:
     from the smallest bucket up, the rows a bucket's last micro-step would hold short of
     full are merged, ``next / bucket`` at a time, into rows of the next bucket (the same
-    device slots, one context degree up), as packing them there would have."""
+    device slots, one context degree up), as packing them there would have. Not into a
+    bucket whose rows hold more slots per device (rows over every device under the long
+    remat): there the merged row costs more than the idle devices it would fill."""
     by: dict[int, list[Row]] = {b: [] for b in buckets}
     for r in rows:
         by[r.bucket].append(r)
     for b, nxt in zip(buckets, buckets[1:], strict=False):
         per = max(1, g.n // g.degree(b))
         extra = len(by[b]) % per
-        if not extra or nxt > g.longest:
+        if not extra or nxt > g.longest or g.slots(nxt) > g.slots(b):
             continue
         # the least-filled rows move up
         by[b].sort(key=lambda r: -r.used)
