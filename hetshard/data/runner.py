@@ -7,8 +7,9 @@ sequence over context, attention a ring, ``hetshard.kernels.ring_attention``), c
 the value and gradients of the step's ``hetshard.value_and_grad`` loss
 (``HetshardJit.grads_under``). The rows' loss weights are normalised by the batch's
 target count (``packed_arrays(target_tokens=)``), so the micro-steps' values and
-gradients *sum* to the whole batch's token-mean loss and gradient; the sum is then
-applied once (``HetshardJit.apply_grads``). A (group, bucket) pair compiles once: a run
+gradients *sum* to the whole batch's token-mean loss and gradient. Each group sums its
+own micro-steps on its devices; the groups' sums are added once and applied once
+(``HetshardJit.apply_grads``). A (group, bucket) pair compiles once: a run
 compiles at most as many programs as the groups have buckets.
 """
 
@@ -65,23 +66,41 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
     targets = int(sum(max(0, np.size(s) - 1) for s in samples))
     args = list(args)
     at = batch_argnum % len(args)
-    total, first = None, None
     for gp in plan.groups:
         if gp.group not in by_name:
             raise SpecError("plan.groups", gp.group, f"one of {sorted(by_name)}")
-        group = by_name[gp.group]
-        for ms in gp.steps:
+    # Every group's micro-steps are dispatched (JAX runs them asynchronously, each group
+    # on its own devices), round-robin so that no group waits on another's compilation;
+    # a group sums its own micro-steps where they ran, and the groups' sums meet once.
+    sums: dict[str, object] = {}
+    first = None
+    queues = [(by_name[gp.group], list(gp.steps)) for gp in plan.groups]
+    for k in range(max((len(q) for _, q in queues), default=0)):
+        for group, steps in queues:
+            if k >= len(steps):
+                continue
+            ms = steps[k]
             per = group.n // ms.degree
             rows = list(ms.rows) + [Row(ms.bucket, (), ())] * (per - len(ms.rows))
-            batch = {k: jnp.asarray(v) for k, v in
+            batch = {name: jnp.asarray(v) for name, v in
                      packed_arrays(samples, rows, target_tokens=targets).items()}
             args[at] = batch
+            first = batch if first is None else first
             p = micro_step_plan(step, args, group, ms.bucket, ms.degree, attention)
             got = step.grads_under(p, *args)
-            if total is None:  # summed on the first micro-step's devices, replicated
-                home = NamedSharding(jax.tree.leaves(got)[0].sharding.mesh, PartitionSpec())
-                total, first = jax.device_put(got, home), batch
+            mine = sums.get(group.name)
+            if mine is None:  # on the group's devices, replicated
+                here = NamedSharding(jax.tree.leaves(got)[0].sharding.mesh, PartitionSpec())
+                sums[group.name] = jax.device_put(got, here)
             else:
-                total = jax.tree.map(jnp.add, total, jax.device_put(got, home))
+                here = jax.tree.leaves(mine)[0].sharding
+                sums[group.name] = jax.tree.map(jnp.add, mine, jax.device_put(got, here))
+    total = None
+    for part in sums.values():
+        if total is None:
+            total = part
+        else:
+            total = jax.tree.map(jnp.add, total,
+                                 jax.device_put(part, jax.tree.leaves(total)[0].sharding))
     args[at] = first
     return step.apply_grads(total, *args)
