@@ -13,6 +13,7 @@ import pytest
 
 from hetshard.cost.calibration import DEFAULT
 from hetshard.data import GroupCost, geometric_buckets, lower_bound, pack, packed_arrays, plan_batch
+from hetshard.data.packing import Packing
 from hetshard.data.planner import _compose, _group_plan, _lp_bound, _Pricer, _two_group_bound
 from hetshard.errors import SpecError
 from hetshard.kernels.flash_attention import _block_active, flash_attention_positions
@@ -49,6 +50,32 @@ def test_best_fit_fills_the_long_rows_leftovers_with_short_samples():
     rows = pack([40, 3, 20, 5], (16, 64))
     # 40 + 20 + 3 = 63 fit one 64-row; 5 then opens the smallest bucket that takes it.
     assert sorted((r.bucket, r.used) for r in rows) == [(16, 5), (64, 63)]
+
+
+def test_best_fit_places_runs_of_equal_lengths_as_one_sample_at_a_time_would():
+    """pack places a run of equal lengths a row at a time; it must give the rows of plain
+    best-fit decreasing (each sample into the open row with the least room that takes
+    it, the lower row first among equal rooms, else a new row of the smallest bucket)."""
+    def one_at_a_time(lengths, buckets):
+        rows = []  # [bucket, room, samples]
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            n = lengths[i]
+            fits = [r for r in rows if r[1] >= n]
+            if fits:
+                row = min(fits, key=lambda r: r[1])  # min keeps the first of equal rooms
+            else:
+                row = [min(b for b in buckets if b >= n), 0, []]
+                row[1] = row[0]
+                rows.append(row)
+            row[1] -= n
+            row[2].append(i)
+        return [(b, tuple(ss)) for b, _, ss in rows]
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        lengths = rng.choice([1, 2, 3, 5, 8, 13, 16, 20, 31, 40], rng.integers(1, 50)).tolist()
+        got = [(r.bucket, r.samples) for r in pack(lengths, (8, 16, 32, 64))]
+        assert got == one_at_a_time(lengths, (8, 16, 32, 64))
 
 
 def test_geometric_buckets():
@@ -88,8 +115,8 @@ def _brute_force(lengths, groups):
     best = np.inf
     for where in itertools.product(range(len(groups)), repeat=lengths.size):
         where = np.asarray(where)
-        t = max(_group_plan(p, np.flatnonzero(where == k), lengths, None, "best-fit",
-                            True).time_s for k, p in enumerate(pricers))
+        t = max(_group_plan(p, np.flatnonzero(where == k), lengths, None).time_s
+                for k, p in enumerate(pricers))
         best = min(best, t)
     return best
 
@@ -138,11 +165,11 @@ def test_a_part_empty_micro_step_is_not_merged_into_long_remat_rows():
     assert g.slots(64) > g.slots(16)  # 64-rows run in the long regime here
     pricer = _Pricer(g, None, DEFAULT)
     lengths = np.array([16, 16, 16])
-    plan = _group_plan(pricer, np.arange(3), lengths, None, "best-fit", True)
+    plan = _group_plan(pricer, np.arange(3), lengths, None)
     assert {s.bucket for s in plan.steps} == {16}
-    merged = _compose(pricer, pack([16, 16], (16,)) + pack([16], (64,)), None, True)
-    assert {s.bucket for s in merged} == {16, 64}
-    assert plan.time_s < sum(s.time_s for s in merged) + g.step_s
+    merged = _compose(pricer, Packing.of(pack([16, 16], (16,)) + pack([16], (64,))), None, True)
+    assert {bucket for bucket, _, _, _ in merged} == {16, 64}
+    assert plan.time_s < sum(t for _, _, _, t in merged) + g.step_s
 
 
 def test_lower_bound_is_below_every_method():

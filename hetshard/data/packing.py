@@ -42,6 +42,59 @@ class Row:
         return sum(n * n for n in self.lengths)
 
 
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Rows as arrays (what the per-batch planner prices; ``rows()`` gives the
+    :class:`Row` objects): row ``r`` is ``bucket[r]`` slots holding ``counts[r]`` samples,
+    the next ones of ``samples`` (their names) and ``lengths`` (row by row, in order)."""
+
+    bucket: np.ndarray
+    counts: np.ndarray
+    samples: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, rows: Sequence[Row]) -> Packing:
+        return cls(np.array([r.bucket for r in rows], np.int64),
+                   np.array([len(r.samples) for r in rows], np.int64),
+                   np.array([i for r in rows for i in r.samples], np.int64),
+                   np.array([n for r in rows for n in r.lengths], np.int64))
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def used(self) -> np.ndarray:
+        out = np.zeros(self.counts.size, np.int64)
+        filled = self.counts > 0
+        out[filled] = np.add.reduceat(self.lengths, self.starts[filled])
+        return out
+
+    def take(self, which) -> Packing:
+        """Rows ``which``, in that order."""
+        which = np.asarray(which, np.int64)
+        counts = self.counts[which]
+        idx = _ranges(self.starts[which], counts)
+        return Packing(self.bucket[which], counts, self.samples[idx], self.lengths[idx])
+
+    def rows(self, which: Sequence[int] | None = None) -> tuple[Row, ...]:
+        starts, counts = self.starts.tolist(), self.counts.tolist()
+        names, sizes, widths = self.samples.tolist(), self.lengths.tolist(), self.bucket.tolist()
+        pick = range(len(counts)) if which is None else which
+        return tuple(Row(widths[r], tuple(names[starts[r]:starts[r] + counts[r]]),
+                         tuple(sizes[starts[r]:starts[r] + counts[r]])) for r in pick)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices ``starts[k] .. starts[k] + counts[k] - 1`` for every k, concatenated."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(counts)
+    base = np.repeat(starts - (ends - counts), counts)
+    return base + np.arange(total, dtype=np.int64)
+
+
 def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
     """``lengths`` as a 1-D int64 array of positive token counts.
 
@@ -126,44 +179,73 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
         return tuple(Row(b, tuple(s), tuple(n)) for b, s, n in rows)
     if order != "best-fit":
         raise SpecError("order", order, "'best-fit' or 'sequential'")
+    return best_fit(lengths, buckets, ids).rows()
+
+
+def best_fit(lengths: np.ndarray, buckets: tuple[int, ...],
+             ids: Sequence[int] | None = None) -> Packing:
+    """Best-fit decreasing of checked ``lengths`` into ``buckets`` (see :func:`pack`),
+    as arrays."""
     widths: list[int] = []
     # Open rows as ``room * SHIFT + row`` in increasing order: one integer per row keeps
     # the search a bisection over ints (the least room that takes n is the first key at
     # or above n * SHIFT), the row with the lower index first among equal rooms.
-    shift = 1 << max(1, lengths.size.bit_length())
+    bits = max(1, lengths.size.bit_length())
+    shift, mask = 1 << bits, (1 << bits) - 1
     rooms: list[int] = []
     find, insort = bisect.bisect_left, bisect.insort
     order = np.argsort(-lengths, kind="stable")
-    row_of = []  # per sample in that order
-    for n in lengths[order].tolist():
+    srt = lengths[order]
+    # Equal lengths come in runs; a run fills the row that takes its first sample
+    # while it has room (that row stays the least room that fits), so it is placed
+    # a row at a time, as one sample at a time would place it.
+    cut = np.flatnonzero(srt[1:] != srt[:-1]) + 1
+    run_at = np.concatenate([[0], cut])
+    run_n = np.diff(np.concatenate([run_at, [srt.size]]))
+    row_of: list[int] = []  # per sample in that order
+    for n, c in zip(srt[run_at].tolist(), run_n.tolist(), strict=True):
         need = n * shift
-        at = find(rooms, need)
-        if at < len(rooms):
-            key = rooms.pop(at) - need  # the room left, same row
-            row_of.append(key & (shift - 1))
-        else:
-            r = len(widths)
-            width = buckets[find(buckets, n)]
-            widths.append(width)
-            row_of.append(r)
-            key = (width - n) * shift + r
-        if key >= shift:  # room left
-            insort(rooms, key)
+        if c == 1:  # most runs: one sample
+            at = find(rooms, need)
+            if at < len(rooms):
+                key = rooms.pop(at) - need
+                row_of.append(key & mask)
+            else:
+                r = len(widths)
+                width = buckets[find(buckets, n)]
+                widths.append(width)
+                row_of.append(r)
+                key = (width - n) * shift + r
+            if key >= shift:
+                insort(rooms, key)
+            continue
+        while c:
+            at = find(rooms, need)
+            if at < len(rooms):
+                key = rooms.pop(at)
+                r = key & mask
+                q = min(c, (key >> bits) // n)
+                key -= q * need  # the room left, same row
+            else:
+                r = len(widths)
+                width = buckets[find(buckets, n)]
+                widths.append(width)
+                q = min(c, width // n)
+                key = (width - q * n) * shift + r
+            if q == 1:
+                row_of.append(r)
+            else:
+                row_of += [r] * q
+            c -= q
+            if key >= shift:  # room left
+                insort(rooms, key)
     # each row's samples in the order they went in (longest first)
-    by_row = np.argsort(np.asarray(row_of, np.int64), kind="stable")
-    taken = order[by_row]
-    cuts = np.cumsum(np.bincount(np.asarray(row_of, np.int64), minlength=len(widths)))[:-1]
-    names_of = taken.tolist()
-    if ids is not None:
-        names = list(ids)
-        names_of = [names[i] for i in names_of]
-    sizes_of = lengths[taken].tolist()
-    out = []
-    lo = 0
-    for w, hi in zip(widths, cuts.tolist() + [lengths.size], strict=True):
-        out.append(Row(w, tuple(names_of[lo:hi]), tuple(sizes_of[lo:hi])))
-        lo = hi
-    return tuple(out)
+    rows = np.asarray(row_of, np.int64)
+    taken = order[np.argsort(rows, kind="stable")]
+    names = taken if ids is None else np.asarray(ids)[taken]
+    return Packing(np.asarray(widths, np.int64),
+                   np.bincount(rows, minlength=len(widths)).astype(np.int64),
+                   names, lengths[taken])
 
 
 def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -49,7 +48,15 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
-from hetshard.data.packing import Row, check_lengths, geometric_buckets, pack
+from hetshard.data.packing import (
+    Packing,
+    Row,
+    _ranges,
+    best_fit,
+    check_lengths,
+    geometric_buckets,
+    pack,
+)
 from hetshard.errors import SpecError
 
 METHODS = ("pad", "fixed-cp", "identical", "hetshard")
@@ -269,103 +276,139 @@ class _Pricer:
     def empty(self, bucket: int) -> float:
         return self._of(bucket)[1]
 
-    def rows(self, rows: Sequence[Row], images: np.ndarray | None
-             ) -> tuple[np.ndarray, np.ndarray]:
-        """(bucket, seconds) of each of ``rows`` on one slot of this group (``images``: per
+    def rows(self, p: Packing, images: np.ndarray | None) -> np.ndarray:
+        """Seconds of each of ``p``'s rows on one slot of this group (``images``: per
         sample of the batch, or None): an empty row of its bucket, plus attention over its
         samples' squared lengths and their images' encoder time spread over the row's
         context group, plus the K/V ring where attention's forward does not hide it
         (forward and the backward's two passes)."""
         g = self.g
-        counts = np.fromiter((len(r.samples) for r in rows), np.int64, len(rows))
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        lens = np.fromiter(itertools.chain.from_iterable(r.lengths for r in rows), np.int64)
-        filled = counts > 0
-        squares = np.zeros(len(rows), np.int64)
-        squares[filled] = np.add.reduceat(lens * lens, starts[filled])
-        buckets = np.fromiter((r.bucket for r in rows), np.int64, len(rows))
-        kinds, which = np.unique(buckets, return_inverse=True)
+        starts = p.starts
+        filled = p.counts > 0
+        squares = np.zeros(p.counts.size, np.int64)
+        squares[filled] = np.add.reduceat(p.lengths * p.lengths, starts[filled])
+        kinds, which = np.unique(p.bucket, return_inverse=True)
         per = np.array([self._of(b) for b in kinds.tolist()], np.float64)[which]
         d, empty, per_square, ring = per.T
         attn = per_square * squares
         t = empty + attn
         if images is not None:
-            ids = np.fromiter(itertools.chain.from_iterable(r.samples for r in rows), np.int64)
-            img = np.zeros(len(rows), np.int64)
-            img[filled] = np.add.reduceat(np.asarray(images)[ids], starts[filled])
+            img = np.zeros(p.counts.size, np.int64)
+            img[filled] = np.add.reduceat(np.asarray(images)[p.samples], starts[filled])
             t = np.where(img > 0, t + g.image_s * img / d, t)
         exposed = ring - g.attention_fwd_share * attn / g.layers
-        return buckets, np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
+        return np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
 
 
-def _compose(pricer: _Pricer, rows: Sequence[Row], images: np.ndarray | None,
-             sort: bool) -> tuple[MicroStep, ...]:
-    """Micro-steps of ``rows`` per bucket: ``devices // degree`` rows each, sorted by
+# A micro-step while planning: (bucket, degree, its rows' indices in the packing, seconds)
+_Step = tuple[int, int, np.ndarray, float]
+
+
+def _compose(pricer: _Pricer, p: Packing, images: np.ndarray | None,
+             sort: bool) -> list[_Step]:
+    """Micro-steps of ``p``'s rows per bucket: ``devices // degree`` rows each, sorted by
     cost when ``sort`` (else in the given order)."""
     g = pricer.g
-    if not rows:
-        return ()
-    buckets, times = pricer.rows(rows, images)
+    if not p.counts.size:
+        return []
+    times = pricer.rows(p, images)
     steps = []
-    for bucket in np.unique(buckets).tolist():
+    for bucket in np.unique(p.bucket).tolist():
         d = g.degree(bucket)
         if bucket > g.longest:
             raise SpecError("bucket", bucket, f"at most {g.longest} tokens on group "
                             f"{g.name!r} ({g.n} devices)")
         per = g.n // d
-        mine = np.flatnonzero(buckets == bucket)
+        mine = np.flatnonzero(p.bucket == bucket)
         if sort:
             mine = mine[np.argsort(-times[mine], kind="stable")]
         starts = np.arange(0, mine.size, per)
         slowest = np.maximum.reduceat(times[mine], starts).tolist()
         if mine.size % per:  # a part-empty last micro-step lasts at least an empty row
             slowest[-1] = max(slowest[-1], pricer.empty(bucket))
-        order = mine.tolist()
         for k, at in enumerate(starts.tolist()):
-            steps.append(MicroStep(bucket, d, tuple(rows[i] for i in order[at:at + per]),
-                                   slowest[k]))
-    return tuple(steps)
+            steps.append((bucket, d, mine[at:at + per], slowest[k]))
+    return steps
 
 
-def _fill_steps(g: GroupCost, rows: Sequence[Row], buckets: Sequence[int]) -> tuple[Row, ...]:
+def _micro_steps(rows: Sequence[Row], steps: Sequence[_Step]) -> tuple[MicroStep, ...]:
+    return tuple(MicroStep(b, d, tuple(rows[i] for i in idx.tolist()), t)
+                 for b, d, idx, t in steps)
+
+
+def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int]) -> Packing:
     """Rows re-bucketed so that at most the largest bucket ends in a part-empty micro-step:
     from the smallest bucket up, the rows a bucket's last micro-step would hold short of
     full are merged, ``next / bucket`` at a time, into rows of the next bucket (the same
     device slots, one context degree up), as packing them there would have. Not into a
     bucket whose rows hold more slots per device (rows over every device under the long
     remat): there the merged row costs more than the idle devices it would fill."""
-    by: dict[int, list[Row]] = {b: [] for b in buckets}
-    for r in rows:
-        by[r.bucket].append(r)
+    # a row here: (tokens used, the packing's rows it is made of)
+    by: dict[int, list[tuple[int, tuple[int, ...]]]] = {b: [] for b in buckets}
+    for r, (b, used) in enumerate(zip(p.bucket.tolist(), p.used().tolist(), strict=True)):
+        by[b].append((used, (r,)))
+    merged = False
     for b, nxt in zip(buckets, buckets[1:], strict=False):
         per = max(1, g.n // g.degree(b))
         extra = len(by[b]) % per
         if not extra or nxt > g.longest or g.slots(nxt) > g.slots(b):
             continue
         # the least-filled rows move up
-        by[b].sort(key=lambda r: -r.used)
+        by[b].sort(key=lambda e: -e[0])
         moving, by[b] = by[b][len(by[b]) - extra:], by[b][:len(by[b]) - extra]
         m = nxt // b
         for at in range(0, len(moving), m):
             part = moving[at:at + m]
-            by[nxt].append(Row(nxt, tuple(i for r in part for i in r.samples),
-                               tuple(n for r in part for n in r.lengths)))
-    return tuple(r for b in buckets for r in by[b])
+            by[nxt].append((sum(e[0] for e in part), tuple(r for e in part for r in e[1])))
+        merged = True
+    if not merged:
+        return p.take(np.concatenate([np.flatnonzero(p.bucket == b) for b in buckets]))
+    rows = [rs for b in buckets for _, rs in by[b]]
+    src = np.fromiter((r for rs in rows for r in rs), np.int64)
+    idx = _ranges(p.starts[src], p.counts[src])
+    first = np.cumsum([0] + [len(rs) for rs in rows[:-1]])
+    return Packing(np.array([b for b in buckets for _ in by[b]], np.int64),
+                   np.add.reduceat(p.counts[src], first), p.samples[idx], p.lengths[idx])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    """A group's plan while placements are compared (rows as arrays)."""
+
+    group: str
+    samples: np.ndarray
+    packing: Packing | None
+    steps: list[_Step]
+    time_s: float
+    images: int = 0
+
+    def plan(self) -> GroupPlan:
+        if self.packing is None:
+            return GroupPlan(self.group, (), (), self.time_s)
+        return GroupPlan(self.group, tuple(self.samples.tolist()),
+                         _micro_steps(self.packing.rows(), self.steps), self.time_s,
+                         self.images)
+
+
+def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
+           images: np.ndarray | None, sort: bool,
+           buckets: Sequence[int] | None = None) -> _Draft:
+    g = pricer.g
+    if samples.size == 0:
+        return _Draft(g.name, samples, None, [], g.step_s)
+    buckets = tuple(buckets or g.buckets)
+    p = _fill_steps(g, best_fit(lengths[samples], buckets, samples), buckets)
+    steps = _compose(pricer, p, images, sort)
+    n_img = int(images[samples].sum()) if images is not None else 0
+    return _Draft(g.name, samples, p, steps, sum(s[3] for s in steps) + g.step_s, n_img)
 
 
 def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
-                images: np.ndarray | None, order: str, sort: bool,
+                images: np.ndarray | None, sort: bool = True,
                 buckets: Sequence[int] | None = None) -> GroupPlan:
-    g = pricer.g
-    if samples.size == 0:
-        return GroupPlan(g.name, (), (), g.step_s)
-    rows = pack(lengths[samples], buckets or g.buckets, order=order, ids=samples.tolist())
-    if order == "best-fit":
-        rows = _fill_steps(g, rows, buckets or g.buckets)
-    steps = _compose(pricer, rows, images, sort)
-    n_img = int(images[samples].sum()) if images is not None else 0
-    return GroupPlan(g.name, tuple(samples.tolist()), steps,
-                     sum(s.time_s for s in steps) + g.step_s, n_img)
+    """One group's plan of ``samples``: packed best-fit, part-empty micro-steps merged
+    up, micro-steps composed (rows sorted by cost when ``sort``)."""
+    return _draft(pricer, samples, lengths, images, sort, buckets).plan()
 
 
 # ---- placement -----------------------------------------------------------------------------
@@ -499,7 +542,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             where = _lpt(costs, n, scale)
             parts = [np.flatnonzero(where == k) for k in range(len(groups))]
             # The planner prices its choice with the costs it believes in ...
-            seen = [_group_plan(p, parts[k], lengths, img, "best-fit", True)
+            seen = [_draft(p, parts[k], lengths, img, True)
                     for k, p in enumerate(believed_pricers)]
             worst = max(s.time_s for s in seen)
             if best is not None and worst >= best[0]:
@@ -513,9 +556,8 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
                 break  # the same relative speeds: the same placement
             scale = new_scale
         # ... and runs it on the real GPUs.
-        plan = best[2] if believed is groups else tuple(
-            _group_plan(p, best[1][k], lengths, img, "best-fit", True)
-            for k, p in enumerate(pricers))
+        plan = tuple(d.plan() for d in best[2]) if believed is groups else tuple(
+            _group_plan(p, best[1][k], lengths, img) for k, p in enumerate(pricers))
     planning = time.perf_counter() - t0
     step = max(g.time_s for g in plan)
     lb = lower_bound(lengths, groups, img) if bound else None
@@ -537,7 +579,7 @@ def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
     for k, p in enumerate(pricers):
         mine = rows[bounds[k]:bounds[k + 1]]
         samples = tuple(i for r in mine for i in r.samples)
-        steps = _compose(p, mine, img, sort=False) if mine else ()
+        steps = _micro_steps(mine, _compose(p, Packing.of(mine), img, sort=False))
         n_img = int(img[list(samples)].sum()) if img is not None and samples else 0
         out.append(GroupPlan(p.g.name, samples, steps,
                              sum(s.time_s for s in steps) + p.g.step_s, n_img))
@@ -546,7 +588,7 @@ def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
 
 def _padded(pricer: _Pricer, samples: np.ndarray, lengths, img, top) -> GroupPlan:
     rows = tuple(Row(top, (int(i),), (int(lengths[i]),)) for i in samples)
-    steps = _compose(pricer, rows, img, sort=False) if rows else ()
+    steps = _micro_steps(rows, _compose(pricer, Packing.of(rows), img, sort=False))
     return GroupPlan(pricer.g.name, tuple(int(i) for i in samples), steps,
                      sum(s.time_s for s in steps) + pricer.g.step_s,
                      int(img[samples].sum()) if img is not None and samples.size else 0)
