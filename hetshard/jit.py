@@ -57,6 +57,7 @@ from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported
     rewriting,
     step_state,
 )
+from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
 from hetshard.solver.shardings import fill_missing_shardings
 
@@ -122,25 +123,45 @@ def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: in
                                               batch_argnum] if args else None,
                                       "hetshard.plan"):
         program = Program(step, args, batch_argnum=batch_argnum)
+        options, why = _restricted(options, program)
+        if why:
+            warnings.warn(why, stacklevel=2)
         return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
-                         options=_restricted(options, program), calibration=calibration)
+                         options=options, calibration=calibration)
 
 
-def _restricted(options, program: Program):
-    """Options limited to what the program can run: single-stage plans without the loss
-    call; no distributed optimizer for pytree steps (their optimizer state cannot be told
-    from the parameters). Per-GPU compute dtypes need the loss call (its loss is
-    scaled): asking for them without it is an error."""
+def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
+    """Options limited to what the program can run, and why (None: not limited):
+    single-stage plans without the loss call, or where the step's update or outputs
+    need every gradient in one place (``pipeline_obstacle``; one pipeline where the
+    update reads the batch); no distributed optimizer for pytree steps (their optimizer
+    state cannot be told from the parameters). Per-GPU compute dtypes need the loss call
+    (its loss is scaled): asking for them without it is an error."""
     if program.call is None and options.gpu_dtypes != "program":
         raise SpecError("gpu_dtypes", options.gpu_dtypes,
                         "'program' for a step without hetshard.value_and_grad (float16 "
                         "stages scale its loss; use hetshard.value_and_grad)",
                         where="hetshard.jit")
-    if program.call is None and (options.max_stages != 1 or options.max_pipelines != 1):
+    why = None
+    several = options.max_stages != 1 or options.max_pipelines != 1
+    if program.call is None and several:
         options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
+        why = (f"the step's loss cannot be cut per micro-batch ({program.call_error}): "
+               f"hetshard restricts itself to single-stage plans for it")
+    elif several:
+        found = pipeline_obstacle(program)
+        if found is not None:
+            reason, one_pipeline = found
+            if one_pipeline:
+                options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
+                why = f"{reason}: hetshard plans one single-stage pipeline for it"
+            elif options.max_stages != 1:
+                options = dataclasses.replace(options, max_stages=1)
+                why = (f"pipeline stages cannot run this step: {reason}; hetshard plans "
+                       f"single-stage pipelines for it (pass max_stages=1 to say so)")
     if program.kind == "tree" and options.distributed_optimizer is not False:
         options = dataclasses.replace(options, distributed_optimizer=False)
-    return options
+    return options, why
 
 
 def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
@@ -229,12 +250,11 @@ class HetshardJit:
             # would write, so it runs tensor-parallel as the simulator prices it.
             self.pinned = fill_missing_shardings(self.pinned, program, self.cluster)
             return self.pinned
-        options = _restricted(self.options, program)
-        if program.call is None and options is not self.options and not self.guard.warned_vg:
-            self.guard.warned_vg = True
-            warnings.warn(f"the step's loss cannot be cut per micro-batch "
-                          f"({program.call_error}): hetshard restricts itself to "
-                          f"single-stage plans for it", stacklevel=4)
+        options, why = _restricted(self.options, program)
+        if why and why not in self.guard.warned:
+            self.guard.warned.add(why)
+            self.guard.warned_vg |= program.call is None  # said here, not again at run
+            warnings.warn(why, stacklevel=4)
         key = cache.fingerprint(program.fingerprint, str(batch_size), self.cluster.to_json(),
                                 repr(options), repr(DEFAULT), __version__)
         found = cache.load(key)

@@ -272,3 +272,39 @@ def test_a_model_with_dropout_trains_as_nnx_jit_does():
         return [int(x) for x in jax.tree.leaves(nnx.state(model, nnx.RngCount))]
     assert counts(args[0]) == counts(ref_args[0])
     assert max(counts(args[0])) > 0
+
+
+def _shape_only_lm(clip: bool, d=2048, layers=16):
+    """A user LM too big for one GPU, shapes only; AdamW, with or without a global-norm
+    clip (the usual LLM recipe)."""
+    import jax.numpy as jnp
+    import optax
+
+    def make():
+        return user_models.TinyLM(nnx.Rngs(0), layers=layers, d=d, heads=16)
+    tx = optax.adamw(1e-3)
+    if clip:
+        tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    model = nnx.eval_shape(make)
+    opt = nnx.eval_shape(lambda: nnx.Optimizer(make(), tx, wrt=nnx.Param))
+    batch = {k: jax.ShapeDtypeStruct((64, user_models.SEQ), jnp.int32)
+             for k in ("tokens", "targets")}
+    return user_models.nnx_step(user_models.lm_loss), (model, opt, batch)
+
+
+def test_a_global_norm_clip_keeps_the_planner_to_plans_that_run_it():
+    """A global-norm clip needs every gradient in one place: pipeline stages cannot
+    split its update. The planner, which picks a multi-stage pipeline for the same model
+    without the clip, keeps to single-stage plans for it and says why (it used to plan a
+    pipeline the runtime then refused)."""
+    from hetshard.runtime.ownership import pipeline_obstacle
+    step, args = _shape_only_lm(clip=False)
+    assert pipeline_obstacle(hetshard.Program(step, args)) is None
+    plain = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
+    assert max(len(p.stages) for p in plain.pipelines) > 1  # what the clip rules out
+    step, args = _shape_only_lm(clip=True)
+    why, one_pipeline = pipeline_obstacle(hetshard.Program(step, args))
+    assert "couples parameters of different layers" in why and not one_pipeline
+    with pytest.warns(UserWarning, match="pipeline stages cannot run this step"):
+        clipped = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
+    assert all(len(p.stages) == 1 for p in clipped.pipelines)

@@ -88,6 +88,7 @@ class Guard:
                             where="hetshard.jit")
         self.nan_policy, self.loss_output = nan_policy, loss_output
         self.warned_vg = False  # the plain-nnx.value_and_grad warning, given once
+        self.warned: set[str] = set()  # the planner's restrictions, each said once
 
     def health(self, program: Program, out, new_state, finite, value):
         """(whether the step's loss and gradients are finite, its loss) in-graph: the

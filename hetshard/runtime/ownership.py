@@ -32,30 +32,30 @@ class Ownership:
     out_tree: object  # the step's outputs' treedef (besides the state)
 
 
-def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, diff,
-              splits) -> Ownership:
-    """The stage owning each state leaf per pipeline (``splits``: each pipeline's
-    ``rewrite.pipeline`` split); ``apply(state, grads, loss, batch) -> (outputs, new
-    state)`` is the user's step with its gradients and loss provided."""
-    grad_avals = [state_avals[i] for i in grad_index]
-    traced, out_shape = jax.make_jaxpr(apply, return_shape=True)(
-        state_avals, grad_avals, loss_avals, batch_avals)
-    out_tree = jax.tree.structure(out_shape[0])
-    n_out = len(jax.tree.leaves(out_shape[0]))
-    if len(jax.tree.leaves(out_shape[1])) != len(state_avals):
-        raise PipelineSetupError("the step changes the structure of its state")
-    deps = output_dependencies(traced)
-    ns, ng, nl = len(state_avals), len(grad_avals), len(loss_avals)
+@dataclasses.dataclass(frozen=True)
+class _Update:
+    """The update's data flow: leaves kept and updated identically everywhere, the
+    groups of state leaves updated together, and what stops a pipeline outright."""
+
+    shared: set[int]
+    comps: list[list[int]]
+    batch_problem: str | None
+    output_problem: str | None
+
+
+def _update_flow(deps, n_out: int, ns: int, grad_index, nl: int, nb: int, paths) -> _Update:
+    """``deps``: per output of the traced update (its outputs, then each state leaf's new
+    value), the inputs it reads: state (``ns``), gradients (of ``grad_index``), loss
+    (``nl``) and batch (``nb``) leaves, in that order."""
+    ng = len(grad_index)
     grad_of = {ns + k: grad_index[k] for k in range(ng)}
-    batch_inputs = set(range(ns + ng + nl, ns + ng + nl + len(batch_avals)))
+    batch_inputs = set(range(ns + ng + nl, ns + ng + nl + nb))
     loss_inputs = set(range(ns + ng, ns + ng + nl))
     new = deps[n_out:]
-    for i, d in enumerate(new):
-        if d & batch_inputs:
-            raise PipelineSetupError(
-                f"the step updates {paths[i]} from the batch outside "
-                f"hetshard.value_and_grad; pipeline plans need the batch used only "
-                f"by the loss")
+    batch_problem = next((
+        f"the step updates {paths[i]} from the batch outside hetshard.value_and_grad; "
+        f"pipeline plans need the batch used only by the loss"
+        for i, d in enumerate(new) if d & batch_inputs), None)
     shared = {i for i, d in enumerate(new) if not (d & set(grad_of))}
     changed = True
     while changed:
@@ -64,14 +64,15 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
             if any(j < ns and j not in shared for j in new[i]):
                 shared.discard(i)
                 changed = True
+    output_problem = None
     for k, d in enumerate(deps[:n_out]):
         bad = [j for j in d if not (j in loss_inputs or (j < ns and j in shared))]
         if bad:
-            raise PipelineSetupError(
-                f"output {k} of the step reads "
-                f"{_input_name(paths, bad[0], ns, grad_of)} (not only the loss); under a "
-                f"pipeline plan the step may return the loss and aux of "
-                f"hetshard.value_and_grad, and values of shared scalars")
+            output_problem = (
+                f"output {k} of the step reads {_input_name(paths, bad[0], ns, grad_of)} "
+                f"(not only the loss); under a pipeline plan the step may return the loss "
+                f"and aux of hetshard.value_and_grad, and values of shared scalars")
+            break
     uf = _UnionFind()
     for i, d in enumerate(new):
         if i in shared:
@@ -86,7 +87,27 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
     for i in range(ns):
         if i not in shared:
             comps.setdefault(uf.find(i), []).append(i)
-    shared = sorted(shared)
+    return _Update(shared, list(comps.values()), batch_problem, output_problem)
+
+
+def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, diff,
+              splits) -> Ownership:
+    """The stage owning each state leaf per pipeline (``splits``: each pipeline's
+    ``rewrite.pipeline`` split); ``apply(state, grads, loss, batch) -> (outputs, new
+    state)`` is the user's step with its gradients and loss provided."""
+    grad_avals = [state_avals[i] for i in grad_index]
+    traced, out_shape = jax.make_jaxpr(apply, return_shape=True)(
+        state_avals, grad_avals, loss_avals, batch_avals)
+    out_tree = jax.tree.structure(out_shape[0])
+    n_out = len(jax.tree.leaves(out_shape[0]))
+    if len(jax.tree.leaves(out_shape[1])) != len(state_avals):
+        raise PipelineSetupError("the step changes the structure of its state")
+    flow = _update_flow(output_dependencies(traced), n_out, len(state_avals), grad_index,
+                        len(loss_avals), len(batch_avals), paths)
+    if flow.batch_problem:
+        raise PipelineSetupError(flow.batch_problem)
+    if flow.output_problem and any(len(split.stages) > 1 for split in splits):
+        raise PipelineSetupError(flow.output_problem)  # one stage owns every leaf
     owners = []  # per pipeline: state leaf -> stage
     for split in splits:
         first: dict[int, int] = {}
@@ -94,7 +115,7 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
             for i in st.params + st.frozen:
                 first.setdefault(i, st.index)
         owner = {}
-        for members in comps.values():
+        for members in flow.comps:
             stages = {first[i] for i in members if i in first and i in set(diff)}
             if len(stages) > 1:
                 names = sorted({paths[i] for i in members if i in first})[:3]
@@ -108,7 +129,48 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
             for i in members:
                 owner[i] = stage
         owners.append(owner)
-    return Ownership(shared, owners, out_tree)
+    return Ownership(sorted(flow.shared), owners, out_tree)
+
+
+def pipeline_obstacle(program) -> tuple[str, bool] | None:
+    """Why plans with several pipeline stages cannot run ``program``'s step, and whether
+    plans with several (single-stage) pipelines cannot either; None when both can. Its
+    update couples parameters that different layers read (a global-norm clip: every
+    stage would need every gradient), or it returns something computed from the
+    gradients of several layers: single-stage pipelines only. It updates state from the
+    batch outside the loss: one pipeline only. Checked on the program before planning,
+    so that the planner keeps to plans that run it."""
+    if program.call is None:
+        return None  # such steps are planned single-stage already
+    deps = output_dependencies(program.update_jaxpr())
+    ns = len(program.state_avals)
+    nl = len(jax.tree.leaves(program.loss_jaxpr(2)[1]))
+    nb = len(program.batch_at(program.global_batch))
+    if program.kind == "nnx":  # its outputs, then the new state
+        outs, new = list(deps[:len(deps) - ns]), list(deps[len(deps) - ns:])
+    else:  # a pytree step returns its new state among its outputs
+        _, mapping = program.state_outputs()
+        taken = {m for m in mapping if m is not None}
+        outs = [d for k, d in enumerate(deps) if k not in taken]
+        new = [deps[m] if m is not None else frozenset({i}) for i, m in enumerate(mapping)]
+    flow = _update_flow(outs + new, len(outs), ns, program.diff, nl, nb, program.paths)
+    if flow.batch_problem:
+        return flow.batch_problem, True
+    if flow.output_problem:
+        return flow.output_problem, False
+    layer_of: dict[int, int] = {}
+    for k, leaves in enumerate(program.layer_params(2)):
+        for i in leaves:
+            layer_of.setdefault(i, k)
+    diff = set(program.diff)
+    for members in flow.comps:
+        layers = {layer_of[i] for i in members if i in diff and i in layer_of}
+        if len(layers) > 1:
+            names = sorted(program.paths[i] for i in members if i in diff)[:3]
+            return (f"its optimizer update couples parameters of different layers (e.g. "
+                    f"{names}: a global-norm clip or another cross-parameter transform "
+                    f"needs every gradient in one place)", False)
+    return None
 
 
 class _UnionFind:
