@@ -418,12 +418,15 @@ def test_stacked_copies_and_shard_to_shard_hop():
 
 # ---- what cannot run gets a clear error -------------------------------------------------
 
-def test_optimizer_coupling_stages_is_refused_with_the_fix():
+def test_an_update_coupling_stages_beyond_scalars_is_refused_with_the_fix():
+    """optax.MultiSteps applies every parameter's update under one condition: no stage
+    can update its own parameters alone (a global-norm clip can: the stages trade the
+    norm, test_stages_trade_small_values_and_refuse_large_ones)."""
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
                                        8, 4, 2)])
     batches = _batches("gpt-tiny")
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    with pytest.raises(PipelineSetupError, match="global-norm clip"):
+    tx = optax.MultiSteps(optax.sgd(0.1), 2)
+    with pytest.raises(PipelineSetupError, match="single-stage plan \\(max_stages=1\\)"):
         _train("gpt-tiny", lm_loss, batches, 1, tx, plan)
 
 
@@ -559,3 +562,33 @@ def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, sche
         held = predicted - cost.memory_working_bytes
         peak = peaks[d] - before.get(d, 0)
         assert 0.97 * held <= peak <= 1.03 * predicted, (d, peak, held, predicted)
+
+
+def test_stages_trade_small_values_and_refuse_large_ones():
+    """plan_exchange publishes the small values an equation reads from two stages (each
+    stage's sum of squares, then what the other stage's update reads: one round) and
+    refuses a large value of one stage read by another."""
+    from hetshard.runtime.exchange import CouplingError, evaluate, plan_exchange
+
+    def clip(a, b):  # a on stage 0, b on stage 1
+        norm = jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
+        return a / norm, b / norm
+    closed = jax.make_jaxpr(clip)(jnp.ones(8), jnp.ones(8))
+    ex = plan_exchange(closed, [0, 1], [0, 1])
+    assert len(ex.rounds) == 1 and sorted(st for _, st in ex.rounds[0]) == [0, 1]
+    a, b = jnp.arange(8.0), jnp.arange(8.0) + 1
+    # each stage sees zeros for the other's input, then the traded values put in
+    zero = jnp.zeros(8)
+    traded = {}
+    for stage, args in ((0, (a, zero)), (1, (zero, b))):
+        mine = [v for v, st in ex.rounds[0] if st == stage]
+        traded.update(zip(mine, evaluate(closed.jaxpr, closed.consts, args, {}, mine),
+                          strict=True))
+    got_a = evaluate(closed.jaxpr, closed.consts, (a, zero), traded, closed.jaxpr.outvars)[0]
+    got_b = evaluate(closed.jaxpr, closed.consts, (zero, b), traded, closed.jaxpr.outvars)[1]
+    want_a, want_b = clip(a, b)
+    np.testing.assert_allclose(got_a, want_a, rtol=1e-6)
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-6)
+    with pytest.raises(CouplingError, match="held by stage"):
+        plan_exchange(jax.make_jaxpr(lambda a, b: (a + b, b))(jnp.ones(128), jnp.ones(128)),
+                      [0, 1], [0, 1])

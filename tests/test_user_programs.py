@@ -274,17 +274,12 @@ def test_a_model_with_dropout_trains_as_nnx_jit_does():
     assert max(counts(args[0])) > 0
 
 
-def _shape_only_lm(clip: bool, d=2048, layers=16):
-    """A user LM too big for one GPU, shapes only; AdamW, with or without a global-norm
-    clip (the usual LLM recipe)."""
+def _shape_only_lm(tx, d=2048, layers=16):
+    """A user LM too big for one GPU, shapes only, with optimizer ``tx``."""
     import jax.numpy as jnp
-    import optax
 
     def make():
         return user_models.TinyLM(nnx.Rngs(0), layers=layers, d=d, heads=16)
-    tx = optax.adamw(1e-3)
-    if clip:
-        tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
     model = nnx.eval_shape(make)
     opt = nnx.eval_shape(lambda: nnx.Optimizer(make(), tx, wrt=nnx.Param))
     batch = {k: jax.ShapeDtypeStruct((64, user_models.SEQ), jnp.int32)
@@ -292,19 +287,62 @@ def _shape_only_lm(clip: bool, d=2048, layers=16):
     return user_models.nnx_step(user_models.lm_loss), (model, opt, batch)
 
 
-def test_a_global_norm_clip_keeps_the_planner_to_plans_that_run_it():
-    """A global-norm clip needs every gradient in one place: pipeline stages cannot
-    split its update. The planner, which picks a multi-stage pipeline for the same model
-    without the clip, keeps to single-stage plans for it and says why (it used to plan a
-    pipeline the runtime then refused)."""
+def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_it():
+    """optax.MultiSteps applies the whole update under one condition (a lax.cond over
+    every parameter): pipeline stages cannot split it. The planner, which picks a
+    multi-stage pipeline for the same model with plain AdamW, keeps to single-stage
+    plans for it and says why (it used to plan a pipeline the runtime then refused)."""
+    import optax
+
     from hetshard.runtime.ownership import pipeline_obstacle
-    step, args = _shape_only_lm(clip=False)
+    step, args = _shape_only_lm(optax.adamw(1e-3))
     assert pipeline_obstacle(hetshard.Program(step, args)) is None
     plain = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
-    assert max(len(p.stages) for p in plain.pipelines) > 1  # what the clip rules out
-    step, args = _shape_only_lm(clip=True)
+    assert max(len(p.stages) for p in plain.pipelines) > 1  # what the coupling rules out
+    step, args = _shape_only_lm(optax.MultiSteps(optax.adamw(1e-3), 2))
     why, one_pipeline = pipeline_obstacle(hetshard.Program(step, args))
     assert "couples parameters of different layers" in why and not one_pipeline
     with pytest.warns(UserWarning, match="pipeline stages cannot run this step"):
-        clipped = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
-    assert all(len(p.stages) == 1 for p in clipped.pipelines)
+        coupled = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
+    assert all(len(p.stages) == 1 for p in coupled.pipelines)
+
+
+def _clipped(max_norm):
+    """The user transformer with AdamW behind a global-norm clip, returning the loss and
+    the gradients' global norm (a metric read from every stage's gradients)."""
+    import optax
+
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    model = user_models.TinyLM(nnx.Rngs(0))
+    tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-2))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    batches = user_models._text_batches(np.random.default_rng(0))
+    return step, [model, opt, batches[0]], batches
+
+
+def test_a_global_norm_clip_runs_under_pipeline_stages():
+    """The stages trade the squared norms of their gradients (hetshard.runtime.exchange):
+    a 2-stage pipeline on two GPU types trains a clipped AdamW step equal to nnx.jit,
+    the clip active (the norm above the threshold), and returns the global gradient norm
+    of every stage's gradients. Without the trade each stage clips by its own norm."""
+    from hetshard.runtime.ownership import pipeline_obstacle
+    max_norm = 0.05
+    step, args, batches = _clipped(max_norm)
+    want = [nnx.jit(step)(*args[:2], b) for b in batches * 2]
+    norms = [float(w["grad_norm"]) for w in want]
+    assert min(norms) > 2 * max_norm  # the clip scales every update
+    step, args, _ = _clipped(max_norm)
+    program = hetshard.Program(step, args)
+    assert pipeline_obstacle(program) is None
+    n = program.layering(2).num_layers
+    plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+    got = [jitted(*args[:2], b) for b in batches * 2]
+    assert len(jitted.plan.pipelines[0].stages) == 2
+    np.testing.assert_allclose([float(g["loss"]) for g in got],
+                               [float(w["loss"]) for w in want], rtol=1e-5)
+    np.testing.assert_allclose([float(g["grad_norm"]) for g in got], norms, rtol=1e-5)

@@ -27,7 +27,8 @@ def _body(eqn):
     return None
 
 
-def _flow(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
+def _flow(jaxpr, in_deps: list[frozenset], small: int | None = None,
+          sizes: list[int] | None = None) -> list[frozenset]:
     env: dict = {}
     empty: frozenset = frozenset()
     for v in jaxpr.constvars:
@@ -42,16 +43,30 @@ def _flow(jaxpr, in_deps: list[frozenset]) -> list[frozenset]:
         ins = [read(v) for v in eqn.invars]
         body = _body(eqn)
         if body is not None and len(body.invars) == len(ins):
-            outs = _flow(body, ins)
+            outs = _flow(body, ins, small, sizes)
         else:
             union = frozenset().union(*ins) if ins else empty
             outs = [union] * len(eqn.outvars)
         for v, d in zip(eqn.outvars, outs, strict=True):
-            env[v] = d
+            # a small reduction of larger inputs (a norm) carries no dependency
+            cut = small is not None and d and _size(v) <= small and \
+                _size(v) < min(sizes[i] for i in d)
+            env[v] = empty if cut else d
     return [read(v) for v in jaxpr.outvars]
 
 
-def output_dependencies(closed) -> list[frozenset[int]]:
-    """For each output of ``closed`` (a ClosedJaxpr), the input positions it reads."""
+def output_dependencies(closed, small: int | None = None) -> list[frozenset[int]]:
+    """For each output of ``closed`` (a ClosedJaxpr), the input positions it reads;
+    with ``small``, not through reductions to at most that many elements of inputs
+    larger than that (norms: what pipeline stages can trade,
+    ``hetshard.runtime.exchange``)."""
     jaxpr = closed.jaxpr
-    return _flow(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+    return _flow(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))], small,
+                 [_size(v) for v in jaxpr.invars])
+
+
+def _size(v) -> int:
+    size = 1
+    for d in getattr(v.aval, "shape", ()):
+        size *= d
+    return size

@@ -20,10 +20,11 @@ What one step does (``PipelineRunner.step``):
    its own submesh: the step is traced with the gradients and loss provided to
    ``hetshard.value_and_grad`` and every leaf the stage does not hold filled with zeros,
    which is exact because the step was checked to be separable
-   (``hetshard.runtime.ownership``): every
-   updated leaf reads only its own state, its own parameters' gradients, the loss and
-   shared leaves (step counters), never another stage's. Shared leaves are kept on
-   every stage and updated identically everywhere.
+   (``hetshard.runtime.ownership``): every updated leaf reads only its own state, its
+   own parameters' gradients, the loss, shared leaves (step counters) and small values
+   of other stages, which the stages trade first (a global-norm clip's squared norms:
+   ``hetshard.runtime.exchange``). Shared leaves are kept on every stage and updated
+   identically everywhere.
 
 Dispatch is asynchronous: the host enqueues every task of the step in schedule order
 and only the caller's loss check waits for the result.
@@ -65,6 +66,7 @@ from hetshard.plan import Plan
 from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
+from hetshard.runtime.exchange import evaluate
 from hetshard.runtime.ownership import PipelineSetupError, ownership
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.walk import PipelineWalk, samples_per_micro_batch
@@ -88,6 +90,7 @@ class _StageRun:
     bwd_input: Callable = None  # ZB-H1's B pass
     bwd_weight: Callable = None  # ZB-H1's W pass
     apply: Callable = None  # the optimizer update of the leaves it owns
+    rounds: list = dataclasses.field(default_factory=list)  # its values to trade, by round
     owned_params: list[int] = dataclasses.field(default_factory=list)  # owned, with gradients
 
 
@@ -201,6 +204,7 @@ class PipelineRunner:
                           self.loss_out_avals, self.batch_avals, self.paths, self.diff,
                           self.splits)
         self._out_tree, self.shared, self.owner = found.out_tree, found.shared, found.owner
+        self.exchanges = found.exchanges
 
 
     def _stage_run(self, pi, si) -> _StageRun:
@@ -234,16 +238,26 @@ class PipelineRunner:
         run.bwd = jax.jit(functools.partial(stage_fns.backward, program))
         run.bwd_input = jax.jit(functools.partial(stage_fns.backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))
-        run.apply = jax.jit(self._stage_apply(run, pi))
+        run.apply = jax.jit(self._stage_apply(run, pi, si))
+        ex = self.exchanges[pi]
+        if ex is not None and ex.needed:
+            run.rounds = [jax.jit(self._stage_apply(run, pi, si, r))
+                          for r in range(len(ex.rounds))]
         return run
 
-    def _stage_apply(self, run: _StageRun, pi: int):
+    def _stage_apply(self, run: _StageRun, pi: int, si: int = 0, round_: int | None = None):
+        """The stage's update of the leaves it owns (every other leaf zero). Where the
+        stages trade small values (``hetshard.runtime.exchange``), the update is the
+        traced one evaluated with the values published so far put in; ``round_``: the
+        function giving this stage's values of that round instead."""
         apply = self._apply_fn()
         owned, shared = run.owned, self.shared
         grad_pos = {i: k for k, i in enumerate(self.grad_index)}
         owned_params = [i for i in owned if i in grad_pos]
+        ex = self.exchanges[pi]
+        traded = ex is not None and ex.needed
 
-        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale):
+        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale, published=()):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
             for i, v in zip(owned, owned_vals, strict=True):
                 leaves[i] = v
@@ -254,7 +268,20 @@ class PipelineRunner:
             for i, g in zip(owned_params, grad_vals, strict=True):
                 grads[grad_pos[i]] = g * jnp.asarray(inv_scale, g.dtype)  # loss scale
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
-            out, new = apply(leaves, grads, loss_leaves, batch)
+            if not traded:
+                out, new = apply(leaves, grads, loss_leaves, batch)
+            else:
+                j = ex.closed.jaxpr
+                known = dict(zip(ex.published_before(len(ex.rounds) if round_ is None
+                                                     else round_), published, strict=True))
+                args = [*leaves, *grads, *loss_leaves, *batch]
+                if round_ is not None:
+                    mine = [v for v, st in ex.rounds[round_] if st == si]
+                    return evaluate(j, ex.closed.consts, args, known, mine)
+                flat = evaluate(j, ex.closed.consts, args, known, j.outvars)
+                n_out = self._out_tree.num_leaves
+                out = jax.tree.unflatten(self._out_tree, flat[:n_out])
+                new = flat[n_out:]
             # The state keeps its layout across steps (under ZeRO-1 the update runs on
             # each data way's optimizer shard and the parameters are all-gathered).
             keep = [jax.lax.with_sharding_constraint(new[i], run.shardings[i])
@@ -320,6 +347,7 @@ class PipelineRunner:
         new_views, out = [], None
         for pi, stages in enumerate(self.runs):
             row = []
+            traded = self._trade(pi, stages, grads, loss, scale)
             for si, run in enumerate(stages):
                 lv = self._loss_to(loss, run.mesh)
                 if not run.here:
@@ -329,7 +357,7 @@ class PipelineRunner:
                 o, owned, shared = run.apply([view[i] for i in run.owned],
                                              [view[i] for i in self.shared],
                                              [grads[pi][si][i] for i in run.owned_params], lv,
-                                             1.0 / scale)
+                                             1.0 / scale, self._to(traded, run.mesh))
                 if out is None:
                     out = o
                 new = dict(view)
@@ -366,6 +394,34 @@ class PipelineRunner:
         return (self.full_output(out, self.published),
                 jax.tree.unflatten(self.state_tree, self.published))
 
+
+    def _trade(self, pi: int, stages, grads, loss, scale) -> list:
+        """The small values pipeline ``pi``'s stages trade in the update, in round order
+        (``hetshard.runtime.exchange``; one process holds every stage)."""
+        ex = self.exchanges[pi]
+        if ex is None or not ex.needed:
+            return []
+        values: list = []
+        for r, entries in enumerate(ex.rounds):
+            got: dict = {}
+            for si, run in enumerate(stages):
+                mine = [v for v, st in entries if st == si]
+                if not mine:
+                    continue
+                view = self.views[pi][si]
+                vals = run.rounds[r]([view[i] for i in run.owned],
+                                     [view[i] for i in self.shared],
+                                     [grads[pi][si][i] for i in run.owned_params],
+                                     self._loss_to(loss, run.mesh), 1.0 / scale,
+                                     self._to(values, run.mesh))
+                got.update(zip(mine, vals, strict=True))
+            values += [got[v] for v, _ in entries]
+        return values
+
+    @staticmethod
+    def _to(values, mesh) -> list:
+        home = NamedSharding(mesh, PartitionSpec())
+        return [jax.device_put(v, home) for v in values]
 
     def _sync(self, grads):
         """Sums each parameter's gradient over the pipelines (module docstring, 3)."""
