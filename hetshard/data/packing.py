@@ -129,7 +129,7 @@ def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
 def geometric_buckets(smallest: int, largest: int, count: int) -> tuple[int, ...]:
     """At most ``count`` row lengths from ``smallest`` to ``largest`` (both powers-of-two
     multiples of ``smallest``), spaced evenly on a log scale: 4K..32K in 4 buckets is
-    4K, 8K, 16K, 32K; 4K..128K in 4 is 4K, 16K, 64K, 128K."""
+    4K, 8K, 16K, 32K; 4K..128K in 4 is 4K, 16K, 32K, 128K."""
     if smallest < 1 or largest < smallest or count < 1:
         raise SpecError("buckets", (smallest, largest, count),
                         "1 <= smallest <= largest and a positive count")
