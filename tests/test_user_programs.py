@@ -315,7 +315,7 @@ def _clipped(max_norm):
     def step(model, optimizer, batch):
         loss, grads = hetshard.value_and_grad(user_models.lm_loss)(model, batch)
         optimizer.update(model, grads)
-        return {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     model = user_models.TinyLM(nnx.Rngs(0))
     tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-2))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
