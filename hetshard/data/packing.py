@@ -70,19 +70,22 @@ class Packing:
         out[filled] = np.add.reduceat(self.lengths, self.starts[filled])
         return out
 
-    def take(self, which) -> Packing:
-        """Rows ``which``, in that order."""
-        which = np.asarray(which, np.int64)
-        counts = self.counts[which]
-        idx = _ranges(self.starts[which], counts)
-        return Packing(self.bucket[which], counts, self.samples[idx], self.lengths[idx])
+    def regroup(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Packing:
+        """New rows, each ``(bucket, rows of this packing)``: those rows' samples in
+        order, in a row of that bucket."""
+        src = np.fromiter((r for _, rs in rows for r in rs), np.int64)
+        first = np.cumsum([0] + [len(rs) for _, rs in rows[:-1]]).astype(np.int64)
+        idx = _ranges(self.starts[src], self.counts[src])
+        return Packing(np.array([b for b, _ in rows], np.int64),
+                       np.add.reduceat(self.counts[src], first) if src.size
+                       else np.zeros(0, np.int64), self.samples[idx], self.lengths[idx])
 
-    def rows(self, which: Sequence[int] | None = None) -> tuple[Row, ...]:
+    def rows(self) -> tuple[Row, ...]:
         starts, counts = self.starts.tolist(), self.counts.tolist()
         names, sizes, widths = self.samples.tolist(), self.lengths.tolist(), self.bucket.tolist()
-        pick = range(len(counts)) if which is None else which
         return tuple(Row(widths[r], tuple(names[starts[r]:starts[r] + counts[r]]),
-                         tuple(sizes[starts[r]:starts[r] + counts[r]])) for r in pick)
+                         tuple(sizes[starts[r]:starts[r] + counts[r]]))
+                     for r in range(len(counts)))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -51,7 +51,6 @@ from hetshard.cost.stage import stage_cost
 from hetshard.data.packing import (
     Packing,
     Row,
-    _ranges,
     best_fit,
     check_lengths,
     geometric_buckets,
@@ -347,7 +346,6 @@ def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int]) -> Packing:
     by: dict[int, list[tuple[int, tuple[int, ...]]]] = {b: [] for b in buckets}
     for r, (b, used) in enumerate(zip(p.bucket.tolist(), p.used().tolist(), strict=True)):
         by[b].append((used, (r,)))
-    merged = False
     for b, nxt in zip(buckets, buckets[1:], strict=False):
         per = max(1, g.n // g.degree(b))
         extra = len(by[b]) % per
@@ -360,15 +358,7 @@ def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int]) -> Packing:
         for at in range(0, len(moving), m):
             part = moving[at:at + m]
             by[nxt].append((sum(e[0] for e in part), tuple(r for e in part for r in e[1])))
-        merged = True
-    if not merged:
-        return p.take(np.concatenate([np.flatnonzero(p.bucket == b) for b in buckets]))
-    rows = [rs for b in buckets for _, rs in by[b]]
-    src = np.fromiter((r for rs in rows for r in rs), np.int64)
-    idx = _ranges(p.starts[src], p.counts[src])
-    first = np.cumsum([0] + [len(rs) for rs in rows[:-1]])
-    return Packing(np.array([b for b in buckets for _ in by[b]], np.int64),
-                   np.add.reduceat(p.counts[src], first), p.samples[idx], p.lengths[idx])
+    return p.regroup([(b, rs) for b in buckets for _, rs in by[b]])
 
 
 @dataclasses.dataclass(frozen=True)

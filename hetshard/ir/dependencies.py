@@ -49,8 +49,8 @@ def _flow(jaxpr, in_deps: list[frozenset], small: int | None = None,
             outs = [union] * len(eqn.outvars)
         for v, d in zip(eqn.outvars, outs, strict=True):
             # a small reduction of larger inputs (a norm) carries no dependency
-            cut = small is not None and d and _size(v) <= small and \
-                _size(v) < min(sizes[i] for i in d)
+            cut = small is not None and d and size_of(v) <= small and \
+                size_of(v) < min(sizes[i] for i in d)
             env[v] = empty if cut else d
     return [read(v) for v in jaxpr.outvars]
 
@@ -62,10 +62,11 @@ def output_dependencies(closed, small: int | None = None) -> list[frozenset[int]
     ``hetshard.runtime.exchange``)."""
     jaxpr = closed.jaxpr
     return _flow(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))], small,
-                 [_size(v) for v in jaxpr.invars])
+                 [size_of(v) for v in jaxpr.invars])
 
 
-def _size(v) -> int:
+def size_of(v) -> int:
+    """Elements of a jaxpr variable's value."""
     size = 1
     for d in getattr(v.aval, "shape", ()):
         size *= d

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
+from hetshard.ir.dependencies import size_of
+from hetshard.ir.interpret import eval_equations
 
 SMALL = 64  # elements: what stages trade (norms, sums of squares), never tensors
 
@@ -34,20 +35,12 @@ class CouplingError(HetshardError, ValueError):
     """A large value of one stage is read by another stage's update."""
 
 
-def _size(v) -> int:
-    return int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64))
-
-
 @dataclasses.dataclass(frozen=True)
 class Exchange:
     """``rounds[r]``: the values published in round ``r``, as (variable, stage)."""
 
     closed: object  # the update's ClosedJaxpr
     rounds: tuple[tuple[tuple[object, int], ...], ...]
-
-    @property
-    def needed(self) -> bool:
-        return bool(self.rounds)
 
     def published_before(self, r: int) -> list:
         return [v for k in range(r) for v, _ in self.rounds[k]]
@@ -98,13 +91,13 @@ def plan_exchange(closed, input_stages, output_stages) -> Exchange:
             return held
         for v in ins:
             s = stages_of(v)
-            if s and (want is None or not s <= want) and _size(v) <= SMALL:
+            if s and (want is None or not s <= want) and size_of(v) <= SMALL:
                 publish(v)
         held = union(ins)
         if not fine(held):
             big = next(v for v in ins if stages_of(v) and (want is None or
                                                            not stages_of(v) <= want))
-            raise CouplingError(f"{what} reads a value of {_size(big)} elements "
+            raise CouplingError(f"{what} reads a value of {size_of(big)} elements "
                                 f"({big.aval.str_short()}) held by stage(s) "
                                 f"{sorted(stages_of(big))}; stages trade values of at "
                                 f"most {SMALL} elements")
@@ -125,26 +118,11 @@ def plan_exchange(closed, input_stages, output_stages) -> Exchange:
 
 def evaluate(jaxpr, consts, args, overrides: dict, wanted) -> list:
     """``wanted`` variables of ``jaxpr`` on ``args``, with the values in ``overrides``
-    (variable -> value) taking the place of what the equations compute."""
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, ext.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = overrides.get(v, x)
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = overrides.get(v, x)
-    for eqn in jaxpr.eqns:
-        if eqn.outvars and all(o in overrides for o in eqn.outvars):
-            for o in eqn.outvars:
-                env[o] = overrides[o]
-            continue
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*(read(v) for v in eqn.invars), **params)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for o, x in zip(eqn.outvars, outs, strict=True):
-            env[o] = overrides.get(o, x)
-    return [read(v) for v in wanted]
+    (variable -> value) taking the place of what the equations compute
+    (``hetshard.ir.interpret.eval_equations``)."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    env.update((v, x) for v, x in overrides.items() if v in env)
+    eval_equations(jaxpr, env, None, constrain={v: (lambda _, x=x: x)
+                                                for v, x in overrides.items()})
+    return [v.val if isinstance(v, ext.Literal) else env[v] for v in wanted]

@@ -34,7 +34,7 @@ class Ownership:
     shared: list[int]  # state leaves every stage keeps and updates identically
     owner: list[dict[int, int]]  # per pipeline: state leaf -> the stage that updates it
     out_tree: object  # the step's outputs' treedef (besides the state)
-    # per pipeline: the small values its stages trade in the update (None: none)
+    # per pipeline: the small values its stages trade in the update (None: nothing)
     exchanges: list = dataclasses.field(default_factory=list)
 
 
@@ -134,7 +134,8 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
                          for owner, split in zip(owners, splits, strict=True)]
         except (PipelineSetupError, CouplingError):
             raise err from None
-        if jax.process_count() > 1 and any(e is not None and e.needed for e in exchanges):
+        exchanges = [e if e is not None and e.rounds else None for e in exchanges]
+        if jax.process_count() > 1 and any(e is not None for e in exchanges):
             raise PipelineSetupError(f"{err} (stages trading the update's small values "
                                      f"run in one process only)") from None
         return Ownership(sorted(cut.shared), owners, out_tree, exchanges)
@@ -236,11 +237,8 @@ def pipeline_obstacle(program) -> tuple[str, bool] | None:
         found = [layer_of[i] for i in members if i in layer_of]
         for i in members:
             stage[i] = min(found) if found else 0
-    inputs = ([None if i in cut.shared else stage[i] for i in range(ns)]
-              + [stage[i] for i in program.diff] + [None] * (nl + nb))
-    outputs = [None] * n_out + [None if i in cut.shared else stage[i] for i in range(ns)]
     try:
-        plan_exchange(traced, inputs, outputs)
+        _exchange(traced, cut, stage, program.diff, n_out, ns, nl, nb)
     except CouplingError as e:
         return f"{why} ({e})", False
     return None

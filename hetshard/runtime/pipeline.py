@@ -240,12 +240,12 @@ class PipelineRunner:
         run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))
         run.apply = jax.jit(self._stage_apply(run, pi, si))
         ex = self.exchanges[pi]
-        if ex is not None and ex.needed:
+        if ex is not None:
             run.rounds = [jax.jit(self._stage_apply(run, pi, si, r))
                           for r in range(len(ex.rounds))]
         return run
 
-    def _stage_apply(self, run: _StageRun, pi: int, si: int = 0, round_: int | None = None):
+    def _stage_apply(self, run: _StageRun, pi: int, si: int, round_: int | None = None):
         """The stage's update of the leaves it owns (every other leaf zero). Where the
         stages trade small values (``hetshard.runtime.exchange``), the update is the
         traced one evaluated with the values published so far put in; ``round_``: the
@@ -255,7 +255,6 @@ class PipelineRunner:
         grad_pos = {i: k for k, i in enumerate(self.grad_index)}
         owned_params = [i for i in owned if i in grad_pos]
         ex = self.exchanges[pi]
-        traded = ex is not None and ex.needed
 
         def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale, published=()):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
@@ -268,7 +267,7 @@ class PipelineRunner:
             for i, g in zip(owned_params, grad_vals, strict=True):
                 grads[grad_pos[i]] = g * jnp.asarray(inv_scale, g.dtype)  # loss scale
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
-            if not traded:
+            if ex is None:
                 out, new = apply(leaves, grads, loss_leaves, batch)
             else:
                 j = ex.closed.jaxpr
@@ -399,7 +398,7 @@ class PipelineRunner:
         """The small values pipeline ``pi``'s stages trade in the update, in round order
         (``hetshard.runtime.exchange``; one process holds every stage)."""
         ex = self.exchanges[pi]
-        if ex is None or not ex.needed:
+        if ex is None:
             return []
         values: list = []
         for r, entries in enumerate(ex.rounds):
