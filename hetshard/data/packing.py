@@ -16,16 +16,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from hetshard.errors import SpecError
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One packed row: ``bucket`` slots, the samples (indices into the batch) in order,
-    ``bucket - sum of their lengths`` slots of padding at the end."""
+    ``bucket - sum of their lengths`` slots of padding at the end. (A named tuple: a
+    batch plan holds hundreds, built in the per-batch planner's few milliseconds.)"""
 
     bucket: int
     samples: tuple[int, ...]
@@ -70,25 +71,25 @@ class Packing:
         out[filled] = np.add.reduceat(self.lengths, self.starts[filled])
         return out
 
-    def regroup(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Packing:
-        """New rows, each ``(bucket, rows of this packing)``: those rows' samples in
-        order, in a row of that bucket."""
-        src = np.fromiter((r for _, rs in rows for r in rs), np.int64)
-        first = np.cumsum([0] + [len(rs) for _, rs in rows[:-1]]).astype(np.int64)
-        idx = _ranges(self.starts[src], self.counts[src])
-        return Packing(np.array([b for b, _ in rows], np.int64),
-                       np.add.reduceat(self.counts[src], first) if src.size
-                       else np.zeros(0, np.int64), self.samples[idx], self.lengths[idx])
+    def regroup(self, bucket: np.ndarray, parts: np.ndarray, src: np.ndarray) -> Packing:
+        """New rows: row ``k`` is ``bucket[k]`` slots holding, in order, the samples of
+        the next ``parts[k]`` rows of this packing listed in ``src``."""
+        first = np.concatenate([[0], np.cumsum(parts)[:-1]]).astype(np.int64)
+        idx = ranges(self.starts[src], self.counts[src])
+        counts = np.add.reduceat(self.counts[src], first) if src.size else \
+            np.zeros(0, np.int64)
+        return Packing(np.asarray(bucket, np.int64), counts, self.samples[idx],
+                       self.lengths[idx])
 
     def rows(self) -> tuple[Row, ...]:
-        starts, counts = self.starts.tolist(), self.counts.tolist()
-        names, sizes, widths = self.samples.tolist(), self.lengths.tolist(), self.bucket.tolist()
-        return tuple(Row(widths[r], tuple(names[starts[r]:starts[r] + counts[r]]),
-                         tuple(sizes[starts[r]:starts[r] + counts[r]]))
-                     for r in range(len(counts)))
+        ends = np.cumsum(self.counts).tolist()
+        names, sizes = self.samples.tolist(), self.lengths.tolist()
+        return tuple(Row(w, tuple(names[a - c:a]), tuple(sizes[a - c:a]))
+                     for w, c, a in zip(self.bucket.tolist(), self.counts.tolist(), ends,
+                                        strict=True))
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The indices ``starts[k] .. starts[k] + counts[k] - 1`` for every k, concatenated."""
     total = int(counts.sum())
     if not total:

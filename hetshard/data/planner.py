@@ -55,6 +55,7 @@ from hetshard.data.packing import (
     check_lengths,
     geometric_buckets,
     pack,
+    ranges,
 )
 from hetshard.errors import SpecError
 
@@ -342,23 +343,36 @@ def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int]) -> Packing:
     device slots, one context degree up), as packing them there would have. Not into a
     bucket whose rows hold more slots per device (rows over every device under the long
     remat): there the merged row costs more than the idle devices it would fill."""
-    # a row here: (tokens used, the packing's rows it is made of)
-    by: dict[int, list[tuple[int, tuple[int, ...]]]] = {b: [] for b in buckets}
-    for r, (b, used) in enumerate(zip(p.bucket.tolist(), p.used().tolist(), strict=True)):
-        by[b].append((used, (r,)))
-    for b, nxt in zip(buckets, buckets[1:], strict=False):
-        per = max(1, g.n // g.degree(b))
-        extra = len(by[b]) % per
-        if not extra or nxt > g.longest or g.slots(nxt) > g.slots(b):
-            continue
-        # the least-filled rows move up
-        by[b].sort(key=lambda e: -e[0])
-        moving, by[b] = by[b][len(by[b]) - extra:], by[b][:len(by[b]) - extra]
-        m = nxt // b
-        for at in range(0, len(moving), m):
-            part = moving[at:at + m]
-            by[nxt].append((sum(e[0] for e in part), tuple(r for e in part for r in e[1])))
-    return p.regroup([(b, rs) for b in buckets for _, rs in by[b]])
+    used = p.used()
+    out_bucket, out_parts, out_src = [], [], []
+    # Rows merged up from the bucket below, after the bucket's own rows: tokens used,
+    # how many of the packing's rows each holds, and those rows in order.
+    none = np.zeros(0, np.int64)
+    carry_fill, carry_size, carry_members = none, none, none
+    for i, b in enumerate(buckets):
+        own = np.flatnonzero(p.bucket == b)
+        size = np.concatenate([np.ones(own.size, np.int64), carry_size])
+        members = np.concatenate([own, carry_members])
+        fill = np.concatenate([used[own], carry_fill])
+        start = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
+        nxt = buckets[i + 1] if i + 1 < len(buckets) else None
+        extra = fill.size % max(1, g.n // g.degree(b))
+        carry_fill, carry_size, carry_members = none, none, none
+        if nxt is None or not extra or nxt > g.longest or g.slots(nxt) > g.slots(b):
+            order = np.arange(fill.size)
+        else:
+            # the least-filled rows move up, next / bucket of them per new row
+            order = np.argsort(-fill, kind="stable")
+            moving, order = order[fill.size - extra:], order[:fill.size - extra]
+            first = np.arange(0, moving.size, nxt // b)
+            carry_fill = np.add.reduceat(fill[moving], first)
+            carry_size = np.add.reduceat(size[moving], first)
+            carry_members = members[ranges(start[moving], size[moving])]
+        out_bucket.append(np.full(order.size, b, np.int64))
+        out_parts.append(size[order])
+        out_src.append(members[ranges(start[order], size[order])])
+    return p.regroup(np.concatenate(out_bucket), np.concatenate(out_parts),
+                     np.concatenate(out_src))
 
 
 @dataclasses.dataclass(frozen=True)
