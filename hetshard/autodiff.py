@@ -50,6 +50,9 @@ class LossCall:
     argnums: int
     has_aux: bool
     args: tuple
+    # which of an NNX model's variables are differentiated (an NNX filter: the
+    # ``nnx.DiffState`` the step passed, else ``nnx.Param``)
+    wrt: object = nnx.Param
 
     @property
     def differentiated(self) -> tuple:
@@ -135,18 +138,33 @@ def is_graph(x) -> bool:
     return _is_graph(x)
 
 
-def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
+def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
     """Drop-in for ``nnx.value_and_grad`` (an NNX model at ``argnums``: gradients of its
-    ``nnx.Param`` state) and ``jax.value_and_grad`` (a pytree at ``argnums``) that marks
-    the per-micro-batch region of the step for hetshard (see the module docstring)."""
+    ``nnx.Param`` state, or of the variables an ``nnx.DiffState(argnum, filter)`` names,
+    as for LoRA: ``nnx.DiffState(0, nnx.LoRAParam)``) and ``jax.value_and_grad`` (a
+    pytree at ``argnums``) that marks the per-micro-batch region of the step for hetshard
+    (see the module docstring)."""
+    wrt = nnx.Param
+    diff_state = isinstance(argnums, nnx.DiffState)
+    if diff_state:
+        argnums, wrt = argnums.argnum, argnums.filter
     if isinstance(argnums, bool) or not isinstance(argnums, int):
-        raise LossCallError(f"hetshard.value_and_grad takes one integer argnums, got "
-                            f"{argnums!r}")
+        raise LossCallError(f"hetshard.value_and_grad takes one integer argnums or one "
+                            f"nnx.DiffState(argnum, filter), got {argnums!r}")
 
     def plain(*args):
         if _is_graph(args[argnums]):
-            return nnx.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
+            which = nnx.DiffState(argnums, wrt) if diff_state else argnums
+            return nnx.value_and_grad(fn, argnums=which, has_aux=has_aux)(*args)
+        _no_filter(args)
         return jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
+
+    def _no_filter(args):
+        if diff_state:
+            raise LossCallError(
+                f"hetshard.value_and_grad got nnx.DiffState({argnums}, {wrt!r}), but "
+                f"argument {argnums} of the loss is not an NNX object (a filter picks "
+                f"variables of an NNX model; pass the integer {argnums} for a pytree)")
 
     def rewritten(rewrite, args):
         # The loss as a function of the differentiated leaves, rewritten, then
@@ -159,8 +177,9 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
         others = args[:argnums] + args[argnums + 1:]
         graph = _is_graph(target)
         if graph:
-            graphdef, params, rest = nnx.split(target, nnx.Param, ...)
+            graphdef, params, rest = nnx.split(target, wrt, ...)
         else:
+            _no_filter(args)
             params, rest = target, None
 
         def loss_of(params, rest, *others):
@@ -169,7 +188,7 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
             full.insert(argnums, model)
             out = fn(*full)
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, nnx.split(model, nnx.Param, ...)[2] if graph else None)
+            return loss, (aux, nnx.split(model, wrt, ...)[2] if graph else None)
         scale = context().loss_scale
         if scale is None:
             (loss, (aux, after)), grads = jax.value_and_grad(rewrite(loss_of), has_aux=True)(
@@ -191,7 +210,7 @@ def value_and_grad(fn, argnums: int = 0, has_aux: bool = False):
         ctx = context()
         ctx.used = True
         if ctx.mode == "record":
-            raise Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx))
+            raise Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt))
         if ctx.mode == "provide":
             return ctx.provided
         if ctx.rewrite is None or kwargs:
@@ -218,7 +237,7 @@ def all_finite(tree) -> jax.Array:
     return ok
 
 
-def _loss_call(fn, argnums, has_aux, args, kwargs, ctx) -> LossCall:
+def _loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt=nnx.Param) -> LossCall:
     """How the step called the loss, relative to its arguments and batch."""
     if kwargs:
         raise LossCallError("hetshard.value_and_grad takes positional arguments only "
@@ -252,4 +271,9 @@ def _loss_call(fn, argnums, has_aux, args, kwargs, ctx) -> LossCall:
                 f"argument {i} of the loss is computed inside the step; the loss's "
                 f"arguments must be the step's model or parameters and its batch (or "
                 f"parts of them), so that each micro-batch can be cut from the batch")
-    return LossCall(fn, argnums, has_aux, tuple(spec))
+    if wrt is not nnx.Param and spec[argnums][0] != "object":
+        raise LossCallError(
+            f"hetshard.value_and_grad got nnx.DiffState({argnums}, {wrt!r}), but argument "
+            f"{argnums} of the loss is not an NNX object the step receives (a filter picks "
+            f"variables of an NNX model)")
+    return LossCall(fn, argnums, has_aux, tuple(spec), wrt)

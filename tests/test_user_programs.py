@@ -1,4 +1,4 @@
-"""hetshard plans and runs the program it is given: five models written in the tests
+"""hetshard plans and runs the program it is given: seven models written in the tests
 (``tests/user_models.py``, nothing from ``models/``), each trained under pipelines on
 uneven submeshes of a mixed cluster, a tensor-parallel SPMD plan and the planner's own
 choice, equal to single-device training."""
@@ -285,6 +285,24 @@ def _shape_only_lm(tx, d=2048, layers=16):
     batch = {k: jax.ShapeDtypeStruct((64, user_models.SEQ), jnp.int32)
              for k in ("tokens", "targets")}
     return user_models.nnx_step(user_models.lm_loss), (model, opt, batch)
+
+
+def test_a_variable_filter_picks_what_is_differentiated_and_only_on_nnx_objects():
+    """``nnx.DiffState(0, nnx.LoRAParam)`` differentiates the adapters alone (the LoRA
+    model in MODELS trains under every plan above); on a pytree of parameters a filter
+    means nothing and is refused, naming the argument."""
+    step, (model, _, batch), _ = user_models.make_lora()
+    lora = nnx.DiffState(0, nnx.LoRAParam)
+    _, grads = hetshard.value_and_grad(user_models.lm_loss, argnums=lora)(model, batch)
+    _, full = hetshard.value_and_grad(user_models.lm_loss)(model, batch)
+    assert len(jax.tree.leaves(grads)) == 4 * 2 * 2  # lora_a, lora_b of wq, wv per block
+    assert len(jax.tree.leaves(full)) > len(jax.tree.leaves(grads))
+    _, params, batches = user_models.make_functional()
+    with pytest.raises(hetshard.HetshardError, match=r"argument 0 of the loss is not an NNX"):
+        hetshard.value_and_grad(user_models.functional_loss, argnums=nnx.DiffState(
+            0, nnx.Param))(params[0], batches[0])
+    with pytest.raises(hetshard.HetshardError, match="one integer argnums or one nnx.DiffState"):
+        hetshard.value_and_grad(user_models.lm_loss, argnums=(0, 1))
 
 
 def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_it():

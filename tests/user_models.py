@@ -251,8 +251,76 @@ def make_two_tower(seed=0):
     return nnx_step(two_tower_loss), (model, opt, batches[0]), batches
 
 
+# ---- (f) flax's own attention and norms, the embedding tied to the output ---------------
+
+class FlaxBlock(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.n1, self.n2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+        self.mlp = nnx.Sequential(nnx.Linear(d, 4 * d, rngs=rngs), nnx.gelu,
+                                  nnx.Linear(4 * d, d, rngs=rngs))
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.n1(x), mask=mask)
+        return x + self.mlp(self.n2(x))
+
+
+class TiedLM(nnx.Module):
+    def __init__(self, rngs, layers=4, d=DIM, heads=HEADS):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.blocks = nnx.List([FlaxBlock(d, heads, rngs) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.embed.attend(self.norm(x))
+
+
+def make_flax_attention(seed=0):
+    model = TiedLM(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batches = _text_batches(np.random.default_rng(seed))
+    return nnx_step(lm_loss), (model, opt, batches[0]), batches
+
+
+# ---- (g) LoRA fine-tuning: only the adapters differentiated and updated -----------------
+
+class LoRABlock(Block):
+    def __init__(self, d, heads, rngs, rank=4):
+        super().__init__(d, heads, rngs)
+        self.wq = nnx.LoRALinear(d, d, lora_rank=rank, rngs=rngs)
+        self.wv = nnx.LoRALinear(d, d, lora_rank=rank, rngs=rngs)
+
+
+class LoRALM(TinyLM):
+    def __init__(self, rngs, layers=4, d=DIM, heads=HEADS):
+        super().__init__(rngs, layers, d, heads)
+        self.blocks = nnx.List([LoRABlock(d, heads, rngs) for _ in range(layers)])
+
+
+def make_lora(seed=0):
+    model = LoRALM(nnx.Rngs(seed))
+    # flax initialises lora_b to zeros: give the adapters a start that moves the loss
+    adapters = [x for _, x in nnx.iter_graph(model) if isinstance(x, nnx.LoRA)]
+    for k, x in enumerate(adapters):
+        x.lora_b[...] = 0.05 * jax.random.normal(jax.random.key(k), x.lora_b.shape)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+    def step(model, optimizer, batch):
+        value, grads = hetshard.value_and_grad(
+            lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
+        optimizer.update(model, grads)
+        return value
+    batches = _text_batches(np.random.default_rng(seed))
+    return step, (model, opt, batches[0]), batches
+
+
 MODELS = {"transformer": make_transformer, "scanned": make_scanned, "mixer": make_mixer,
-          "functional": make_functional, "two_tower": make_two_tower}
+          "functional": make_functional, "two_tower": make_two_tower,
+          "flax_attention": make_flax_attention, "lora": make_lora}
 
 
 # ---- a model with dropout: an RNG stream in the model state ----------------------------

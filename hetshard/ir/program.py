@@ -188,7 +188,7 @@ class Program:
         target = objs[j]
         prefix = str(j)
         if self.kind == "nnx" and is_graph(target):
-            tree = nnx.state(target, nnx.Param)
+            tree = nnx.state(target, call.wrt)
         else:
             tree = target
         out = []
@@ -490,7 +490,7 @@ class Program:
             return jax.tree.unflatten(rest[0], list(grad_leaves))
         objs = self.merge(self.state_avals)
         target = objs[rest[0]]
-        tree = (nnx.state(target, nnx.Param) if self.kind == "nnx" and is_graph(target)
+        tree = (nnx.state(target, self.call.wrt) if self.kind == "nnx" and is_graph(target)
                 else target)
         return jax.tree.unflatten(jax.tree.structure(tree), list(grad_leaves))
 
