@@ -305,6 +305,35 @@ def test_a_variable_filter_picks_what_is_differentiated_and_only_on_nnx_objects(
         hetshard.value_and_grad(user_models.lm_loss, argnums=(0, 1))
 
 
+def test_a_loss_that_mixes_samples_keeps_the_batch_whole():
+    """nnx.BatchNorm normalises over the batch: micro-batches or batch shares would
+    normalise each piece on its own. The planner keeps the step to one single-stage
+    pipeline, saying why, and trains it equal to nnx.jit, running statistics included;
+    a pinned pipeline plan still runs, with a warning that its losses differ."""
+    def stats(model):
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
+    step, ref_args, batches = user_models.make_batchnorm()
+    want = _train(nnx.jit(step), ref_args, batches)
+    step, args, batches = user_models.make_batchnorm()
+    program = hetshard.Program(step, args)
+    assert "mixes samples" in program.sample_coupling
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
+    with pytest.warns(UserWarning, match="mixes samples.*one single-stage pipeline"):
+        got = _train(jitted, args, batches)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(stats(args[0]), stats(ref_args[0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    n = program.layering(2).num_layers
+    plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+    step, args, batches = user_models.make_batchnorm()
+    with pytest.warns(UserWarning, match="mixes samples.*cuts the batch"):
+        pinned = _train(hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True), args,
+                        batches)
+    assert not np.allclose(pinned, want, rtol=1e-3)  # per micro-batch statistics
+
+
 def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_it():
     """optax.MultiSteps applies the whole update under one condition (a lax.cond over
     every parameter): pipeline stages cannot split it. The planner, which picks a

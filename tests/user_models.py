@@ -346,3 +346,26 @@ def make_dropout(seed=0):
     model = DropoutMLP(nnx.Rngs(seed, dropout=seed + 1))
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     return nnx_step(lm_loss), [model, opt, None], _text_batches(np.random.default_rng(seed))
+
+
+# ---- a CNN with batch statistics: its loss mixes the batch's samples -------------------
+# Not in MODELS: nnx.BatchNorm normalises over the batch, so a plan that cuts the batch
+# computes other statistics than one device (hetshard keeps it to the whole batch).
+
+class BatchNormCNN(nnx.Module):
+    def __init__(self, rngs, width=8, classes=10):
+        self.convs = nnx.List([nnx.Conv(c, width, (3, 3), rngs=rngs) for c in (3, width, width)])
+        self.norms = nnx.List([nnx.BatchNorm(width, rngs=rngs) for _ in range(3)])
+        self.head = nnx.Linear(width, classes, rngs=rngs)
+
+    def __call__(self, x):
+        for conv, norm in zip(self.convs, self.norms, strict=True):
+            x = nnx.relu(norm(conv(x)))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+def make_batchnorm(seed=0):
+    model = BatchNormCNN(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.sgd(1e-2, momentum=0.9), wrt=nnx.Param)
+    batches = _image_batches(np.random.default_rng(seed))
+    return nnx_step(image_loss), (model, opt, batches[0]), batches

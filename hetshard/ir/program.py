@@ -39,6 +39,7 @@ from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
+from hetshard.ir.samples import sample_coupling
 from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
 from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
@@ -303,6 +304,17 @@ class Program:
             self.loss_flat.scan_free.add(
                 (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)))
         return unrolled
+
+    @functools.cached_property
+    def sample_coupling(self) -> str | None:
+        """Why cutting the batch (micro-batches, batch shares) changes what the loss
+        returns (it mixes samples, or returns a maximum over the batch:
+        ``hetshard.ir.samples``), or None."""
+        if self.call is None:
+            return None
+        closed, _ = self.loss_jaxpr(2)
+        ns = len(self.state_avals)
+        return sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:

@@ -182,10 +182,13 @@ def pipeline_obstacle(program) -> tuple[str, bool] | None:
     update couples parameters that different layers read through more than a few
     scalars (a global-norm clip is fine: the stages trade the norm), or it returns such
     a value of several layers' gradients: single-stage pipelines only. It updates state
-    from the batch outside the loss: one pipeline only. Checked on the program before
-    planning, so that the planner keeps to plans that run it."""
+    from the batch outside the loss, or its loss mixes samples (batch statistics; see
+    ``hetshard.ir.samples``): one pipeline only, which runs the batch whole. Checked on
+    the program before planning, so that the planner keeps to plans that run it."""
     if program.call is None:
         return None  # such steps are planned single-stage already
+    if program.sample_coupling:  # only the whole batch at once gives its values
+        return program.sample_coupling, True
     traced = program.update_jaxpr()
     ns = len(program.state_avals)
     nl = len(jax.tree.leaves(program.loss_jaxpr(2)[1]))
