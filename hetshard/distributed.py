@@ -122,6 +122,23 @@ def agree(value: str, what: str = "plan fingerprint") -> None:
                                f"pass plan= to every process, or make the inputs equal")
 
 
+def from_first(value: str) -> str:
+    """Process 0's ``value`` on every process (the text itself, whatever the others
+    hold): a plan the planner made under a wall-clock limit can differ between
+    processes on a loaded machine, so all of them run the first one's."""
+    import jax
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(value.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(data.size, np.int64)))
+    buf = np.zeros(size, np.uint8)
+    buf[:min(size, data.size)] = data[:size]
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
+    return got.tobytes().decode()
+
+
 # ---- the launcher ----------------------------------------------------------------------
 
 def free_port() -> int:

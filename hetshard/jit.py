@@ -38,7 +38,7 @@ from hetshard import __version__, cache
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
-from hetshard.distributed import agree
+from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, check_batch, path_string
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
@@ -354,6 +354,8 @@ class HetshardJit:
                     find_loss(program.output_shape, self.guard.loss_output)
                 plan = self._plan_for(program, size)
             if jax.process_count() > 1:  # every process must run the same plan
+                if self.pinned is None:  # planned here: process 0's plan is the one
+                    plan = Plan.from_json(from_first(plan.to_json()), source="process 0")
                 agree(plan.what_runs(), "plan")
             if self._bound is None:
                 self._bound = self.cluster.bind()

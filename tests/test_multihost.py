@@ -53,7 +53,9 @@ def test_data_parallel_across_processes_matches_one_device():
     for rank in losses:
         assert losses[rank] == pytest.approx(ref[rank], rel=1e-5)
     # Discovery: one group of CPU "GPUs", one node per process.
-    # Without plan=: both processes plan (same fingerprint), run the plan, same losses.
+    # Without plan=: process 0's plan is every process's (a planner cut by its time
+    # limit on a loaded machine can plan otherwise in another process), same losses.
+    assert _lines(text, "FIRST") == {"[0]": "process 0 xxxxx", "[1]": "process 0 xxxxx"}
     planned = _lines(text, "PLANNED")
     assert planned["[0]"]["plan"] == planned["[1]"]["plan"]
     for rank in planned:

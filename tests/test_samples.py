@@ -33,6 +33,21 @@ def _masked_mean(w, x, m):
     return jnp.sum(per_token * m) / jnp.sum(m)  # a ratio of batch sums
 
 
+def _per_token_normalised(w, x, m):
+    per_token = jnp.sum((x @ w) ** 2, axis=-1)
+    return jnp.sum(per_token * m / jnp.maximum(m.sum(), 1.0))  # the batch's token count
+
+
+def _softmax_over_batch(w, x):
+    score = (x @ w).sum(axis=(1, 2))
+    return -jnp.mean(jax.nn.log_softmax(score, axis=0))
+
+
+def _scaled_by_activations(w, x):
+    h = x @ w
+    return jnp.mean(h / h.sum())  # a sum that reads the parameters: not a count
+
+
 def _batch_statistics(w, x):
     h = x @ w
     mu = h.mean(axis=(0, 1))
@@ -66,13 +81,15 @@ def _loop_over_samples(w, x):
 
 
 @pytest.mark.parametrize("loss, batch", [(_per_token_mean, (X,)), (_merged_rows, (X,)),
-                                         (_masked_mean, (X, M))])
+                                         (_masked_mean, (X, M)),
+                                         (_per_token_normalised, (X, M))])
 def test_losses_that_treat_samples_one_by_one_pass(loss, batch):
     assert _coupling(loss, *batch) is None
 
 
 @pytest.mark.parametrize("loss", [_batch_statistics, _in_batch_negatives, _running_sum,
-                                  _first_sample])
+                                  _first_sample, _softmax_over_batch,
+                                  _scaled_by_activations])
 def test_losses_that_mix_samples_are_named(loss):
     why = _coupling(loss, X)
     assert why is not None and "mixes samples" in why

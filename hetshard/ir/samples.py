@@ -7,7 +7,10 @@ anything that does not read the batch), and its outputs likewise. It does not wh
 loss *mixes samples*: a value reduced over the batch is used again per sample (batch
 statistics, ``nnx.BatchNorm``; in-batch negatives of a contrastive loss; a batch-wide
 normalisation), or an output is a maximum or minimum over the batch (a weighted sum of
-the pieces' maxima is not the batch's maximum).
+the pieces' maxima is not the batch's maximum). A per-sample value scaled by a sum that
+reads the batch alone (a token count normalising a masked loss) is not counted as
+mixing: like a masked mean (a ratio of two batch sums), the pieces' values are
+averaged, which is exact when the pieces hold equal counts.
 
 :func:`sample_coupling` follows the batch axis through the loss's jaxpr: each value is
 per sample along one axis (the batch leaves' leading axis to start), independent of
@@ -54,9 +57,11 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     inputs at ``batch_inputs`` are batch leaves, samples along axis 0), or None: the
     loss treats its samples one by one, or the analysis cannot tell."""
     jaxpr = closed.jaxpr
-    start = [0 if i in set(batch_inputs) else None for i in range(len(jaxpr.invars))]
+    batch = set(batch_inputs)
+    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
+    reads = [i not in batch for i in range(len(jaxpr.invars))]
     try:
-        outs, why = _walk(jaxpr, start)
+        outs, why = _walk(jaxpr, start, reads)
     except _Unknown:
         return None
     if why:
@@ -69,21 +74,29 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     return None
 
 
-def _walk(jaxpr, ins: list, outer=()) -> tuple[list, str | None]:
-    """The outputs' relation to the samples, or why the samples mix; ``outer``: the call
-    equations this jaxpr is the body of (where to point when its own equations have no
-    location in the user's code)."""
+def _walk(jaxpr, ins: list, reads_in: list, outer=()) -> tuple[list, str | None]:
+    """The outputs' relation to the samples, or why the samples mix. ``reads_in``: per
+    input, whether it reads the step's state (parameters) rather than the batch alone;
+    ``outer``: the call equations this jaxpr is the body of (where to point when its own
+    equations have no location in the user's code)."""
     env: dict = {}
+    reads: dict = {}
     for v in jaxpr.constvars:
-        env[v] = None
-    for v, s in zip(jaxpr.invars, ins, strict=True):
-        env[v] = s
+        env[v], reads[v] = None, False
+    for v, s, r in zip(jaxpr.invars, ins, reads_in, strict=True):
+        env[v], reads[v] = s, r
 
     def read(v):
         return None if isinstance(v, ext.Literal) else env.get(v)
 
+    def reading(v):
+        return False if isinstance(v, ext.Literal) else reads.get(v, False)
+
     for eqn in jaxpr.eqns:
         states = [read(v) for v in eqn.invars]
+        state_in = [reading(v) for v in eqn.invars]
+        for v in eqn.outvars:  # (conservative for calls: any input's)
+            reads[v] = any(state_in)
         if all(s is None for s in states):
             for v in eqn.outvars:
                 env[v] = None
@@ -92,12 +105,13 @@ def _walk(jaxpr, ins: list, outer=()) -> tuple[list, str | None]:
             return [], _mixed(eqn, outer)
         body = _body(eqn)
         if body is not None and len(body.invars) == len(states):
-            outs, why = _walk(body, states, (*outer, eqn))
+            outs, why = _walk(body, states, state_in, (*outer, eqn))
             if why:
                 return [], why
         else:
             # axes as Python ints (params hold numpy integers)
-            outs = [int(o) if isinstance(o, Integral) else o for o in _rule(eqn, states)]
+            outs = [int(o) if isinstance(o, Integral) else o
+                    for o in _rule(eqn, states, state_in)]
         if MIXED in outs:
             return [], _mixed(eqn, outer)
         for v, s in zip(eqn.outvars, outs, strict=True):
@@ -112,8 +126,8 @@ def _mixed(eqn, outer) -> str:
         if frame is not None:
             where = f" (at {frame.file_name}:{frame.start_line})"
             break
-    return (f"the loss mixes samples: a value computed over the whole batch is used "
-            f"again per sample by {eqn.primitive.name}{where} (batch statistics such as "
+    return (f"the loss mixes samples: {eqn.primitive.name}{where} combines values of "
+            f"different samples other than by summing them (batch statistics such as "
             f"nnx.BatchNorm's, in-batch negatives, a batch-wide normalisation)")
 
 
@@ -130,8 +144,9 @@ def _shape(v) -> tuple:
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _rule(eqn, states: list) -> list:
-    """The outputs' relation to the samples (see the module docstring)."""
+def _rule(eqn, states: list, state_in: list) -> list:
+    """The outputs' relation to the samples (see the module docstring); ``state_in``: per
+    input, whether it reads the step's state."""
     name = eqn.primitive.name
     p = eqn.params
     n_out = len(eqn.outvars)
@@ -139,9 +154,14 @@ def _rule(eqn, states: list) -> list:
     reduced = [s for s in states if isinstance(s, tuple)]
     if name in _UNARY or name in _BINARY:
         if axes and reduced:
-            # a batch-wide value meets per-sample ones: unless the former is a scalar
-            # applied to every sample alike *and* the op is where the loss is finished
-            # (never known here), the samples are mixed
+            # A batch-wide value meets per-sample ones: the samples are mixed, unless
+            # it scales them and reads the batch alone (a token count normalising a
+            # masked loss: the pieces' ratios are averaged, as a masked mean's are).
+            counts = all(not r for s, r in zip(states, state_in, strict=True)
+                         if isinstance(s, tuple))
+            if name in ("mul", "div") and counts and len(set(axes)) == 1 and \
+                    not isinstance(states[1] if name == "div" else None, Integral):
+                return [axes[0]] * n_out
             return [MIXED] * n_out
         if axes:
             if len(set(axes)) != 1:

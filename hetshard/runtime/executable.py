@@ -163,8 +163,9 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
             f"plan.gpu_dtypes={[list(e) for e in plan.gpu_dtypes]}: stages computing "
             f"in another dtype need a step that calls hetshard.value_and_grad "
             f"(hetshard scales its loss), and {program.call_error}")
-    why = program.sample_coupling
-    if (multi_stage or len(plan.pipelines) > 1) and why and why not in guard.warned:
+    cuts = multi_stage or len(plan.pipelines) > 1
+    why = program.sample_coupling if cuts else None
+    if why and why not in guard.warned:
         guard.warned.add(why)
         warnings.warn(f"{why}: this plan cuts the batch into pieces (micro-batches, "
                       f"batch shares), each computing those values on its own samples, "

@@ -244,7 +244,11 @@ def main(mode: str) -> int:
     want, _ = _train(MODEL, loss_fn, None, None, batches, 3)
     print("LOSSES", json.dumps(losses), flush=True)
     print("REF", json.dumps(want), flush=True)
-    # No plan given: every process plans the same way (checked by fingerprint) and runs it.
+    # What each process holds, process 0's everywhere (a planned plan travels this way).
+    from hetshard.distributed import from_first
+    print("FIRST", json.dumps(from_first(f"process {rank} " + "x" * (5 - 3 * rank))),
+          flush=True)
+    # No plan given: every process runs process 0's plan (checked by fingerprint).
     planned, step_plan = _train(MODEL, loss_fn, cluster, None, batches, 3, planned=True)
     print("PLANNED", json.dumps({"losses": planned, "plan": [
         [[list(st.devices), list(st.mesh_shape)] for st in p.stages]
