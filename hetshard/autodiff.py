@@ -156,11 +156,10 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         if _is_graph(args[argnums]):
             which = nnx.DiffState(argnums, wrt) if diff_state else argnums
             return nnx.value_and_grad(fn, argnums=which, has_aux=has_aux)(*args)
-        _no_filter(args)
         return jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
 
-    def _no_filter(args):
-        if diff_state:
+    def check_filter(args):
+        if diff_state and not _is_graph(args[argnums]):
             raise LossCallError(
                 f"hetshard.value_and_grad got nnx.DiffState({argnums}, {wrt!r}), but "
                 f"argument {argnums} of the loss is not an NNX object (a filter picks "
@@ -179,7 +178,6 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         if graph:
             graphdef, params, rest = nnx.split(target, wrt, ...)
         else:
-            _no_filter(args)
             params, rest = target, None
 
         def loss_of(params, rest, *others):
@@ -207,6 +205,7 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        check_filter(args)
         ctx = context()
         ctx.used = True
         if ctx.mode == "record":
@@ -271,9 +270,4 @@ def _loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt=nnx.Param) -> LossCa
                 f"argument {i} of the loss is computed inside the step; the loss's "
                 f"arguments must be the step's model or parameters and its batch (or "
                 f"parts of them), so that each micro-batch can be cut from the batch")
-    if wrt is not nnx.Param and spec[argnums][0] != "object":
-        raise LossCallError(
-            f"hetshard.value_and_grad got nnx.DiffState({argnums}, {wrt!r}), but argument "
-            f"{argnums} of the loss is not an NNX object the step receives (a filter picks "
-            f"variables of an NNX model)")
     return LossCall(fn, argnums, has_aux, tuple(spec), wrt)
