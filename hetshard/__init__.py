@@ -22,6 +22,7 @@ _EXPORTS = {
     "data": None,
     "checkpoint": None,
     "value_and_grad": "hetshard.autodiff",
+    "grad": "hetshard.autodiff",
     "CATALOG": "hetshard.cluster",
     "BoundCluster": "hetshard.cluster",
     "Cluster": "hetshard.cluster",
@@ -90,7 +91,7 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from hetshard import nn  # noqa: F401
-    from hetshard.autodiff import value_and_grad  # noqa: F401
+    from hetshard.autodiff import grad, value_and_grad  # noqa: F401
     from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group  # noqa: F401
     from hetshard.distributed import init_distributed  # noqa: F401
     from hetshard.errors import (  # noqa: F401

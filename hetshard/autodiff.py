@@ -14,6 +14,13 @@ per batch share. What the wrapper does depends on the :class:`StepContext` the c
   them;
 * ``rewrite``: the loss is replaced by ``rewrite(loss)`` before it is differentiated
   (the attention swap, the SPMD layouts, the tracer's layer scopes).
+
+A step written with the plain transforms needs no change: while hetshard runs the step
+(:func:`user_step`), ``nnx.value_and_grad``, ``nnx.grad``, ``jax.value_and_grad`` and
+``jax.grad`` called from it are :func:`value_and_grad` and :func:`grad` wherever their
+arguments are ones these take (one argnum, no ``holomorphic``, ``allow_int`` or
+``reduce_axes``); other calls, and every call made inside a loss being differentiated
+(a gradient penalty, the transforms' own internals), are the originals.
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from hetshard.errors import HetshardError
@@ -42,9 +49,10 @@ class LossCallError(HetshardError, ValueError):
 class LossCall:
     """How the step called ``hetshard.value_and_grad(fn)``: ``args`` holds, per argument,
     ``("object", i)`` (the step's i-th non-batch argument itself, an NNX object or a
-    pytree), ``("state", treedef, leaf_indices)`` (a pytree of the step's state leaves),
-    ``("batch", treedef, leaf_indices)`` (the batch or part of it) or ``("static",
-    value)``."""
+    pytree), ``("state", treedef, leaf_indices)`` (a pytree of the step's state leaves)
+    or ``("given", i)`` (another value: the batch, a part of it, something the step
+    computes; the loss is traced with what the step passes). The differentiated
+    argument is never ``given``."""
 
     fn: Callable
     argnums: int
@@ -83,6 +91,14 @@ class StepContext:
     record_args: tuple = ()
     record_state: tuple = ()
     record_batch: object = None
+    # record mode: stop at the first call (raise Recorded), or go on through the step to
+    # find a second differentiation (the calls seen so far are counted here)
+    record_through: bool = False
+    recorded: tuple = ()
+    # set while hetshard runs the user's step (user_step) and while a loss, or a
+    # transform's own body, is being differentiated (nested calls are the originals)
+    in_step: bool = False
+    inside: int = 0
 
 
 _LOCAL = threading.local()
@@ -118,9 +134,12 @@ def entered(**fields):
 
 
 class Recorded(Exception):  # noqa: N818 (control flow, never escapes hetshard)
-    def __init__(self, call):
+    """The step's loss call: how it reads the step's arguments (``call``) and the
+    arguments it was given in this trace (``args``, ``kwargs``)."""
+
+    def __init__(self, call, args=(), kwargs=None):
         super().__init__("recorded")
-        self.call = call
+        self.call, self.args, self.kwargs = call, args, kwargs or {}
 
 
 def _is_graph(x) -> bool:
@@ -152,11 +171,13 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         raise LossCallError(f"hetshard.value_and_grad takes one integer argnums or one "
                             f"nnx.DiffState(argnum, filter), got {argnums!r}")
 
-    def plain(*args):
+    def plain(*args, **kwargs):
         if _is_graph(args[argnums]):
             which = nnx.DiffState(argnums, wrt) if diff_state else argnums
-            return nnx.value_and_grad(fn, argnums=which, has_aux=has_aux)(*args)
-        return jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)(*args)
+            return _ORIGINAL["nnx.value_and_grad"](fn, argnums=which, has_aux=has_aux)(
+                *args, **kwargs)
+        return _ORIGINAL["jax.value_and_grad"](fn, argnums=argnums, has_aux=has_aux)(
+            *args, **kwargs)
 
     def check_filter(args):
         if diff_state and not _is_graph(args[argnums]):
@@ -165,7 +186,7 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
                 f"argument {argnums} of the loss is not an NNX object (a filter picks "
                 f"variables of an NNX model; pass the integer {argnums} for a pytree)")
 
-    def rewritten(rewrite, args):
+    def rewritten(rewrite, args, kwargs):
         # The loss as a function of the differentiated leaves, rewritten, then
         # differentiated: gradients keep the structure nnx/jax.value_and_grad return.
         # An NNX model's other state (RNG streams, batch statistics) goes in as an
@@ -184,19 +205,19 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
             model = nnx.merge(graphdef, params, rest) if graph else params
             full = list(others)
             full.insert(argnums, model)
-            out = fn(*full)
+            out = fn(*full, **kwargs)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, nnx.split(model, wrt, ...)[2] if graph else None)
         scale = context().loss_scale
         if scale is None:
-            (loss, (aux, after)), grads = jax.value_and_grad(rewrite(loss_of), has_aux=True)(
-                params, rest, *others)
+            (loss, (aux, after)), grads = _ORIGINAL["jax.value_and_grad"](
+                rewrite(loss_of), has_aux=True)(params, rest, *others)
         else:
             def scaled(p, r, *o):
                 loss, extra = rewrite(loss_of)(p, r, *o)
                 return loss * jnp.asarray(scale, jnp.result_type(loss)), (loss, extra)
-            (_, (loss, (aux, after))), grads = jax.value_and_grad(scaled, has_aux=True)(
-                params, rest, *others)
+            (_, (loss, (aux, after))), grads = _ORIGINAL["jax.value_and_grad"](
+                scaled, has_aux=True)(params, rest, *others)
             inverse = 1.0 / jnp.asarray(scale, jnp.float32)
             grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
         if after is not None:
@@ -207,15 +228,21 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
     def wrapped(*args, **kwargs):
         check_filter(args)
         ctx = context()
+        if ctx.inside:  # a loss differentiated inside the loss: not the step's
+            return plain(*args, **kwargs)
         ctx.used = True
         if ctx.mode == "record":
-            raise Recorded(_loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt))
+            call = _loss_call(fn, argnums, has_aux, args, ctx, wrt)
+            if not ctx.record_through:
+                raise Recorded(call, args, kwargs)
+            _record_another(ctx, call)
+            with _inside(ctx):
+                return plain(*args, **kwargs)
         if ctx.mode == "provide":
             return ctx.provided
-        if ctx.rewrite is None or kwargs:
-            out = plain(*args, **kwargs)
-        else:
-            out = rewritten(ctx.rewrite, args)
+        with _inside(ctx):
+            out = (plain(*args, **kwargs) if ctx.rewrite is None
+                   else rewritten(ctx.rewrite, args, kwargs))
         if ctx.mode == "capture":
             ctx.captured = out
         value, grads = out
@@ -224,6 +251,130 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         return out
 
     return wrapped
+
+
+def grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
+    """Drop-in for ``nnx.grad`` and ``jax.grad``: :func:`value_and_grad` without the
+    value (``(grads, aux)`` with ``has_aux``)."""
+    both = value_and_grad(fn, argnums, has_aux)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+    return wrapped
+
+
+def _record_another(ctx: StepContext, call) -> None:
+    """Record mode going through the step: a second differentiation (two losses, a
+    sharpness-aware step) is not one loss to cut per micro-batch."""
+    if ctx.recorded:
+        raise LossCallError(
+            "the step differentiates more than once (two value_and_grad or grad calls, "
+            "or one in a loop); hetshard cuts one loss per micro-batch, so it plans the "
+            "step whole")
+    ctx.recorded = (call,)
+
+
+@contextlib.contextmanager
+def _inside(ctx: StepContext):
+    ctx.inside += 1
+    try:
+        yield
+    finally:
+        ctx.inside -= 1
+
+
+# ---- the plain transforms, answered by hetshard's while the user's step runs ----------
+
+_ORIGINAL = {"jax.value_and_grad": jax.value_and_grad, "jax.grad": jax.grad,
+             "nnx.value_and_grad": nnx.value_and_grad, "nnx.grad": nnx.grad}
+_MODULES = {"jax": jax, "nnx": nnx}
+_PATCHED = {"lock": threading.Lock(), "depth": 0}
+
+
+def _ours(name: str, original, args, kwargs):
+    """hetshard's transform for ``original(*args, **kwargs)``, or None where it takes
+    arguments ours do not (those calls stay the originals')."""
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    p = bound.arguments
+    fn = p.get("fun", p.get("f"))
+    argnums = p.get("argnums", 0)
+    plain_argnum = isinstance(argnums, int) and not isinstance(argnums, bool)
+    if (not callable(fn) or isinstance(fn, type) or p.get("holomorphic") or
+            p.get("allow_int") or tuple(p.get("reduce_axes", ())) or
+            p.get("graph") is not None or p.get("graph_updates") is not None or
+            not (plain_argnum or (name.startswith("nnx") and
+                                  isinstance(argnums, nnx.DiffState)))):
+        return None
+    make = grad if name.endswith(".grad") else value_and_grad
+    return make(fn, argnums, bool(p.get("has_aux", False)))
+
+
+def _dispatcher(name: str):
+    original = _ORIGINAL[name]
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        ctx = context()
+        if not args and "f" not in kwargs and "fun" not in kwargs:  # nnx's decorator form
+            return functools.partial(dispatch, **kwargs)
+        if ctx.in_step and not ctx.inside:
+            ours = _ours(name, original, args, kwargs)
+            if ours is not None:
+                return ours
+        transformed = original(*args, **kwargs)
+        if not ctx.in_step:
+            return transformed
+
+        @functools.wraps(transformed)
+        def run(*a, **k):
+            c = context()
+            if c.mode == "record" and c.record_through and not c.inside:
+                _record_another(c, None)  # a differentiation hetshard does not take
+            with _inside(c):
+                return transformed(*a, **k)
+        return run
+    return dispatch
+
+
+_DISPATCHERS = {name: _dispatcher(name) for name in _ORIGINAL}
+
+
+@contextlib.contextmanager
+def _intercepting():
+    with _PATCHED["lock"]:
+        if _PATCHED["depth"] == 0:
+            for name, fn in _DISPATCHERS.items():
+                module, attr = name.split(".")
+                setattr(_MODULES[module], attr, fn)
+        _PATCHED["depth"] += 1
+    ctx = context()
+    before = ctx.in_step
+    ctx.in_step = True
+    try:
+        yield
+    finally:
+        ctx.in_step = before
+        with _PATCHED["lock"]:
+            _PATCHED["depth"] -= 1
+            if _PATCHED["depth"] == 0:
+                for name, fn in _ORIGINAL.items():
+                    module, attr = name.split(".")
+                    setattr(_MODULES[module], attr, fn)
+
+
+def user_step(step: Callable) -> Callable:
+    """``step`` as hetshard runs it: the plain ``nnx``/``jax`` ``value_and_grad`` and
+    ``grad`` it calls are hetshard's (see the module docstring)."""
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        with _intercepting():
+            return step(*args, **kwargs)
+    return run
 
 
 def all_finite(tree) -> jax.Array:
@@ -236,12 +387,11 @@ def all_finite(tree) -> jax.Array:
     return ok
 
 
-def _loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt=nnx.Param) -> LossCall:
-    """How the step called the loss, relative to its arguments and batch."""
-    if kwargs:
-        raise LossCallError("hetshard.value_and_grad takes positional arguments only "
-                            "(keywords cannot be cut per micro-batch)")
-    batch_ids = {id(x): k for k, x in enumerate(jax.tree.leaves(ctx.record_batch))}
+def _loss_call(fn, argnums, has_aux, args, ctx, wrt=nnx.Param) -> LossCall:
+    """How the step called the loss, relative to its arguments and batch. Only the
+    differentiated argument must be one the step receives; the others (the batch, parts
+    of it, values the step computes from it, keywords) are taken as the step passes them
+    each time the loss is traced (``Program.loss_flat`` runs the step up to the call)."""
     state_ids = {id(x): k for k, x in enumerate(ctx.record_state)}
     spec = []
     for i, a in enumerate(args):
@@ -250,24 +400,17 @@ def _loss_call(fn, argnums, has_aux, args, kwargs, ctx, wrt=nnx.Param) -> LossCa
             spec.append(("object", j))
             continue
         leaves, tree = jax.tree.flatten(a)
-        if _is_graph(a):
+        if i != argnums:
+            spec.append(("given", i))
+        elif _is_graph(a):
             raise LossCallError(
-                f"argument {i} of the loss is an NNX object the step does not receive as "
-                f"an argument (pass the model itself, not a part of it, to the loss)")
-        if leaves and all(id(x) in batch_ids for x in leaves):
-            spec.append(("batch", tree, [batch_ids[id(x)] for x in leaves]))
+                f"the loss is differentiated in argument {i}, an NNX object the step does "
+                f"not receive as an argument (a part of the model?); differentiate in the "
+                f"model the step receives, which hetshard plans and updates")
         elif leaves and all(id(x) in state_ids for x in leaves):
             spec.append(("state", tree, [state_ids[id(x)] for x in leaves]))
-        elif i == argnums:
-            raise LossCallError(
-                "the differentiated argument of hetshard.value_and_grad must be an NNX "
-                "model or a pytree of parameters the step receives as an argument")
-        elif not any(isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
-                     for x in leaves):
-            spec.append(("static", a))
         else:
             raise LossCallError(
-                f"argument {i} of the loss is computed inside the step; the loss's "
-                f"arguments must be the step's model or parameters and its batch (or "
-                f"parts of them), so that each micro-batch can be cut from the batch")
+                f"the loss is differentiated in argument {i}, which is not an NNX model or "
+                f"a pytree of parameters the step receives as an argument")
     return LossCall(fn, argnums, has_aux, tuple(spec), wrt)

@@ -1,4 +1,4 @@
-"""hetshard plans and runs the program it is given: seven models written in the tests
+"""hetshard plans and runs the program it is given: eight models written in the tests
 (``tests/user_models.py``, nothing from ``models/``), each trained under pipelines on
 uneven submeshes of a mixed cluster, a tensor-parallel SPMD plan and the planner's own
 choice, equal to single-device training."""
@@ -395,3 +395,153 @@ def test_a_global_norm_clip_runs_under_pipeline_stages():
     np.testing.assert_allclose([float(g["loss"]) for g in got],
                                [float(w["loss"]) for w in want], rtol=1e-5)
     np.testing.assert_allclose([float(g["grad_norm"]) for g in got], norms, rtol=1e-5)
+
+
+# ---- the plain transforms: nnx/jax value_and_grad and grad, as users write them --------
+
+def _two_stage_plan(program):
+    n = program.layering(2).num_layers
+    return _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+
+
+def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
+    """``nnx.value_and_grad`` (Flax's tutorial step), ``nnx.grad`` of a closure over the
+    batch and ``jax.value_and_grad`` of a pytree are the step's loss call, as
+    ``hetshard.value_and_grad`` is (the MODELS above train under pipelines with them);
+    outside hetshard's run of the step, and after a step that raised, the transforms
+    are JAX's and Flax's own."""
+    originals = (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad)
+    for name in ("tutorial", "mixer", "functional"):
+        step, args, _ = _fresh(name)
+        program = hetshard.Program(step, args)
+        assert program.call is not None and not program.call_error, name
+    assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
+
+    def failing(model, optimizer, batch):
+        assert jax.grad is not originals[1]  # hetshard's, while it runs the step
+        raise RuntimeError("the user's own error")
+    model = user_models.TinyLM(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, __import__("optax").sgd(0.1), wrt=nnx.Param)
+    batch = user_models._text_batches(np.random.default_rng(0))[0]
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        hetshard.Program(failing, (model, opt, batch))
+    assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
+
+
+def test_the_tutorial_step_with_logits_as_aux_keeps_the_batch_whole():
+    """Flax's tutorial step returns the logits as aux and feeds them to a metrics
+    object: per-sample values no cut batch can return. The planner keeps the step to one
+    single-stage pipeline, saying why; losses and metrics equal nnx.jit's. A pinned
+    pipeline plan is refused before it runs (it used to fail inside JAX on shapes)."""
+    step, ref_args, batches = user_models.make_logits_aux()
+    want = _train(nnx.jit(step), ref_args, batches)
+    step, args, batches = user_models.make_logits_aux()
+    program = hetshard.Program(step, args)
+    assert program.call is not None and program.per_sample_outputs == [1]
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
+    with pytest.warns(UserWarning, match="output 1 of the loss holds a value per sample"):
+        got = _train(jitted, args, batches)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for k, v in ref_args[2].compute().items():
+        np.testing.assert_allclose(args[2].compute()[k], v, rtol=1e-5)
+    step, args, batches = user_models.make_logits_aux()
+    pinned = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
+    with pytest.raises(hetshard.HetshardError, match="holds a value per sample"):
+        _train(pinned, args, batches)
+
+
+def _loss_and_model():
+    model = user_models.TinyLM(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, __import__("optax").adamw(1e-2), wrt=nnx.Param)
+    batches = user_models._text_batches(np.random.default_rng(0))
+    return [model, opt, batches[0]], batches
+
+
+def _two_stages_train_as_nnx_jit(step):
+    """``step`` on the transformer: its loss call recorded, and a 2-stage pipeline on
+    two GPU types trains it equal to nnx.jit."""
+    args, batches = _loss_and_model()
+    want = _train(nnx.jit(step), args, batches)
+    args, batches = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert program.call is not None
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
+    got = _train(jitted, args, batches)
+    assert len(jitted.plan.pipelines[0].stages) == 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_loss_inputs_the_step_computes_are_cut_per_micro_batch():
+    """The loss's other arguments are taken as the step passes them each time the loss
+    is traced: here tokens the step shifts (refused as "computed inside the step"
+    before). A 2-stage pipeline on two GPU types trains it equal to nnx.jit."""
+    def loss_fn(model, tokens, targets):
+        logits = model(tokens)
+        import optax
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def step(model, optimizer, batch):
+        tokens = (batch["tokens"] + 1) % user_models.VOCAB
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, batch["targets"])
+        optimizer.update(model, grads)
+        return loss
+    _two_stages_train_as_nnx_jit(step)
+
+
+def test_a_step_that_differentiates_twice_is_planned_whole():
+    """Two differentiations in one step (here the loss and a weight penalty, each with
+    its own nnx.value_and_grad, the gradients added) are not one loss to cut per
+    micro-batch: the step is planned without stages, saying why, and trains equal to
+    nnx.jit; a pinned plan cutting the batch is refused. Before, the second call was
+    answered with the first one's gradients."""
+    def penalty(model):
+        return 1e-2 * sum(jax.numpy.sum(b.up.kernel[...] ** 2) for b in model.blocks)
+
+    def step(model, optimizer, batch):
+        l1, g1 = nnx.value_and_grad(user_models.lm_loss)(model, batch)
+        l2, g2 = nnx.value_and_grad(penalty)(model)
+        optimizer.update(model, jax.tree.map(lambda a, b: a + b, g1, g2))
+        return l1 + l2
+    args, batches = _loss_and_model()
+    want = _train(nnx.jit(step), args, batches)
+    args, batches = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert program.call is None and "differentiates more than once" in program.call_error
+    with pytest.warns(UserWarning, match="differentiates more than once"):
+        jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True, time_limit_s=5)
+        got = _train(jitted, args, batches)
+    assert all(len(p.stages) == 1 for p in jitted.plan.pipelines)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # Batch shares 4 + 4 on the H100s and the V100s, one stage each.
+    cluster = Cluster.load(CLUSTER)
+    shares = tuple(Pipeline((Stage(0, 1, devs, gpu, (("data", 2),)),), 4, 2, 1)
+                   for devs, gpu in (((0, 1), "H100-80GB"), ((4, 5), "V100-32GB")))
+    plan = Plan(program.name, cluster.to_dict(), 8, program.seq_len, shares,
+                dtype=program.dtype, attention="reference")
+    args, batches = _loss_and_model()
+    pinned = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+    with pytest.raises(hetshard.HetshardError, match="differentiates more than once"):
+        _train(pinned, args, batches)
+
+
+def test_a_gradient_inside_the_loss_is_the_losss_own():
+    """A loss that differentiates inside itself (an input-gradient penalty) keeps that
+    inner ``jax.grad`` as JAX's: the step's one loss call is recorded and a 2-stage
+    pipeline trains it equal to nnx.jit."""
+    import optax
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        pos = model.pos[...]
+        penalty = jax.grad(lambda p: jnp.sum(jnp.tanh(p) ** 2))(pos)
+        return ce.mean() + 1e-3 * jnp.sum(penalty ** 2)
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    import jax.numpy as jnp
+    _two_stages_train_as_nnx_jit(step)

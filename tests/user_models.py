@@ -3,7 +3,10 @@
 Each ``make_*`` returns ``(step, args, batches)``: a train step, the arguments of its
 first call (the batch last) and a few batches to train on. Every loss is a mean over
 samples of per-sample values, so micro-batches and batch shares weighted by their sizes
-give the global loss exactly.
+give the global loss exactly. The steps differentiate as users write them: Flax's
+tutorial step (``nnx.value_and_grad`` with aux and a metrics object), ``nnx.grad`` of a
+closure over the batch, ``jax.value_and_grad`` of a pytree, and
+``hetshard.value_and_grad``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,43 @@ def lm_loss(model, batch):
 def nnx_step(loss):
     def step(model, optimizer, batch):
         value, grads = hetshard.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+    return step
+
+
+def tutorial_step(loss, per_sample_aux=False):
+    """Flax's own tutorial step: ``nnx.value_and_grad`` with aux and a metrics object
+    updated from it (hetshard answers the plain transform). The aux is the batch's
+    accuracy, or (``per_sample_aux``, as the tutorial writes it) the logits themselves,
+    which keep the batch whole."""
+    def with_aux(model, batch):
+        logits = model(batch[_INPUT[loss]])
+        labels = batch[_LABEL[loss]]
+        value = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        if per_sample_aux:
+            return value, logits
+        return value, (logits.argmax(-1) == labels).mean()
+
+    def step(model, optimizer, metrics, batch):
+        grad_fn = nnx.value_and_grad(with_aux, has_aux=True)
+        (value, aux), grads = grad_fn(model, batch)
+        if per_sample_aux:
+            metrics.update(loss=value, logits=aux, labels=batch[_LABEL[loss]])
+        else:
+            metrics.update(loss=value, accuracy=aux)
+        optimizer.update(model, grads)
+        return value
+    return step
+
+
+def closure_step(loss):
+    """``nnx.grad`` of a loss that closes over the batch, returning it as its aux."""
+    def step(model, optimizer, batch):
+        def of_model(m):
+            value = loss(m, batch)
+            return value, value
+        grads, value = nnx.grad(of_model, has_aux=True)(model)
         optimizer.update(model, grads)
         return value
     return step
@@ -87,6 +127,27 @@ def make_transformer(seed=0):
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     batches = _text_batches(np.random.default_rng(seed))
     return nnx_step(lm_loss), (model, opt, batches[0]), batches
+
+
+def make_tutorial(seed=0):
+    """The transformer under Flax's tutorial step, its aux the batch's accuracy."""
+    model = TinyLM(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Average("accuracy"))
+    batches = _text_batches(np.random.default_rng(seed))
+    return tutorial_step(lm_loss), (model, opt, metrics, batches[0]), batches
+
+
+def make_logits_aux(seed=0):
+    """The transformer under Flax's tutorial step as written there: the logits as aux."""
+    model = TinyLM(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Accuracy())
+    batches = _text_batches(np.random.default_rng(seed))
+    return (tutorial_step(lm_loss, per_sample_aux=True), (model, opt, metrics, batches[0]),
+            batches)
 
 
 # ---- (b) the same blocks stacked and run by nnx.scan -----------------------------------
@@ -170,7 +231,7 @@ def make_mixer(seed=0):
     model = Mixer(nnx.Rngs(seed))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     batches = _image_batches(np.random.default_rng(seed))
-    return nnx_step(image_loss), (model, opt, batches[0]), batches
+    return closure_step(image_loss), (model, opt, batches[0]), batches
 
 
 # ---- (d) a pure-pytree functional step: a params dict and optax.lion --------------------
@@ -201,7 +262,7 @@ def make_functional(seed=0):
     tx = optax.lion(1e-3)
 
     def step(params, opt_state, batch):
-        loss, grads = hetshard.value_and_grad(functional_loss)(params, batch)
+        loss, grads = jax.value_and_grad(functional_loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
 
@@ -318,9 +379,13 @@ def make_lora(seed=0):
     return step, (model, opt, batches[0]), batches
 
 
-MODELS = {"transformer": make_transformer, "scanned": make_scanned, "mixer": make_mixer,
-          "functional": make_functional, "two_tower": make_two_tower,
-          "flax_attention": make_flax_attention, "lora": make_lora}
+_INPUT = {lm_loss: "tokens", image_loss: "images"}
+_LABEL = {lm_loss: "targets", image_loss: "labels"}
+
+MODELS = {"transformer": make_transformer, "tutorial": make_tutorial,
+          "scanned": make_scanned, "mixer": make_mixer, "functional": make_functional,
+          "two_tower": make_two_tower, "flax_attention": make_flax_attention,
+          "lora": make_lora}
 
 
 # ---- a model with dropout: an RNG stream in the model state ----------------------------

@@ -33,13 +33,13 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as ext
 
-from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph
+from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph, user_step
 from hetshard.errors import SpecError
 from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
-from hetshard.ir.samples import sample_coupling
+from hetshard.ir.samples import per_sample_outputs, sample_coupling
 from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
 from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
@@ -103,7 +103,7 @@ class Program:
                 args):
             raise SpecError("batch_argnums", batch_argnum,
                             f"an argument index below {len(args)}", where="hetshard.jit")
-        self.step = step
+        self.step = user_step(step)
         self.batch_index = idx % len(args)
         self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
         batch = args[self.batch_index]
@@ -147,25 +147,54 @@ class Program:
         return out, objs
 
     def _record(self) -> LossCall | None:
+        """The step's one loss call (``hetshard.value_and_grad``, or the plain
+        ``nnx``/``jax`` transforms hetshard answers), or None with ``call_error`` saying
+        why the loss cannot be cut per micro-batch. The step is traced to its end, so
+        that a second differentiation is seen."""
+        found = []
+
         def probe(state_leaves, batch_leaves):
             objs = self.merge(state_leaves)
             batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
             with entered(mode="record", record_args=tuple(objs),
-                         record_state=tuple(state_leaves), record_batch=batch):
+                         record_state=tuple(state_leaves), record_batch=batch,
+                         record_through=True, recorded=()) as ctx:
                 objs.insert(self.batch_index, batch)
-                self.step(*objs)
+                out = self.step(*objs)
+                found.extend(ctx.recorded)
+            return out
 
-        self.call_error = "it does not call hetshard.value_and_grad"
+        self.call_error = ("it differentiates no loss with hetshard.value_and_grad or "
+                           "nnx/jax value_and_grad or grad called in the step")
         try:
             jax.eval_shape(probe, self.state_avals, self.batch_avals)
-        except Recorded as rec:
-            self.call_error = ""
-            return rec.call
         except LossCallError as e:
             # The loss cannot be cut per micro-batch: single-stage plans only.
             self.call_error = str(e)
             return None
-        return None
+        if not found:
+            return None
+        if found[0] is None:  # a differentiation hetshard's transforms do not take
+            self.call_error = ("it differentiates with arguments hetshard.value_and_grad "
+                               "does not take (several argnums, holomorphic, allow_int)")
+            return None
+        self.call_error = ""
+        return found[0]
+
+    def _recorded_call(self, state_leaves, batch_leaves) -> Recorded:
+        """The step run on these leaves up to its loss call: what it passes the loss."""
+        objs = self.merge(state_leaves)
+        batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
+        with entered(mode="record", record_args=tuple(objs),
+                     record_state=tuple(state_leaves), record_batch=batch,
+                     record_through=False):
+            objs.insert(self.batch_index, batch)
+            try:
+                self.step(*objs)
+            except Recorded as rec:
+                return rec
+        raise LossCallError("the step did not reach its loss call on this trace (it "
+                            "differentiates only under a condition?)")
 
     def _differentiated(self, state) -> tuple[list[int], str]:
         """State indices of the leaves the loss is differentiated in (the gradient's
@@ -273,19 +302,19 @@ class Program:
         return unroll_scans(self._loss_flat)
 
     def _loss_flat(self, state_leaves, batch_leaves):
-        call = self.call
-        objs = self.merge(state_leaves)
-        args = []
-        for kind, *rest in call.args:
-            if kind == "object":
-                args.append(objs[rest[0]])
-            elif kind == "batch":
-                args.append(jax.tree.unflatten(rest[0], [batch_leaves[i] for i in rest[1]]))
-            elif kind == "state":
-                args.append(jax.tree.unflatten(rest[0], [state_leaves[i] for i in rest[1]]))
-            else:
-                args.append(rest[0])
-        return call.fn(*args)
+        # The step up to its loss call, then the loss on what the step passed it: the
+        # batch or parts of it, values computed from it, closures over it.
+        rec = self._recorded_call(state_leaves, batch_leaves)
+        out = rec.call.fn(*rec.args, **rec.kwargs)
+        # One value returned twice (the loss as its own aux: ``return loss, {"loss":
+        # loss}``) is copied, so that each output of the traced loss is its own variable.
+        leaves, tree = jax.tree.flatten(out)
+        seen: set[int] = set()
+        for i, x in enumerate(leaves):
+            if id(x) in seen:
+                leaves[i] = jnp.copy(x)
+            seen.add(id(x))
+        return jax.tree.unflatten(tree, leaves)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (one program, a few batch sizes)
     def loss_jaxpr(self, mbs: int):
@@ -315,6 +344,17 @@ class Program:
         closed, _ = self.loss_jaxpr(2)
         ns = len(self.state_avals)
         return sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
+
+    @functools.cached_property
+    def per_sample_outputs(self) -> list[int]:
+        """Outputs of the loss (flat: the value, then the aux leaves) that keep a value
+        per sample (logits returned as aux): no plan that cuts the batch can return
+        them."""
+        if self.call is None:
+            return []
+        closed, _ = self.loss_jaxpr(2)
+        ns = len(self.state_avals)
+        return per_sample_outputs(closed, range(ns, len(closed.jaxpr.invars)))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:

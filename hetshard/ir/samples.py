@@ -6,11 +6,13 @@ That equals the whole batch's loss when the loss is a mean of per-sample values 
 anything that does not read the batch), and its outputs likewise. It does not when the
 loss *mixes samples*: a value reduced over the batch is used again per sample (batch
 statistics, ``nnx.BatchNorm``; in-batch negatives of a contrastive loss; a batch-wide
-normalisation), or an output is a maximum or minimum over the batch (a weighted sum of
-the pieces' maxima is not the batch's maximum). A per-sample value scaled by a sum that
-reads the batch alone (a token count normalising a masked loss) is not counted as
-mixing: like a masked mean (a ratio of two batch sums), the pieces' values are
-averaged, which is exact when the pieces hold equal counts.
+normalisation), an output is a maximum or minimum over the batch (a weighted sum of
+the pieces' maxima is not the batch's maximum), or an output keeps a value per sample
+(logits returned as aux: each piece would return only its own samples'). A
+per-sample value scaled by a sum that reads the batch alone (a token count normalising
+a masked loss) is not counted as mixing: like a masked mean (a ratio of two batch
+sums), the pieces' values are averaged, which is exact when the pieces hold equal
+counts.
 
 :func:`sample_coupling` follows the batch axis through the loss's jaxpr: each value is
 per sample along one axis (the batch leaves' leading axis to start), independent of
@@ -56,22 +58,41 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     """Why cutting the batch changes ``closed``'s outputs (a ClosedJaxpr of the loss whose
     inputs at ``batch_inputs`` are batch leaves, samples along axis 0), or None: the
     loss treats its samples one by one, or the analysis cannot tell."""
-    jaxpr = closed.jaxpr
-    batch = set(batch_inputs)
-    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
-    reads = [i not in batch for i in range(len(jaxpr.invars))]
     try:
-        outs, why = _walk(jaxpr, start, reads)
+        outs, why = _relations(closed, batch_inputs)
     except _Unknown:
         return None
     if why:
         return why
     for k, o in enumerate(outs):
+        if isinstance(o, int):
+            return (f"output {k} of the loss holds a value per sample (per-sample values "
+                    f"such as logits returned as aux: each piece of a cut batch would "
+                    f"return only its own; return means over the batch, or reduce the "
+                    f"metric inside the loss, to let the batch be cut)")
         if isinstance(o, tuple) and o[1] in ("max", "min", "arg"):
             name = {"max": "maximum", "min": "minimum", "arg": "arg-max or arg-min"}[o[1]]
             return (f"output {k} of the loss is a {name} over the batch (the pieces of a "
                     f"cut batch would be averaged)")
     return None
+
+
+def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> list[int]:
+    """The outputs of ``closed`` that hold a value per sample (a batch axis), where the
+    analysis can tell: a cut batch cannot even give them their shape."""
+    try:
+        outs, why = _relations(closed, batch_inputs)
+    except _Unknown:
+        return []
+    return [] if why else [k for k, o in enumerate(outs) if isinstance(o, int)]
+
+
+def _relations(closed, batch_inputs):
+    jaxpr = closed.jaxpr
+    batch = set(batch_inputs)
+    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
+    reads = [i not in batch for i in range(len(jaxpr.invars))]
+    return _walk(jaxpr, start, reads)
 
 
 def _walk(jaxpr, ins: list, reads_in: list, outer=()) -> tuple[list, str | None]:

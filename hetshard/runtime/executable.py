@@ -164,6 +164,10 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
             f"in another dtype need a step that calls hetshard.value_and_grad "
             f"(hetshard scales its loss), and {program.call_error}")
     cuts = multi_stage or len(plan.pipelines) > 1
+    if cuts and program.per_sample_outputs:
+        raise PlanNotExecutableError(
+            f"this plan cuts the batch into pieces (micro-batches, batch shares), and "
+            f"{program.sample_coupling}; plan with max_stages=1 and max_pipelines=1")
     why = program.sample_coupling if cuts else None
     if why and why not in guard.warned:
         guard.warned.add(why)
