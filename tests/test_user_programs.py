@@ -452,9 +452,9 @@ def test_the_tutorial_step_with_logits_as_aux_keeps_the_batch_whole():
         _train(pinned, args, batches)
 
 
-def _loss_and_model():
+def _loss_and_model(tx=None):
     model = user_models.TinyLM(nnx.Rngs(0))
-    opt = nnx.Optimizer(model, __import__("optax").adamw(1e-2), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, tx or __import__("optax").adamw(1e-2), wrt=nnx.Param)
     batches = user_models._text_batches(np.random.default_rng(0))
     return [model, opt, batches[0]], batches
 
@@ -545,3 +545,57 @@ def test_a_gradient_inside_the_loss_is_the_losss_own():
         return loss
     import jax.numpy as jnp
     _two_stages_train_as_nnx_jit(step)
+
+
+def _summed_step():
+    """A loss summed over the tokens (scaled by a constant, not the batch size) and a
+    count of correct predictions as aux, in int32 and float32."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        correct = (logits.argmax(-1) == batch["targets"]).sum()
+        return ce.sum() / 100.0, {"correct": correct,
+                                  "fraction": correct.astype(jnp.float32) / ce.size}
+
+    def step(model, optimizer, batch):
+        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        optimizer.update(model, grads)
+        return loss, aux["correct"], aux["fraction"]
+    return step
+
+
+def test_a_summed_loss_and_counts_add_their_pieces():
+    """A loss that sums over the samples (not a mean) and a count among its aux: a cut
+    batch's pieces are added, their gradients too, so a 2-stage pipeline of 2
+    micro-batches and two batch shares on two GPU types train equal to nnx.jit, the
+    count and the fraction (a mean) exact. Before, the pieces were averaged: the loss
+    and the gradients came out halved and the integer count was the last piece's."""
+    import optax
+    step = _summed_step()
+
+    def run(jitted):  # plain SGD: the update in proportion to the gradients
+        args, batches = _loss_and_model(optax.sgd(0.05))
+        out = []
+        for i in range(3):
+            args[-1] = batches[i % len(batches)]
+            out.append([float(x) for x in jitted(*args)])
+        return np.asarray(out), nnx.state(args[0], nnx.Param)
+    want, want_params = run(nnx.jit(step))
+    args, _ = _loss_and_model()
+    program = hetshard.Program(step, args)
+    # flat outputs: the loss, then the aux dict's leaves in key order (correct, fraction)
+    assert program.summed_outputs == [True, True, False]
+    cluster = Cluster.load(CLUSTER)
+    shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
+                                   (("data", 2),)),), 4, 2, 1)
+                   for devs, gpu in (((0, 1), "H100-80GB"), ((4, 5), "V100-32GB")))
+    for plan in (_two_stage_plan(program),
+                 Plan(program.name, cluster.to_dict(), 8, program.seq_len, shares,
+                      dtype=program.dtype, attention="reference")):
+        got, params = run(hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -39,7 +39,7 @@ from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
-from hetshard.ir.samples import per_sample_outputs, sample_coupling
+from hetshard.ir.samples import per_sample_outputs, sample_coupling, summed_outputs
 from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
 from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
@@ -344,6 +344,20 @@ class Program:
         closed, _ = self.loss_jaxpr(2)
         ns = len(self.state_avals)
         return sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
+
+    @functools.cached_property
+    def summed_outputs(self) -> list[bool]:
+        """Per flat output of the loss (the value, then the aux leaves), whether it is a
+        sum over the samples (``ce.sum()``, a count of correct predictions) rather than a
+        mean: plans that cut the batch add its pieces (and, for the loss, their
+        gradients) instead of averaging them (``hetshard.ir.samples.summed_outputs``:
+        read off the loss traced at 2 and 4 samples)."""
+        if self.call is None:
+            return []
+        closed, _ = self.loss_jaxpr(2)
+        twin, _ = self.loss_jaxpr(4)
+        ns = len(self.state_avals)
+        return summed_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
 
     @functools.cached_property
     def per_sample_outputs(self) -> list[int]:

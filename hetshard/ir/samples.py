@@ -1,7 +1,8 @@
 """Does a loss treat its samples one by one? (Which plans can cut its batch.)
 
 Plans that cut the global batch (micro-batches, pipelines with batch shares) run the
-loss on each piece and add the pieces' values weighted by their share of the batch.
+loss on each piece and add the pieces' values weighted by their share of the batch,
+or, for an output that is a sum over the samples (:func:`summed_outputs`), add them.
 That equals the whole batch's loss when the loss is a mean of per-sample values (plus
 anything that does not read the batch), and its outputs likewise. It does not when the
 loss *mixes samples*: a value reduced over the batch is used again per sample (batch
@@ -87,6 +88,26 @@ def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> list[int]:
     return [] if why else [k for k, o in enumerate(outs) if isinstance(o, int)]
 
 
+def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> list[bool]:
+    """Per output of ``closed`` (the loss at some batch size; ``twin``: the same loss
+    traced at ``ratio`` times as many samples), whether it is a sum over the samples (its
+    power of the batch size is 1: ``ce.sum()``, a count of correct predictions) rather
+    than a mean: a cut batch's pieces are then added, not averaged, and a summed loss's
+    gradients likewise. Where the analysis cannot tell, False (averaged)."""
+    jaxpr = closed.jaxpr
+    batch = set(batch_inputs)
+    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
+    reads = [i not in batch for i in range(len(jaxpr.invars))]
+    try:
+        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None)
+    except _Unknown:
+        return [False] * len(jaxpr.outvars)
+    if got[1]:
+        return [False] * len(jaxpr.outvars)
+    return [isinstance(o, tuple) and o[1] == "sum" and sc is not None and abs(sc - 1) < 1e-9
+            for o, sc in zip(got[0], got[2], strict=True)]
+
+
 def _relations(closed, batch_inputs):
     jaxpr = closed.jaxpr
     batch = set(batch_inputs)
@@ -95,17 +116,21 @@ def _relations(closed, batch_inputs):
     return _walk(jaxpr, start, reads)
 
 
-def _walk(jaxpr, ins: list, reads_in: list, outer=()) -> tuple[list, str | None]:
+def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None,
+          scales_in=None) -> tuple[list, str | None]:
     """The outputs' relation to the samples, or why the samples mix. ``reads_in``: per
     input, whether it reads the step's state (parameters) rather than the batch alone;
     ``outer``: the call equations this jaxpr is the body of (where to point when its own
-    equations have no location in the user's code)."""
+    equations have no location in the user's code). With ``twin`` (``(jaxpr, ratio)``:
+    the same loss traced at ``ratio`` times the samples) each value's power of the
+    batch size is followed too (``_Scales``) and returned as a third element."""
     env: dict = {}
     reads: dict = {}
     for v in jaxpr.constvars:
         env[v], reads[v] = None, False
     for v, s, r in zip(jaxpr.invars, ins, reads_in, strict=True):
         env[v], reads[v] = s, r
+    scales = _Scales(jaxpr, twin, scales_in) if twin is not None else None
 
     def read(v):
         return None if isinstance(v, ext.Literal) else env.get(v)
@@ -113,7 +138,7 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=()) -> tuple[list, str | None]
     def reading(v):
         return False if isinstance(v, ext.Literal) else reads.get(v, False)
 
-    for eqn in jaxpr.eqns:
+    for k, eqn in enumerate(jaxpr.eqns):
         states = [read(v) for v in eqn.invars]
         state_in = [reading(v) for v in eqn.invars]
         for v in eqn.outvars:  # (conservative for calls: any input's)
@@ -121,23 +146,144 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=()) -> tuple[list, str | None]
         if all(s is None for s in states):
             for v in eqn.outvars:
                 env[v] = None
+            if scales is not None:
+                scales.constant(k, eqn)
             continue
         if MIXED in states:
             return [], _mixed(eqn, outer)
         body = _body(eqn)
         if body is not None and len(body.invars) == len(states):
-            outs, why = _walk(body, states, state_in, (*outer, eqn))
+            inner = scales.inner(k, eqn) if scales is not None else None
+            got = _walk(body, states, state_in, (*outer, eqn), *(inner or (None, None)))
+            outs, why = got[0], got[1]
             if why:
                 return [], why
+            if scales is not None:
+                scales.called(k, eqn, got[2] if inner else None)
         else:
             # axes as Python ints (params hold numpy integers)
             outs = [int(o) if isinstance(o, Integral) else o
                     for o in _rule(eqn, states, state_in)]
+            if scales is not None:
+                scales.rule(k, eqn, states, outs)
         if MIXED in outs:
             return [], _mixed(eqn, outer)
         for v, s in zip(eqn.outvars, outs, strict=True):
             env[v] = s
-    return [read(v) for v in jaxpr.outvars], None
+    outs = [read(v) for v in jaxpr.outvars]
+    if scales is not None:
+        return outs, None, scales.outputs()
+    return outs, None
+
+
+# Primitives that keep their data operand's power of the batch size (the first operand;
+# a select's cases), and those whose result does not scale with it at all.
+_KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient",
+         "reduce_precision", "optimization_barrier", "broadcast_in_dim", "reshape",
+         "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "rev", "pad",
+         "gather", "sharding_constraint", "mesh_cast", "reshard", "pvary", "real", "conj",
+         "reduce_max", "reduce_min", "cummax", "cummin", "sort", "split")
+_SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "rem",
+         "nextafter")
+_NONE = ("eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "floor", "ceil",
+         "round", "argmax", "argmin", "and", "or", "not", "xor")
+
+
+class _Scales:
+    """Each value's power of the batch size (samples being alike: a sum over the samples
+    is 1, a mean 0), read off two traces of one loss at batch sizes ``ratio`` apart,
+    equation by equation: a literal that changes by the ratio between them (a mean's
+    divisor) scales by the batch size. None: it cannot tell."""
+
+    def __init__(self, jaxpr, twin, scales_in):
+        self.twin, self.ratio = twin
+        self.ok = (len(self.twin.eqns) == len(jaxpr.eqns) and
+                   [e.primitive for e in self.twin.eqns] == [e.primitive for e in jaxpr.eqns])
+        self.env: dict = {v: 0.0 for v in jaxpr.constvars}
+        ins = scales_in if scales_in is not None else [0.0] * len(jaxpr.invars)
+        self.env.update(zip(jaxpr.invars, ins, strict=True))
+        self.jaxpr = jaxpr
+
+    def _of(self, k, eqn, i):
+        v = eqn.invars[i]
+        if not isinstance(v, ext.Literal):
+            return self.env.get(v, 0.0)
+        other = self.twin.eqns[k].invars[i] if self.ok else None
+        if not isinstance(other, ext.Literal):
+            return None
+        try:
+            a, b = float(v.val), float(other.val)
+        except (TypeError, ValueError):
+            return None
+        if a == b:
+            return 0.0
+        for power in (1.0, -1.0):
+            if a and abs(b / a - self.ratio ** power) < 1e-6 * self.ratio:
+                return power
+        return None
+
+    def _set(self, eqn, value):
+        for v in eqn.outvars:
+            self.env[v] = value
+
+    def constant(self, k, eqn):
+        """An equation that reads no sample: a literal of the batch size stays one."""
+        ins = [self._of(k, eqn, i) for i in range(len(eqn.invars))]
+        name = eqn.primitive.name
+        if name in ("mul", "div") and None not in ins and len(ins) == 2:
+            self._set(eqn, ins[0] + ins[1] if name == "mul" else ins[0] - ins[1])
+        elif name in _KEEP + ("convert_element_type",) and ins and ins[0] is not None:
+            self._set(eqn, ins[0])
+        else:
+            self._set(eqn, 0.0 if all(x == 0.0 for x in ins) else None)
+
+    def inner(self, k, eqn):
+        body, twin = _body(eqn), _body(self.twin.eqns[k]) if self.ok else None
+        if twin is None or len(twin.invars) != len(body.invars):
+            return None
+        return (twin, self.ratio), [self._of(k, eqn, i) for i in range(len(eqn.invars))]
+
+    def called(self, k, eqn, outs):
+        for i, v in enumerate(eqn.outvars):
+            self.env[v] = outs[i] if outs is not None else None
+
+    def rule(self, k, eqn, states, outs):
+        name = eqn.primitive.name
+        ins = [self._of(k, eqn, i) for i in range(len(eqn.invars))]
+        literal = [isinstance(v, ext.Literal) for v in eqn.invars]
+        if name == "mul":
+            value = None if None in ins else sum(ins)
+        elif name == "div":
+            value = None if None in ins else ins[0] - ins[1]
+        elif name == "dot_general":
+            value = None if None in ins[:2] else ins[0] + ins[1] + (
+                1.0 if isinstance(outs[0], tuple) and all(
+                    isinstance(x, Integral) for x in states[:2] if x is not None) else 0.0)
+        elif name in _REDUCTIONS and isinstance(states[0], Integral) and \
+                isinstance(outs[0], tuple):
+            value = None if ins[0] is None else ins[0] + (1.0 if outs[0][1] == "sum" else 0.0)
+        elif name in _KEEP or name in _REDUCTIONS:
+            value = ins[0]
+        elif name in _SAME:
+            data = ins[1:] if name == "select_n" else ins
+            lit = literal[1:] if name == "select_n" else literal
+            # an added literal is an epsilon or a floor (sum(m) + 1e-8), not a term
+            vals = {x for x, is_lit in zip(data, lit, strict=True) if not is_lit}
+            value = vals.pop() if len(vals) == 1 else (0.0 if not vals else None)
+        elif name == "integer_pow":
+            value = None if ins[0] is None else ins[0] * eqn.params["y"]
+        elif name in ("sqrt", "rsqrt", "square"):
+            f = {"sqrt": 0.5, "rsqrt": -0.5, "square": 2.0}[name]
+            value = None if ins[0] is None else ins[0] * f
+        elif name in _NONE:
+            value = 0.0 if all(x == 0.0 for x in ins) else None
+        else:  # exp, log, tanh, ...: only of a value that does not scale
+            value = 0.0 if all(x == 0.0 for x in ins) else None
+        self._set(eqn, value)
+
+    def outputs(self):
+        return [None if isinstance(v, ext.Literal) else self.env.get(v, 0.0)
+                for v in self.jaxpr.outvars]
 
 
 def _mixed(eqn, outer) -> str:

@@ -313,12 +313,22 @@ class SharesStep:
             batches.append(bt)
             start += share.size
         self.clock = clock if timed else None
-        # Weighted sum on the first pipeline's devices: the global-batch mean gradient.
+        # Weighted sum on the first pipeline's devices: the global-batch mean gradient
+        # (a loss output that sums over the samples adds its pieces, and a summed loss's
+        # gradients; an integer output that does not is the first share's).
         home = NamedSharding(self.shares[0].mesh, PartitionSpec())
+        summed = program.summed_outputs
         combined = None
         for share, res in zip(self.shares, results, strict=True):
-            moved = jax.device_put(res, home)
-            term = jax.tree.map(lambda x, w=share.size / total: x * w, moved)
+            value, grads = jax.device_put(res, home)
+            w = share.size / total
+            leaves, tree = jax.tree.flatten(value)
+            leaves = [x if summed and summed[k] else
+                      (x * w if jnp.issubdtype(x.dtype, jnp.inexact) else
+                       (x if combined is None else jnp.zeros_like(x)))
+                      for k, x in enumerate(leaves)]
+            gw = 1.0 if summed and summed[0] else w
+            term = (jax.tree.unflatten(tree, leaves), jax.tree.map(lambda g, w=gw: g * w, grads))
             combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
         out, new_state = self.apply(states[0], batches[0], combined)
         return self.guard.settle(program, out, new_state, combined, others, state,

@@ -7,9 +7,10 @@ What one step does (``PipelineRunner.step``):
    micro-batch under the pipeline's schedule (1F1B, GPipe, interleaved 1F1B, or ZB-H1,
    whose backward runs as a B and a W pass: ``hetshard.rewrite.backward``), each jitted on its
    stage's mesh; activations go forward and cotangents back to the receiving stage's
-   sharding (``hetshard.collectives.transfer``); each backward is seeded with ``mbs / global_batch``
-   so the summed gradients are the global-batch mean gradient (the loss must be a mean
-   over samples); gradients accumulate per stage over micro-batches.
+   sharding (``hetshard.collectives.transfer``); each backward is seeded with
+   ``mbs / global_batch`` so the summed gradients are the global-batch mean gradient
+   (a loss that is a sum over the samples, ``Program.summed_outputs``, is seeded with 1:
+   the pieces' gradients add); gradients accumulate per stage over micro-batches.
 3. A parameter read by several stages of a pipeline (tied embeddings) has its
    gradients added at the stage that owns it; across pipelines the owners' gradients
    are summed (``hetshard.collectives``: a ``shard_map`` all-reduce when the holders'

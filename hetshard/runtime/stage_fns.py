@@ -141,7 +141,9 @@ def _weighted(acc, x, w):
     return x if acc is None else acc + x
 
 
-def accumulate(acc, x, w):
+def accumulate(acc, x, w, summed: bool = False):
+    """``acc + w * x`` (a loss output over micro-batches); an integer output is added
+    when it is a sum over the samples (``summed``: a count), else the last piece's."""
     if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
+        return x if acc is None or not summed else add(acc, x)
     return _weighted(acc, x, w)

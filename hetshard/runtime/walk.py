@@ -48,6 +48,10 @@ class PipelineWalk:
         self.n, self.m = len(self.runs), pipeline.num_micro_batches
         self.mbs = samples_per_micro_batch(pipeline)
         self.weight = self.mbs / runner.global_batch
+        # a loss output that is a sum over the samples adds its pieces (a mean's are
+        # averaged: weighted by their share of the batch), and a summed loss's gradients
+        self.summed = runner.program.summed_outputs
+        self.seed = 1.0 if self.summed and self.summed[0] else self.weight
         self.seq_len = runner.plan.seq_len
         self.zbh1 = pipeline.schedule == "zbh1"
         self.producer: dict = {}  # boundary value -> the stage sending it
@@ -146,8 +150,9 @@ class PipelineWalk:
                 values[v] = x
             if j in st.outputs:
                 pos = st.outputs[j]
-                self.loss_acc[pos] = stage_fns.accumulate(self.loss_acc.get(pos), x,
-                                                          self.weight)
+                summed = bool(self.summed and self.summed[pos])
+                self.loss_acc[pos] = stage_fns.accumulate(
+                    self.loss_acc.get(pos), x, 1.0 if summed else self.weight, summed)
 
     def backward(self, s: int, mb: int) -> None:
         run, st = self.runs[s], self.runs[s].program
@@ -158,7 +163,7 @@ class PipelineWalk:
             for j in st.diff_sends:
                 parts = cts.pop(st.sends[j], [])
                 incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-            seeds = [self.weight * self.scale if st.outputs.get(j) == 0 else None
+            seeds = [self.seed * self.scale if st.outputs.get(j) == 0 else None
                      for j in st.diff_sends]
             if self.zbh1 and not st.diff_recvs:
                 # ZB-H1 on a stage with no input cotangent to send (the first): its whole
