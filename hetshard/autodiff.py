@@ -19,8 +19,11 @@ A step written with the plain transforms needs no change: while hetshard runs th
 (:func:`user_step`), ``nnx.value_and_grad``, ``nnx.grad``, ``jax.value_and_grad`` and
 ``jax.grad`` called from it are :func:`value_and_grad` and :func:`grad` wherever their
 arguments are ones these take (one argnum, no ``holomorphic``, ``allow_int`` or
-``reduce_axes``); other calls, and every call made inside a loss being differentiated
-(a gradient penalty, the transforms' own internals), are the originals.
+``reduce_axes``) and are made by the user's code; other calls, those made by JAX, Flax
+or optax themselves, and every call made inside a loss being differentiated (a gradient
+penalty), are the originals. A transform imported by name (``from flax.nnx import
+value_and_grad``) or made outside the step is not seen: the step is then planned
+without stages, with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable
 from typing import Literal
@@ -290,6 +294,7 @@ def _inside(ctx: StepContext):
 _ORIGINAL = {"jax.value_and_grad": jax.value_and_grad, "jax.grad": jax.grad,
              "nnx.value_and_grad": nnx.value_and_grad, "nnx.grad": nnx.grad}
 _MODULES = {"jax": jax, "nnx": nnx}
+_LIBRARIES = ("jax.", "jaxlib.", "flax.", "optax.", "hetshard.")
 _PATCHED = {"lock": threading.Lock(), "depth": 0}
 
 
@@ -322,7 +327,10 @@ def _dispatcher(name: str):
         ctx = context()
         if not args and "f" not in kwargs and "fun" not in kwargs:  # nnx's decorator form
             return functools.partial(dispatch, **kwargs)
-        if ctx.in_step and not ctx.inside:
+        # A library's own call (Flax's nnx.value_and_grad calls jax.value_and_grad) is
+        # the original: only the user's code is answered.
+        user = not sys._getframe(1).f_globals.get("__name__", "").startswith(_LIBRARIES)
+        if ctx.in_step and not ctx.inside and user:
             ours = _ours(name, original, args, kwargs)
             if ours is not None:
                 return ours
@@ -333,7 +341,7 @@ def _dispatcher(name: str):
         @functools.wraps(transformed)
         def run(*a, **k):
             c = context()
-            if c.mode == "record" and c.record_through and not c.inside:
+            if c.mode == "record" and c.record_through and not c.inside and user:
                 _record_another(c, None)  # a differentiation hetshard does not take
             with _inside(c):
                 return transformed(*a, **k)

@@ -15,8 +15,10 @@ fingerprint) and compiled. Every plan kind runs:
   (``jax.distributed``) several pipelines always take this route, each process running
   the programs of the stages on its devices.
 
-Pipeline plans need the step to call ``hetshard.value_and_grad``; for a step that does
-not, the planner is restricted to single-stage plans (a warning says so once).
+Pipeline plans need the step's loss call (``nnx``/``jax`` ``value_and_grad`` or
+``grad`` called in the step, which hetshard answers, or ``hetshard.value_and_grad``);
+for a step without one it sees, the planner is restricted to single-stage plans (a
+warning says so once).
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
     (its loss is scaled): asking for them without it is an error."""
     if program.call is None and options.gpu_dtypes != "program":
         raise SpecError("gpu_dtypes", options.gpu_dtypes,
-                        "'program' for a step without hetshard.value_and_grad (float16 "
-                        "stages scale its loss; use hetshard.value_and_grad)",
+                        "'program' for a step whose loss call hetshard does not see "
+                        f"({program.call_error}; float16 stages scale the loss)",
                         where="hetshard.jit")
     why = None
     several = options.max_stages != 1 or options.max_pipelines != 1
@@ -404,7 +406,7 @@ class HetshardJit:
                 got = Program(self.fn, args, batch_argnum=idx)
             if got.call is None:
                 raise PlanNotExecutableError(
-                    f"micro-steps need a step that calls hetshard.value_and_grad, and "
+                    f"micro-steps need a step whose loss call hetshard sees, and "
                     f"{got.call_error}")
             self._programs[sig] = got
         return got

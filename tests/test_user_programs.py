@@ -418,6 +418,19 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
         assert program.call is not None and not program.call_error, name
     assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
 
+    # Imported by name, the transform is Flax's own, and so is the jax.value_and_grad
+    # Flax calls inside it: the step has no loss call (it is planned without stages).
+    by_name = originals[2]
+
+    def plain(model, optimizer, batch):
+        loss, grads = by_name(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    step, args, batches = _fresh("transformer")
+    program = hetshard.Program(plain, args)
+    assert program.call is None and "differentiates no loss" in program.call_error
+    assert program.output_shape.shape == ()
+
     def failing(model, optimizer, batch):
         assert jax.grad is not originals[1]  # hetshard's, while it runs the step
         raise RuntimeError("the user's own error")

@@ -156,13 +156,13 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
         raise PlanNotExecutableError(
             f"this plan has {[len(p.stages) for p in plan.pipelines]} stages per "
             f"pipeline; pipeline plans and several pipelines need a step whose "
-            f"hetshard.value_and_grad loss can be cut per micro-batch, and "
+            f"loss call can be cut per micro-batch, and "
             f"{program.call_error} (or plan with max_stages=1 and max_pipelines=1)")
     if plan.gpu_dtypes and program.call is None:
         raise PlanNotExecutableError(
             f"plan.gpu_dtypes={[list(e) for e in plan.gpu_dtypes]}: stages computing "
-            f"in another dtype need a step that calls hetshard.value_and_grad "
-            f"(hetshard scales its loss), and {program.call_error}")
+            f"in another dtype need a step whose loss call hetshard sees "
+            f"(it scales the loss), and {program.call_error}")
     cuts = multi_stage or len(plan.pipelines) > 1
     if cuts and program.per_sample_outputs:
         raise PlanNotExecutableError(
@@ -228,9 +228,10 @@ class SpmdStep:
         out, new_state, used_vg, (ok, loss) = self.step(state, batch, *scale)
         if program.kind == "nnx" and not bool(used_vg) and not self.guard.warned_vg:
             self.guard.warned_vg = True
-            warnings.warn("the step uses plain nnx.value_and_grad: hetshard restricts itself "
-                          "to single-stage plans for it (use hetshard.value_and_grad)",
-                          stacklevel=4)
+            warnings.warn("the step's differentiation was not seen by hetshard (a transform "
+                          "imported by name or made outside the step): hetshard restricts "
+                          "itself to single-stage plans for it (call nnx.value_and_grad "
+                          "or hetshard.value_and_grad in the step)", stacklevel=4)
         return self.guard.finish(program, out, new_state, ok, loss, others, state,
                                  self.loss_scale)
 
@@ -416,8 +417,9 @@ def capturing(program: Program):
             call_step(program, state, batch)
             if ctx.captured is None:
                 raise PlanNotExecutableError(
-                    "plans with several pipelines or micro-steps need the step to call "
-                    "hetshard.value_and_grad (it found none)")
+                    "plans with several pipelines or micro-steps need the step's loss "
+                    "call (hetshard.value_and_grad, or nnx/jax value_and_grad or grad "
+                    "called in the step); it found none")
             return ctx.captured
     return capture
 

@@ -102,7 +102,7 @@ class PipelineRunner:
     def __init__(self, plan: Plan, devices, program: Program):
         if program.call is None:
             raise PipelineSetupError("pipeline plans need a step that calls "
-                                     "hetshard.value_and_grad (or plan with max_stages=1)")
+                                     "a loss call (or plan with max_stages=1)")
         self.plan, self.program = plan, program
         self.state_tree, self.paths = program.state_tree, program.paths
         self.state_avals = program.state_avals
