@@ -95,10 +95,9 @@ class StepContext:
     record_args: tuple = ()
     record_state: tuple = ()
     record_batch: object = None
-    # record mode: stop at the first call (raise Recorded), or go on through the step to
-    # find a second differentiation (the calls seen so far are counted here)
-    record_through: bool = False
-    recorded: tuple = ()
+    # each differentiation the step makes (not inside a loss): hetshard's transforms
+    # append True, one it does not take (several argnums, ...) False
+    calls: list = dataclasses.field(default_factory=list)
     # set while hetshard runs the user's step (user_step) and while a loss, or a
     # transform's own body, is being differentiated (nested calls are the originals)
     in_step: bool = False
@@ -235,13 +234,9 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         if ctx.inside:  # a loss differentiated inside the loss: not the step's
             return plain(*args, **kwargs)
         ctx.used = True
+        ctx.calls.append(True)
         if ctx.mode == "record":
-            call = _loss_call(fn, argnums, has_aux, args, ctx, wrt)
-            if not ctx.record_through:
-                raise Recorded(call, args, kwargs)
-            _record_another(ctx, call)
-            with _inside(ctx):
-                return plain(*args, **kwargs)
+            raise Recorded(_loss_call(fn, argnums, has_aux, args, ctx, wrt), args, kwargs)
         if ctx.mode == "provide":
             return ctx.provided
         with _inside(ctx):
@@ -267,17 +262,6 @@ def grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
         value, grads = both(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
     return wrapped
-
-
-def _record_another(ctx: StepContext, call) -> None:
-    """Record mode going through the step: a second differentiation (two losses, a
-    sharpness-aware step) is not one loss to cut per micro-batch."""
-    if ctx.recorded:
-        raise LossCallError(
-            "the step differentiates more than once (two value_and_grad or grad calls, "
-            "or one in a loop); hetshard cuts one loss per micro-batch, so it plans the "
-            "step whole")
-    ctx.recorded = (call,)
 
 
 @contextlib.contextmanager
@@ -341,8 +325,8 @@ def _dispatcher(name: str):
         @functools.wraps(transformed)
         def run(*a, **k):
             c = context()
-            if c.mode == "record" and c.record_through and not c.inside and user:
-                _record_another(c, None)  # a differentiation hetshard does not take
+            if not c.inside and user:
+                c.calls.append(False)  # a differentiation hetshard does not take
             with _inside(c):
                 return transformed(*a, **k)
         return run

@@ -123,6 +123,16 @@ class Program:
                             jax.tree_util.tree_flatten_with_path(batch)[0]]
         self.call = self._record()
         self.diff, self.diff_prefix = self._differentiated(state)
+        if self.call is not None and self._differentiations() > 1:
+            self.call = None
+            self.call_error = (
+                "the step differentiates more than once (two value_and_grad or grad "
+                "calls, or one in a loop); hetshard cuts one loss per micro-batch, so it "
+                "plans the step whole")
+            self.diff, self.diff_prefix = self._differentiated(state)
+            self.__dict__.pop("loss_flat", None)
+            self._update_traced = None
+            self.loss_jaxpr.cache_clear()
 
     # ---- state ----------------------------------------------------------------------
     def merge(self, state_leaves) -> list:
@@ -149,45 +159,50 @@ class Program:
     def _record(self) -> LossCall | None:
         """The step's one loss call (``hetshard.value_and_grad``, or the plain
         ``nnx``/``jax`` transforms hetshard answers), or None with ``call_error`` saying
-        why the loss cannot be cut per micro-batch. The step is traced to its end, so
-        that a second differentiation is seen."""
-        found = []
+        why the loss cannot be cut per micro-batch."""
+        seen = []
 
         def probe(state_leaves, batch_leaves):
             objs = self.merge(state_leaves)
             batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
             with entered(mode="record", record_args=tuple(objs),
                          record_state=tuple(state_leaves), record_batch=batch,
-                         record_through=True, recorded=()) as ctx:
+                         calls=seen):
                 objs.insert(self.batch_index, batch)
-                out = self.step(*objs)
-                found.extend(ctx.recorded)
-            return out
+                self.step(*objs)
 
         self.call_error = ("it differentiates no loss with hetshard.value_and_grad or "
                            "nnx/jax value_and_grad or grad called in the step")
         try:
             jax.eval_shape(probe, self.state_avals, self.batch_avals)
+        except Recorded as rec:
+            self.call_error = ""
+            return rec.call
         except LossCallError as e:
             # The loss cannot be cut per micro-batch: single-stage plans only.
             self.call_error = str(e)
             return None
-        if not found:
-            return None
-        if found[0] is None:  # a differentiation hetshard's transforms do not take
+        if seen:  # differentiations hetshard's transforms do not take
             self.call_error = ("it differentiates with arguments hetshard.value_and_grad "
                                "does not take (several argnums, holomorphic, allow_int)")
-            return None
-        self.call_error = ""
-        return found[0]
+        return None
+
+    def _differentiations(self) -> int:
+        """How many times the whole step differentiates (its loss call answered, the rest
+        of the step traced: a second loss, a sharpness-aware step's second gradient).
+        Where the step cannot be traced with a micro-batch's loss outputs (per-sample
+        aux: it is planned whole anyway), the differentiations seen up to there."""
+        try:
+            return self._update()[1]
+        except Exception:  # noqa: BLE001 (traced again, and raising, where it is used)
+            return len(self._update_seen)
 
     def _recorded_call(self, state_leaves, batch_leaves) -> Recorded:
         """The step run on these leaves up to its loss call: what it passes the loss."""
         objs = self.merge(state_leaves)
         batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
         with entered(mode="record", record_args=tuple(objs),
-                     record_state=tuple(state_leaves), record_batch=batch,
-                     record_through=False):
+                     record_state=tuple(state_leaves), record_batch=batch, calls=[]):
             objs.insert(self.batch_index, batch)
             try:
                 self.step(*objs)
@@ -485,19 +500,29 @@ class Program:
         and whatever else the step does besides the loss), traced."""
         if self.call is None:
             return self.loss_jaxpr(2)[0]
-        closed, shape = self.loss_jaxpr(2)
-        loss_avals = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shape)
+        return self._update()[0]
 
-        def update(state_leaves, grad_leaves, loss, batch_leaves):
-            grads = self.gradient_tree(grad_leaves)
-            value = loss
-            with entered(mode="provide", provided=(value, grads)):
-                out, objs = self.call_step(state_leaves, batch_leaves)
-            return out, (self.updated_state(objs) if self.kind == "nnx" else None)
+    def _update(self) -> tuple:
+        """(``update_jaxpr``, how many times the step differentiates while traced: its
+        loss call, and any other), traced once."""
+        if getattr(self, "_update_traced", None) is None:
+            closed, shape = self.loss_jaxpr(2)
+            loss_avals = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                                      shape)
+            seen: list = []
+            self._update_seen = seen
 
-        grads = [self.state_avals[i] for i in self.diff]
-        return jax.make_jaxpr(update)(self.state_avals, grads, loss_avals,
-                                      self.batch_at(self.global_batch))
+            def update(state_leaves, grad_leaves, loss, batch_leaves):
+                grads = self.gradient_tree(grad_leaves)
+                with entered(mode="provide", provided=(loss, grads), calls=seen):
+                    out, objs = self.call_step(state_leaves, batch_leaves)
+                return out, (self.updated_state(objs) if self.kind == "nnx" else None)
+
+            grads = [self.state_avals[i] for i in self.diff]
+            traced = jax.make_jaxpr(update)(self.state_avals, grads, loss_avals,
+                                            self.batch_at(self.global_batch))
+            self._update_traced = (traced, len(seen))
+        return self._update_traced
 
     @functools.cached_property
     def output_shape(self):
