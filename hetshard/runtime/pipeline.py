@@ -110,6 +110,8 @@ class PipelineRunner:
         self.global_batch = program.global_batch
         self._check_batch()
         self.grad_index = list(program.diff)
+        # the loss outputs that sum over the samples: their pieces add (not averaged)
+        self.summed = program.summed_outputs
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
         self.meshes = [[mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]

@@ -50,7 +50,7 @@ class PipelineWalk:
         self.weight = self.mbs / runner.global_batch
         # a loss output that is a sum over the samples adds its pieces (a mean's are
         # averaged: weighted by their share of the batch), and a summed loss's gradients
-        self.summed = runner.program.summed_outputs
+        self.summed = runner.summed
         self.seed = 1.0 if self.summed and self.summed[0] else self.weight
         self.seq_len = runner.plan.seq_len
         self.zbh1 = pipeline.schedule == "zbh1"
