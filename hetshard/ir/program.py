@@ -192,6 +192,8 @@ class Program:
         of the step traced: a second loss, a sharpness-aware step's second gradient).
         Where the step cannot be traced with a micro-batch's loss outputs (per-sample
         aux: it is planned whole anyway), the differentiations seen up to there."""
+        self.loss_jaxpr(2)  # a loss that cannot be traced raises here, as the user's error
+        self._update_seen = []
         try:
             return self._update()[1]
         except Exception:  # noqa: BLE001 (traced again, and raising, where it is used)
