@@ -297,6 +297,23 @@ def test_fsdp_gathers_hidden_behind_compute_still_slow_it(small):
     assert fsdp.fwd_s == pytest.approx(want)
 
 
+def test_fsdp_gathers_of_a_tensor_parallel_stage_share_each_nodes_network(small):
+    # tp 4 inside each of two nodes, FSDP over the nodes: the four tensor ranks' gathers
+    # run at once through each node's network card (before: one ring had it alone).
+    cluster = Cluster.load(TWO_NODES)
+    gpu = cluster.groups[0].gpu
+    topo = topology(cluster, (0, 4))
+    plain = stage_cost(small, 1, 2, gpu, mbs=4, tp=4, cal=DEFAULT)
+    fsdp = stage_cost(small, 1, 2, gpu, mbs=4, tp=4, dp=2, fsdp=True, cal=DEFAULT,
+                      dp_topo=topo)
+    nbytes = small.layers[1].param_bytes / 4
+    ag = collective_time("all_gather", nbytes, topo, DEFAULT, gpu.name, 4)
+    assert ag > 2 * collective_time("all_gather", nbytes, topo, DEFAULT, gpu.name)
+    e = DEFAULT.default
+    want = max(plain.fwd_s, ag) + e.overlap_interference * min(plain.fwd_s, ag)
+    assert fsdp.fwd_s == pytest.approx(want)
+
+
 def test_profile_command_times_a_models_layers_and_simulate_uses_them(tmp_path, capsys):
     from hetshard.cli import main
     out = tmp_path / "tiny.json"

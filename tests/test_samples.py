@@ -2,9 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from hetshard.ir.samples import sample_coupling
+from hetshard.ir.samples import denominator, normalized_outputs, sample_coupling
 
 B, S, D = 4, 6, 8
 W = jax.ShapeDtypeStruct((D, D), jnp.float32)
@@ -103,3 +104,51 @@ def test_an_output_that_is_a_maximum_over_the_batch_is_named():
 def test_what_the_analysis_cannot_follow_gets_no_answer_never_a_false_alarm():
     # A loop over the samples mixes them, but the analysis does not look inside loops.
     assert _coupling(_loop_over_samples, X) is None
+
+
+def _normalized(loss, n=B):
+    """(the loss's masked-mean divisors' paths, its jaxpr at ``n`` samples)."""
+    def at(k):
+        return jax.make_jaxpr(loss)(W, jax.ShapeDtypeStruct((k, S, D), jnp.float32),
+                                    jax.ShapeDtypeStruct((k, S), jnp.float32))
+    return normalized_outputs(at(2), at(4), 2.0, (1, 2)), at(n)
+
+
+@jax.jit
+def _jitted_masked_mean(per_token, m):
+    return (per_token * m).sum() / m.sum()
+
+
+def _masked_forms(w, x, m):
+    t = jnp.sum((x @ w) ** 2, axis=-1)
+    decay = 1e-3 * jnp.sum(w ** 2)  # reads no sample: adds to every piece alike
+    return (_masked_mean(w, x, m) + decay, _per_token_normalised(w, x, m),
+            jnp.mean(t, where=m > 0), _jitted_masked_mean(t, m),
+            -(-jnp.sum(t * m) * 0.5) / jnp.maximum(jnp.sum(m), 1.0))
+
+
+def _not_masked_means(w, x, m):
+    t = jnp.sum((x @ w) ** 2, axis=-1)
+    per_sample = (t * m).sum(axis=1) / m.sum(axis=1)  # normalised per sample: a mean
+    return (jnp.mean(per_sample),
+            _masked_mean(w, x, m) + jnp.mean(t),  # two weightings in one output
+            jnp.exp(_masked_mean(w, x, m)),  # not linear in the pieces
+            jnp.sum(t * m),  # a sum
+            jnp.sum(t * m) / jnp.sum(t))  # divided by a sum that reads the parameters
+
+
+def test_a_masked_mean_is_found_with_the_count_that_divides_it():
+    paths, closed = _normalized(_masked_forms)
+    assert all(p is not None for p in paths)
+    m = np.zeros((5, S), np.float32)
+    m[0, :2] = 1
+    m[3, :] = 1  # 8 tokens counted, samples 1, 2 and 4 none
+    paths5, closed5 = _normalized(_masked_forms, 5)
+    assert paths5 == paths  # the same path at any batch size
+    for p in paths:
+        count = denominator(closed5, p, [None, np.zeros((5, S, D), np.float32), m])
+        assert float(count) == 8.0  # the mask's sum (before its floor at 1)
+
+
+def test_outputs_that_are_not_masked_means_have_no_count():
+    assert _normalized(_not_masked_means)[0] == [None] * 5

@@ -586,21 +586,30 @@ def test_a_summed_loss_and_counts_add_their_pieces():
     micro-batches and two batch shares on two GPU types train equal to nnx.jit, the
     count and the fraction (a mean) exact. Before, the pieces were averaged: the loss
     and the gradients came out halved and the integer count was the last piece's."""
-    import optax
     step = _summed_step()
+    args, _ = _loss_and_model()
+    program = hetshard.Program(step, args)
+    # flat outputs: the loss, then the aux dict's leaves in key order (correct, fraction)
+    assert program.summed_outputs == [True, True, False]
+    _cut_batches_train_as_nnx_jit(step, program, lambda batches: batches)
 
-    def run(jitted):  # plain SGD: the update in proportion to the gradients
+
+def _cut_batches_train_as_nnx_jit(step, program, batched):
+    """``step`` on the transformer (batches ``batched(batches)``) under a 2-stage
+    pipeline of 2 micro-batches and under two batch shares on two GPU types: the
+    outputs and the parameters after 3 steps of plain SGD (the update in proportion to
+    the gradients) equal nnx.jit's."""
+    import optax
+
+    def run(jitted):
         args, batches = _loss_and_model(optax.sgd(0.05))
+        batches = batched(batches)
         out = []
         for i in range(3):
             args[-1] = batches[i % len(batches)]
             out.append([float(x) for x in jitted(*args)])
         return np.asarray(out), nnx.state(args[0], nnx.Param)
     want, want_params = run(nnx.jit(step))
-    args, _ = _loss_and_model()
-    program = hetshard.Program(step, args)
-    # flat outputs: the loss, then the aux dict's leaves in key order (correct, fraction)
-    assert program.summed_outputs == [True, True, False]
     cluster = Cluster.load(CLUSTER)
     shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
                                    (("data", 2),)),), 4, 2, 1)
@@ -612,3 +621,61 @@ def test_a_summed_loss_and_counts_add_their_pieces():
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _masked_step():
+    """A masked token mean (padding left out: ``(ce * mask).sum() / mask.sum()``), a
+    masked accuracy through ``jnp.mean(where=)`` and a plain mean among its aux."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        mask = batch["mask"]
+        right = (logits.argmax(-1) == batch["targets"]).astype(jnp.float32)
+        return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), {
+            "accuracy": jnp.mean(right, where=mask > 0), "mean": ce.mean()}
+
+    def step(model, optimizer, batch):
+        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        optimizer.update(model, grads)
+        return loss, aux["accuracy"], aux["mean"]
+    return step
+
+
+def _masked_batches(batches):
+    """The text batches with a padding mask: sample i keeps its first i + 1 tokens (the
+    last sample none of them at all in the first batch), so micro-batches and batch
+    shares hold unequal counts."""
+    out = []
+    for b, batch in enumerate(batches):
+        n, t = batch["tokens"].shape
+        keep = (np.arange(n) + 1 + b) % (t + 1)
+        mask = (np.arange(t)[None, :] < keep[:, None]).astype(np.float32)
+        out.append({**batch, "mask": mask})
+    return out
+
+
+def test_a_masked_mean_weighs_its_pieces_by_their_counts():
+    """A loss that is a masked token mean (and a masked accuracy among its aux): a cut
+    batch's pieces weigh their shares of the mask's count, not of the samples, so a
+    2-stage pipeline of 2 micro-batches and two batch shares on two GPU types train
+    equal to nnx.jit with masks whose counts differ between the pieces (before, the
+    pieces were averaged: other losses and gradients, silently)."""
+    step = _masked_step()
+    args, batches = _loss_and_model()
+    args[-1] = _masked_batches(batches)[0]
+    program = hetshard.Program(step, args)
+    # flat outputs: the loss, then the aux dict's leaves in key order (accuracy, mean)
+    found = program.normalized_outputs
+    assert found[0] is not None and found[1] is not None and found[2] is None
+    assert program.summed_outputs == [False, False, False]
+    # the first batch's micro-batches (4 samples each) hold unequal counts
+    w = program.piece_weights(jax.tree.leaves(args[-1]), [(0, 4), (4, 8)])
+    mask = args[-1]["mask"]
+    np.testing.assert_allclose(w[:, 0], [mask[:4].sum() / mask.sum(),
+                                         mask[4:].sum() / mask.sum()])
+    np.testing.assert_allclose(w[:, 2], [0.5, 0.5])
+    assert abs(w[0, 0] - 0.5) > 0.05
+    _cut_batches_train_as_nnx_jit(step, program, _masked_batches)

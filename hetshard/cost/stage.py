@@ -454,8 +454,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         if fsdp and dp > 1 and dp_topo is not None:
             # Each layer's parameters are gathered behind the layer before's compute; what
             # is hidden still slows that compute (the transfer's kernels take SMs and
-            # memory bandwidth), as a collective matmul's transfers do.
-            ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name)
+            # memory bandwidth), as a collective matmul's transfers do. One ring per
+            # tensor and context rank, all at once, sharing each node's network card.
+            ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name,
+                                 tp * cp)
             t_f = max(t_f, ag) + e.overlap_interference * min(t_f, ag)
             t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
         if mode == "full":

@@ -39,7 +39,15 @@ from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
-from hetshard.ir.samples import per_sample_outputs, sample_coupling, summed_outputs
+from hetshard.ir.samples import (
+    denominator,
+    equation_at,
+    needed_inputs,
+    normalized_outputs,
+    per_sample_outputs,
+    sample_coupling,
+    summed_outputs,
+)
 from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
 from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
@@ -375,6 +383,74 @@ class Program:
         twin, _ = self.loss_jaxpr(4)
         ns = len(self.state_avals)
         return summed_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+
+    @functools.cached_property
+    def normalized_outputs(self) -> list[tuple | None]:
+        """Per flat output of the loss, where it is a masked mean (a sum over the
+        samples divided by a count the batch alone gives: ``(ce * mask).sum() /
+        mask.sum()``), the path of that count in the loss's jaxpr, else None: plans
+        that cut the batch weight its pieces by their shares of the count
+        (``piece_weights``; ``hetshard.ir.samples.normalized_outputs``)."""
+        if self.call is None:
+            return []
+        closed, _ = self.loss_jaxpr(2)
+        twin, _ = self.loss_jaxpr(4)
+        ns = len(self.state_avals)
+        return normalized_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+
+    def piece_weights(self, batch_leaves, pieces) -> np.ndarray:
+        """Weights ``[piece, output]`` of the loss outputs' pieces when the global batch
+        (``batch_leaves``) is cut into ``pieces`` (``(start, stop)`` sample ranges
+        covering it): the whole batch's output is the weighted sum of the pieces' (and
+        the loss's gradient likewise). A mean's piece weighs its share of the samples,
+        a sum's 1 (``summed_outputs``), a masked mean's its share of the count
+        (``normalized_outputs``; shares of the samples when the batch counts nothing)."""
+        n_out = len(self.summed_outputs) or 1
+        sizes = np.array([b - a for a, b in pieces], np.float64)
+        w = np.repeat((sizes / sizes.sum())[:, None], n_out, axis=1)
+        for k, summed in enumerate(self.summed_outputs):
+            if summed:
+                w[:, k] = 1.0
+        normal = [(k, path) for k, path in enumerate(self.normalized_outputs) if path]
+        if normal:
+            counts = np.array([self._counts(batch_leaves, a, b, tuple(p for _, p in normal))
+                               for a, b in pieces], np.float64)
+            for j, (k, _) in enumerate(normal):
+                total = counts[:, j].sum()
+                if np.isfinite(total) and total != 0:
+                    w[:, k] = counts[:, j] / total
+        return w
+
+    def _counts(self, batch_leaves, start: int, stop: int, paths: tuple) -> list[float]:
+        """The masked means' counts (``normalized_outputs``) of samples
+        ``[start, stop)``."""
+        fn, used = self._count_fn(stop - start, paths)
+        args = [np.asarray(batch_leaves[i][start:stop]) for i in used]
+        return [float(np.sum(np.asarray(x))) for x in fn(*args)]
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (one program, a few piece sizes)
+    def _count_fn(self, n: int, paths: tuple):
+        """(jitted counts of a piece of ``n`` samples, the batch leaves they read)."""
+        closed, _ = self.loss_jaxpr(n)
+        ns = len(self.state_avals)
+        invars = closed.jaxpr.invars
+        for p in paths:
+            eqn = equation_at(closed.jaxpr, p)
+            if eqn is None or eqn.primitive.name != "reduce_sum":
+                raise LossCallError(
+                    f"the loss traced at {n} samples has another structure than at 2: "
+                    f"the masked mean's count found at {p} is not there; hetshard cannot "
+                    f"weight the pieces of a cut batch (plan with max_stages=1 and "
+                    f"micro_batches=1)")
+        needed = set().union(*(needed_inputs(closed.jaxpr, p) for p in paths))
+        used = [i - ns for i, v in enumerate(invars) if v in needed]
+
+        def counts(*leaves):
+            args = [None] * len(invars)
+            for i, x in zip(used, leaves, strict=True):
+                args[ns + i] = x
+            return [denominator(closed, p, args) for p in paths]
+        return jax.jit(counts), used
 
     @functools.cached_property
     def per_sample_outputs(self) -> list[int]:

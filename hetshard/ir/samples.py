@@ -11,9 +11,9 @@ normalisation), an output is a maximum or minimum over the batch (a weighted sum
 the pieces' maxima is not the batch's maximum), or an output keeps a value per sample
 (logits returned as aux: each piece would return only its own samples'). A
 per-sample value scaled by a sum that reads the batch alone (a token count normalising
-a masked loss) is not counted as mixing: like a masked mean (a ratio of two batch
-sums), the pieces' values are averaged, which is exact when the pieces hold equal
-counts.
+a masked loss) is not counted as mixing: such a masked mean's pieces are weighted by
+their shares of the count (:func:`normalized_outputs` finds it, :func:`denominator`
+evaluates it per piece), which is exact for any masks.
 
 :func:`sample_coupling` follows the batch axis through the loss's jaxpr: each value is
 per sample along one axis (the batch leaves' leading axis to start), independent of
@@ -30,7 +30,9 @@ from numbers import Integral
 
 from jax.extend import core as ext
 
+from hetshard.ir.attention_patterns import inner_jaxpr
 from hetshard.ir.dependencies import _body
+from hetshard.ir.interpret import eval_equations
 
 # A value's relation to the samples: None (does not read them), an int (per sample
 # along that axis), ("reduced", how) or MIXED.
@@ -60,7 +62,7 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     inputs at ``batch_inputs`` are batch leaves, samples along axis 0), or None: the
     loss treats its samples one by one, or the analysis cannot tell."""
     try:
-        outs, why = _relations(closed, batch_inputs)
+        outs, why = _relations(closed, batch_inputs)[:2]
     except _Unknown:
         return None
     if why:
@@ -82,7 +84,7 @@ def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> list[int]:
     """The outputs of ``closed`` that hold a value per sample (a batch axis), where the
     analysis can tell: a cut batch cannot even give them their shape."""
     try:
-        outs, why = _relations(closed, batch_inputs)
+        outs, why = _relations(closed, batch_inputs)[:2]
     except _Unknown:
         return []
     return [] if why else [k for k, o in enumerate(outs) if isinstance(o, int)]
@@ -108,6 +110,106 @@ def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> l
             for o, sc in zip(got[0], got[2], strict=True)]
 
 
+def normalized_outputs(closed, twin, ratio: float,
+                       batch_inputs: Sequence[int]) -> list[tuple | None]:
+    """Per output of ``closed`` (as for :func:`summed_outputs`), where it is a masked
+    mean: a sum over the samples divided by a sum over the samples that reads the
+    batch alone (``(ce * mask).sum() / mask.sum()``, ``jnp.mean(ce, where=mask)``, a
+    weighted mean), the path of that divisor's sum (:func:`denominator`), else None.
+    The whole batch's value is then its pieces' values weighted by their shares of the
+    divisor, not of the samples (exact for any masks; the pieces' gradients likewise,
+    the divisor not depending on the parameters)."""
+    jaxpr = closed.jaxpr
+    batch = set(batch_inputs)
+    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
+    reads = [i not in batch for i in range(len(jaxpr.invars))]
+    try:
+        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None,
+                    _Dens(jaxpr, (), None))
+    except _Unknown:
+        return [None] * len(jaxpr.outvars)
+    if got[1]:
+        return [None] * len(jaxpr.outvars)
+    # (a ratio of two sums is ("reduced", "other") to the relations: the denominators
+    # follow only linear steps after the division, so such an output is a sum's ratio)
+    return [d[0] if isinstance(o, tuple) and o[1] in ("sum", "other") and sc is not None
+            and abs(sc) < 1e-9 and isinstance(d[0], tuple) else None
+            for o, sc, d in zip(got[0], got[2], got[3], strict=True)]
+
+
+def denominator(closed, path: tuple, args: list):
+    """The value of the divisor at ``path`` (:func:`normalized_outputs`; the same loss
+    traced at another batch size has it at the same path) in ``closed`` given its
+    inputs ``args`` (the batch's; those the divisor does not read may be None): only
+    the equations it depends on are evaluated."""
+    return _evaluate_path(closed.jaxpr, closed.consts, list(args), path)
+
+
+def _needed(jaxpr, k: int, wants: set) -> list[int]:
+    """Indices of the equations before ``k`` that the variables ``wants`` depend on."""
+    need, idx = set(wants), []
+    for i in range(k - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        if any(v in need for v in e.outvars):
+            idx.append(i)
+            need.update(v for v in e.invars if not isinstance(v, ext.Literal))
+    return idx[::-1]
+
+
+def equation_at(jaxpr, path: tuple):
+    """The equation at ``path`` (:func:`normalized_outputs`), or None where ``jaxpr``
+    has none there."""
+    for depth, k in enumerate(path[:-1]):
+        if not isinstance(k, int) or k >= len(jaxpr.eqns):
+            return None
+        eqn = jaxpr.eqns[k]
+        if depth == len(path) - 2:
+            return eqn if path[-1] < len(eqn.outvars) else None
+        inner = inner_jaxpr(eqn)
+        if inner is None:
+            return None
+        jaxpr = inner[0]
+    return None
+
+
+def _wants(eqn, rest: tuple) -> set:
+    """The inputs of ``eqn`` that the value at ``rest`` (the path below it) reads: all of
+    them for an output of ``eqn`` itself, else those its body's path reads."""
+    if len(rest) == 1:
+        return {v for v in eqn.invars if not isinstance(v, ext.Literal)}
+    body = inner_jaxpr(eqn)[0]
+    inner = needed_inputs(body, rest)
+    return {v for v, b in zip(eqn.invars, body.invars, strict=True)
+            if b in inner and not isinstance(v, ext.Literal)}
+
+
+def needed_inputs(jaxpr, path: tuple) -> set:
+    """The input variables of ``jaxpr`` that the value at ``path`` depends on
+    (:func:`denominator` reads no other)."""
+    k, wants = path[0], _wants(jaxpr.eqns[path[0]], path[1:])
+    need = set(wants)
+    for i in _needed(jaxpr, k, wants):
+        need.update(v for v in jaxpr.eqns[i].invars if not isinstance(v, ext.Literal))
+    return need & set(jaxpr.invars)
+
+
+def _evaluate_path(jaxpr, consts, args, path):
+    k, rest = path[0], path[1:]
+    eqn = jaxpr.eqns[k]
+    idx = _needed(jaxpr, k, _wants(eqn, rest))
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update((v, a) for v, a in zip(jaxpr.invars, args, strict=True) if a is not None)
+    eval_equations(jaxpr, env, None, indices=idx)
+
+    def read(v):
+        return v.val if isinstance(v, ext.Literal) else env.get(v)
+    if len(rest) == 1:
+        eval_equations(jaxpr, env, None, indices=[k])
+        return env[eqn.outvars[rest[0]]]
+    body, body_consts = inner_jaxpr(eqn)
+    return _evaluate_path(body, body_consts, [read(v) for v in eqn.invars], rest)
+
+
 def _relations(closed, batch_inputs):
     jaxpr = closed.jaxpr
     batch = set(batch_inputs)
@@ -116,14 +218,16 @@ def _relations(closed, batch_inputs):
     return _walk(jaxpr, start, reads)
 
 
-def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None,
-          scales_in=None) -> tuple[list, str | None]:
-    """The outputs' relation to the samples, or why the samples mix. ``reads_in``: per
-    input, whether it reads the step's state (parameters) rather than the batch alone;
-    ``outer``: the call equations this jaxpr is the body of (where to point when its own
-    equations have no location in the user's code). With ``twin`` (``(jaxpr, ratio)``:
-    the same loss traced at ``ratio`` times the samples) each value's power of the
-    batch size is followed too (``_Scales``) and returned as a third element."""
+def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
+          dens: _Dens | None = None) -> tuple[list, str | None, list | None, list | None]:
+    """(The outputs' relation to the samples, why the samples mix or None, their powers
+    of the batch size, their denominators). ``reads_in``: per input, whether it reads
+    the step's state (parameters) rather than the batch alone; ``outer``: the call
+    equations this jaxpr is the body of (where to point when its own equations have no
+    location in the user's code). With ``twin`` (``(jaxpr, ratio)``: the same loss
+    traced at ``ratio`` times the samples) each value's power of the batch size is
+    followed (``_Scales``), else the third element is None; with ``dens`` (a
+    ``_Dens`` of this jaxpr) each value's denominator, else the fourth is None."""
     env: dict = {}
     reads: dict = {}
     for v in jaxpr.constvars:
@@ -148,32 +252,38 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None,
                 env[v] = None
             if scales is not None:
                 scales.constant(k, eqn)
+            if dens is not None:
+                dens.constant(eqn)
             continue
         if MIXED in states:
-            return [], _mixed(eqn, outer)
+            return [], _mixed(eqn, outer), None, None
         body = _body(eqn)
         if body is not None and len(body.invars) == len(states):
             inner = scales.inner(k, eqn) if scales is not None else None
-            got = _walk(body, states, state_in, (*outer, eqn), *(inner or (None, None)))
+            got = _walk(body, states, state_in, (*outer, eqn), *(inner or (None, None)),
+                        dens.inner(k, eqn, body) if dens is not None else None)
             outs, why = got[0], got[1]
             if why:
-                return [], why
+                return [], why, None, None
             if scales is not None:
                 scales.called(k, eqn, got[2] if inner else None)
+            if dens is not None:
+                dens.called(eqn, got[3])
         else:
             # axes as Python ints (params hold numpy integers)
             outs = [int(o) if isinstance(o, Integral) else o
                     for o in _rule(eqn, states, state_in)]
             if scales is not None:
                 scales.rule(k, eqn, states, outs)
+            if dens is not None:
+                dens.rule(k, eqn, states, outs, any(state_in))
         if MIXED in outs:
-            return [], _mixed(eqn, outer)
+            return [], _mixed(eqn, outer), None, None
         for v, s in zip(eqn.outvars, outs, strict=True):
             env[v] = s
     outs = [read(v) for v in jaxpr.outvars]
-    if scales is not None:
-        return outs, None, scales.outputs()
-    return outs, None
+    return (outs, None, scales.outputs() if scales is not None else None,
+            dens.outputs() if dens is not None else None)
 
 
 # Primitives that keep their data operand's power of the batch size (the first operand;
@@ -284,6 +394,102 @@ class _Scales:
     def outputs(self):
         return [None if isinstance(v, ext.Literal) else self.env.get(v, 0.0)
                 for v in self.jaxpr.outvars]
+
+
+# A value's denominator (``_Dens``): None, the path of a batch sum dividing it, or BAD
+# (divided by something else too, or combined non-linearly: no exact weighting known).
+BAD = "bad"
+# Primitives that carry a batch sum through to a divisor (a count cast to float, floored
+# at 1, broadcast), the other operands not reading the samples.
+_SRC_KEEP = ("convert_element_type", "copy", "copy_p", "reshape", "broadcast_in_dim",
+             "squeeze", "expand_dims", "stop_gradient", "max", "min", "add", "sub",
+             "mul", "div", "select_n", "reduce_precision", "optimization_barrier")
+# Primitives linear in their first operand: its denominator stays.
+_LINEAR = ("neg", "convert_element_type", "copy", "copy_p", "reshape", "broadcast_in_dim",
+           "squeeze", "expand_dims", "transpose", "slice", "reduce_sum", "stop_gradient",
+           "reduce_precision", "optimization_barrier", "sharding_constraint", "mesh_cast",
+           "reshard", "pvary", "real")
+
+
+class _Dens:
+    """Each value's denominator: a sum over the samples that reads the batch alone (a
+    token count) by which it was divided (``src``: such a sum, or a value that is one
+    up to a cast, a floor or a constant factor; ``den``: the path of the sum dividing
+    the value, None or BAD). A path is the equations' indices down the call bodies and
+    the output's index."""
+
+    def __init__(self, jaxpr, prefix: tuple, ins):
+        self.jaxpr, self.prefix = jaxpr, prefix
+        self.env: dict = {}
+        for v, x in zip(jaxpr.invars, ins or [(None, None)] * len(jaxpr.invars),
+                        strict=True):
+            self.env[v] = x
+
+    def _get(self, v):
+        return (None, None) if isinstance(v, ext.Literal) else self.env.get(v, (None, None))
+
+    def constant(self, eqn):
+        for v in eqn.outvars:
+            self.env[v] = (None, None)
+
+    def inner(self, k, eqn, body):
+        return _Dens(body, (*self.prefix, k), [self._get(v) for v in eqn.invars])
+
+    def called(self, eqn, outs):
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            self.env[v] = x
+
+    def rule(self, k, eqn, states, outs, reads):
+        name = eqn.primitive.name
+        ins = [self._get(v) for v in eqn.invars]
+        dens = [d for d, _ in ins]
+        srcs = [s for _, s in ins]
+        reading = [s is not None for s in states]
+        src = None
+        if name == "reduce_sum" and isinstance(states[0], Integral) and \
+                isinstance(outs[0], tuple) and not reads and dens[0] is None:
+            src = (*self.prefix, k, 0)
+        elif name in _SRC_KEEP:
+            start = 1 if name == "select_n" else 0
+            carried = [(i, x) for i, x in enumerate(srcs) if x is not None and i >= start]
+            rest = [r for i, (r, x) in enumerate(zip(reading, srcs, strict=True))
+                    if i >= start and x is None]
+            if len(carried) == 1 and not any(rest) and \
+                    (name != "div" or carried[0][0] == 0):
+                src = carried[0][1]
+        if name == "div":
+            a, b = dens[0], dens[1]
+            if b is not None:
+                den = BAD
+            elif srcs[1] is not None:
+                den = srcs[1] if a is None else BAD
+            else:
+                den = a
+        elif name in ("mul", "dot_general"):
+            known = [d for d in dens[:2] if d is not None]
+            den = None if not known else (known[0] if len(known) == 1 and known[0] != BAD
+                                          else BAD)
+        elif name in _LINEAR:
+            den = dens[0] if all(d is None for d in dens[1:]) else BAD
+        elif name in _SAME:
+            start = 1 if name == "select_n" else 0
+            if name == "select_n" and dens[0] is not None:
+                den = BAD
+            else:
+                # the operands that read the samples share one denominator (a term that
+                # does not read them, a weight decay, adds to every piece alike)
+                kinds = {d for i, (d, r) in enumerate(zip(dens, reading, strict=True))
+                         if i >= start and r}
+                den = kinds.pop() if len(kinds) == 1 else (None if not kinds else BAD)
+                if den is None and any(d is not None for d in dens):
+                    den = BAD
+        else:
+            den = BAD if any(d is not None for d in dens) else None
+        for v in eqn.outvars:
+            self.env[v] = (den, src)
+
+    def outputs(self):
+        return [self._get(v) for v in self.jaxpr.outvars]
 
 
 def _mixed(eqn, outer) -> str:

@@ -297,7 +297,6 @@ class SharesStep:
     def run(self, others, batch):
         program = self.program
         state = step_state(program, others)
-        total = sum(s.size for s in self.shares)
         start, results, states, batches = 0, [], [], []
         scale = (np.float32(self.loss_scale.scale),) if self.loss_scale else ()
         timed, delays = self.timing
@@ -317,20 +316,23 @@ class SharesStep:
             start += share.size
         self.clock = clock if timed else None
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient
-        # (a loss output that sums over the samples adds its pieces, and a summed loss's
-        # gradients; an integer output that does not is the first share's).
+        # (``Program.piece_weights``: a loss output that sums over the samples adds its
+        # pieces, and a summed loss's gradients; a masked mean's weigh their shares of
+        # its count; an integer output that does not sum is the first share's).
         home = NamedSharding(self.shares[0].mesh, PartitionSpec())
         summed = program.summed_outputs
+        bounds = np.cumsum([0] + [s.size for s in self.shares])
+        weights = program.piece_weights(jax.tree.leaves(batch),
+                                        list(zip(bounds[:-1], bounds[1:], strict=True)))
         combined = None
-        for share, res in zip(self.shares, results, strict=True):
+        for res, w in zip(results, weights, strict=True):
             value, grads = jax.device_put(res, home)
-            w = share.size / total
             leaves, tree = jax.tree.flatten(value)
             leaves = [x if summed and summed[k] else
-                      (x * w if jnp.issubdtype(x.dtype, jnp.inexact) else
+                      (x * float(w[k]) if jnp.issubdtype(x.dtype, jnp.inexact) else
                        (x if combined is None else jnp.zeros_like(x)))
                       for k, x in enumerate(leaves)]
-            gw = 1.0 if summed and summed[0] else w
+            gw = float(w[0])
             term = (jax.tree.unflatten(tree, leaves), jax.tree.map(lambda g, w=gw: g * w, grads))
             combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
         out, new_state = self.apply(states[0], batches[0], combined)

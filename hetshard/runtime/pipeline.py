@@ -339,8 +339,18 @@ class PipelineRunner:
         grads, losses = [], []
         start = 0
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        pieces = []
+        for p in self.plan.pipelines:
+            mbs = samples_per_micro_batch(p)
+            pieces += [(start + k * mbs, start + (k + 1) * mbs)
+                       for k in range(p.num_micro_batches)]
+            start += p.batch_share
+        weights = self.program.piece_weights(batch_leaves, pieces)
+        start = 0
         for pi, p in enumerate(self.plan.pipelines):
-            g, loss = PipelineWalk(self, pi, batch_leaves, start, scale).run()
+            rows = weights[:p.num_micro_batches]
+            weights = weights[p.num_micro_batches:]
+            g, loss = PipelineWalk(self, pi, batch_leaves, start, scale, rows).run()
             grads.append(g)
             losses.append(loss)
             start += p.batch_share

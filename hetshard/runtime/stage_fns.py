@@ -4,8 +4,6 @@ W passes), and the accumulation of gradients and losses over micro-batches."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -135,8 +133,8 @@ def add(a, b):
     return a + b
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _weighted(acc, x, w):
+@jax.jit
+def _weighted(acc, x, w):  # (w traced: a masked mean's weights change every step)
     x = x * jnp.asarray(w, x.dtype)
     return x if acc is None else acc + x
 

@@ -7,7 +7,9 @@ order. A forward sends each stage's boundary values to the stages that read them
 value is dropped once its last reader has it); a backward sends the cotangents back;
 under ZB-H1 a backward runs as B (the input's cotangent, sent at once) and W (the
 weights' gradients, later). Gradients accumulate per stage over micro-batches; the loss
-outputs accumulate weighted by each micro-batch's share of the global batch.
+outputs accumulate weighted by each micro-batch's weight (``Program.piece_weights``: its
+share of the global batch, 1 for a sum over the samples, its share of the count for a
+masked mean), the loss's cotangent seeded with it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class PipelineWalk:
     :meth:`run` returns (per stage, parameter leaf -> its gradient, None where another
     process holds it; the loss outputs on the loss stage)."""
 
-    def __init__(self, runner, pi: int, batch_leaves, start: int, scale: float = 1.0):
+    def __init__(self, runner, pi: int, batch_leaves, start: int, scale: float = 1.0,
+                 weights=None):
         pipeline = runner.plan.pipelines[pi]
         self.runner, self.pi, self.pipeline = runner, pi, pipeline
         self.runs = runner.runs[pi]
@@ -47,11 +50,15 @@ class PipelineWalk:
         self.batch_leaves, self.start, self.scale = batch_leaves, start, scale
         self.n, self.m = len(self.runs), pipeline.num_micro_batches
         self.mbs = samples_per_micro_batch(pipeline)
-        self.weight = self.mbs / runner.global_batch
-        # a loss output that is a sum over the samples adds its pieces (a mean's are
-        # averaged: weighted by their share of the batch), and a summed loss's gradients
+        # Per micro-batch, each loss output's weight (``Program.piece_weights``): a
+        # mean's pieces weigh their share of the batch, a sum's 1, a masked mean's their
+        # share of its count; the loss's cotangent is seeded with its weight.
+        if weights is None:
+            weights = runner.program.piece_weights(
+                batch_leaves, [(start + k * self.mbs, start + (k + 1) * self.mbs)
+                               for k in range(self.m)])
+        self.mb_weights = weights
         self.summed = runner.summed
-        self.seed = 1.0 if self.summed and self.summed[0] else self.weight
         self.seq_len = runner.plan.seq_len
         self.zbh1 = pipeline.schedule == "zbh1"
         self.producer: dict = {}  # boundary value -> the stage sending it
@@ -152,7 +159,7 @@ class PipelineWalk:
                 pos = st.outputs[j]
                 summed = bool(self.summed and self.summed[pos])
                 self.loss_acc[pos] = stage_fns.accumulate(
-                    self.loss_acc.get(pos), x, 1.0 if summed else self.weight, summed)
+                    self.loss_acc.get(pos), x, float(self.mb_weights[mb][pos]), summed)
 
     def backward(self, s: int, mb: int) -> None:
         run, st = self.runs[s], self.runs[s].program
@@ -163,8 +170,8 @@ class PipelineWalk:
             for j in st.diff_sends:
                 parts = cts.pop(st.sends[j], [])
                 incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-            seeds = [self.seed * self.scale if st.outputs.get(j) == 0 else None
-                     for j in st.diff_sends]
+            seeds = [float(self.mb_weights[mb][0]) * self.scale if st.outputs.get(j) == 0
+                     else None for j in st.diff_sends]
             if self.zbh1 and not st.diff_recvs:
                 # ZB-H1 on a stage with no input cotangent to send (the first): its whole
                 # backward runs as W, as the simulator times it, so nothing computed in B
