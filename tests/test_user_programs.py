@@ -679,3 +679,23 @@ def test_a_masked_mean_weighs_its_pieces_by_their_counts():
     np.testing.assert_allclose(w[:, 2], [0.5, 0.5])
     assert abs(w[0, 0] - 0.5) > 0.05
     _cut_batches_train_as_nnx_jit(step, program, _masked_batches)
+
+
+def test_what_the_step_reads_of_the_batch_besides_its_loss_is_the_whole_batch():
+    """A step that returns, besides its loss, values of the batch itself (a sum of its
+    tokens, its size): under a 2-stage pipeline and two batch shares they are the whole
+    batch's, as under nnx.jit. Before, the pipeline's update saw zeros in place of the
+    batch (the sum came back 0) and the shares' update the first share (the size 4 of
+    8)."""
+    import jax.numpy as jnp
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss, batch["tokens"].sum(), jnp.float32(batch["tokens"].shape[0])
+    args, _ = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert program.update_batch_reads == [sorted(args[-1]).index("tokens")]
+    assert hetshard.Program(user_models.nnx_step(user_models.lm_loss),
+                            args).update_batch_reads == []
+    _cut_batches_train_as_nnx_jit(step, program, lambda batches: batches)

@@ -65,6 +65,13 @@ def empty(aval, sharding: NamedSharding) -> jax.Array:
                                                      dtype=aval.dtype)
 
 
+def replicated(x, mesh: Mesh) -> jax.Array:
+    """A batch value every process holds whole (as the step was given it), replicated
+    on ``mesh`` (each process puts its own devices' copies)."""
+    return jax.device_put(np.asarray(x) if isinstance(x, np.ndarray) else x,
+                          NamedSharding(mesh, PartitionSpec()))
+
+
 def same_layout(a: NamedSharding, b: NamedSharding) -> bool:
     """Congruent shardings on disjoint devices: one shard per device maps to one."""
     if not (isinstance(a, NamedSharding) and isinstance(b, NamedSharding)):

@@ -35,6 +35,7 @@ from jax.extend import core as ext
 
 from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph, user_step
 from hetshard.errors import SpecError
+from hetshard.ir.dependencies import output_dependencies
 from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
@@ -579,6 +580,19 @@ class Program:
         if self.call is None:
             return self.loss_jaxpr(2)[0]
         return self._update()[0]
+
+    @functools.cached_property
+    def update_batch_reads(self) -> list[int]:
+        """The batch leaves the step reads besides its loss call (a count of tokens
+        returned, metrics of the labels): the update must see the whole batch's
+        values for them, not a piece's (positions in the flat batch)."""
+        if self.call is None:
+            return []
+        closed = self.update_jaxpr()
+        nb = len(self.batch_avals)
+        first = len(closed.jaxpr.invars) - nb
+        reads = set().union(*output_dependencies(closed))
+        return sorted(i - first for i in reads if i >= first)
 
     def _update(self) -> tuple:
         """(``update_jaxpr``, how many times the step differentiates while traced: its

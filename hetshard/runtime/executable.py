@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.autodiff import all_finite, entered
+from hetshard.collectives import replicated
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, path_string
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
@@ -291,13 +292,13 @@ class SharesStep:
             shares.append(_Share(p.batch_share, mesh, s_shard, b_shard, cap))
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
-        return cls(plan, program, shares, jax.jit(providing(program)), guard,
+        return cls(plan, program, shares, jax.jit(providing_whole(program)), guard,
                    _loss_scale(plan))
 
     def run(self, others, batch):
         program = self.program
         state = step_state(program, others)
-        start, results, states, batches = 0, [], [], []
+        start, results, states = 0, [], []
         scale = (np.float32(self.loss_scale.scale),) if self.loss_scale else ()
         timed, delays = self.timing
         clock = {}
@@ -312,7 +313,6 @@ class SharesStep:
                 time.sleep(delays.get((pi, 0), 0.0))
                 clock[pi, 0] = time.perf_counter() - t0
             states.append(st)
-            batches.append(bt)
             start += share.size
         self.clock = clock if timed else None
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient
@@ -335,7 +335,9 @@ class SharesStep:
             gw = float(w[0])
             term = (jax.tree.unflatten(tree, leaves), jax.tree.map(lambda g, w=gw: g * w, grads))
             combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
-        out, new_state = self.apply(states[0], batches[0], combined)
+        reads = [replicated(leaf, self.shares[0].mesh) for i, leaf in
+                 enumerate(jax.tree.leaves(batch)) if i in set(program.update_batch_reads)]
+        out, new_state = self.apply(states[0], reads, combined)
         return self.guard.settle(program, out, new_state, combined, others, state,
                                  self.loss_scale)
 
@@ -436,6 +438,21 @@ def providing(program: Program):
             out, objs = call_step(program, state, batch)
         return out, (nnx.state(tuple(objs)) if program.kind == "nnx" else None)
     return apply
+
+
+def providing_whole(program: Program):
+    """``apply(state, read_leaves, provided)``: :func:`providing` on the whole batch's
+    shapes, given only the batch leaves the step reads besides its loss call
+    (``Program.update_batch_reads``, whole); zeros stand for the others."""
+    apply = providing(program)
+    reads = program.update_batch_reads
+
+    def whole(state, read_leaves, provided):
+        leaves = [jnp.zeros(a.shape, a.dtype) for a in program.batch_avals]
+        for i, x in zip(reads, read_leaves, strict=True):
+            leaves[i] = x
+        return apply(state, jax.tree.unflatten(program.batch_tree, leaves), provided)
+    return whole
 
 
 def step_state(program: Program, others):

@@ -55,6 +55,7 @@ from hetshard.collectives import (
     congruent,
     empty,
     here,
+    replicated,
     sum_across,
     sum_across_collective,
     takes_part,
@@ -259,7 +260,10 @@ class PipelineRunner:
         owned_params = [i for i in owned if i in grad_pos]
         ex = self.exchanges[pi]
 
-        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale, published=()):
+        reads = self.program.update_batch_reads
+
+        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale, published=(),
+               batch_vals=()):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
             for i, v in zip(owned, owned_vals, strict=True):
                 leaves[i] = v
@@ -269,7 +273,11 @@ class PipelineRunner:
                      for i in self.grad_index]
             for i, g in zip(owned_params, grad_vals, strict=True):
                 grads[grad_pos[i]] = g * jnp.asarray(inv_scale, g.dtype)  # loss scale
+            # The whole batch's leaves the step reads besides its loss call; zeros for
+            # the others (nothing reads them).
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
+            for i, v in zip(reads, batch_vals, strict=True):
+                batch[i] = v
             if ex is None:
                 out, new = apply(leaves, grads, loss_leaves, batch)
             else:
@@ -359,7 +367,7 @@ class PipelineRunner:
         new_views, out = [], None
         for pi, stages in enumerate(self.runs):
             row = []
-            traded = self._trade(pi, stages, grads, loss, scale)
+            traded = self._trade(pi, stages, grads, loss, scale, batch_leaves)
             for si, run in enumerate(stages):
                 lv = self._loss_to(loss, run.mesh)
                 if not run.here:
@@ -369,7 +377,8 @@ class PipelineRunner:
                 o, owned, shared = run.apply([view[i] for i in run.owned],
                                              [view[i] for i in self.shared],
                                              [grads[pi][si][i] for i in run.owned_params], lv,
-                                             1.0 / scale, self._to(traded, run.mesh))
+                                             1.0 / scale, self._to(traded, run.mesh),
+                                             batch_vals=self._batch_on(batch_leaves, run.mesh))
                 if out is None:
                     out = o
                 new = dict(view)
@@ -407,7 +416,7 @@ class PipelineRunner:
                 jax.tree.unflatten(self.state_tree, self.published))
 
 
-    def _trade(self, pi: int, stages, grads, loss, scale) -> list:
+    def _trade(self, pi: int, stages, grads, loss, scale, batch_leaves) -> list:
         """The small values pipeline ``pi``'s stages trade in the update, in round order
         (``hetshard.runtime.exchange``; one process holds every stage)."""
         ex = self.exchanges[pi]
@@ -425,10 +434,16 @@ class PipelineRunner:
                                      [view[i] for i in self.shared],
                                      [grads[pi][si][i] for i in run.owned_params],
                                      self._loss_to(loss, run.mesh), 1.0 / scale,
-                                     self._to(values, run.mesh))
+                                     self._to(values, run.mesh),
+                                     batch_vals=self._batch_on(batch_leaves, run.mesh))
                 got.update(zip(mine, vals, strict=True))
             values += [got[v] for v, _ in entries]
         return values
+
+    def _batch_on(self, batch_leaves, mesh) -> list:
+        """The batch leaves the step reads besides its loss call
+        (``Program.update_batch_reads``), whole, replicated on ``mesh``."""
+        return [replicated(batch_leaves[i], mesh) for i in self.program.update_batch_reads]
 
     @staticmethod
     def _to(values, mesh) -> list:
