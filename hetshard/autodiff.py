@@ -359,9 +359,26 @@ def _intercepting():
                     setattr(_MODULES[module], attr, fn)
 
 
+# The wrappers of ``jax.jit`` and ``nnx.jit``: a step already under one is planned as the
+# function it wraps (hetshard compiles the step itself; the wrapper's trace, cached
+# after its first call, would hide the step's loss call from hetshard).
+_JIT_WRAPPERS = ("PjitFunction", "JitWrapped")
+
+
+def unjitted(step: Callable) -> Callable:
+    """The function under ``step``'s ``jax.jit`` / ``nnx.jit`` wrappers (``step`` itself
+    when it has none; other decorators are the user's code and stay)."""
+    while type(step).__name__ in _JIT_WRAPPERS and getattr(step, "__wrapped__", None):
+        step = step.__wrapped__
+    return step
+
+
 def user_step(step: Callable) -> Callable:
-    """``step`` as hetshard runs it: the plain ``nnx``/``jax`` ``value_and_grad`` and
-    ``grad`` it calls are hetshard's (see the module docstring)."""
+    """``step`` as hetshard runs it (:func:`unjitted`): the plain ``nnx``/``jax``
+    ``value_and_grad`` and ``grad`` it calls are hetshard's (see the module
+    docstring)."""
+    step = unjitted(step)
+
     @functools.wraps(step)
     def run(*args, **kwargs):
         with _intercepting():

@@ -699,3 +699,26 @@ def test_what_the_step_reads_of_the_batch_besides_its_loss_is_the_whole_batch():
     assert hetshard.Program(user_models.nnx_step(user_models.lm_loss),
                             args).update_batch_reads == []
     _cut_batches_train_as_nnx_jit(step, program, lambda batches: batches)
+
+
+@pytest.mark.parametrize("name, wrap", [("transformer", nnx.jit), ("functional", jax.jit)])
+def test_a_step_already_under_jit_is_planned_as_the_function_it_wraps(name, wrap):
+    """A step the user already decorated with ``nnx.jit`` or ``jax.jit`` (and ran once, so
+    that its trace is cached) is planned and run as the function it wraps: a 2-stage
+    pipeline trains it equal to the jitted step. Before, the wrapper's cached trace hid
+    the loss call (the planner's own plan raised UnexpectedTracerError, a pinned
+    pipeline was refused)."""
+    step, args, batches = _fresh(name)
+    jitted = wrap(step)
+    want = _train(jitted, args, batches)
+    step, args, _ = _fresh(name)
+    program = hetshard.Program(jitted, args)
+    assert program.call is not None and not program.call_error
+    n = program.layering(2).num_layers
+    plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+    got = _train(hetshard.jit(jitted, cluster=CLUSTER, plan=plan, quiet=True), args, batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    step, args, _ = _fresh(name)
+    got = _train(hetshard.jit(wrap(step), cluster=CLUSTER, quiet=True), args, batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
