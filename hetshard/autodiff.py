@@ -396,6 +396,15 @@ def all_finite(tree) -> jax.Array:
     return ok
 
 
+def _merged_from(obj, wrt, state_ids: dict):
+    """``(treedef, state indices)`` of ``obj``'s ``wrt`` state when every leaf of it is
+    one of the step's state leaves (by identity), else None."""
+    leaves, tree = jax.tree.flatten(nnx.state(obj, wrt))
+    if leaves and all(id(x) in state_ids for x in leaves):
+        return tree, [state_ids[id(x)] for x in leaves]
+    return None
+
+
 def _loss_call(fn, argnums, has_aux, args, ctx, wrt=nnx.Param) -> LossCall:
     """How the step called the loss, relative to its arguments and batch. Only the
     differentiated argument must be one the step receives; the others (the batch, parts
@@ -411,6 +420,10 @@ def _loss_call(fn, argnums, has_aux, args, ctx, wrt=nnx.Param) -> LossCall:
         leaves, tree = jax.tree.flatten(a)
         if i != argnums:
             spec.append(("given", i))
+        elif _is_graph(a) and _merged_from(a, wrt, state_ids) is not None:
+            # An NNX object the step built from the state it received (nnx.merge of the
+            # split state, Flax's functional pattern): its parameters are those leaves.
+            spec.append(("state", *_merged_from(a, wrt, state_ids)))
         elif _is_graph(a):
             raise LossCallError(
                 f"the loss is differentiated in argument {i}, an NNX object the step does "

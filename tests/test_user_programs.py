@@ -722,3 +722,36 @@ def test_a_step_already_under_jit_is_planned_as_the_function_it_wraps(name, wrap
     step, args, _ = _fresh(name)
     got = _train(hetshard.jit(wrap(step), cluster=CLUSTER, quiet=True), args, batches)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_model_the_step_merges_from_its_state_is_the_loss_calls_model():
+    """Flax's functional pattern: the step receives the split state of the model and
+    optimizer, ``nnx.merge``s them and differentiates the merged model. Its parameters
+    are state leaves the step received, so the loss call is hetshard's: a 2-stage
+    pipeline trains it equal to ``jax.jit``. Before, the loss call was refused ("an NNX
+    object the step does not receive") and the step planned as one stage, with a
+    warning."""
+    import optax
+    model = user_models.TinyLM(nnx.Rngs(0))
+    graphdef, state0 = nnx.split((model, nnx.Optimizer(model, optax.adamw(1e-2),
+                                                       wrt=nnx.Param)))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+    batches = user_models._text_batches(np.random.default_rng(0))
+
+    def train(jitted):
+        state, out = state0, []
+        for i in range(3):
+            loss, state = jitted(state, batches[i % 2])
+            out.append(float(loss))
+        return out
+    want = train(jax.jit(step))
+    program = hetshard.Program(step, [state0, batches[0]])
+    assert program.call is not None and not program.call_error
+    assert len(program.diff) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    got = train(hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
