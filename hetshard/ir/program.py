@@ -442,7 +442,7 @@ class Program:
                     f"the loss traced at {n} samples has another structure than at 2: "
                     f"the masked mean's count found at {p} is not there; hetshard cannot "
                     f"weight the pieces of a cut batch (plan with max_stages=1 and "
-                    f"micro_batches=1)")
+                    f"max_pipelines=1)")
         needed = set().union(*(needed_inputs(closed.jaxpr, p) for p in paths))
         used = [i - ns for i, v in enumerate(invars) if v in needed]
 

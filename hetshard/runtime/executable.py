@@ -165,12 +165,14 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
             f"in another dtype need a step whose loss call hetshard sees "
             f"(it scales the loss), and {program.call_error}")
     cuts = multi_stage or len(plan.pipelines) > 1
-    if cuts:
-        program.summed_outputs  # noqa: B018 (traced now, not between a step's tasks)
     if cuts and program.per_sample_outputs:
         raise PlanNotExecutableError(
             f"this plan cuts the batch into pieces (micro-batches, batch shares), and "
             f"{program.sample_coupling}; plan with max_stages=1 and max_pipelines=1")
+    if cuts:
+        # traced now, not between a step's tasks
+        program.summed_outputs, program.normalized_outputs  # noqa: B018
+        program.update_batch_reads  # noqa: B018
     why = program.sample_coupling if cuts else None
     if why and why not in guard.warned:
         guard.warned.add(why)

@@ -113,6 +113,7 @@ class PipelineRunner:
         self.grad_index = list(program.diff)
         # the loss outputs that sum over the samples: their pieces add (not averaged)
         self.summed = program.summed_outputs
+        program.normalized_outputs, program.update_batch_reads  # noqa: B018 (traced now)
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
         self.meshes = [[mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
