@@ -755,3 +755,30 @@ def test_a_model_the_step_merges_from_its_state_is_the_loss_calls_model():
     assert len(program.diff) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     got = train(hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True))
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_an_argument_after_the_batch_that_is_not_an_nnx_object_is_left_as_it_is():
+    """A step taking an RNG key after its batch (``batch_argnums=2``): under a 2-stage
+    pipeline and the planner's plan it trains equal to nnx.jit, the key untouched.
+    Before, putting the new state back failed on the key ("Cannot set key 2 on
+    immutable node of type tuple"); forgetting ``batch_argnums`` names the option."""
+    import jax.numpy as jnp
+
+    def step(model, optimizer, batch, key):
+        loss, grads = nnx.value_and_grad(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss + 0.0 * jax.random.normal(key, (), jnp.float32)
+    key = jax.random.key(0)
+
+    def train(jitted):
+        args, batches = _loss_and_model()
+        return [float(jitted(*args[:2], batches[i % 2], key)) for i in range(3)]
+    want = train(nnx.jit(step))
+    args, _ = _loss_and_model()
+    with pytest.raises(hetshard.HetshardError, match="batch_argnums"):
+        hetshard.jit(step, cluster=CLUSTER, quiet=True)(*args, key)
+    program = hetshard.Program(step, [*args, key], batch_argnum=2)
+    for plan in (_two_stage_plan(program), None):
+        got = train(hetshard.jit(step, cluster=CLUSTER, plan=plan, batch_argnums=2,
+                                 quiet=True))
+        np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -76,7 +76,9 @@ def check_batch(batch, where: str = "hetshard.jit") -> int:
         name = f"batch[{path_string(path)!r}]" if path else "batch"
         if not hasattr(x, "shape") or not np.ndim(x):
             raise SpecError(name, f"shape {tuple(np.shape(x))}",
-                            "an array with a leading batch dimension", where=where)
+                            "an array with a leading batch dimension (the batch is the "
+                            "step's last argument unless batch_argnums says which)",
+                            where=where)
         n = int(np.shape(x)[0])
         if size is None:
             size, first = n, name

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard.autodiff import all_finite, entered
+from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import replicated
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, path_string
@@ -131,7 +131,7 @@ class Guard:
         if _overflowed(loss_scale, ok, loss) or not self.may_apply(ok, loss):
             return _withheld(program, out, jax.tree.leaves(state))
         if new_state is not None:
-            nnx.update(others, new_state)
+            update_objects(others, new_state)
         return out
 
     def settle(self, program: Program, out, new_state, provided, others, state,
@@ -369,7 +369,7 @@ class PipelineStep:
             return self.guard.may_apply(finite, loss)
         out, new_state = runner.step(runner.state_of(others), batch, may_apply)
         if new_state is not None and self.program.kind == "nnx":
-            nnx.update(others, new_state)
+            update_objects(others, new_state)
         return out
 
     def state_shardings(self):
@@ -455,6 +455,15 @@ def providing_whole(program: Program):
             leaves[i] = x
         return apply(state, jax.tree.unflatten(program.batch_tree, leaves), provided)
     return whole
+
+
+def update_objects(others, new_state) -> None:
+    """The NNX objects among the step's arguments ``others`` updated to ``new_state``
+    (the state of the tuple ``others``); the other arguments (arrays, an RNG key) are
+    values the step cannot change in place, left as they are."""
+    for i, o in enumerate(others):
+        if is_graph(o) and i in new_state:
+            nnx.update(o, new_state[i])
 
 
 def step_state(program: Program, others):
