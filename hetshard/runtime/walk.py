@@ -37,12 +37,13 @@ def samples_per_micro_batch(pipeline) -> int:
 class PipelineWalk:
     """Pipeline ``pi`` of ``runner`` (a ``PipelineRunner``) through one step on
     ``batch_leaves[start:start + batch share]``; the loss's cotangent is seeded with
-    ``scale`` times the micro-batch's weight (gradients come back scaled).
+    ``scale`` times the micro-batch's weight (``weights[mb][0]``; gradients come back
+    scaled).
     :meth:`run` returns (per stage, parameter leaf -> its gradient, None where another
     process holds it; the loss outputs on the loss stage)."""
 
-    def __init__(self, runner, pi: int, batch_leaves, start: int, scale: float = 1.0,
-                 weights=None):
+    def __init__(self, runner, pi: int, batch_leaves, start: int, scale: float,
+                 weights):
         pipeline = runner.plan.pipelines[pi]
         self.runner, self.pi, self.pipeline = runner, pi, pipeline
         self.runs = runner.runs[pi]
@@ -50,13 +51,10 @@ class PipelineWalk:
         self.batch_leaves, self.start, self.scale = batch_leaves, start, scale
         self.n, self.m = len(self.runs), pipeline.num_micro_batches
         self.mbs = samples_per_micro_batch(pipeline)
-        # Per micro-batch, each loss output's weight (``Program.piece_weights``): a
-        # mean's pieces weigh their share of the batch, a sum's 1, a masked mean's their
-        # share of its count; the loss's cotangent is seeded with its weight.
-        if weights is None:
-            weights = runner.program.piece_weights(
-                batch_leaves, [(start + k * self.mbs, start + (k + 1) * self.mbs)
-                               for k in range(self.m)])
+        # Per micro-batch, each loss output's weight (``Program.piece_weights`` over the
+        # whole batch's pieces): a mean's pieces weigh their share of the global batch,
+        # a sum's 1, a masked mean's their share of its count; the loss's cotangent is
+        # seeded with its weight.
         self.mb_weights = weights
         self.summed = runner.summed
         self.seq_len = runner.plan.seq_len
