@@ -506,3 +506,43 @@ def test_version_1_calibrations_load_and_a_fusion_they_cannot_mean_is_refused(tm
     again = Calibration.load(tmp_path / "new.json")
     assert json.loads((tmp_path / "new.json").read_text())["version"] == 2
     assert again.default == cal.default and again.per_type == cal.per_type
+
+
+def test_tensor_parallel_matmuls_keep_their_unsplit_operand_whole():
+    """Megatron's column-parallel matmuls (q, k, v, up, gate) read the whole input on
+    every tensor rank and write a slice of the output; row-parallel ones (attention
+    output, down projection) read a slice and write a whole partial sum. The split
+    dimension is found from the shapes (not the residual width), whatever the
+    projection's size: a GQA key projection is narrower than its input."""
+    from hetshard.cost.stage import _tp_batch_bytes, _tp_columns
+    spec = ("gpt:layers=2,hidden=256,heads=8,kv_heads=2,ffn=768,vocab=512,seq=64,"
+            "pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
+    prof = profile_model(spec, 64, "bfloat16")
+    block = next(layer for layer in prof.layers if layer.tp_groups)
+    mbs, tp = 4, 4
+    cols = _tp_columns(block.fwd_dims, mbs)
+    share = _tp_batch_bytes(block.fwd_dims, mbs, tp)
+    d = block.fwd_dims[0] + block.fwd_dims[1] * mbs
+    for column, row in block.tp_groups:
+        for k in column:  # splits N; reads its [M, K] input whole
+            m, n, kk = d[k, 1:]
+            assert cols[k] == 2 or n == kk  # (a square weight: either, the same bytes)
+            assert share[k] == pytest.approx((m * kk + m * n / tp) / (m * kk + m * n))
+        for k in row:  # splits K; writes its [M, N] partial sum whole
+            m, n, kk = d[k, 1:]
+            assert cols[k] == 3 or n == kk
+            assert share[k] == pytest.approx((m * kk / tp + m * n) / (m * kk + m * n))
+    narrow = [k for column, _ in block.tp_groups for k in column if d[k, 2] == 64]
+    assert len(narrow) == 2 and all(cols[k] == 2 for k in narrow)  # GQA's k and v
+    assert [cols[k] for _, (k,) in block.tp_groups][1] == 3  # the down projection
+    # Attention's own products are split by heads: all of their bytes.
+    batched = (block.fwd_dims[1][:, 0] > 0) & (d[:, 1] > 0)
+    assert batched.any() and np.allclose(share[batched], 1 / tp)
+    # Priced where only bytes matter: the stage at tp 4 moves more than a quarter of the
+    # unsplit stage's bytes, as its devices each read the column-parallel inputs whole.
+    gpu = dataclasses.replace(Cluster.load(TWO_NODES).groups[0].gpu, bf16_tflops=1e9,
+                              sms=None)
+    cal = Calibration(default=dataclasses.replace(DEFAULT.default, kernel_launch_s=1e-15))
+    one = stage_cost(prof, 0, prof.num_layers, gpu, mbs=mbs, cal=cal)
+    four = stage_cost(prof, 0, prof.num_layers, gpu, mbs=mbs, tp=tp, cal=cal)
+    assert four.fwd_s > one.fwd_s / tp * 1.2

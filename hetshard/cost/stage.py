@@ -16,7 +16,9 @@ with the optimizer update, not per micro-batch.
 Where the calibration holds a measured profile of the program's layers
 (``hetshard.cost.measured``: per GPU type, role and tensor degree), a layer's forward,
 backward and optimizer update are the measured times instead.
-Tensor parallelism divides flops and bytes by ``tp`` and adds Megatron's four activation
+Tensor parallelism divides flops by ``tp``, and bytes but those of a weight matmul's
+operand without the split dimension (a column-parallel matmul reads its whole input, a
+row-parallel one writes its whole partial sum: ``_tp_columns``), and adds Megatron's four activation
 all-reduces per block (two forward, two backward; a block half has one each way; Shoeybi
 et al. 2019, with sequence parallelism as reduce-scatter + all-gather of the same
 volume, Korthikanti et al. 2022, whose backward also gathers the column-parallel inputs
@@ -162,6 +164,30 @@ def _shape_eff(dims: tuple[np.ndarray, np.ndarray], mbs: int, tp: int, cp: int,
     return hit[1]
 
 
+def _tp_columns(dims, mbs: int) -> np.ndarray:
+    """Per equation of a layer, the column of its (batch, M, N, K) that tensor
+    parallelism splits (-1 where it is not a matmul). A matmul batched over the samples
+    (attention's) splits its batch (the heads). A weight's matmul splits the weight's
+    dimension that is not the residual stream's width (the layer's most frequent weight
+    dimension): the output of a column-parallel one (q, k, v, up, gate: their input stays
+    whole), the input of a row-parallel one (the attention output, the down projection:
+    their output is a partial sum, whole). Where the width is not known (one weight, or
+    a tie) or both dimensions are it, the larger one."""
+    q0, q1 = dims
+    d = q0 + q1 * mbs
+    grows = q1 > 0
+    fixed = np.where(grows[:, 1:], -1.0, d[:, 1:])
+    weights = fixed[(fixed.max(axis=1) > 0) & (q0[:, 1] + q1[:, 1] > 0) & ~grows[:, 0]]
+    values, counts = np.unique(weights[weights > 0], return_counts=True)
+    width = values[counts.argmax()] if len(counts) and (counts == counts.max()).sum() == 1 \
+        else None
+    other = np.where(fixed == width, 0.0, fixed) if width is not None else fixed
+    other = np.where(other.max(axis=1, keepdims=True) > 0, other, fixed)
+    col = np.where(fixed.max(axis=1) > 0, other.argmax(axis=1) + 1, d.argmax(axis=1))
+    col = np.where(grows[:, 0], 0, col)
+    return np.where(d[:, 1] > 0, col, -1)
+
+
 def _shape_eff_of(dims, mbs, tp, cp, sms) -> np.ndarray:
     q0, q1 = dims
     if not len(q0):
@@ -170,14 +196,59 @@ def _shape_eff_of(dims, mbs, tp, cp, sms) -> np.ndarray:
     grows = q1 > 0
     rows = np.arange(len(d))
     if tp > 1:
-        fixed = np.where(grows, -1.0, d)
-        col = np.where(fixed.max(axis=1) > 0, fixed.argmax(axis=1), d.argmax(axis=1))
+        col = np.maximum(_tp_columns(dims, mbs), 0)
         d[rows, col] = d[rows, col] / tp
     if cp > 1:
         growing = np.where(grows, d, -1.0)
         col = np.where(growing.max(axis=1) > 0, growing.argmax(axis=1), d.argmax(axis=1))
         d[rows, col] = d[rows, col] / cp
     return matmul_shape_eff(d, sms)
+
+
+_OPERANDS = np.array([[1, 1, 0, 1], [1, 0, 1, 1], [1, 1, 1, 0]], bool)  # A, B, C: b M N K
+
+
+def _tp_batch_bytes(dims, mbs: int, tp: int) -> np.ndarray:
+    """Per equation, the share of its batch-dependent bytes one of ``tp`` devices moves:
+    ``1 / tp`` but for weight matmuls, whose operands without the split dimension
+    (``_tp_columns``) stay whole: a column-parallel matmul reads its whole input, a
+    row-parallel one writes its whole (partial-sum) output."""
+    q0, q1 = dims
+    share = np.full(len(q0), 1.0 / tp)
+    if tp == 1 or not len(q0):
+        return share
+    d = np.maximum(q0 + q1 * mbs, 1.0)
+    col = _tp_columns(dims, mbs)
+    grows = q1 > 0
+    for row in np.flatnonzero(col > 0):
+        sizes = [float(np.prod(d[row][op])) for op in _OPERANDS]
+        batch = [bool((grows[row] & op).any()) for op in _OPERANDS]
+        split = [bool(op[col[row]]) for op in _OPERANDS]
+        kept = [(n, s) for n, b, s in zip(sizes, batch, split, strict=True) if b]
+        whole = sum(n for n, _ in kept)
+        if whole > 0:
+            share[row] = sum(n / (tp if s else 1.0) for n, s in kept) / whole
+    return share
+
+
+_TP_BYTES: dict[tuple, tuple] = {}
+
+
+def _tp_bytes(dims, mbs: int, tp: int) -> np.ndarray:
+    """``_tp_batch_bytes``, cached as ``_shape_eff`` is."""
+    key = (id(dims[0]), mbs, tp)
+    hit = _TP_BYTES.get(key)
+    if hit is None or hit[0] is not dims[0]:
+        if len(_TP_BYTES) > 100_000:
+            _TP_BYTES.clear()
+        hit = (dims[0], _tp_batch_bytes(dims, mbs, tp))
+        _TP_BYTES[key] = hit
+    return hit[1]
+
+
+def _tp_share(dims, nbytes, mbs: int, tp: int):
+    """``_tp_bytes`` where the layer has its matmuls' shapes, else ``1 / tp``."""
+    return _tp_bytes(dims, mbs, tp) if tp > 1 and len(dims[0]) == len(nbytes[1]) else 1.0 / tp
 
 
 def _kernels(starts: np.ndarray, in_attention: np.ndarray, attention: str,
@@ -373,10 +444,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                            np.where(layer.bwd_matmul, 0.0, layer.bwd_bytes[0]).sum()) / tp
         layer_cast_s = step_bytes * e.fusion / bw
         fb = np.where(layer.fwd_matmul, layer.fwd_bytes[0] / tp, 0.0) + \
-            layer.fwd_bytes[1] * mbs / shard
+            layer.fwd_bytes[1] * mbs / cp * _tp_share(layer.fwd_dims, layer.fwd_bytes, mbs, tp)
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
         bb = np.where(layer.bwd_matmul, layer.bwd_bytes[0] / tp, 0.0) + \
-            layer.bwd_bytes[1] * mbs / shard
+            layer.bwd_bytes[1] * mbs / cp * _tp_share(layer.bwd_dims, layer.bwd_bytes, mbs, tp)
         pf = np.where(layer.fwd_attention, peak_attn,
                       peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, gpu.sms))
         pb = np.where(layer.bwd_attention, peak_attn,
