@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetshard.ir.samples import denominator, normalized_outputs, sample_coupling
+from hetshard.ir.samples import (
+    batch_shaped_draw,
+    denominator,
+    mixed_power_outputs,
+    normalized_outputs,
+    sample_coupling,
+    summed_outputs,
+)
 
 B, S, D = 4, 6, 8
 W = jax.ShapeDtypeStruct((D, D), jnp.float32)
@@ -152,3 +159,68 @@ def test_a_masked_mean_is_found_with_the_count_that_divides_it():
 
 def test_outputs_that_are_not_masked_means_have_no_count():
     assert _normalized(_not_masked_means)[0] == [None] * 5
+
+
+def _mixed_powers(w, x, m):
+    t = jnp.sum((x @ w) ** 2, axis=-1)
+    decay = 1e-3 * jnp.sum(w ** 2)  # reads no sample
+    return (jnp.sum(t) + decay,  # a sum plus a penalty: mixed
+            0.01 * jnp.sum(t) + jnp.mean(t),  # a sum plus a mean: mixed
+            jnp.stack([jnp.sum(t), jnp.mean(t)]),  # one output, two weightings: mixed
+            jnp.mean(t) + decay,  # a mean plus a penalty: averaged exactly
+            jnp.sum(t) + 1e-8,  # a sum plus a literal (an epsilon): a sum
+            jnp.sum(t * m) / jnp.sum(m) + decay,  # a masked mean plus a penalty
+            jnp.sum(t) / 1000.0)  # a sum over a constant: a sum
+
+
+def test_an_output_adding_a_sum_to_a_mean_or_a_penalty_is_found():
+    """Such an output's pieces can be neither added nor averaged: sample_coupling-like
+    refusal material. Means plus penalties, sums plus epsilons, masked means plus
+    penalties are not such outputs."""
+    def at(k):
+        return jax.make_jaxpr(_mixed_powers)(W, jax.ShapeDtypeStruct((k, S, D), jnp.float32),
+                                             jax.ShapeDtypeStruct((k, S), jnp.float32))
+    assert mixed_power_outputs(at(2), at(4), 2.0, (1, 2)) == [0, 1, 2]
+    # Sums stacked into one vector (metrics returned as one array) stay a sum.
+    def stacked(w, x, m):
+        t = jnp.sum((x @ w) ** 2, axis=-1)
+        return jnp.stack([jnp.sum(t), jnp.sum(t * m)]), jnp.stack([t.mean(), m.mean()])
+    two = [jax.make_jaxpr(stacked)(W, jax.ShapeDtypeStruct((k, S, D), jnp.float32),
+                                   jax.ShapeDtypeStruct((k, S), jnp.float32)) for k in (2, 4)]
+    assert summed_outputs(*two, 2.0, (1, 2)) == [True, False]
+    assert mixed_power_outputs(*two, 2.0, (1, 2)) == []
+
+
+def test_random_values_drawn_in_the_batchs_shape_from_a_key_are_found():
+    """Noise drawn from a key argument in the batch's shape (a diffusion step's) differs
+    between a cut batch's pieces and the whole batch's rows; per-sample keys in the
+    batch, draws that are not batch-shaped, and positions (``jnp.arange`` over the
+    samples) do not."""
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+
+    def found(loss, *batch):
+        def at(k):
+            shaped = [jax.ShapeDtypeStruct((k, *b.shape[1:]), b.dtype) for b in batch]
+            return jax.make_jaxpr(loss)(W, key, *shaped)
+        return batch_shaped_draw(at(2), at(4), range(2, 2 + len(batch)))
+
+    def noised(w, k, x):
+        noise = jax.random.normal(k, x.shape)
+        return jnp.mean(((x + noise) @ w - noise) ** 2)
+
+    def per_sample_keys(w, k, x, keys):
+        noise = jax.vmap(lambda kk: jax.random.normal(kk, x.shape[1:]))(keys)
+        return jnp.mean(((x + noise) @ w) ** 2)
+
+    def fixed_shape(w, k, x):  # one draw for every sample: the same in every piece
+        return jnp.mean((x @ (w + jax.random.normal(k, w.shape))) ** 2)
+
+    def positions(w, k, x):
+        rows = (x @ w).sum(axis=(1, 2))
+        return jnp.mean(rows[jnp.arange(x.shape[0])])
+
+    assert "draws random values shaped by the batch" in found(noised, X)
+    keys = jax.ShapeDtypeStruct((B,), jax.random.key(0).dtype)
+    assert found(per_sample_keys, X, keys) is None
+    assert found(fixed_shape, X) is None
+    assert found(positions, X) is None

@@ -261,11 +261,16 @@ def test_step_context_takes_its_fields_and_modes_only_and_restores_them():
 def test_a_model_with_dropout_trains_as_nnx_jit_does():
     """nnx.Dropout keeps an RNG stream (a key-typed array and a count the loss advances
     inside the differentiated function): it is traced, planned and run, its count
-    advancing as under nnx.jit, so the dropout masks and the losses are the same."""
+    advancing as under nnx.jit, so the dropout masks and the losses are the same. Its
+    mask is drawn in the batch's shape, so the planner keeps the batch whole (before,
+    a pipeline drew the same mask for every micro-batch, silently)."""
     ref_step, ref_args, batches = user_models.make_dropout()
     want = _train(nnx.jit(ref_step), ref_args, batches)
     step, args, _ = user_models.make_dropout()
-    got = _train(hetshard.jit(step, cluster=CLUSTER, quiet=True), args, batches)
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
+    with pytest.warns(UserWarning, match="draws random values shaped by the batch"):
+        got = _train(jitted, args, batches)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(set(got)) == len(got)  # the masks changed from step to step
     def counts(model):
@@ -782,3 +787,133 @@ def test_an_argument_after_the_batch_that_is_not_an_nnx_object_is_left_as_it_is(
         got = train(hetshard.jit(step, cluster=CLUSTER, plan=plan, batch_argnums=2,
                                  quiet=True))
         np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _penalised_step(form):
+    """The transformer's token cross-entropy as ``form`` (``mean`` or ``sum``) plus an
+    L2 penalty over every parameter, computed in the loss."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        l2 = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        return getattr(ce, form)() + 1e-3 * l2
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
+def test_a_weight_penalty_in_the_loss_is_not_a_stack_of_layers():
+    """An L2 penalty summed over the parameters inside the loss repeats one pattern per
+    weight; at 2 samples its work was enough to count as a stack of blocks, at 4 not:
+    the planner's layers (traced at 2) and the pipeline's (at the micro-batch size) then
+    differed and a 2-stage plan was refused ('must cover the model's 6 layers'). Work
+    that reads no sample no longer finds or balances layers: the same layers at every
+    size, and a 2-stage pipeline on two GPU types trains equal to nnx.jit."""
+    step = _penalised_step("mean")
+    args, _ = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert program.sample_coupling is None  # a mean plus a penalty is averaged exactly
+    for split in (False, True):
+        assert program.layering(2, split).names == program.layering(8, split).names
+    assert program.layering(2).num_layers == hetshard.Program(
+        user_models.nnx_step(user_models.lm_loss), args).layering(2).num_layers
+    _two_stages_train_as_nnx_jit(step)
+
+
+def test_a_sum_plus_a_penalty_keeps_the_batch_whole():
+    """``ce.sum() + l2``: the pieces of a cut batch can be neither added (the penalty
+    would count once per piece) nor averaged (the sum would shrink). Before, the pieces
+    were averaged silently (two batch shares returned 310 where nnx.jit gives 619); now
+    the planner keeps one single-stage pipeline, saying why, equal to nnx.jit."""
+    step = _penalised_step("sum")
+    args, batches = _loss_and_model()
+    want = _train(nnx.jit(step), args, batches)
+    args, batches = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert "output 0 of the loss adds a sum over the samples" in program.sample_coupling
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
+    with pytest.warns(UserWarning, match="adds a sum.*one single-stage pipeline"):
+        got = _train(jitted, args, batches)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _noising_step():
+    """A denoising step: noise and noise levels drawn from a key argument (after the
+    batch) in the batch's shape, before the loss call."""
+    import jax.numpy as jnp
+
+    def loss_fn(model, noisy, noise):
+        return jnp.mean((model(noisy) - noise) ** 2)
+
+    def step(model, optimizer, batch, key):
+        x = batch["x"]
+        k1, k2 = jax.random.split(key)
+        noise = jax.random.normal(k1, x.shape)
+        level = jax.random.uniform(k2, (x.shape[0], 1))
+        noisy = jnp.sqrt(1 - level) * x + jnp.sqrt(level) * noise
+        loss, grads = nnx.value_and_grad(loss_fn)(model, noisy, noise)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
+def test_noise_drawn_from_the_steps_key_in_the_batchs_shape_keeps_the_batch_whole():
+    """Each piece of a cut batch would draw the same noise again from the step's key
+    (not its rows of the whole batch's noise): a pinned 2-stage pipeline of 2
+    micro-batches trained to other losses than nnx.jit with no word. The step is
+    planned as one single-stage pipeline, equal to nnx.jit; a pinned cutting plan
+    warns, naming the draw's line."""
+    import optax
+
+    step = _noising_step()
+
+    def make():
+        model = _Denoiser(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        rng = np.random.default_rng(0)
+        batches = [{"x": rng.normal(size=(8, 16)).astype(np.float32)} for _ in range(3)]
+        return [model, opt, batches[0], jax.random.key(0)], batches
+
+    def run(jitted):
+        args, batches = make()
+        out = []
+        for i in range(3):
+            args[2], args[3] = batches[i], jax.random.key(i)
+            out.append(float(jitted(*args)))
+        return out
+    want = run(nnx.jit(step))
+    args, _ = make()
+    program = hetshard.Program(step, args, batch_argnum=2)
+    assert "draws random values shaped by the batch (at " in program.sample_coupling
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True, batch_argnums=2)
+    with pytest.warns(UserWarning, match="draws random values.*one single-stage pipeline"):
+        got = run(jitted)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    n = program.layering(2).num_layers
+    plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
+                                                          (V100, "V100-32GB")]))
+    with pytest.warns(UserWarning, match="draws random values.*cuts the batch"):
+        pinned = run(hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True,
+                                  batch_argnums=2))
+    assert not np.allclose(pinned, want, rtol=1e-3)
+
+
+class _Denoiser(nnx.Module):
+    def __init__(self, rngs, d=16, width=32, blocks=4):
+        self.inp = nnx.Linear(d, width, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(blocks)])
+        self.out = nnx.Linear(width, d, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + jax.nn.gelu(b(h))
+        return self.out(h)

@@ -389,9 +389,10 @@ MODELS = {"transformer": make_transformer, "tutorial": make_tutorial,
 
 
 # ---- a model with dropout: an RNG stream in the model state ----------------------------
-# Not in MODELS: under micro-batches each micro-batch draws its own dropout keys, so a
-# pipeline plan trains with other masks than one device (as in every framework); the
-# one-stage plans match nnx.jit exactly.
+# Not in MODELS: a dropout mask is drawn in the batch's shape from the model's RNG
+# stream, so each micro-batch of a cut batch would draw the same mask again (not its
+# rows of the whole batch's): hetshard keeps such a step to the whole batch, where it
+# matches nnx.jit exactly.
 
 class DropoutMLP(nnx.Module):
     def __init__(self, rngs, layers=3, d=DIM):

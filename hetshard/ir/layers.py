@@ -436,8 +436,26 @@ def _merge_small(segments: list[tuple], flops: np.ndarray) -> list[tuple]:
 
 # ---- discovery ----------------------------------------------------------------------
 
-def discover(closed, split_blocks: bool = False) -> Layering:
-    """The layers of ``closed`` (a ClosedJaxpr of a loss; see the module docstring)."""
+def _reads_inputs(jaxpr, inputs: Sequence[int]) -> np.ndarray:
+    """Per equation of ``jaxpr``, whether it reads (through any chain) one of the
+    ``inputs`` (indices into its invars)."""
+    reached = {jaxpr.invars[i] for i in inputs}
+    out = np.zeros(len(jaxpr.eqns), bool)
+    for k, eqn in enumerate(jaxpr.eqns):
+        if any(isinstance(v, ext.Var) and v in reached for v in eqn.invars):
+            out[k] = True
+            reached.update(eqn.outvars)
+    return out
+
+
+def discover(closed, split_blocks: bool = False,
+             batch_inputs: Sequence[int] | None = None) -> Layering:
+    """The layers of ``closed`` (a ClosedJaxpr of a loss; see the module docstring).
+    ``batch_inputs``: its invars that are batch leaves, where known. The work of
+    equations that read none of them (a weight penalty over the parameters, the
+    weights' casts) is then not counted in the flops that find blocks and balance cuts:
+    it does not grow with the batch, so the layers are the same at every micro-batch
+    size (a penalty's per-parameter terms are not a stack of blocks at small batches)."""
     jaxpr = getattr(closed, "jaxpr", closed)
     eqns = jaxpr.eqns
     n = len(eqns)
@@ -447,6 +465,10 @@ def discover(closed, split_blocks: bool = False) -> Layering:
     codes: dict[str, int] = {}
     sig = np.array([codes.setdefault(s, len(codes)) for s in sigs], np.int64)
     flops = np.array([eqn_flops(e) for e in eqns])
+    if batch_inputs is not None:
+        batch = _reads_inputs(jaxpr, batch_inputs)
+        if batch.any():
+            flops = np.where(batch, flops, 0.0)
     live = _live_bytes(jaxpr)
     scoped = _by_scopes(eqns)
     if scoped is not None:

@@ -41,8 +41,10 @@ from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
 from hetshard.ir.samples import (
+    batch_shaped_draw,
     denominator,
     equation_at,
+    mixed_power_outputs,
     needed_inputs,
     normalized_outputs,
     per_sample_outputs,
@@ -371,7 +373,22 @@ class Program:
             return None
         closed, _ = self.loss_jaxpr(2)
         ns = len(self.state_avals)
-        return sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
+        why = sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
+        if why:
+            return why
+        twin, _ = self.loss_jaxpr(4)
+        drawn = batch_shaped_draw(closed, twin, range(ns, len(closed.jaxpr.invars)))
+        if drawn:
+            return drawn
+        mixed = mixed_power_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+        if mixed:
+            return (f"output {mixed[0]} of the loss adds a sum over the samples to a mean "
+                    f"or to a term that reads no sample (a weight penalty): the pieces of "
+                    f"a cut batch can be neither added (the other term would count once "
+                    f"per piece) nor averaged (the sum would shrink); make it a mean over "
+                    f"the samples (ce.mean() + penalty) or a sum alone to let the batch "
+                    f"be cut")
+        return None
 
     @functools.cached_property
     def summed_outputs(self) -> list[bool]:
@@ -482,7 +499,7 @@ class Program:
             base, other = self.loss_jaxpr(2)[0].jaxpr.eqns, closed.jaxpr.eqns
             if [e.primitive for e in base] == [e.primitive for e in other]:
                 return self.layering(2, True)
-        return discover(closed, True)
+        return discover(closed, True, range(len(self.state_avals), len(closed.jaxpr.invars)))
 
     # ---- facts the planner reads ------------------------------------------------------
     @functools.cached_property

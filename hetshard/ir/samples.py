@@ -53,6 +53,11 @@ _BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and
            "shift_left", "shift_right_logical", "shift_right_arithmetic", "add_any")
 
 
+# Primitives that only move or copy their operands' elements.
+_MOVES = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice",
+          "concatenate", "stack", "copy", "copy_p", "rev", "pad", "dynamic_slice")
+
+
 class _Unknown(Exception):  # noqa: N818 (control flow inside this module)
     pass
 
@@ -108,6 +113,25 @@ def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> l
         return [False] * len(jaxpr.outvars)
     return [isinstance(o, tuple) and o[1] == "sum" and sc is not None and abs(sc - 1) < 1e-9
             for o, sc in zip(got[0], got[2], strict=True)]
+
+
+def mixed_power_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> list[int]:
+    """The outputs of ``closed`` (as for :func:`summed_outputs`) that add a sum over the
+    samples to a mean, or to a term that reads no sample (``ce.sum() + l2``): the pieces
+    of a cut batch can be neither added (the other term would count once per piece) nor
+    averaged (the sum would shrink)."""
+    jaxpr = closed.jaxpr
+    batch = set(batch_inputs)
+    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
+    reads = [i not in batch for i in range(len(jaxpr.invars))]
+    try:
+        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None)
+    except _Unknown:
+        return []
+    if got[1]:
+        return []
+    return [k for k, (o, sc) in enumerate(zip(got[0], got[2], strict=True))
+            if o is not None and sc is not None and sc != sc]
 
 
 def normalized_outputs(closed, twin, ratio: float,
@@ -286,6 +310,11 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
             dens.outputs() if dens is not None else None)
 
 
+# The power of a value that adds terms of different powers (a sum over the samples plus
+# a mean, or plus a term that reads no sample): NaN, which the rules' arithmetic carries
+# to whatever the value reaches.
+MIXED_POWERS = float("nan")
+
 # Primitives that keep their data operand's power of the batch size (the first operand;
 # a select's cases), and those whose result does not scale with it at all.
 _KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient",
@@ -293,7 +322,8 @@ _KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient"
          "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "rev", "pad",
          "gather", "sharding_constraint", "mesh_cast", "reshard", "pvary", "real", "conj",
          "reduce_max", "reduce_min", "cummax", "cummin", "sort", "split")
-_SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "rem",
+_SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "stack",
+         "rem",
          "nextafter")
 _NONE = ("eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "floor", "ceil",
          "round", "argmax", "argmin", "and", "or", "not", "xor")
@@ -378,8 +408,13 @@ class _Scales:
             data = ins[1:] if name == "select_n" else ins
             lit = literal[1:] if name == "select_n" else literal
             # an added literal is an epsilon or a floor (sum(m) + 1e-8), not a term
-            vals = {x for x, is_lit in zip(data, lit, strict=True) if not is_lit}
-            value = vals.pop() if len(vals) == 1 else (0.0 if not vals else None)
+            vals = [x for x, is_lit in zip(data, lit, strict=True) if not is_lit]
+            if None in vals:
+                value = None
+            elif any(x != x for x in vals) or len(set(vals)) > 1:
+                value = MIXED_POWERS  # terms of other powers added: no one weight
+            else:
+                value = vals[0] if vals else 0.0
         elif name == "integer_pow":
             value = None if ins[0] is None else ins[0] * eqn.params["y"]
         elif name in ("sqrt", "rsqrt", "square"):
@@ -492,6 +527,62 @@ class _Dens:
         return [self._get(v) for v in self.jaxpr.outvars]
 
 
+# Primitives that draw random values: their result depends on each element's position.
+_DRAWS = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform", "random_split")
+
+
+def batch_shaped_draw(closed, twin, batch_inputs: Sequence[int]) -> str | None:
+    """Why ``closed`` (the loss at some batch size; ``twin``: the same loss traced at
+    another) changes when its batch is cut, because it draws random values shaped by the
+    batch from a key that is not the batch's (``jax.random.normal(key, x.shape)`` in the
+    step before its loss, a dropout mask): each piece of a cut batch would draw its own
+    values from the same key (the same noise, the same mask, for every micro-batch), not
+    its rows of the whole batch's draw. None where there is no such draw or the traces
+    differ in structure."""
+    found = _draw_in(closed.jaxpr, twin.jaxpr,
+                     [i in set(batch_inputs) for i in range(len(closed.jaxpr.invars))], ())
+    if found is None:
+        return None
+    eqn, outer = found
+    where = ""
+    for e in (eqn, *reversed(outer)):
+        frame = _user_frame(e)
+        if frame is not None:
+            where = f" (at {frame.file_name}:{frame.start_line})"
+            break
+    return (f"the loss draws random values shaped by the batch{where} from a key that is "
+            f"not the batch's (noise drawn from the step's key, a dropout mask): each piece "
+            f"of a cut batch would draw its own from the same key, the same for every "
+            f"micro-batch, not its rows of the whole batch's draw; draw them from "
+            f"per-sample keys in the batch, or pass them in the batch, to let it be cut")
+
+
+def _draw_in(jaxpr, twin, reads: list, outer: tuple):
+    """(The first equation drawing batch-shaped random values from no batch input,
+    the call equations around it), or None."""
+    if len(jaxpr.eqns) != len(twin.eqns):
+        return None
+    env = dict(zip(jaxpr.invars, reads, strict=True))
+    for eqn, other in zip(jaxpr.eqns, twin.eqns, strict=True):
+        if eqn.primitive is not other.primitive:
+            return None
+        ins = [False if isinstance(v, ext.Literal) else env.get(v, False)
+               for v in eqn.invars]
+        for v in eqn.outvars:
+            env[v] = any(ins)
+        shaped = any(_shape(a) != _shape(b) for a, b in zip(eqn.outvars, other.outvars,
+                                                              strict=False))
+        if eqn.primitive.name in _DRAWS and shaped and not any(ins):
+            return eqn, outer
+        body, twin_body = _body(eqn), _body(other)
+        if body is not None and twin_body is not None and \
+                len(body.invars) == len(eqn.invars) == len(twin_body.invars):
+            got = _draw_in(body, twin_body, ins, (*outer, eqn))
+            if got is not None:
+                return got
+    return None
+
+
 def _mixed(eqn, outer) -> str:
     where = ""
     for e in (eqn, *reversed(outer)):
@@ -551,6 +642,9 @@ def _rule(eqn, states: list, state_in: list) -> list:
         # anything else of a batch-wide value: still batch-wide unless it meets samples
         if axes:
             return [MIXED] * n_out
+        kinds = {r[1] for r in reduced}
+        if name in _MOVES and len(kinds) == 1:  # sums stacked into a vector: sums
+            return [("reduced", kinds.pop())] * n_out
         return [("reduced", "other")] * n_out
     if name == "dot_general":
         return [_dot(eqn, states)]
@@ -600,6 +694,8 @@ def _rule(eqn, states: list, state_in: list) -> list:
         if p["dimension"] == a:
             raise _Unknown(name)
         return [a]
+    if name == "stack":  # a new axis before p["axis"]'s position
+        return [a + 1 if p["axis"] <= a else a]
     if name == "conv_general_dilated":
         dn = p["dimension_numbers"]
         if states[1] is not None or a != dn.lhs_spec[0]:

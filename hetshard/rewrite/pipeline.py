@@ -263,16 +263,18 @@ def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None,
         env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
 
 
-def layer_sequence(closed, split_blocks: bool = False) -> tuple[list[str], list[int]]:
+def layer_sequence(closed, split_blocks: bool = False,
+                   batch_inputs: Sequence[int] | None = None) -> tuple[list[str], list[int]]:
     """Layer names in execution order and each equation's layer index, as the planner
     found them (``hetshard.ir.layers.discover``: named scopes, repeated blocks, or cuts
-    by cost); ``split_blocks``: blocks of repeated stacks are cut in halves.
+    by cost); ``split_blocks``: blocks of repeated stacks are cut in halves;
+    ``batch_inputs``: the invars that are batch leaves, where known.
 
     Raises:
       StageSplitError: the loss has no equations.
     """
     try:
-        lay = discover(closed, split_blocks)
+        lay = discover(closed, split_blocks, batch_inputs)
     except LayerDiscoveryError as e:
         raise StageSplitError(str(e)) from None
     return list(lay.names), list(lay.eqn_layer)
@@ -296,7 +298,8 @@ def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
                                                                list(batch_leaves))
     jaxpr = closed.jaxpr
     num_state = len(state_leaves)
-    names, eqn_layer = layer_sequence(closed, split_blocks)
+    names, eqn_layer = layer_sequence(closed, split_blocks,
+                                      range(num_state, len(jaxpr.invars)))
     if ranges[0][0] != 0 or ranges[-1][1] != len(names) or any(
             a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False)) or any(
             e <= s for s, e in ranges):
