@@ -283,6 +283,28 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
 
 
 H100_FIT_ROWS = {"8B FSDP8 compile (8 GPUs)"}
+# The collective matmuls' interference (``tp_overlap_interference``) is fitted on the 70B
+# pair: the asynchronous row over the vanilla one (the same plan without the overlap).
+OVERLAP_FIT_ROWS = ("70B FSDP32 TP8 (256 GPUs)", "70B FSDP32 asyncTP8 (256 GPUs)")
+
+
+def fit_tp_overlap_interference(names=(GRAND_TETON_H100["name"],), rows=OVERLAP_FIT_ROWS):
+    """The ``tp_overlap_interference`` at which the predicted vanilla-over-asynchronous
+    step ratio of ``rows`` (vanilla, asynchronous) equals the measured one (bisection: more
+    interference, less gained), to 2 decimals."""
+    lo, hi = 0.0, 1.0
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        cal = DEFAULT
+        for name in names:
+            cal = cal.with_type(name, dataclasses.replace(DEFAULT.default,
+                                                          tp_overlap_interference=mid))
+        got = {r["row"]: r for r in torchtitan_h100_subset(cal, set(rows))}
+        plain, fast = (got[r] for r in rows)
+        predicted = plain["predicted_step_s"] / fast["predicted_step_s"]
+        measured = plain["measured_step_s"] / fast["measured_step_s"]
+        lo, hi = (mid, hi) if predicted > measured else (lo, mid)
+    return round((lo + hi) / 2, 2)
 
 
 def torchtitan_h100_subset(cal, subset):
@@ -443,7 +465,8 @@ def main() -> int:
                           "calibration": "../shared/data/profiles/sailor-profiles.json"}
             print_set(name, sets[name]["summary"], rows)
     for name, table, cluster_of, fit_rows in (
-            ("torchtitan-h100", TORCHTITAN_H100, _grand_teton, H100_FIT_ROWS),
+            ("torchtitan-h100", TORCHTITAN_H100, _grand_teton,
+             H100_FIT_ROWS | set(OVERLAP_FIT_ROWS)),
             ("torchtitan-a100", TORCHTITAN_A100, _dgx_a100, set())):
         if name not in wanted:
             continue
@@ -461,6 +484,15 @@ def main() -> int:
                       "catalog_matmul_eff": shipped}
         print(f"\n{arch}: matmul_eff fitted on {sorted(rows)} of {set_name}: {got} "
               f"(catalog: {shipped})")
+    if "torchtitan-h100" in wanted:
+        got = fit_tp_overlap_interference()
+        shipped = DEFAULT.default.tp_overlap_interference
+        fits["collective matmuls (tp_overlap_interference)"] = {
+            "set": "torchtitan-h100", "rows": list(OVERLAP_FIT_ROWS),
+            "fitted_tp_overlap_interference": got,
+            "calibration_tp_overlap_interference": shipped}
+        print(f"\ntp_overlap_interference fitted on {list(OVERLAP_FIT_ROWS)}: {got} "
+              f"(shipped: {shipped})")
     os.makedirs(args.out, exist_ok=True)
     out = {"sets": sets, "fits": fits, "wall_time_s": time.time() - t0}
     suffix = "" if wanted == list(ALL_SETS) else "_" + "_".join(wanted)

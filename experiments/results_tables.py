@@ -61,7 +61,8 @@ def accuracy(lines, data):
               "`python experiments/cost_model_accuracy.py`: step-time error per measured "
               "set as shipped (the catalog's constants; Sailor's rows with Sailor's "
               "published per-layer profiles), over the rows held out of the fits of the "
-              "catalog's per-architecture matmul efficiency. Others' errors are on the "
+              "shipped constants (per-architecture matmul efficiency, collective-matmul "
+              "interference). Others' errors are on the "
               "same rows.", ""]
     rows = []
     for name, d in data["sets"].items():
@@ -76,10 +77,14 @@ def accuracy(lines, data):
                     rows)
     fits = data.get("fits", {})
     if fits:
-        lines += ["", "Per-architecture `matmul_eff` (the catalog's), fitted again:", ""]
-        lines += _table(["architecture", "set", "fit rows", "fitted", "catalog"],
-                        [[arch, f["set"], ", ".join(f["rows"]), f"{f['fitted_matmul_eff']}",
-                          f"{f['catalog_matmul_eff']}"] for arch, f in fits.items()])
+        lines += ["", "The shipped constants, fitted again (per-architecture `matmul_eff`, "
+                  "the collective matmuls' `tp_overlap_interference`):", ""]
+        rows = []
+        for what, f in fits.items():
+            key = next(k for k in f if k.startswith("fitted_"))
+            shipped = next(f[k] for k in f if k.startswith(("catalog_", "calibration_")))
+            rows.append([what, f["set"], ", ".join(f["rows"]), f"{f[key]}", f"{shipped}"])
+        lines += _table(["constant", "set", "fit rows", "fitted", "shipped"], rows)
     lines.append("")
 
 

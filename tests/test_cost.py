@@ -228,7 +228,7 @@ def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmul
     c = Cluster.load("dgx-a100-80gb-x8")
     gpu, topo = c.groups[0].gpu, topology(c, [0, 1, 2, 3])
     quiet = Calibration(default=dataclasses.replace(DEFAULT.default,
-                                                    overlap_interference=1e-12))
+                                                    tp_overlap_interference=1e-12))
 
     def cost(start=1, end=2, cal=DEFAULT, **kw):
         return stage_cost(prof, start, end, gpu, tp=4, mbs=1, cal=cal, **kw)
@@ -236,7 +236,7 @@ def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmul
     over, over_quiet = cost(tp_topo=topo, tp_overlap=True), cost(cal=quiet, tp_topo=topo,
                                                                  tp_overlap=True)
     # NVLink on an A100 hides most of a 6.7B block's collectives behind its matmuls; what
-    # is hidden still slows them (overlap_interference).
+    # is hidden still slows them (tp_overlap_interference).
     assert free.fwd_s < over_quiet.fwd_s < over.fwd_s < base.fwd_s
     assert over_quiet.fwd_s - free.fwd_s < 0.2 * (base.fwd_s - free.fwd_s)
     # Backward: a column group's two rings behind matmuls of the forward's size, a row
@@ -254,7 +254,7 @@ def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmul
     # A link too slow to hide anything: the collective matmuls cost what the plain
     # collectives cost, never more.
     slow = Calibration(default=dataclasses.replace(DEFAULT.default, comm_eff=1e-3,
-                                                   overlap_interference=1e-12))
+                                                   tp_overlap_interference=1e-12))
     base, over = cost(cal=slow, tp_topo=topo), cost(cal=slow, tp_topo=topo, tp_overlap=True)
     assert over.fwd_s == pytest.approx(base.fwd_s, rel=1e-2) and over.fwd_s <= base.fwd_s
     assert over.bwd_s == pytest.approx(base.bwd_s, rel=1e-2) and over.bwd_s <= base.bwd_s

@@ -56,11 +56,16 @@ class Efficiency:
     # the GPU type where published (``hetshard.cost.stage.attention_rate``);
     # ``hetshard profile`` measures it.
     attention_eff: float | None = None
-    # A transfer a collective matmul hides behind matmuls still slows them by this
-    # fraction of its time (its kernels take SMs and memory bandwidth). An assumption,
-    # set before the planner benchmark was run with it, not a measurement: a GPU run of
-    # experiments/tp_overlap_whatif.py's rows should replace it (a calibration file can).
+    # A transfer hidden behind compute still slows it by this fraction of its time (its
+    # kernels take SMs and memory bandwidth): FSDP's per-layer gathers behind the layer
+    # before. An assumption, not a measurement (a calibration file can replace it).
     overlap_interference: float = 0.2
+    # The same for a collective matmul's ring steps (``tp_overlap``), which also split
+    # each matmul in ``tp`` smaller ones and copy the shards into the ring's buffers.
+    # Fitted on torchtitan's Llama 3 70B FSDP 32 x TP 8 pair (asynchronous over vanilla
+    # TP: 1.092x measured on H100s; experiments/cost_model_accuracy.py fits it again),
+    # checked on the 8B pair it was not fitted on (1.10x predicted, 1.099x measured).
+    tp_overlap_interference: float = 0.57
     # What each kernel adds to its roofline time: the launch and the switch between
     # back-to-back kernels. NVIDIA's CUDA Graphs blog (Gray 2019) measured a 2.9 us kernel
     # at 3.8 us per launch when queued on a stream (3.4 us from a graph): ~1 us.

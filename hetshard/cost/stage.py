@@ -27,7 +27,7 @@ degree divides, as the runtime runs them). With ``tp_overlap`` (the runtime's co
 matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23) each block's
 reduce-scatters and all-gathers are hidden behind the matmuls next to them
 (``LayerProfile.tp_groups``) as far as ``(tp - 1) / tp`` of those matmuls' time allows,
-the hidden part still costing ``overlap_interference`` of itself; in the backward a
+the hidden part still costing ``tp_overlap_interference`` of itself; in the backward a
 column group runs two rings (the input's cotangent, then the weights': ZB-H1's W pass),
 a row-parallel matmul one for both its gradients (its weight gradient then runs in B).
 Not measured on a GPU.
@@ -385,10 +385,10 @@ def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
     """Time a collective matmul adds to its matmuls: of ``tp`` steps, ``tp - 1`` transfer
     a block while another block is multiplied, so ``(tp - 1) / tp`` of the matmul time
     can hide the transfer; what is hidden still slows the matmuls by
-    ``overlap_interference`` of its time (the transfer's kernels take SMs and memory
-    bandwidth from them)."""
+    ``tp_overlap_interference`` of its time (the transfer's kernels take SMs and memory
+    bandwidth from them, the matmul runs as ``tp`` smaller ones)."""
     hide = matmuls * (tp - 1) / tp
-    return max(0.0, transfer - hide) + e.overlap_interference * min(transfer, hide)
+    return max(0.0, transfer - hide) + e.tp_overlap_interference * min(transfer, hide)
 
 
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
