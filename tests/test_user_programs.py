@@ -917,3 +917,50 @@ class _Denoiser(nnx.Module):
         for b in self.blocks:
             h = h + jax.nn.gelu(b(h))
         return self.out(h)
+
+
+def test_a_teacher_of_the_students_architecture_leaves_each_runs_blocks_as_layers():
+    """Distillation (or DPO's reference model): the loss runs a frozen teacher of the
+    student's architecture beside the student, so the whole forward repeats twice. The
+    layers were the two whole runs (3 layers: no stage boundary could fall inside the
+    student); now they are each run's blocks (the repeat of repeats is searched inside),
+    and a 2-stage pipeline cut inside the student's blocks trains equal to nnx.jit,
+    the frozen teacher's read copy and an EMA model updated in the step included."""
+    import optax
+
+    def loss_fn(student, teacher, batch):
+        s = student(batch["tokens"])
+        t = jax.lax.stop_gradient(teacher(batch["tokens"]))
+        kl = optax.kl_divergence(jax.nn.log_softmax(s), jax.nn.softmax(t)).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            s, batch["targets"]).mean() + kl
+
+    def step(student, teacher, ema, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(student, teacher, batch)
+        optimizer.update(student, grads)
+        nnx.update(ema, jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b,
+                                     nnx.state(ema, nnx.Param), nnx.state(student, nnx.Param)))
+        return loss
+
+    def make():  # plain SGD: Adam would amplify float noise in gradients that are ~0
+        args, batches = _loss_and_model(optax.sgd(0.05))
+        return [args[0], user_models.TinyLM(nnx.Rngs(7)), user_models.TinyLM(nnx.Rngs(0)),
+                args[1], args[2]], batches
+
+    def run(jitted):
+        args, batches = make()
+        out = [float(jitted(*[*args[:-1], batches[i % len(batches)]])) for i in range(3)]
+        return out, [np.asarray(x) for x in jax.tree.leaves(nnx.state(args[2], nnx.Param))]
+    want, want_ema = run(nnx.jit(step))
+    args, _ = make()
+    program = hetshard.Program(step, args)
+    lay = program.layering(2)
+    blocks = len(user_models.TinyLM(nnx.Rngs(0)).blocks)
+    assert lay.num_layers == 2 * blocks + 3, lay.describe()
+    assert sum(1 for s in lay.stacks if s >= 0) == 2 * blocks
+    plan = _pipeline_plan(program, _stages(lay.num_layers, [3], [(H100, "H100-80GB"),
+                                                                  (V100, "V100-32GB")]))
+    got, ema = run(hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(ema, want_ema, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

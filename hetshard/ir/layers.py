@@ -15,7 +15,11 @@ state and batch leaves) and get the same answer. Three sources, in order:
    over blocks or an ``nnx.List`` traces to one block's equations ``k`` times in a row.
    Of the ``p`` rotations of a repeat, the cut is placed where the fewest bytes of
    activations cross it (the residual stream between two blocks). Repeats are searched
-   again before and after each one found (a two-tower model has two stacks).
+   again before and after each one found (a two-tower model has two stacks), and inside
+   one whose period repeats a finer pattern over most of its work: a model run twice
+   (a distillation's teacher of the student's architecture, DPO's reference model)
+   gives each run's blocks as layers, not the two whole runs. Only equations that read
+   the batch count as work, so the layers are the same at every micro-batch size.
 3. **Cost.** A stretch that repeats nothing (the embedding, a CNN's stem, a whole
    non-repeating model) is cut into layers of balanced flops, each cut at the point near
    its target with the fewest crossing bytes (Alpa's layer construction, Zheng et al.
@@ -49,6 +53,10 @@ _INDEXED = re.compile(r"^(?P<family>.*?)[_.\-]?(?P<i>\d+)$")
 # The flops share below which a repeated pattern is not a block (a run of identical
 # elementwise equations, say).
 _MIN_BLOCK_SHARE = 0.002
+# A repeat whose period repeats a finer pattern over this share of its flops is a run of
+# whole models (each run's blocks are the layers): a block's own repeated projections (q,
+# k, v of one shape) stay well under it.
+_NESTED_SHARE = 0.7
 # A stretch without repeats is cut into pieces of about a block's flops, at most this many.
 MAX_COST_LAYERS = 32
 
@@ -370,6 +378,8 @@ def _by_structure(jaxpr, sig, flops, live) -> tuple[list[tuple], str]:
     total = float(flops.sum()) or 1.0
     repeats: list[tuple[int, int, int]] = []  # (first, period, count)
 
+    cum = np.concatenate(([0.0], np.cumsum(flops)))
+
     def search(lo, hi):
         if hi - lo < 2:
             return
@@ -378,8 +388,17 @@ def _by_structure(jaxpr, sig, flops, live) -> tuple[list[tuple], str]:
             return
         start, period, run = found
         first, count = _rotate(start, period, run, live)
-        repeats.append((first, period, count))
         search(lo, first)
+        inner = _best_repeat(sig, flops, first, first + period, total)
+        if inner is not None and cum[inner[0] + inner[1] + inner[2]] - cum[inner[0]] >= \
+                _NESTED_SHARE * (cum[first + period] - cum[first]):
+            # A repeat of repeats (one model run twice: a distillation's teacher beside
+            # its student, DPO's reference model beside its policy): each run's blocks
+            # are the layers, not the whole runs.
+            for c in range(count):
+                search(first + c * period, first + (c + 1) * period)
+        else:
+            repeats.append((first, period, count))
         search(first + period * count, hi)
 
     search(0, n)
