@@ -21,9 +21,11 @@ A step written with the plain transforms needs no change: while hetshard runs th
 arguments are ones these take (one argnum, no ``holomorphic``, ``allow_int`` or
 ``reduce_axes``) and are made by the user's code; other calls, those made by JAX, Flax
 or optax themselves, and every call made inside a loss being differentiated (a gradient
-penalty), are the originals. A transform imported by name (``from flax.nnx import
-value_and_grad``) or made outside the step is not seen: the step is then planned
-without stages, with a warning.
+penalty), are the originals. A transform the step holds by a name of its own (``from
+flax.nnx import value_and_grad`` in its module, a variable it closes over) is answered
+the same way (that binding is swapped while the step runs and restored after); one made
+outside the step and passed in is not seen: the step is then planned without stages,
+with a warning.
 """
 
 from __future__ import annotations
@@ -336,14 +338,49 @@ def _dispatcher(name: str):
 _DISPATCHERS = {name: _dispatcher(name) for name in _ORIGINAL}
 
 
+def _bound_by_name(step: Callable) -> list[tuple[object, object, object]]:
+    """Where ``step`` holds a plain transform by a name of its own (``from flax.nnx
+    import value_and_grad`` in its module, or a variable it closes over): (namespace or
+    cell, key, the transform), so that it too is answered while the step runs."""
+    fn = getattr(step, "__func__", step)
+    ours = {id(f): name for name, f in _ORIGINAL.items()}
+    found = []
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    space = getattr(fn, "__globals__", None)
+    if isinstance(space, dict):
+        for key in names:
+            if id(space.get(key)) in ours:
+                found.append((space, key, space[key]))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if id(value) in ours:
+            found.append((cell, None, value))
+    return found
+
+
+def _answer_by_name(found, answer: bool) -> None:
+    for where, key, original in found:
+        value = _DISPATCHERS[next(n for n, f in _ORIGINAL.items() if f is original)] \
+            if answer else original
+        if key is None:
+            where.cell_contents = value
+        else:
+            where[key] = value
+
+
 @contextlib.contextmanager
-def _intercepting():
+def _intercepting(step: Callable | None = None):
+    found = _bound_by_name(step) if step is not None else []
     with _PATCHED["lock"]:
         if _PATCHED["depth"] == 0:
             for name, fn in _DISPATCHERS.items():
                 module, attr = name.split(".")
                 setattr(_MODULES[module], attr, fn)
         _PATCHED["depth"] += 1
+        _answer_by_name(found, True)
     ctx = context()
     before = ctx.in_step
     ctx.in_step = True
@@ -352,6 +389,7 @@ def _intercepting():
     finally:
         ctx.in_step = before
         with _PATCHED["lock"]:
+            _answer_by_name(found, False)
             _PATCHED["depth"] -= 1
             if _PATCHED["depth"] == 0:
                 for name, fn in _ORIGINAL.items():
@@ -381,7 +419,7 @@ def user_step(step: Callable) -> Callable:
 
     @functools.wraps(step)
     def run(*args, **kwargs):
-        with _intercepting():
+        with _intercepting(step):
             return step(*args, **kwargs)
     return run
 

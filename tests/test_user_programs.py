@@ -423,8 +423,9 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
         assert program.call is not None and not program.call_error, name
     assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
 
-    # Imported by name, the transform is Flax's own, and so is the jax.value_and_grad
-    # Flax calls inside it: the step has no loss call (it is planned without stages).
+    # Held by a name of the step's own (a variable it closes over, a name imported from
+    # Flax into its module: test_a_transform_imported_by_name_is_the_steps_loss_call),
+    # the transform is hetshard's too while the step runs, and Flax's own after.
     by_name = originals[2]
 
     def plain(model, optimizer, batch):
@@ -433,6 +434,17 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
         return loss
     step, args, batches = _fresh("transformer")
     program = hetshard.Program(plain, args)
+    assert program.call is not None and not program.call_error
+    assert by_name is originals[2]
+    # A transform made outside the step and passed in is not the step's to answer: the
+    # step has no loss call (it is planned without stages).
+    made = originals[2](user_models.lm_loss)
+
+    def outside(model, optimizer, batch):
+        loss, grads = made(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    program = hetshard.Program(outside, args)
     assert program.call is None and "differentiates no loss" in program.call_error
     assert program.output_shape.shape == ()
 
@@ -964,3 +976,17 @@ def test_a_teacher_of_the_students_architecture_leaves_each_runs_blocks_as_layer
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(ema, want_ema, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_transform_imported_by_name_is_the_steps_loss_call():
+    """``from flax.nnx import value_and_grad`` in the step's module: the name is the
+    step's own binding, which patching ``nnx`` did not reach (the step planned without
+    stages, with a warning). It is answered while the step runs and restored after, and
+    a 2-stage pipeline on two GPU types trains the step equal to nnx.jit."""
+    import flax.nnx as flax_nnx
+
+    args, _ = _loss_and_model()
+    program = hetshard.Program(user_models.by_name_step, args)
+    assert program.call is not None and not program.call_error
+    assert user_models.imported_value_and_grad is flax_nnx.value_and_grad
+    _two_stages_train_as_nnx_jit(user_models.by_name_step)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.nnx import value_and_grad as imported_value_and_grad
 
 import hetshard
 
@@ -43,6 +44,14 @@ def nnx_step(loss):
         optimizer.update(model, grads)
         return value
     return step
+
+
+def by_name_step(model, optimizer, batch):
+    """A step calling Flax's transform by a name imported from it (``from flax.nnx
+    import value_and_grad``), not as ``nnx.value_and_grad``."""
+    value, grads = imported_value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return value
 
 
 def tutorial_step(loss, per_sample_aux=False):

@@ -234,7 +234,8 @@ class SpmdStep:
         if program.kind == "nnx" and not bool(used_vg) and not self.guard.warned_vg:
             self.guard.warned_vg = True
             warnings.warn("the step's differentiation was not seen by hetshard (a transform "
-                          "imported by name or made outside the step): hetshard restricts "
+                          "made outside the step and passed in, or called from a helper "
+                          "in another module that imported it by name): hetshard restricts "
                           "itself to single-stage plans for it (call nnx.value_and_grad "
                           "or hetshard.value_and_grad in the step)", stacklevel=4)
         return self.guard.finish(program, out, new_state, ok, loss, others, state,
