@@ -340,17 +340,17 @@ _DISPATCHERS = {name: _dispatcher(name) for name in _ORIGINAL}
 
 def _bound_by_name(step: Callable) -> list[tuple[object, object, object]]:
     """Where ``step`` holds a plain transform by a name of its own (``from flax.nnx
-    import value_and_grad`` in its module, or a variable it closes over): (namespace or
-    cell, key, the transform), so that it too is answered while the step runs."""
+    import value_and_grad`` in its module, which its helpers there share, or a variable
+    it closes over): (namespace or cell, key, the transform), so that it too is answered
+    while the step runs. (Outside a step's run the answering transform is the original.)"""
     fn = getattr(step, "__func__", step)
     ours = {id(f): name for name, f in _ORIGINAL.items()}
     found = []
-    names = getattr(getattr(fn, "__code__", None), "co_names", ())
     space = getattr(fn, "__globals__", None)
     if isinstance(space, dict):
-        for key in names:
-            if id(space.get(key)) in ours:
-                found.append((space, key, space[key]))
+        for key, value in list(space.items()):
+            if id(value) in ours:
+                found.append((space, key, value))
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents

@@ -981,12 +981,15 @@ def test_a_teacher_of_the_students_architecture_leaves_each_runs_blocks_as_layer
 def test_a_transform_imported_by_name_is_the_steps_loss_call():
     """``from flax.nnx import value_and_grad`` in the step's module: the name is the
     step's own binding, which patching ``nnx`` did not reach (the step planned without
-    stages, with a warning). It is answered while the step runs and restored after, and
-    a 2-stage pipeline on two GPU types trains the step equal to nnx.jit."""
+    stages, with a warning). It is answered while the step runs (called from the step or
+    from a helper of its module) and restored after, and a 2-stage pipeline on two GPU
+    types trains the step equal to nnx.jit."""
     import flax.nnx as flax_nnx
 
     args, _ = _loss_and_model()
-    program = hetshard.Program(user_models.by_name_step, args)
-    assert program.call is not None and not program.call_error
-    assert user_models.imported_value_and_grad is flax_nnx.value_and_grad
+    for step in (user_models.by_name_step, user_models.by_name_helper_step):
+        program = hetshard.Program(step, args)
+        assert program.call is not None and not program.call_error
+        assert user_models.imported_value_and_grad is flax_nnx.value_and_grad
     _two_stages_train_as_nnx_jit(user_models.by_name_step)
+    _two_stages_train_as_nnx_jit(user_models.by_name_helper_step)

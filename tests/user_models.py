@@ -444,3 +444,14 @@ def make_batchnorm(seed=0):
     opt = nnx.Optimizer(model, optax.sgd(1e-2, momentum=0.9), wrt=nnx.Param)
     batches = _image_batches(np.random.default_rng(seed))
     return nnx_step(image_loss), (model, opt, batches[0]), batches
+
+
+def _by_name_grads(model, batch):  # a helper of the step's module, by the same name
+    return imported_value_and_grad(lm_loss)(model, batch)
+
+
+def by_name_helper_step(model, optimizer, batch):
+    """``by_name_step`` with the transform called in a helper of its module."""
+    value, grads = _by_name_grads(model, batch)
+    optimizer.update(model, grads)
+    return value
