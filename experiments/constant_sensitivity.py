@@ -44,7 +44,7 @@ SWEEPS = {
 
 def _forget() -> None:
     """Drops every cache that holds a priced shape or a profile built with the old value."""
-    stage._SHAPE_EFF.clear()
+    stage._PER_DIMS.clear()
     stage._MEASURED.clear()
     clear_profiles()
     steps.profile.cache_clear()

@@ -338,33 +338,34 @@ def _dispatcher(name: str):
 _DISPATCHERS = {name: _dispatcher(name) for name in _ORIGINAL}
 
 
-def _bound_by_name(step: Callable) -> list[tuple[object, object, object]]:
+def _bound_by_name(step: Callable) -> list[tuple[object, object, str]]:
     """Where ``step`` holds a plain transform by a name of its own (``from flax.nnx
     import value_and_grad`` in its module, which its helpers there share, or a variable
-    it closes over): (namespace or cell, key, the transform), so that it too is answered
-    while the step runs. (Outside a step's run the answering transform is the original.)"""
+    it closes over): (namespace or cell, key or None, the transform's ``_ORIGINAL``
+    name), so that it too is answered while the step runs. (Outside a step's run the
+    answering transform is the original.)"""
     fn = getattr(step, "__func__", step)
-    ours = {id(f): name for name, f in _ORIGINAL.items()}
+    names = {id(f): name for name, f in _ORIGINAL.items()}
     found = []
     space = getattr(fn, "__globals__", None)
     if isinstance(space, dict):
-        for key, value in list(space.items()):
-            if id(value) in ours:
-                found.append((space, key, value))
+        found += [(space, key, names[id(value)]) for key, value in list(space.items())
+                  if id(value) in names]
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if id(value) in ours:
-            found.append((cell, None, value))
+        if id(value) in names:
+            found.append((cell, None, names[id(value)]))
     return found
 
 
 def _answer_by_name(found, answer: bool) -> None:
-    for where, key, original in found:
-        value = _DISPATCHERS[next(n for n, f in _ORIGINAL.items() if f is original)] \
-            if answer else original
+    """Each binding of ``found`` (:func:`_bound_by_name`) set to hetshard's dispatcher,
+    or back to the original."""
+    for where, key, name in found:
+        value = (_DISPATCHERS if answer else _ORIGINAL)[name]
         if key is None:
             where.cell_contents = value
         else:

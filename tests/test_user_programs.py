@@ -5,6 +5,7 @@ choice, equal to single-device training."""
 
 import ast
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -40,6 +41,19 @@ def _train(step, args, batches, steps=STEPS):
             loss = out
         losses.append(float(loss))
     return losses
+
+
+def _kept_whole(step, program, train, want, why, **options):
+    """The planner keeps ``step`` to one single-stage pipeline because of ``why`` (found
+    in ``program.sample_coupling``: cutting the batch would change the step), with a
+    warning saying so, and ``train(jitted)`` gives ``want``; returns what it gave."""
+    assert why in program.sample_coupling
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True, **options)
+    with pytest.warns(UserWarning, match=re.escape(why) + ".*one single-stage pipeline"):
+        got = train(jitted)
+    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    return got
 
 
 def _reference(name):
@@ -267,11 +281,9 @@ def test_a_model_with_dropout_trains_as_nnx_jit_does():
     ref_step, ref_args, batches = user_models.make_dropout()
     want = _train(nnx.jit(ref_step), ref_args, batches)
     step, args, _ = user_models.make_dropout()
-    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    with pytest.warns(UserWarning, match="draws random values shaped by the batch"):
-        got = _train(jitted, args, batches)
-    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    program = hetshard.Program(step, [*args[:-1], batches[0]])
+    got = _kept_whole(step, program, lambda j: _train(j, args, batches), want,
+                      "draws random values shaped by the batch")
     assert len(set(got)) == len(got)  # the masks changed from step to step
     def counts(model):
         return [int(x) for x in jax.tree.leaves(nnx.state(model, nnx.RngCount))]
@@ -321,12 +333,7 @@ def test_a_loss_that_mixes_samples_keeps_the_batch_whole():
     want = _train(nnx.jit(step), ref_args, batches)
     step, args, batches = user_models.make_batchnorm()
     program = hetshard.Program(step, args)
-    assert "mixes samples" in program.sample_coupling
-    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    with pytest.warns(UserWarning, match="mixes samples.*one single-stage pipeline"):
-        got = _train(jitted, args, batches)
-    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _kept_whole(step, program, lambda j: _train(j, args, batches), want, "mixes samples")
     for a, b in zip(stats(args[0]), stats(ref_args[0]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     n = program.layering(2).num_layers
@@ -469,11 +476,8 @@ def test_the_tutorial_step_with_logits_as_aux_keeps_the_batch_whole():
     step, args, batches = user_models.make_logits_aux()
     program = hetshard.Program(step, args)
     assert program.call is not None and program.per_sample_outputs == [1]
-    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    with pytest.warns(UserWarning, match="output 1 of the loss holds a value per sample"):
-        got = _train(jitted, args, batches)
-    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _kept_whole(step, program, lambda j: _train(j, args, batches), want,
+                "output 1 of the loss holds a value per sample")
     for k, v in ref_args[2].compute().items():
         np.testing.assert_allclose(args[2].compute()[k], v, rtol=1e-5)
     step, args, batches = user_models.make_logits_aux()
@@ -848,12 +852,8 @@ def test_a_sum_plus_a_penalty_keeps_the_batch_whole():
     want = _train(nnx.jit(step), args, batches)
     args, batches = _loss_and_model()
     program = hetshard.Program(step, args)
-    assert "output 0 of the loss adds a sum over the samples" in program.sample_coupling
-    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    with pytest.warns(UserWarning, match="adds a sum.*one single-stage pipeline"):
-        got = _train(jitted, args, batches)
-    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _kept_whole(step, program, lambda j: _train(j, args, batches), want,
+                "output 0 of the loss adds a sum over the samples")
 
 
 def _noising_step():
@@ -903,12 +903,8 @@ def test_noise_drawn_from_the_steps_key_in_the_batchs_shape_keeps_the_batch_whol
     want = run(nnx.jit(step))
     args, _ = make()
     program = hetshard.Program(step, args, batch_argnum=2)
-    assert "draws random values shaped by the batch (at " in program.sample_coupling
-    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True, batch_argnums=2)
-    with pytest.warns(UserWarning, match="draws random values.*one single-stage pipeline"):
-        got = run(jitted)
-    assert [len(p.stages) for p in jitted.plan.pipelines] == [1]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _kept_whole(step, program, run, want, "draws random values shaped by the batch (at ",
+                batch_argnums=2)
     n = program.layering(2).num_layers
     plan = _pipeline_plan(program, _stages(n, [n // 2], [(H100, "H100-80GB"),
                                                           (V100, "V100-32GB")]))

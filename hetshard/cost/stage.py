@@ -18,10 +18,11 @@ Where the calibration holds a measured profile of the program's layers
 backward and optimizer update are the measured times instead.
 Tensor parallelism divides flops by ``tp``, and bytes but those of a weight matmul's
 operand without the split dimension (a column-parallel matmul reads its whole input, a
-row-parallel one writes its whole partial sum: ``_tp_columns``), and adds Megatron's four activation
-all-reduces per block (two forward, two backward; a block half has one each way; Shoeybi
-et al. 2019, with sequence parallelism as reduce-scatter + all-gather of the same
-volume, Korthikanti et al. 2022, whose backward also gathers the column-parallel inputs
+row-parallel one writes its whole partial sum: ``_tp_columns``), and adds Megatron's
+four activation all-reduces per block (two forward, two backward; a block half has one
+each way; Shoeybi et al. 2019, with sequence parallelism as reduce-scatter + all-gather
+of the same volume, Korthikanti et al. 2022, whose backward also gathers the
+column-parallel inputs
 again: half an all-reduce more per collective, on blocks whose sequence the tensor
 degree divides, as the runtime runs them). With ``tp_overlap`` (the runtime's collective
 matmuls, ``hetshard.collectives.matmul``; Wang et al. ASPLOS'23) each block's
@@ -144,24 +145,28 @@ def matmul_shape_eff(dims: np.ndarray, sms: int | None) -> np.ndarray:
     return np.where(dims[..., 1] > 0, best, 1.0)
 
 
-_SHAPE_EFF: dict[tuple, tuple] = {}
+_PER_DIMS: dict[tuple, tuple] = {}
+
+
+def _per_dims(fn, dims: tuple[np.ndarray, np.ndarray], *args) -> np.ndarray:
+    """``fn(dims, *args)``, cached: a model's identical blocks share their arrays, and the
+    planner prices the same shapes many times."""
+    key = (fn, id(dims[0]), *args)
+    hit = _PER_DIMS.get(key)
+    if hit is None or hit[0] is not dims[0]:
+        if len(_PER_DIMS) > 100_000:
+            _PER_DIMS.clear()
+        hit = (dims[0], fn(dims, *args))
+        _PER_DIMS[key] = hit
+    return hit[1]
 
 
 def _shape_eff(dims: tuple[np.ndarray, np.ndarray], mbs: int, tp: int, cp: int,
                sms: int | None) -> np.ndarray:
     """``matmul_shape_eff`` of a layer's matmuls on one device of a (tp x cp) shard at
-    ``mbs`` samples: tensor parallelism splits each matmul's largest dimension that does
-    not grow with the batch (a weight's), context parallelism its largest that does (the
-    tokens). Cached: a model's identical blocks share their arrays, and the planner
-    prices the same shapes many times."""
-    key = (id(dims[0]), mbs, tp, cp, sms)
-    hit = _SHAPE_EFF.get(key)
-    if hit is None or hit[0] is not dims[0]:
-        if len(_SHAPE_EFF) > 100_000:
-            _SHAPE_EFF.clear()
-        hit = (dims[0], _shape_eff_of(dims, mbs, tp, cp, sms))
-        _SHAPE_EFF[key] = hit
-    return hit[1]
+    ``mbs`` samples: tensor parallelism splits each matmul's dimension ``_tp_columns``
+    names, context parallelism its largest that grows with the batch (the tokens)."""
+    return _per_dims(_shape_eff_of, dims, mbs, tp, cp, sms)
 
 
 def _tp_columns(dims, mbs: int) -> np.ndarray:
@@ -231,24 +236,11 @@ def _tp_batch_bytes(dims, mbs: int, tp: int) -> np.ndarray:
     return share
 
 
-_TP_BYTES: dict[tuple, tuple] = {}
-
-
-def _tp_bytes(dims, mbs: int, tp: int) -> np.ndarray:
-    """``_tp_batch_bytes``, cached as ``_shape_eff`` is."""
-    key = (id(dims[0]), mbs, tp)
-    hit = _TP_BYTES.get(key)
-    if hit is None or hit[0] is not dims[0]:
-        if len(_TP_BYTES) > 100_000:
-            _TP_BYTES.clear()
-        hit = (dims[0], _tp_batch_bytes(dims, mbs, tp))
-        _TP_BYTES[key] = hit
-    return hit[1]
-
-
 def _tp_share(dims, nbytes, mbs: int, tp: int):
-    """``_tp_bytes`` where the layer has its matmuls' shapes, else ``1 / tp``."""
-    return _tp_bytes(dims, mbs, tp) if tp > 1 and len(dims[0]) == len(nbytes[1]) else 1.0 / tp
+    """``_tp_batch_bytes`` where the layer has its matmuls' shapes, else ``1 / tp``."""
+    if tp > 1 and len(dims[0]) == len(nbytes[1]):
+        return _per_dims(_tp_batch_bytes, dims, mbs, tp)
+    return 1.0 / tp
 
 
 def _kernels(starts: np.ndarray, in_attention: np.ndarray, attention: str,

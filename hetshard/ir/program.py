@@ -367,20 +367,21 @@ class Program:
     @functools.cached_property
     def sample_coupling(self) -> str | None:
         """Why cutting the batch (micro-batches, batch shares) changes what the loss
-        returns (it mixes samples, or returns a maximum over the batch:
-        ``hetshard.ir.samples``), or None."""
+        returns (it mixes samples, returns a maximum over the batch, draws random values
+        shaped by the batch from a key not in it, or adds a sum over the samples to a
+        mean or a penalty in one output: ``hetshard.ir.samples``), or None."""
         if self.call is None:
             return None
         closed, _ = self.loss_jaxpr(2)
-        ns = len(self.state_avals)
-        why = sample_coupling(closed, range(ns, len(closed.jaxpr.invars)))
+        batch = range(len(self.state_avals), len(closed.jaxpr.invars))
+        why = sample_coupling(closed, batch)
         if why:
             return why
         twin, _ = self.loss_jaxpr(4)
-        drawn = batch_shaped_draw(closed, twin, range(ns, len(closed.jaxpr.invars)))
+        drawn = batch_shaped_draw(closed, twin, batch)
         if drawn:
             return drawn
-        mixed = mixed_power_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+        mixed = mixed_power_outputs(closed, twin, 2.0, batch)
         if mixed:
             return (f"output {mixed[0]} of the loss adds a sum over the samples to a mean "
                     f"or to a term that reads no sample (a weight penalty): the pieces of "

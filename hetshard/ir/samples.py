@@ -101,16 +101,9 @@ def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> l
     power of the batch size is 1: ``ce.sum()``, a count of correct predictions) rather
     than a mean: a cut batch's pieces are then added, not averaged, and a summed loss's
     gradients likewise. Where the analysis cannot tell, False (averaged)."""
-    jaxpr = closed.jaxpr
-    batch = set(batch_inputs)
-    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
-    reads = [i not in batch for i in range(len(jaxpr.invars))]
-    try:
-        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None)
-    except _Unknown:
-        return [False] * len(jaxpr.outvars)
-    if got[1]:
-        return [False] * len(jaxpr.outvars)
+    got = _traced(closed, batch_inputs, twin, ratio)
+    if got is None:
+        return [False] * len(closed.jaxpr.outvars)
     return [isinstance(o, tuple) and o[1] == "sum" and sc is not None and abs(sc - 1) < 1e-9
             for o, sc in zip(got[0], got[2], strict=True)]
 
@@ -120,15 +113,8 @@ def mixed_power_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int])
     samples to a mean, or to a term that reads no sample (``ce.sum() + l2``): the pieces
     of a cut batch can be neither added (the other term would count once per piece) nor
     averaged (the sum would shrink)."""
-    jaxpr = closed.jaxpr
-    batch = set(batch_inputs)
-    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
-    reads = [i not in batch for i in range(len(jaxpr.invars))]
-    try:
-        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None)
-    except _Unknown:
-        return []
-    if got[1]:
+    got = _traced(closed, batch_inputs, twin, ratio)
+    if got is None:
         return []
     return [k for k, (o, sc) in enumerate(zip(got[0], got[2], strict=True))
             if o is not None and sc is not None and sc != sc]
@@ -143,17 +129,9 @@ def normalized_outputs(closed, twin, ratio: float,
     The whole batch's value is then its pieces' values weighted by their shares of the
     divisor, not of the samples (exact for any masks; the pieces' gradients likewise,
     the divisor not depending on the parameters)."""
-    jaxpr = closed.jaxpr
-    batch = set(batch_inputs)
-    start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
-    reads = [i not in batch for i in range(len(jaxpr.invars))]
-    try:
-        got = _walk(jaxpr, start, reads, (), (twin.jaxpr, ratio), None,
-                    _Dens(jaxpr, (), None))
-    except _Unknown:
-        return [None] * len(jaxpr.outvars)
-    if got[1]:
-        return [None] * len(jaxpr.outvars)
+    got = _traced(closed, batch_inputs, twin, ratio, denominators=True)
+    if got is None:
+        return [None] * len(closed.jaxpr.outvars)
     # (a ratio of two sums is ("reduced", "other") to the relations: the denominators
     # follow only linear steps after the division, so such an output is a sum's ratio)
     return [d[0] if isinstance(o, tuple) and o[1] in ("sum", "other") and sc is not None
@@ -234,12 +212,27 @@ def _evaluate_path(jaxpr, consts, args, path):
     return _evaluate_path(body, body_consts, [read(v) for v in eqn.invars], rest)
 
 
-def _relations(closed, batch_inputs):
+def _relations(closed, batch_inputs, twin=None, ratio: float = 1.0,
+               denominators: bool = False):
+    """``_walk`` of ``closed`` from its inputs: the batch leaves at ``batch_inputs``
+    (samples along axis 0), the others the step's state; with ``twin``, each value's
+    power of the batch size, and with ``denominators`` its denominator too."""
     jaxpr = closed.jaxpr
     batch = set(batch_inputs)
     start = [0 if i in batch else None for i in range(len(jaxpr.invars))]
     reads = [i not in batch for i in range(len(jaxpr.invars))]
-    return _walk(jaxpr, start, reads)
+    return _walk(jaxpr, start, reads, (), None if twin is None else (twin.jaxpr, ratio),
+                 None, _Dens(jaxpr, (), None) if denominators else None)
+
+
+def _traced(closed, batch_inputs, twin, ratio: float, denominators: bool = False):
+    """:func:`_relations` with powers (and denominators), or None where the analysis
+    cannot tell or the samples mix."""
+    try:
+        got = _relations(closed, batch_inputs, twin, ratio, denominators)
+    except _Unknown:
+        return None
+    return None if got[1] else got
 
 
 def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
@@ -323,8 +316,7 @@ _KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient"
          "gather", "sharding_constraint", "mesh_cast", "reshard", "pvary", "real", "conj",
          "reduce_max", "reduce_min", "cummax", "cummin", "sort", "split")
 _SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "stack",
-         "rem",
-         "nextafter")
+         "rem", "nextafter")
 _NONE = ("eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "floor", "ceil",
          "round", "argmax", "argmin", "and", "or", "not", "xor")
 
