@@ -32,10 +32,12 @@ Sets (each row a published configuration and its measured step time):
   (912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline as shipped;
   the catalog's Hopper ``matmul_eff`` was fitted on the 8-GPU FSDP row (H100_FIT_ROWS),
   the other 5 are held out. Float8 rows are left out (hetshard prices no float8).
-* ``torchtitan-a100`` (3): torchtitan's Llama 3 on 64 A100 80GB (``docs/performance.md``
-  of Jun 2024): 8B with per-op and per-layer (every second block) selective
-  recomputation, 70B with full recomputation, local batch 1, seq 8192, FSDP. The network
-  is not published: priced on DGX A100 nodes (8 x 200 Gb/s).
+* ``torchtitan-a100`` (8): torchtitan's Llama 3 and Llama 2 on 64 A100 80GB
+  (``docs/performance.md`` of Jun 2024): Llama 3 8B with per-op and per-layer (every
+  second block) selective recomputation, 70B with full recomputation, local batch 1, seq
+  8192; Llama 2 13B (local batch 2) without, with per-layer and with per-op
+  recomputation, 70B with per-op (local batch 1) and full (2) recomputation, seq 4096;
+  all FSDP. The network is not published: priced on DGX A100 nodes (8 x 200 Gb/s).
 
 torchtitan's per-op selective recomputation saves the outputs of every other ``mm`` and
 of attention, so its backward re-runs 3 of a Llama block's 7 weight matmuls (wk, wo, w3)
@@ -59,6 +61,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -206,10 +209,22 @@ def sailor_evaluate(name):
 
 # ---- torchtitan ----------------------------------------------------------------------
 
-LLAMA3_8B = ("gpt:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,"
-             "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
-LLAMA3_70B = ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,"
-              "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false")
+# name: (model spec, sequence length, hidden, key/value width, ffn width)
+_LLAMA = {
+    "8b": ("gpt:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,"
+           "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false",
+           8192, 4096, 1024, 14336),
+    "70b": ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,"
+            "seq=8192,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false",
+            8192, 8192, 1024, 28672),
+    # Llama 2: a 32000-token vocabulary, 4096 tokens, the 13B without grouped queries
+    "2-13b": ("gpt:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000,"
+              "seq=4096,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false",
+              4096, 5120, 5120, 13824),
+    "2-70b": ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,"
+              "seq=4096,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false",
+              4096, 8192, 1024, 28672),
+}
 # H100 SXM, 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts): its dense
 # BF16 peak lies between the SXM's 989 and the NVL's 835 TFLOP/s (torchtitan's note):
 # the midpoint, and the catalog's FlashAttention-2 rate for the H100 scaled alike. 400 Gb/s
@@ -232,8 +247,13 @@ TORCHTITAN_A100 = [
     ("8B FSDP64 op-SAC", "8b", 64, 64, 1, 1, "op", False, 2973),
     ("8B FSDP64 layer-SAC", "8b", 64, 64, 1, 1, "layer", False, 2904),
     ("70B FSDP64 full", "70b", 64, 64, 1, 1, "full", False, 331),
+    # Llama 2 (the same page, an earlier version): seq 4096
+    ("Llama2 13B FSDP64 no AC", "2-13b", 64, 64, 1, 2, "none", False, 2162),
+    ("Llama2 13B FSDP64 layer-SAC", "2-13b", 64, 64, 1, 2, "layer", False, 1914),
+    ("Llama2 13B FSDP64 op-SAC", "2-13b", 64, 64, 1, 2, "op", False, 1904),
+    ("Llama2 70B FSDP64 op-SAC", "2-70b", 64, 64, 1, 1, "op", False, 355),
+    ("Llama2 70B FSDP64 full", "2-70b", 64, 64, 1, 2, "full", False, 353),
 ]
-_TT_SEQ = 8192
 
 
 def _op_sac_extra_s(model, gpu, tp, cal, samples):
@@ -243,26 +263,26 @@ def _op_sac_extra_s(model, gpu, tp, cal, samples):
     ``selective`` keeps, and keeps attention's output, which ``selective`` recomputes
     (JAX's dots policy saves no custom kernel's outputs): the former's forward flops at
     the matmul rate, less the causal flash forward at the attention rate."""
-    h, kv, f = (4096, 1024, 14336) if model == "8b" else (8192, 1024, 28672)
-    tokens = samples * _TT_SEQ
+    _, seq, h, kv, f = _LLAMA[model]
+    tokens = samples * seq
     e = cal.for_type(gpu.name)
     mm = 2.0 * tokens * h * (kv + h + f) / tp / (gpu.peak_flops("bfloat16") * e.matmul(gpu))
-    attn = 2.0 * samples * _TT_SEQ ** 2 * h / tp / attention_rate(gpu, "bfloat16", e)
+    attn = 2.0 * samples * seq ** 2 * h / tp / attention_rate(gpu, "bfloat16", e)
     return mm - attn
 
 
 def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
     out = []
     for name, model, gpus, fsdp, tp, lbs, remat, overlap, tps in rows:
-        spec = LLAMA3_8B if model == "8b" else LLAMA3_70B
-        layers = 32 if model == "8b" else 80
-        prof = _profile(spec, _TT_SEQ, "bfloat16")
+        spec, seq = _LLAMA[model][:2]
+        layers = int(re.search(r"layers=(\d+)", spec).group(1))
+        prof = _profile(spec, seq, "bfloat16")
         cluster = cluster_of(gpus)
         gpu = cluster.groups[0].gpu
         batch = lbs * fsdp
-        mode = {"op": "selective", "layer": "full", "full": "full"}[remat]
+        mode = {"op": "selective", "layer": "full", "full": "full", "none": "none"}[remat]
         fix = Fix(dp=fsdp, tp=tp, fsdp=fsdp > 1, mbs=lbs, remat=mode, tp_overlap=overlap)
-        plan = uniform_plan(spec, prof, cluster, global_batch=batch, seq_len=_TT_SEQ, fix=fix)
+        plan = uniform_plan(spec, prof, cluster, global_batch=batch, seq_len=seq, fix=fix)
         if remat == "layer":  # every second block recomputed: the first half of them
             st = plan.pipelines[0].stages[0]
             plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(
@@ -274,9 +294,9 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
         if remat == "op":
             extra = layers * _op_sac_extra_s(model, gpu, tp, cal, lbs)
             step += extra
-        out.append(dict(row=f"{name} ({gpus} GPUs)", model=f"llama3-{model}", gpus=gpus,
+        out.append(dict(row=f"{name} ({gpus} GPUs)", model=f"llama{'' if model[0] == '2' else '3-'}{model}", gpus=gpus,
                         fsdp=fsdp, tp=tp, batch=batch, remat=remat, tp_overlap=overlap,
-                        published=f"{tps} TPS/GPU", measured_step_s=batch * _TT_SEQ /
+                        published=f"{tps} TPS/GPU", measured_step_s=batch * seq /
                         (tps * gpus), predicted_step_s=step, op_sac_extra_s=extra,
                         fits=r.fits, predicted_memory_bytes=r.peak_memory_bytes))
     return out

@@ -191,6 +191,65 @@ def test_an_output_adding_a_sum_to_a_mean_or_a_penalty_is_found():
     assert mixed_power_outputs(*two, 2.0, (1, 2)) == []
 
 
+def _load_balance(w, x):
+    """A mixture-of-experts load-balancing loss: the fraction of tokens routed to each
+    expert times its mean router probability, both over the batch."""
+    probs = jax.nn.softmax(x @ w, axis=-1)
+    routed = jnp.mean(jax.nn.one_hot(jnp.argmax(probs, -1), D), axis=(0, 1))
+    return jnp.mean(probs ** 2) + D * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
+
+
+def _load_balance_dot(w, x):
+    probs = jax.nn.softmax(x @ w, axis=-1)
+    return D * jnp.dot(jnp.mean(probs, axis=(0, 1)), jnp.mean(probs ** 2, axis=(0, 1)))
+
+
+def _perplexity(w, x):
+    loss = jnp.mean((x @ w) ** 2)
+    return loss, jnp.exp(loss)
+
+
+def _root_mean_square(w, x):
+    return jnp.sqrt(jnp.mean((x @ w) ** 2))
+
+
+def _inverse(w, x):
+    return 1.0 / jnp.mean((x @ w) ** 2)
+
+
+def _hinged(w, x):
+    return jnp.maximum(jnp.mean(x @ w), 0.0)
+
+
+@pytest.mark.parametrize("loss, output", [(_load_balance, 0), (_load_balance_dot, 0),
+                                          (_perplexity, 1), (_root_mean_square, 0),
+                                          (_inverse, 0), (_hinged, 0)])
+def test_non_linear_functions_of_batch_reductions_are_named(loss, output):
+    """Each piece of a cut batch would take the function of its own samples' means:
+    averaged, the pieces' values (and gradients) are not the whole batch's. Before, such
+    outputs were averaged with no word (a load-balancing loss under a 2-stage pipeline
+    trained to other losses than nnx.jit)."""
+    why = _coupling(loss, X)
+    assert why is not None and f"output {output} of the loss puts values reduced" in why
+    assert "test_samples.py" in why  # the line where the function is applied
+
+
+def _guarded(w, x, m):
+    t = jnp.sum((x @ w) ** 2, axis=-1)
+    loss = jnp.sum(t * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return (jnp.where(jnp.isfinite(loss), loss, 0.0),  # a NaN guard
+            jnp.sum(t, axis=0).mean())  # positions' sums over the samples, averaged
+
+
+def test_guards_counts_and_sums_of_sums_are_not_non_linear():
+    """A NaN guard on a masked mean and a sum over the samples reduced again (a sum: the
+    pieces are added; it was averaged before) are cut exactly."""
+    assert _coupling(_guarded, X, M) is None
+    two = [jax.make_jaxpr(_guarded)(W, jax.ShapeDtypeStruct((k, S, D), jnp.float32),
+                                    jax.ShapeDtypeStruct((k, S), jnp.float32)) for k in (2, 4)]
+    assert summed_outputs(*two, 2.0, (1, 2)) == [False, True]
+
+
 def test_random_values_drawn_in_the_batchs_shape_from_a_key_are_found():
     """Noise drawn from a key argument in the batch's shape (a diffusion step's) differs
     between a cut batch's pieces and the whole batch's rows; per-sample keys in the

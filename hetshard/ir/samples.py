@@ -78,6 +78,14 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
                     f"such as logits returned as aux: each piece of a cut batch would "
                     f"return only its own; return means over the batch, or reduce the "
                     f"metric inside the loss, to let the batch be cut)")
+        if isinstance(o, tuple) and o[1] == "curved":
+            return (f"output {k} of the loss puts values reduced over the batch through a "
+                    f"non-linear function{o[2]} (a product of two batch means, as a "
+                    f"mixture-of-experts load-balancing loss is, or the exp of a mean "
+                    f"loss): each piece of a cut batch would compute it from its own "
+                    f"samples, and no weighting of the pieces gives the whole batch's "
+                    f"(a metric such as the perplexity can be computed from the "
+                    f"returned loss outside the loss function instead)")
         if isinstance(o, tuple) and o[1] in ("max", "min", "arg"):
             name = {"max": "maximum", "min": "minimum", "arg": "arg-max or arg-min"}[o[1]]
             return (f"output {k} of the loss is a {name} over the batch (the pieces of a "
@@ -290,6 +298,9 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
             # axes as Python ints (params hold numpy integers)
             outs = [int(o) if isinstance(o, Integral) else o
                     for o in _rule(eqn, states, state_in)]
+            if CURVED in outs:  # where it turned: the user's line
+                outs = [("reduced", "curved", _where(eqn, outer)) if o == CURVED else o
+                        for o in outs]
             if scales is not None:
                 scales.rule(k, eqn, states, outs)
             if dens is not None:
@@ -575,13 +586,18 @@ def _draw_in(jaxpr, twin, reads: list, outer: tuple):
     return None
 
 
-def _mixed(eqn, outer) -> str:
-    where = ""
+def _where(eqn, outer) -> str:
+    """`` (at file:line)`` of ``eqn`` or the nearest call around it in the user's code, or
+    nothing where unknown."""
     for e in (eqn, *reversed(outer)):
         frame = _user_frame(e)
         if frame is not None:
-            where = f" (at {frame.file_name}:{frame.start_line})"
-            break
+            return f" (at {frame.file_name}:{frame.start_line})"
+    return ""
+
+
+def _mixed(eqn, outer) -> str:
+    where = _where(eqn, outer)
     return (f"the loss mixes samples: {eqn.primitive.name}{where} combines values of "
             f"different samples other than by summing them (batch statistics such as "
             f"nnx.BatchNorm's, in-batch negatives, a batch-wide normalisation)")
@@ -623,10 +639,15 @@ def _rule(eqn, states: list, state_in: list) -> list:
             if len(set(axes)) != 1:
                 raise _Unknown(name)
             return [axes[0]] * n_out
+        carried = _curved_of(reduced)
+        if carried:
+            return [carried] * n_out
         kinds = {r[1] for r in reduced}
         if name in ("add", "sub", "add_any", "neg", "convert_element_type", "copy",
                     "copy_p", "stop_gradient", "reduce_precision", "optimization_barrier"):
             return [("reduced", kinds.pop() if len(kinds) == 1 else "sum")] * n_out
+        if _curves(name, states, state_in):
+            return [CURVED] * n_out
         if name in ("mul", "div") and len(reduced) == 1:
             return [reduced[0]] * n_out  # scaled (a mean: the sum over the batch size)
         return [("reduced", "other")] * n_out
@@ -634,9 +655,14 @@ def _rule(eqn, states: list, state_in: list) -> list:
         # anything else of a batch-wide value: still batch-wide unless it meets samples
         if axes:
             return [MIXED] * n_out
+        carried = _curved_of(reduced)
+        if carried:
+            return [carried] * n_out
+        if _curves(name, states, state_in):
+            return [CURVED] * n_out
         kinds = {r[1] for r in reduced}
-        if name in _MOVES and len(kinds) == 1:  # sums stacked into a vector: sums
-            return [("reduced", kinds.pop())] * n_out
+        if (name in _MOVES or name == "reduce_sum") and len(kinds) == 1:
+            return [("reduced", kinds.pop())] * n_out  # sums stacked or added: sums
         return [("reduced", "other")] * n_out
     if name == "dot_general":
         return [_dot(eqn, states)]
@@ -694,6 +720,40 @@ def _rule(eqn, states: list, state_in: list) -> list:
             raise _Unknown(name)
         return [dn.out_spec[0]]
     raise _Unknown(name)
+
+
+# A batch-wide value of the parameters put through a non-linear function (a product of
+# two batch means, as a mixture-of-experts load-balancing loss is; the exp of a mean
+# loss): each piece of a cut batch would compute it from its own samples' reductions,
+# and no weighting of the pieces gives the whole batch's. The third element: where.
+CURVED = ("reduced", "curved", None)
+# Non-linear functions of their operands (comparisons, floors and is_finite are left
+# out: they guard or floor a value, as a NaN guard on the loss does, not reshape it).
+_CURVING = ("exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
+            "sqrt", "rsqrt", "cbrt", "abs", "integer_pow", "erf", "erfc", "erf_inv",
+            "square", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+            "atanh", "lgamma", "digamma", "pow", "max", "min", "atan2", "rem",
+            "reduce_max", "reduce_min", "reduce_prod", "cumprod", "cummax", "cummin",
+            "cumlogsumexp", "sort", "argmax", "argmin", "logsumexp")
+
+
+def _curves(name: str, states: list, state_in: list) -> bool:
+    """Whether equation ``name`` puts a batch-wide value that reads the step's state
+    (``state_in``) through a non-linear function (``CURVED``): a product or a dot of two
+    such values, a division by one, or a function in ``_CURVING`` of one. A batch-wide
+    value of the batch alone (a token count) may be floored, inverted or divided by: a
+    masked mean's divisor (``normalized_outputs`` weighs the pieces by it)."""
+    learned = [isinstance(s, tuple) and r for s, r in zip(states, state_in, strict=True)]
+    if name in ("mul", "dot_general"):
+        return sum(learned[:2]) == 2
+    if name == "div":
+        return learned[1]
+    return name in _CURVING and any(learned)
+
+
+def _curved_of(reduced: list):
+    """The first ``CURVED`` value among ``reduced`` (what it reaches stays curved)."""
+    return next((r for r in reduced if r[1] == "curved"), None)
 
 
 def _dot(eqn, states) -> object:
