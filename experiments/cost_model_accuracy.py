@@ -294,7 +294,8 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
         if remat == "op":
             extra = layers * _op_sac_extra_s(model, gpu, tp, cal, lbs)
             step += extra
-        out.append(dict(row=f"{name} ({gpus} GPUs)", model=f"llama{'' if model[0] == '2' else '3-'}{model}", gpus=gpus,
+        family = "llama" if model.startswith("2-") else "llama3-"
+        out.append(dict(row=f"{name} ({gpus} GPUs)", model=family + model, gpus=gpus,
                         fsdp=fsdp, tp=tp, batch=batch, remat=remat, tp_overlap=overlap,
                         published=f"{tps} TPS/GPU", measured_step_s=batch * seq /
                         (tps * gpus), predicted_step_s=step, op_sac_extra_s=extra,
