@@ -466,24 +466,32 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
     assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
 
 
-def test_the_tutorial_step_with_logits_as_aux_keeps_the_batch_whole():
+def test_the_tutorial_step_with_logits_as_aux_is_cut_and_joined():
     """Flax's tutorial step returns the logits as aux and feeds them to a metrics
-    object: per-sample values no cut batch can return. The planner keeps the step to one
-    single-stage pipeline, saying why; losses and metrics equal nnx.jit's. A pinned
-    pipeline plan is refused before it runs (it used to fail inside JAX on shapes)."""
+    object. A plan that cuts the batch (micro-batches of a 2-stage pipeline, batch
+    shares on two GPU types) returns the logits of every piece joined in the batch's
+    order: losses and metrics equal nnx.jit's. Before, such a step was kept to one
+    single-stage pipeline and pinned cutting plans were refused."""
     step, ref_args, batches = user_models.make_logits_aux()
     want = _train(nnx.jit(step), ref_args, batches)
-    step, args, batches = user_models.make_logits_aux()
+    step, args, _ = user_models.make_logits_aux()
     program = hetshard.Program(step, args)
-    assert program.call is not None and program.per_sample_outputs == [1]
-    _kept_whole(step, program, lambda j: _train(j, args, batches), want,
-                "output 1 of the loss holds a value per sample")
-    for k, v in ref_args[2].compute().items():
-        np.testing.assert_allclose(args[2].compute()[k], v, rtol=1e-5)
-    step, args, batches = user_models.make_logits_aux()
-    pinned = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
-    with pytest.raises(hetshard.HetshardError, match="holds a value per sample"):
-        _train(pinned, args, batches)
+    assert program.call is not None and program.per_sample_outputs == {1: 0}
+    assert program.sample_coupling is None
+    cluster = Cluster.load(CLUSTER)
+    shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
+                                   (("data", 2),)),), n, 1, n // 2)
+                   for devs, gpu, n in (((0, 1), "H100-80GB", 6), ((4, 5), "V100-32GB", 2)))
+    for plan in (_two_stage_plan(program),
+                 Plan(program.name, cluster.to_dict(), 8, program.seq_len, shares,
+                      dtype=program.dtype, attention="reference")):
+        step, args, batches = user_models.make_logits_aux()
+        jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+        got = _train(jitted, args, batches)
+        assert len(jitted.plan.pipelines) * len(jitted.plan.pipelines[0].stages) == 2
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for k, v in ref_args[2].compute().items():  # accuracy from the joined logits
+            np.testing.assert_allclose(args[2].compute()[k], v, rtol=1e-5)
 
 
 def _loss_and_model(tx=None):

@@ -474,12 +474,12 @@ class Program:
         return jax.jit(counts), used
 
     @functools.cached_property
-    def per_sample_outputs(self) -> list[int]:
+    def per_sample_outputs(self) -> dict[int, int]:
         """Outputs of the loss (flat: the value, then the aux leaves) that keep a value
-        per sample (logits returned as aux): no plan that cuts the batch can return
-        them."""
+        per sample (logits returned as aux), each with its samples' axis: plans that cut
+        the batch concatenate their pieces along it, in the batch's order."""
         if self.call is None:
-            return []
+            return {}
         closed, _ = self.loss_jaxpr(2)
         ns = len(self.state_avals)
         return per_sample_outputs(closed, range(ns, len(closed.jaxpr.invars)))
@@ -619,8 +619,16 @@ class Program:
         loss call, and any other), traced once."""
         if getattr(self, "_update_traced", None) is None:
             closed, shape = self.loss_jaxpr(2)
-            loss_avals = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                                      shape)
+            # the loss's outputs as the update sees them: the whole batch's (a per-sample
+            # output joined from the pieces)
+            leaves, tree = jax.tree.flatten(shape)
+            sized = []
+            for k, s in enumerate(leaves):
+                dims = list(s.shape)
+                if k in self.per_sample_outputs:
+                    dims[self.per_sample_outputs[k]] = self.global_batch
+                sized.append(jax.ShapeDtypeStruct(tuple(dims), s.dtype))
+            loss_avals = jax.tree.unflatten(tree, sized)
             seen: list = []
             self._update_seen = seen
 

@@ -73,11 +73,6 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     if why:
         return why
     for k, o in enumerate(outs):
-        if isinstance(o, int):
-            return (f"output {k} of the loss holds a value per sample (per-sample values "
-                    f"such as logits returned as aux: each piece of a cut batch would "
-                    f"return only its own; return means over the batch, or reduce the "
-                    f"metric inside the loss, to let the batch be cut)")
         if isinstance(o, tuple) and o[1] == "curved":
             return (f"output {k} of the loss puts values reduced over the batch through a "
                     f"non-linear function{o[2]} (a product of two batch means, as a "
@@ -93,14 +88,15 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     return None
 
 
-def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> list[int]:
-    """The outputs of ``closed`` that hold a value per sample (a batch axis), where the
-    analysis can tell: a cut batch cannot even give them their shape."""
+def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> dict[int, int]:
+    """The outputs of ``closed`` that hold a value per sample (logits returned as aux),
+    each with its samples' axis, where the analysis can tell: a cut batch's pieces are
+    concatenated along it, in the batch's order."""
     try:
         outs, why = _relations(closed, batch_inputs)[:2]
     except _Unknown:
-        return []
-    return [] if why else [k for k, o in enumerate(outs) if isinstance(o, int)]
+        return {}
+    return {} if why else {k: o for k, o in enumerate(outs) if isinstance(o, int)}
 
 
 def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> list[bool]:

@@ -165,13 +165,10 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
             f"in another dtype need a step whose loss call hetshard sees "
             f"(it scales the loss), and {program.call_error}")
     cuts = multi_stage or len(plan.pipelines) > 1
-    if cuts and program.per_sample_outputs:
-        raise PlanNotExecutableError(
-            f"this plan cuts the batch into pieces (micro-batches, batch shares), and "
-            f"{program.sample_coupling}; plan with max_stages=1 and max_pipelines=1")
     if cuts:
         # traced now, not between a step's tasks
         program.summed_outputs, program.normalized_outputs  # noqa: B018
+        program.per_sample_outputs  # noqa: B018
         program.update_batch_reads  # noqa: B018
     why = program.sample_coupling if cuts else None
     if why and why not in guard.warned:
@@ -321,23 +318,29 @@ class SharesStep:
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient
         # (``Program.piece_weights``: a loss output that sums over the samples adds its
         # pieces, and a summed loss's gradients; a masked mean's weigh their shares of
-        # its count; an integer output that does not sum is the first share's).
+        # its count; an integer output that does not sum is the first share's; a
+        # per-sample output's pieces are concatenated in the batch's order).
         home = NamedSharding(self.shares[0].mesh, PartitionSpec())
-        summed = program.summed_outputs
+        summed, per_sample = program.summed_outputs, program.per_sample_outputs
         bounds = np.cumsum([0] + [s.size for s in self.shares])
         weights = program.piece_weights(jax.tree.leaves(batch),
                                         list(zip(bounds[:-1], bounds[1:], strict=True)))
-        combined = None
+        values = grads = tree = None
         for res, w in zip(results, weights, strict=True):
-            value, grads = jax.device_put(res, home)
+            value, g = jax.device_put(res, home)
             leaves, tree = jax.tree.flatten(value)
-            leaves = [x if summed and summed[k] else
+            leaves = [x if (summed and summed[k]) or k in per_sample else
                       (x * float(w[k]) if jnp.issubdtype(x.dtype, jnp.inexact) else
-                       (x if combined is None else jnp.zeros_like(x)))
+                       (x if values is None else jnp.zeros_like(x)))
                       for k, x in enumerate(leaves)]
-            gw = float(w[0])
-            term = (jax.tree.unflatten(tree, leaves), jax.tree.map(lambda g, w=gw: g * w, grads))
-            combined = term if combined is None else jax.tree.map(jnp.add, combined, term)
+            g = jax.tree.map(lambda a, w=float(w[0]): a * w, g)
+            if values is None:
+                values, grads = leaves, g
+                continue
+            values = [jnp.concatenate([a, x], axis=per_sample[k]) if k in per_sample
+                      else a + x for k, (a, x) in enumerate(zip(values, leaves, strict=True))]
+            grads = jax.tree.map(jnp.add, grads, g)
+        combined = (jax.tree.unflatten(tree, values), grads)
         reads = [replicated(leaf, self.shares[0].mesh) for i, leaf in
                  enumerate(jax.tree.leaves(batch)) if i in set(program.update_batch_reads)]
         out, new_state = self.apply(states[0], reads, combined)

@@ -45,7 +45,6 @@ class _Update:
 
     shared: set[int]
     comps: list[list[int]]
-    batch_problem: str | None
     output_problem: str | None
 
 
@@ -55,13 +54,10 @@ def _update_flow(deps, n_out: int, ns: int, grad_index, nl: int, nb: int, paths)
     (``nl``) and batch (``nb``) leaves, in that order."""
     ng = len(grad_index)
     grad_of = {ns + k: grad_index[k] for k in range(ng)}
-    batch_inputs = set(range(ns + ng + nl, ns + ng + nl + nb))
-    loss_inputs = set(range(ns + ng, ns + ng + nl))
+    # The loss's outputs and the batch's leaves the update reads reach every stage whole
+    # (``Program.update_batch_reads``): what reads only them and shared state is shared.
+    given = set(range(ns + ng, ns + ng + nl + nb))
     new = deps[n_out:]
-    batch_problem = next((
-        f"the step updates {paths[i]} from the batch outside hetshard.value_and_grad; "
-        f"pipeline plans need the batch used only by the loss"
-        for i, d in enumerate(new) if d & batch_inputs), None)
     shared = {i for i, d in enumerate(new) if not (d & set(grad_of))}
     changed = True
     while changed:
@@ -72,7 +68,7 @@ def _update_flow(deps, n_out: int, ns: int, grad_index, nl: int, nb: int, paths)
                 changed = True
     output_problem = None
     for k, d in enumerate(deps[:n_out]):
-        bad = [j for j in d if not (j in loss_inputs or (j < ns and j in shared))]
+        bad = [j for j in d if not (j in given or (j < ns and j in shared))]
         if bad:
             output_problem = (
                 f"output {k} of the step reads {_input_name(paths, bad[0], ns, grad_of)} "
@@ -93,7 +89,7 @@ def _update_flow(deps, n_out: int, ns: int, grad_index, nl: int, nb: int, paths)
     for i in range(ns):
         if i not in shared:
             comps.setdefault(uf.find(i), []).append(i)
-    return _Update(shared, list(comps.values()), batch_problem, output_problem)
+    return _Update(shared, list(comps.values()), output_problem)
 
 
 def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, diff,
@@ -110,8 +106,6 @@ def ownership(apply, state_avals, grad_index, loss_avals, batch_avals, paths, di
         raise PipelineSetupError("the step changes the structure of its state")
     ns, nl, nb = len(state_avals), len(loss_avals), len(batch_avals)
     flow = _update_flow(output_dependencies(traced), n_out, ns, grad_index, nl, nb, paths)
-    if flow.batch_problem:
-        raise PipelineSetupError(flow.batch_problem)
     staged = any(len(split.stages) > 1 for split in splits)
     try:
         if flow.output_problem and staged:
@@ -181,9 +175,10 @@ def pipeline_obstacle(program) -> tuple[str, bool] | None:
     plans with several (single-stage) pipelines cannot either; None when both can. Its
     update couples parameters that different layers read through more than a few
     scalars (a global-norm clip is fine: the stages trade the norm), or it returns such
-    a value of several layers' gradients: single-stage pipelines only. It updates state
-    from the batch outside the loss, or its loss mixes samples (batch statistics; see
-    ``hetshard.ir.samples``): one pipeline only, which runs the batch whole. Checked on
+    a value of several layers' gradients: single-stage pipelines only. Its loss mixes
+    samples (batch statistics; see ``hetshard.ir.samples``): one pipeline only, which
+    runs the batch whole. (State the update computes from the batch, metrics of the
+    labels, is computed from the whole batch on the stage that owns it.) Checked on
     the program before planning, so that the planner keeps to plans that run it."""
     if program.call is None:
         return None  # such steps are planned single-stage already
@@ -210,8 +205,6 @@ def pipeline_obstacle(program) -> tuple[str, bool] | None:
         return _update_flow(deps, n_out, ns, program.diff, nl, nb, program.paths)
 
     flow = flow_of(None)
-    if flow.batch_problem:
-        return flow.batch_problem, True
     layer_of: dict[int, int] = {}
     for k, leaves in enumerate(program.layer_params(2)):
         for i in leaves:

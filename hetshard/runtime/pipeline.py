@@ -113,6 +113,8 @@ class PipelineRunner:
         self.grad_index = list(program.diff)
         # the loss outputs that sum over the samples: their pieces add (not averaged)
         self.summed = program.summed_outputs
+        # the loss outputs holding a value per sample: their pieces are concatenated
+        self.per_sample = program.per_sample_outputs
         program.normalized_outputs, program.update_batch_reads  # noqa: B018 (traced now)
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
@@ -200,11 +202,22 @@ class PipelineRunner:
         leaves = [next(it) if x is None else x for x in leaves]
         return jax.tree.unflatten(tree, leaves)
 
+    def out_avals(self, avals, samples: int) -> list:
+        """The loss outputs' ``avals`` for ``samples`` samples: a per-sample output's
+        samples' axis that long, the others as they are."""
+        out = []
+        for k, a in enumerate(avals):
+            shape = list(a.shape)
+            if k in self.per_sample:
+                shape[self.per_sample[k]] = samples
+            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
+        return out
+
     def _ownership(self):
         """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
         self._loss_tree = self.splits[0].out_tree
-        self.loss_out_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                               for v in self.splits[0].closed.jaxpr.outvars]
+        self.loss_out_avals = self.out_avals(
+            [v.aval for v in self.splits[0].closed.jaxpr.outvars], self.global_batch)
         found = ownership(self._apply_fn(), self.state_avals, self.grad_index,
                           self.loss_out_avals, self.batch_avals, self.paths, self.diff,
                           self.splits)
@@ -508,16 +521,19 @@ class PipelineRunner:
     def _combine_losses(self, losses):
         """The loss outputs summed over pipelines, on pipeline 0's loss stage (None in a
         process without it)."""
-        avals, home = self.loss_out_avals, self._loss_home(0)
+        home, n = self._loss_home(0), len(self.loss_out_avals)
         total = list(losses[0]) if here(home) else None
         for pi in range(1, len(losses)):
             src = self._loss_home(pi)
             if not takes_part(src, home):
                 continue
+            avals = self.out_avals(self.loss_out_avals, self.plan.pipelines[pi].batch_share)
             moved = transfer(list(losses[pi]) if here(src) else None, avals,
-                             [src] * len(avals), [home] * len(avals))
-            if total is not None:
-                total = [stage_fns.add(a, b) for a, b in zip(total, moved, strict=True)]
+                             [src] * n, [home] * n)
+            if total is not None:  # (the pipelines hold the batch's shares in order)
+                total = [stage_fns.joined([a, b], self.per_sample[k], home)
+                         if k in self.per_sample else stage_fns.add(a, b)
+                         for k, (a, b) in enumerate(zip(total, moved, strict=True))]
         return total
 
     def _loss_to(self, loss, mesh):

@@ -4,6 +4,8 @@ W passes), and the accumulation of gradients and losses over micro-batches."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -137,6 +139,17 @@ def add(a, b):
 def _weighted(acc, x, w):  # (w traced: a masked mean's weights change every step)
     x = x * jnp.asarray(w, x.dtype)
     return x if acc is None else acc + x
+
+
+@functools.lru_cache(maxsize=64)
+def _joiner(axis: int, sharding):
+    return jax.jit(lambda *xs: jnp.concatenate(xs, axis), out_shardings=sharding)
+
+
+def joined(parts, axis: int, sharding):
+    """``parts`` (a per-sample loss output's pieces, in the batch's order) concatenated
+    along their samples' ``axis``, laid out as ``sharding``."""
+    return _joiner(axis, sharding)(*parts)
 
 
 def accumulate(acc, x, w, summed: bool = False):

@@ -153,7 +153,9 @@ class PipelineWalk:
         for j, (v, x) in enumerate(zip(st.sends, outs, strict=True)):
             if unread.get(v):
                 values[v] = x
-            if j in st.outputs:
+            if j in st.outputs and st.outputs[j] in self.runner.per_sample:
+                self.loss_acc.setdefault(st.outputs[j], []).append(x)  # joined after
+            elif j in st.outputs:
                 pos = st.outputs[j]
                 summed = bool(self.summed and self.summed[pos])
                 self.loss_acc[pos] = stage_fns.accumulate(
@@ -233,9 +235,16 @@ class PipelineWalk:
         """The loss outputs, every one moved to the loss stage (some may be computed
         before it)."""
         runs, runner = self.runs, self.runner
-        avals, loss_stage = runner.loss_out_avals, runner.loss_stage[self.pi]
+        avals = runner.out_avals(runner.loss_out_avals, self.pipeline.batch_share)
+        loss_stage = runner.loss_stage[self.pi]
         outputs = [self.loss_acc.get(k) for k in range(len(avals))]
         home = NamedSharding(runs[loss_stage].mesh, PartitionSpec())
+        for st in self.stages:
+            for k in set(st.outputs.values()) & set(runner.per_sample):
+                if outputs[k] is not None:  # the micro-batches' pieces, in their order
+                    outputs[k] = stage_fns.joined(
+                        outputs[k], runner.per_sample[k],
+                        NamedSharding(runs[st.index].mesh, PartitionSpec()))
         for st in self.stages:
             if st.index == loss_stage or not st.outputs:
                 continue
