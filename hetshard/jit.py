@@ -42,7 +42,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.program import Program, check_batch, path_string
+from hetshard.ir.program import Program, batch_positions, check_batch, path_string
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
@@ -107,13 +107,14 @@ def _raised_in_user_code(e: BaseException) -> bool:
     return False
 
 
-def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: int | None
-         = None, calibration=None, **planner_options) -> Plan:
+def plan(step, *args, cluster, batch_argnum: int | tuple[int, ...] | None = None,
+         global_batch: int | None = None, calibration=None, **planner_options) -> Plan:
     """The plan ``hetshard.jit`` would run ``step(*args)`` with on ``cluster``.
 
     ``args`` are the step's arguments (NNX objects or pytrees, shape-only ones included:
     ``nnx.eval_shape``/``jax.ShapeDtypeStruct``, so a 175B model plans without weights);
-    the batch is ``args[batch_argnum]`` (default: the last), and ``global_batch``
+    the batch is ``args[batch_argnum]`` (as ``hetshard.jit``'s ``batch_argnums``), and
+    ``global_batch``
     defaults to its leading size. ``planner_options`` are ``PlannerOptions`` fields.
 
     Raises:
@@ -121,9 +122,11 @@ def plan(step, *args, cluster, batch_argnum: int | None = None, global_batch: in
       NoFeasiblePlanError: nothing fits the cluster.
     """
     options = PlannerOptions.from_fields(planner_options, "hetshard.plan")
-    with no_ambient_mesh(), _tracing(step, args[-1 if batch_argnum is None else
-                                              batch_argnum] if args else None,
-                                      "hetshard.plan"):
+    batch = None
+    if args:
+        batch = [args[i] for i in batch_positions(args, batch_argnum, "hetshard.plan")]
+        batch = batch[0] if len(batch) == 1 else tuple(batch)
+    with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
         program = Program(step, args, batch_argnum=batch_argnum)
         options, why = _restricted(options, program)
         if why:
@@ -166,7 +169,8 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
     return options, why
 
 
-def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int | None = None,
+def jit(fn=None, *, cluster, global_batch: int | None = None,
+        batch_argnums: int | tuple[int, ...] | None = None,
         plan: Plan | str | None = None, nan_policy: str = "skip",
         loss_output: str | int | None = None, quiet: bool = False, elastic: bool = False,
         **planner_options):
@@ -176,7 +180,10 @@ def jit(fn=None, *, cluster, global_batch: int | None = None, batch_argnums: int
       cluster: a Cluster, preset name, spec path or dict; its GPUs are bound to the JAX
         devices (fake CPU devices stand in for them on CPU).
       global_batch: expected leading batch size (checked on every call).
-      batch_argnums: index of the batch argument (default: the last positional one).
+      batch_argnums: index of the batch argument, or a tuple of them (several arguments
+        make one batch). Default: the last positional argument, with the plain arrays
+        just before it that share its leading size when it is a plain array itself
+        (``step(model, optimizer, x, y)``).
       plan: a Plan or a plan JSON path; skips planning (and pins the shapes).
       nan_policy: what a step with a non-finite loss or gradient does: "skip" (default:
         a warning, and the update is not applied: NNX state is left as it was, a pytree
@@ -339,19 +346,17 @@ class HetshardJit:
     def _prepare(self, args):
         """(compiled entry, non-batch arguments, batch) for ``args``: planned and
         compiled on the first call with their shapes."""
-        idx = self._batch_index(args)
-        batch = untyped(args[idx])
-        args = (*args[:idx], batch, *args[idx + 1:])
+        pos, batch, others = self._split_args(args)
+        args = self._with_untyped(args, pos)
         size = check_batch(batch)
         if self.global_batch is not None and size != self.global_batch:
             raise SpecError("batch", f"leading dimension {size}",
                             f"global_batch={self.global_batch}", where="hetshard.jit")
-        others = tuple(a for i, a in enumerate(args) if i != idx)
         sig = _signature(args)
         entry = self._compiled.get(sig)
         if entry is None:
             with _tracing(self.fn, batch, "hetshard.jit"):
-                program = Program(self.fn, args, batch_argnum=idx)
+                program = Program(self.fn, args, batch_argnum=pos)
                 if self.guard.loss_output is not None:  # a wrong path: refused before planning
                     find_loss(program.output_shape, self.guard.loss_output)
                 plan = self._plan_for(program, size)
@@ -382,28 +387,29 @@ class HetshardJit:
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
     # ---- a step assembled from micro-steps of other shapes (hetshard.data) --------------
-    def _batch_index(self, args) -> int:
-        idx = len(args) - 1 if self.batch_argnums is None else self.batch_argnums
-        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
-                args):
-            raise SpecError("batch_argnums", idx, f"an argument index below {len(args)}",
-                            where="hetshard.jit")
-        return idx % len(args)
-
     def _split_args(self, args):
-        idx = self._batch_index(args)
-        batch = untyped(args[idx])
-        return idx, batch, tuple(a for i, a in enumerate(args) if i != idx)
+        """(the batch's positions among ``args``, the batch, the other arguments)."""
+        if not args:
+            raise SpecError("args", "()", "the step's arguments, the batch among them",
+                            where="hetshard.jit")
+        pos = batch_positions(args, self.batch_argnums)
+        batch = [untyped(args[i]) for i in pos]
+        return (pos, batch[0] if len(pos) == 1 else tuple(batch),
+                tuple(a for i, a in enumerate(args) if i not in pos))
+
+    @staticmethod
+    def _with_untyped(args, pos) -> tuple:
+        return tuple(untyped(a) if i in pos else a for i, a in enumerate(args))
 
     def program_for(self, *args) -> Program:
         """The traced step for arguments of these shapes (cached by their signature)."""
         sig = _signature(args)
         got = self._programs.get(sig)
         if got is None:
-            idx, batch, _ = self._split_args(args)
-            args = (*args[:idx], batch, *args[idx + 1:])
+            pos, batch, _ = self._split_args(args)
+            args = self._with_untyped(args, pos)
             with _tracing(self.fn, batch, "hetshard.jit"):
-                got = Program(self.fn, args, batch_argnum=idx)
+                got = Program(self.fn, args, batch_argnum=pos)
             if got.call is None:
                 raise PlanNotExecutableError(
                     f"micro-steps need a step whose loss call hetshard sees, and "

@@ -864,6 +864,48 @@ def test_a_sum_plus_a_penalty_keeps_the_batch_whole():
                 "output 0 of the loss adds a sum over the samples")
 
 
+def _xy_step(model, optimizer, tokens, targets):
+    """The transformer's step with its batch as two arguments."""
+    loss, grads = nnx.value_and_grad(
+        lambda m, x, y: user_models.lm_loss(m, {"tokens": x, "targets": y}))(
+            model, tokens, targets)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_a_batch_given_as_several_arguments_is_one_batch():
+    """``step(model, optimizer, tokens, targets)``: the plain arrays before the last
+    argument that share its leading size are the batch with it (or ``batch_argnums``
+    names them). Before, only the last argument was cut and the step failed inside JAX
+    on mismatched shapes. Under the planner's plan, a 2-stage pipeline and two batch
+    shares it trains equal to nnx.jit; an index that is no argument's is refused."""
+    def run(jitted):
+        args, batches = _loss_and_model()
+        out = []
+        for i in range(3):
+            b = batches[i % len(batches)]
+            out.append(float(jitted(*args[:2], b["tokens"], b["targets"])))
+        return out
+    want = run(nnx.jit(_xy_step))
+    args, batches = _loss_and_model()
+    xy = (*args[:2], batches[0]["tokens"], batches[0]["targets"])
+    program = hetshard.Program(_xy_step, xy)
+    assert program.batch_positions == (2, 3) and program.call is not None
+    assert hetshard.Program(_xy_step, xy, batch_argnum=(-1, 2)).batch_positions == (2, 3)
+    cluster = Cluster.load(CLUSTER)
+    shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
+                                   (("data", 2),)),), 4, 2, 1)
+                   for devs, gpu in (((0, 1), "H100-80GB"), ((4, 5), "V100-32GB")))
+    for plan in (None, _two_stage_plan(program),
+                 Plan(program.name, cluster.to_dict(), 8, program.seq_len, shares,
+                      dtype=program.dtype, attention="reference")):
+        got = run(hetshard.jit(_xy_step, cluster=CLUSTER, plan=plan, quiet=True))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    for bad in (4, (2, "3"), (), (0, 1, 2, 3)):
+        with pytest.raises(hetshard.SpecError, match="batch_argnums"):
+            run(hetshard.jit(_xy_step, cluster=CLUSTER, batch_argnums=bad, quiet=True))
+
+
 def _load_balanced_step():
     """The transformer's cross-entropy plus a mixture-of-experts-style load-balancing
     loss on a router over its first 4 logits: the fraction of tokens routed to each

@@ -91,12 +91,49 @@ def check_batch(batch, where: str = "hetshard.jit") -> int:
     return size
 
 
+def _leading(x) -> int | None:
+    """The leading size of a plain array argument (None for anything else: an NNX
+    object, a pytree, a scalar)."""
+    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and len(x.shape):
+        return int(x.shape[0])
+    return None
+
+
+def batch_positions(args, batch_argnums, where: str = "hetshard.jit") -> tuple[int, ...]:
+    """The positions of the batch among the step's ``args``: ``batch_argnums`` (an index
+    or a tuple of them), or by default the last argument together with the plain
+    arrays just before it that share its leading size, when it is a plain array itself
+    (``step(model, optimizer, x, y)``).
+
+    Raises:
+      SpecError: an index that is not one of the arguments', or none at all.
+    """
+    n = len(args)
+    if batch_argnums is None:
+        pos = [n - 1]
+        lead = _leading(args[-1])
+        while lead is not None and pos[0] > 0 and _leading(args[pos[0] - 1]) == lead:
+            pos.insert(0, pos[0] - 1)
+        return tuple(pos)
+    given = batch_argnums if isinstance(batch_argnums, (tuple, list)) else (batch_argnums,)
+    if not given or any(isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n
+                        for i in given):
+        raise SpecError("batch_argnums", batch_argnums,
+                        f"an argument index below {n}, or a tuple of them", where=where)
+    pos = sorted({i % n for i in given})
+    if len(pos) == n:
+        raise SpecError("batch_argnums", batch_argnums,
+                        "indices leaving the step's state among its arguments", where=where)
+    return tuple(pos)
+
+
 class Program:
     """A train step with one call's arguments (see the module docstring).
 
     Args:
       step: the train step, ``step(*args)``.
-      args: its arguments; ``args[batch_argnum]`` is the batch (default: the last).
+      args: its arguments; ``args[batch_argnum]`` is the batch (an index or a tuple of
+        them: several arguments make one batch; default: ``batch_positions``).
       name: a label for plans and tables (default: the step's qualified name).
 
     Raises:
@@ -111,17 +148,12 @@ class Program:
         if not args:
             raise SpecError("args", "()", "the step's arguments, the batch among them",
                             where="hetshard.plan")
-        idx = len(args) - 1 if batch_argnum is None else batch_argnum
-        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(args) <= idx < len(
-                args):
-            raise SpecError("batch_argnums", batch_argnum,
-                            f"an argument index below {len(args)}", where="hetshard.jit")
+        self.batch_positions = batch_positions(args, batch_argnum)
         self.step = user_step(step)
-        self.batch_index = idx % len(args)
         self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
-        batch = args[self.batch_index]
+        batch = self.batch_of(args)
         self.global_batch = check_batch(batch)
-        others = tuple(a for i, a in enumerate(args) if i != self.batch_index)
+        others = tuple(a for i, a in enumerate(args) if i not in self.batch_positions)
         self.kind = "nnx" if any(is_graph(a) for a in others) else "tree"
         if self.kind == "nnx":
             self.graphdef, state = nnx.split(others)
@@ -161,13 +193,29 @@ class Program:
         """Batch leaf avals with ``mbs`` samples."""
         return [jax.ShapeDtypeStruct((mbs, *a.shape[1:]), a.dtype) for a in self.batch_avals]
 
+    def batch_of(self, args):
+        """The batch among the step's ``args``: the argument, or the tuple of them."""
+        pos = self.batch_positions
+        return args[pos[0]] if len(pos) == 1 else tuple(args[i] for i in pos)
+
+    def with_batch(self, objs: list, batch) -> list:
+        """``objs`` (the step's other arguments) with ``batch`` put at its positions."""
+        pos = self.batch_positions
+        for i, b in zip(pos, (batch,) if len(pos) == 1 else batch, strict=True):
+            objs.insert(i, b)
+        return objs
+
+    def without_batch(self, objs: list) -> list:
+        for i in reversed(self.batch_positions):
+            del objs[i]
+        return objs
+
     def call_step(self, state_leaves, batch_leaves):
         """``step(*args)`` on flat leaves; returns (output, the objects after the step)."""
         objs = self.merge(state_leaves)
-        objs.insert(self.batch_index, jax.tree.unflatten(self.batch_tree, list(batch_leaves)))
-        out = self.step(*objs)
-        del objs[self.batch_index]
-        return out, objs
+        out = self.step(*self.with_batch(
+            objs, jax.tree.unflatten(self.batch_tree, list(batch_leaves))))
+        return out, self.without_batch(objs)
 
     def _record(self) -> LossCall | None:
         """The step's one loss call (``hetshard.value_and_grad``, or the plain
@@ -181,8 +229,7 @@ class Program:
             with entered(mode="record", record_args=tuple(objs),
                          record_state=tuple(state_leaves), record_batch=batch,
                          calls=seen):
-                objs.insert(self.batch_index, batch)
-                self.step(*objs)
+                self.step(*self.with_batch(objs, batch))
 
         self.call_error = ("it differentiates no loss with hetshard.value_and_grad or "
                            "nnx/jax value_and_grad or grad called in the step")
@@ -218,9 +265,8 @@ class Program:
         batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
         with entered(mode="record", record_args=tuple(objs),
                      record_state=tuple(state_leaves), record_batch=batch, calls=[]):
-            objs.insert(self.batch_index, batch)
             try:
-                self.step(*objs)
+                self.step(*self.with_batch(objs, batch))
             except Recorded as rec:
                 return rec
         raise LossCallError("the step did not reach its loss call on this trace (it "

@@ -482,10 +482,8 @@ def call_step(program: Program, state, batch):
         objs = list(nnx.merge(program.graphdef, state))
     else:
         objs = list(state)
-    objs.insert(program.batch_index, batch)
-    out = program.step(*objs)
-    del objs[program.batch_index]
-    return out, objs
+    out = program.step(*program.with_batch(objs, batch))
+    return out, program.without_batch(objs)
 
 
 # ---- the loss among the outputs -----------------------------------------------------------
