@@ -181,7 +181,8 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
         devices (fake CPU devices stand in for them on CPU).
       global_batch: expected leading batch size (checked on every call).
       batch_argnums: index of the batch argument, or a tuple of them (several arguments
-        make one batch). Default: the last positional argument, with the plain arrays
+        make one batch). Default: the last positional argument that is not a scalar (a
+        trailing RNG key or step counter is skipped), with the plain arrays
         just before it that share its leading size when it is a plain array itself
         (``step(model, optimizer, x, y)``).
       plan: a Plan or a plan JSON path; skips planning (and pins the shapes).

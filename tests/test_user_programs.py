@@ -892,6 +892,10 @@ def test_a_batch_given_as_several_arguments_is_one_batch():
     program = hetshard.Program(_xy_step, xy)
     assert program.batch_positions == (2, 3) and program.call is not None
     assert hetshard.Program(_xy_step, xy, batch_argnum=(-1, 2)).batch_positions == (2, 3)
+    # A scalar after the batch (a step's RNG key or counter) is not the batch.
+    from hetshard.ir.program import batch_positions
+    assert batch_positions((*xy, jax.random.key(0), 7), None) == (2, 3)
+    assert batch_positions((*args, jax.random.key(0)), None) == (2,)
     cluster = Cluster.load(CLUSTER)
     shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
                                    (("data", 2),)),), 4, 2, 1)

@@ -99,19 +99,27 @@ def _leading(x) -> int | None:
     return None
 
 
+def _scalar(x) -> bool:
+    return isinstance(x, (int, float, jax.Array, np.ndarray, np.generic,
+                          jax.ShapeDtypeStruct)) and not len(np.shape(x))
+
+
 def batch_positions(args, batch_argnums, where: str = "hetshard.jit") -> tuple[int, ...]:
     """The positions of the batch among the step's ``args``: ``batch_argnums`` (an index
-    or a tuple of them), or by default the last argument together with the plain
-    arrays just before it that share its leading size, when it is a plain array itself
-    (``step(model, optimizer, x, y)``).
+    or a tuple of them), or by default the last argument that is not a scalar (an RNG
+    key, a step counter) together with the plain arrays just before it that share its
+    leading size, when it is a plain array itself (``step(model, optimizer, x, y)``).
 
     Raises:
       SpecError: an index that is not one of the arguments', or none at all.
     """
     n = len(args)
     if batch_argnums is None:
-        pos = [n - 1]
-        lead = _leading(args[-1])
+        last = n - 1  # (a scalar after the batch, a step's RNG key or counter, is not it)
+        while last > 0 and _scalar(args[last]):
+            last -= 1
+        pos = [last]
+        lead = _leading(args[last])
         while lead is not None and pos[0] > 0 and _leading(args[pos[0] - 1]) == lead:
             pos.insert(0, pos[0] - 1)
         return tuple(pos)
