@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from hetshard.ir.samples import (
     batch_shaped_draw,
@@ -82,6 +83,16 @@ def _max_metric(w, x):
     return jnp.mean(y ** 2), jnp.max(y)
 
 
+def _pooled(w, x):
+    h = (x @ w)[..., None]  # [B, S, D, 1]: pooled over the sequence and features
+    return jnp.mean(nnx.max_pool(nnx.avg_pool(h, (2, 2), (2, 2)), (3, 2), (3, 2)))
+
+
+def _pooled_over_samples(w, x):
+    return jnp.mean(jax.lax.reduce_window(x @ w, 0.0, jax.lax.add, (2, 1, 1), (1, 1, 1),
+                                          "VALID"))
+
+
 def _loop_over_samples(w, x):
     def body(i, acc):
         return 0.5 * acc + jnp.sum(x[i] @ w)  # sequential across samples
@@ -89,6 +100,7 @@ def _loop_over_samples(w, x):
 
 
 @pytest.mark.parametrize("loss, batch", [(_per_token_mean, (X,)), (_merged_rows, (X,)),
+                                         (_pooled, (X,)),
                                          (_masked_mean, (X, M)),
                                          (_per_token_normalised, (X, M))])
 def test_losses_that_treat_samples_one_by_one_pass(loss, batch):
@@ -96,7 +108,7 @@ def test_losses_that_treat_samples_one_by_one_pass(loss, batch):
 
 
 @pytest.mark.parametrize("loss", [_batch_statistics, _in_batch_negatives, _running_sum,
-                                  _first_sample, _softmax_over_batch,
+                                  _first_sample, _softmax_over_batch, _pooled_over_samples,
                                   _scaled_by_activations])
 def test_losses_that_mix_samples_are_named(loss):
     why = _coupling(loss, X)

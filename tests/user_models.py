@@ -455,3 +455,51 @@ def by_name_helper_step(model, optimizer, batch):
     value, grads = _by_name_grads(model, batch)
     optimizer.update(model, grads)
     return value
+
+
+# ---- Flax's MNIST tutorial: a pooling CNN, the logits as aux, train and eval steps -----
+
+class PoolingCNN(nnx.Module):
+    """The tutorial's CNN (convolutions, average pooling, two dense layers), smaller."""
+
+    def __init__(self, rngs, classes=10):
+        self.conv1 = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, kernel_size=(3, 3), rngs=rngs)
+        self.linear1 = nnx.Linear(8 * 4 * 4, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.avg_pool(nnx.relu(self.conv1(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.max_pool(nnx.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[0], -1)
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def mnist_loss(model, batch):
+    logits = model(batch["image"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits, labels=batch["label"]).mean()
+    return loss, logits
+
+
+def mnist_train_step(model, optimizer, metrics, batch):
+    grad_fn = nnx.value_and_grad(mnist_loss, has_aux=True)
+    (loss, logits), grads = grad_fn(model, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def mnist_eval_step(model, metrics, batch):
+    loss, logits = mnist_loss(model, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+
+def make_mnist(seed=0):
+    """(model, optimizer, metrics, batches) as the tutorial builds them."""
+    model = PoolingCNN(nnx.Rngs(seed))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                              loss=nnx.metrics.Average("loss"))
+    rng = np.random.default_rng(seed)
+    batches = [{"image": b["images"], "label": b["labels"]} for b in _image_batches(rng)]
+    return model, opt, metrics, batches

@@ -531,12 +531,25 @@ class Program:
     def per_sample_outputs(self) -> dict[int, int]:
         """Outputs of the loss (flat: the value, then the aux leaves) that keep a value
         per sample (logits returned as aux), each with its samples' axis: plans that cut
-        the batch concatenate their pieces along it, in the batch's order."""
+        the batch concatenate their pieces along it, in the batch's order. Where the
+        analysis (``hetshard.ir.samples``) cannot follow the loss, the outputs whose
+        shape follows the batch size (traced at 2 and 4 samples)."""
         if self.call is None:
             return {}
         closed, _ = self.loss_jaxpr(2)
         ns = len(self.state_avals)
-        return per_sample_outputs(closed, range(ns, len(closed.jaxpr.invars)))
+        found = per_sample_outputs(closed, range(ns, len(closed.jaxpr.invars)))
+        if found is not None:
+            return found
+        found = {}
+        twin, _ = self.loss_jaxpr(4)
+        for k, (a, b) in enumerate(zip(closed.jaxpr.outvars, twin.jaxpr.outvars,
+                                       strict=True)):
+            s2, s4 = a.aval.shape, b.aval.shape
+            axes = [d for d in range(len(s2)) if (s2[d], s4[d]) == (2, 4)]
+            if axes and all(s2[d] == s4[d] for d in range(len(s2)) if d != axes[0]):
+                found[k] = axes[0]
+        return found
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:

@@ -53,6 +53,8 @@ _BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and
            "shift_left", "shift_right_logical", "shift_right_arithmetic", "add_any")
 
 
+# Pooling: a reduction over a window of each axis (nnx.avg_pool, nnx.max_pool).
+_WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 # Primitives that only move or copy their operands' elements.
 _MOVES = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice",
           "concatenate", "stack", "copy", "copy_p", "rev", "pad", "dynamic_slice")
@@ -88,15 +90,15 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     return None
 
 
-def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> dict[int, int]:
+def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> dict[int, int] | None:
     """The outputs of ``closed`` that hold a value per sample (logits returned as aux),
-    each with its samples' axis, where the analysis can tell: a cut batch's pieces are
-    concatenated along it, in the batch's order."""
+    each with its samples' axis: a cut batch's pieces are concatenated along it, in the
+    batch's order. None where the analysis cannot tell."""
     try:
         outs, why = _relations(closed, batch_inputs)[:2]
     except _Unknown:
-        return {}
-    return {} if why else {k: o for k, o in enumerate(outs) if isinstance(o, int)}
+        return None
+    return None if why else {k: o for k, o in enumerate(outs) if isinstance(o, int)}
 
 
 def summed_outputs(closed, twin, ratio: float, batch_inputs: Sequence[int]) -> list[bool]:
@@ -321,6 +323,7 @@ _KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient"
          "reduce_precision", "optimization_barrier", "broadcast_in_dim", "reshape",
          "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "rev", "pad",
          "gather", "sharding_constraint", "mesh_cast", "reshard", "pvary", "real", "conj",
+         "reduce_window_sum", "reduce_window_max", "reduce_window_min",
          "reduce_max", "reduce_min", "cummax", "cummin", "sort", "split")
 _SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "stack",
          "rem", "nextafter")
@@ -710,6 +713,13 @@ def _rule(eqn, states: list, state_in: list) -> list:
         return [a]
     if name == "stack":  # a new axis before p["axis"]'s position
         return [a + 1 if p["axis"] <= a else a]
+    if name in _WINDOWS:
+        # pooling: a window of one sample along the samples' axis keeps them apart
+        one = (p["window_dimensions"][a] == 1 and p["window_strides"][a] == 1 and
+               tuple(p["padding"][a]) == (0, 0) and p["base_dilation"][a] == 1)
+        if not one or any(s is not None for s in states[1:]):
+            return [MIXED] * n_out if not one else _raise_unknown(name)
+        return [a] * n_out
     if name == "conv_general_dilated":
         dn = p["dimension_numbers"]
         if states[1] is not None or a != dn.lhs_spec[0]:
@@ -750,6 +760,10 @@ def _curves(name: str, states: list, state_in: list) -> bool:
 def _curved_of(reduced: list):
     """The first ``CURVED`` value among ``reduced`` (what it reaches stays curved)."""
     return next((r for r in reduced if r[1] == "curved"), None)
+
+
+def _raise_unknown(name):
+    raise _Unknown(name)
 
 
 def _dot(eqn, states) -> object:
