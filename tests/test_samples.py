@@ -11,6 +11,7 @@ from hetshard.ir.samples import (
     denominator,
     mixed_power_outputs,
     normalized_outputs,
+    per_sample_outputs,
     sample_coupling,
     summed_outputs,
 )
@@ -88,6 +89,16 @@ def _pooled(w, x):
     return jnp.mean(nnx.max_pool(nnx.avg_pool(h, (2, 2), (2, 2)), (3, 2), (3, 2)))
 
 
+def _routed(w, x):
+    top, _ = jax.lax.top_k(jax.nn.softmax(x @ w, axis=-1), 2)  # a router's top 2 experts
+    padded = jnp.zeros((B, S + 1, 2)).at[:, 1:].set(top)  # x.at[].set into a new array
+    return jnp.mean(padded.at[:, 0].add(1.0))
+
+
+def _top_samples(w, x):
+    return jnp.mean(jax.lax.top_k(jnp.swapaxes(x @ w, 0, 2), 2)[0])  # the 2 top samples
+
+
 def _pooled_over_samples(w, x):
     return jnp.mean(jax.lax.reduce_window(x @ w, 0.0, jax.lax.add, (2, 1, 1), (1, 1, 1),
                                           "VALID"))
@@ -100,15 +111,19 @@ def _loop_over_samples(w, x):
 
 
 @pytest.mark.parametrize("loss, batch", [(_per_token_mean, (X,)), (_merged_rows, (X,)),
-                                         (_pooled, (X,)),
+                                         (_pooled, (X,)), (_routed, (X,)),
                                          (_masked_mean, (X, M)),
                                          (_per_token_normalised, (X, M))])
 def test_losses_that_treat_samples_one_by_one_pass(loss, batch):
     assert _coupling(loss, *batch) is None
+    # the analysis followed every equation (it gives no answer where it cannot)
+    closed = jax.make_jaxpr(loss)(W, *batch)
+    assert per_sample_outputs(closed, range(1, 1 + len(batch))) == {}
 
 
 @pytest.mark.parametrize("loss", [_batch_statistics, _in_batch_negatives, _running_sum,
                                   _first_sample, _softmax_over_batch, _pooled_over_samples,
+                                  _top_samples,
                                   _scaled_by_activations])
 def test_losses_that_mix_samples_are_named(loss):
     why = _coupling(loss, X)

@@ -53,6 +53,9 @@ _BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2", "and
            "shift_left", "shift_right_logical", "shift_right_arithmetic", "add_any")
 
 
+# x.at[idx].set(v) and its kin (operand, indices, updates).
+_SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+             "scatter-min", "scatter_min", "scatter-max", "scatter_max")
 # Pooling: a reduction over a window of each axis (nnx.avg_pool, nnx.max_pool).
 _WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 # Primitives that only move or copy their operands' elements.
@@ -323,7 +326,7 @@ _KEEP = ("neg", "abs", "convert_element_type", "copy", "copy_p", "stop_gradient"
          "reduce_precision", "optimization_barrier", "broadcast_in_dim", "reshape",
          "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "rev", "pad",
          "gather", "sharding_constraint", "mesh_cast", "reshard", "pvary", "real", "conj",
-         "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+         "reduce_window_sum", "reduce_window_max", "reduce_window_min", "top_k",
          "reduce_max", "reduce_min", "cummax", "cummin", "sort", "split")
 _SAME = ("add", "sub", "add_any", "max", "min", "select_n", "clamp", "concatenate", "stack",
          "rem", "nextafter")
@@ -406,6 +409,10 @@ class _Scales:
             value = None if ins[0] is None else ins[0] + (1.0 if outs[0][1] == "sum" else 0.0)
         elif name in _KEEP or name in _REDUCTIONS:
             value = ins[0]
+        elif name in _SCATTERS:  # the operand's and the updates' (not the indices')
+            data = [x for i, x in enumerate(ins) if i != 1 and not literal[i]]
+            value = (None if None in data else MIXED_POWERS if len(set(data)) > 1 or
+                     any(x != x for x in data) else (data[0] if data else 0.0))
         elif name in _SAME:
             data = ins[1:] if name == "select_n" else ins
             lit = literal[1:] if name == "select_n" else literal
@@ -713,6 +720,10 @@ def _rule(eqn, states: list, state_in: list) -> list:
         return [a]
     if name == "stack":  # a new axis before p["axis"]'s position
         return [a + 1 if p["axis"] <= a else a]
+    if name == "top_k":  # the k largest along one axis: of each sample unless it is theirs
+        return [MIXED if p.get("axis", len(_shape(eqn.invars[0])) - 1) == a else a] * n_out
+    if name in _SCATTERS:
+        return [_scatter(eqn, states)]
     if name in _WINDOWS:
         # pooling: a window of one sample along the samples' axis keeps them apart
         one = (p["window_dimensions"][a] == 1 and p["window_strides"][a] == 1 and
@@ -760,6 +771,28 @@ def _curves(name: str, states: list, state_in: list) -> bool:
 def _curved_of(reduced: list):
     """The first ``CURVED`` value among ``reduced`` (what it reaches stays curved)."""
     return next((r for r in reduced if r[1] == "curved"), None)
+
+
+def _scatter(eqn, states) -> object:
+    """``x.at[idx].set(v)`` and its kin: the samples' axis of the result, where the
+    indices read no sample and the samples' axis is one the scatter keeps whole (a
+    window dimension), in the operand, the updates or both alike."""
+    op, idx, upd = states[0], states[1], states[2]
+    dn = eqn.params["dimension_numbers"]
+    if idx is not None:
+        raise _Unknown(eqn.primitive.name)
+    rank = len(_shape(eqn.invars[0]))
+    window = [d for d in range(rank) if d not in dn.inserted_window_dims and
+              d not in getattr(dn, "operand_batching_dims", ())]
+    to_updates = dict(zip(window, dn.update_window_dims, strict=True))
+    if op is not None:
+        if op not in to_updates or upd not in (None, to_updates[op]):
+            raise _Unknown(eqn.primitive.name)
+        return op
+    from_updates = {u: d for d, u in to_updates.items()}
+    if upd not in from_updates:  # samples scattered to positions: they may meet
+        raise _Unknown(eqn.primitive.name)
+    return from_updates[upd]
 
 
 def _raise_unknown(name):
