@@ -14,6 +14,7 @@ from hetshard.ir.samples import (
     per_sample_outputs,
     sample_coupling,
     summed_outputs,
+    unfollowed,
 )
 
 B, S, D = 4, 6, 8
@@ -136,8 +137,14 @@ def test_an_output_that_is_a_maximum_over_the_batch_is_named():
 
 
 def test_what_the_analysis_cannot_follow_gets_no_answer_never_a_false_alarm():
-    # A loop over the samples mixes them, but the analysis does not look inside loops.
+    # A loop over the samples mixes them, but the analysis does not look inside loops:
+    # no alarm, but where it stopped is told (a plan cutting the batch warns with it).
     assert _coupling(_loop_over_samples, X) is None
+    closed = jax.make_jaxpr(_loop_over_samples)(W, X)
+    assert per_sample_outputs(closed, [1]) is None
+    where = unfollowed(closed, [1])
+    assert where.startswith("scan") and "test_samples.py" in where  # fori_loop
+    assert unfollowed(jax.make_jaxpr(_per_token_mean)(W, X), [1]) is None
 
 
 def _normalized(loss, n=B):

@@ -951,6 +951,34 @@ def test_a_batch_given_as_several_arguments_is_one_batch():
             run(hetshard.jit(_xy_step, cluster=CLUSTER, batch_argnums=bad, quiet=True))
 
 
+def test_a_loss_the_analysis_cannot_follow_warns_a_cutting_plan():
+    """Where ``hetshard.ir.samples`` cannot follow how the loss treats its samples (here
+    a loop over the logits), a plan that cuts the batch weighs the pieces as for a mean,
+    unseen before; now it warns, naming the primitive and the line. (This loss is a
+    mean of per-sample values: the 2-stage pipeline trains equal to nnx.jit.)"""
+    import optax
+
+    def loss_fn(model, batch):
+        logits = jax.lax.fori_loop(0, 2, lambda i, h: 0.5 * h, model(batch["tokens"]))
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["targets"]).mean()
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    args, batches = _loss_and_model()
+    want = _train(nnx.jit(step), args, batches)
+    args, batches = _loss_and_model()
+    program = hetshard.Program(step, args)
+    assert program.sample_gap.startswith("scan (at ") and "test_user_programs.py" in \
+        program.sample_gap and program.sample_coupling is None
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
+    with pytest.warns(UserWarning, match="could not follow how the loss treats its samples"):
+        got = _train(jitted, args, batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def _load_balanced_step():
     """The transformer's cross-entropy plus a mixture-of-experts-style load-balancing
     loss on a router over its first 4 logits: the fraction of tokens routed to each

@@ -50,6 +50,7 @@ from hetshard.ir.samples import (
     per_sample_outputs,
     sample_coupling,
     summed_outputs,
+    unfollowed,
 )
 from hetshard.ir.trace import trace
 from hetshard.plan import DTYPES
@@ -444,6 +445,16 @@ class Program:
                     f"the samples (ce.mean() + penalty) or a sum alone to let the batch "
                     f"be cut")
         return None
+
+    @functools.cached_property
+    def sample_gap(self) -> str | None:
+        """Where ``hetshard.ir.samples`` could not follow how the loss treats its samples
+        (a primitive and the user's line), or None: cutting the batch then weighs each
+        piece's outputs by its share of the samples, as for a mean, unseen."""
+        if self.call is None:
+            return None
+        closed, _ = self.loss_jaxpr(2)
+        return unfollowed(closed, range(len(self.state_avals), len(closed.jaxpr.invars)))
 
     @functools.cached_property
     def summed_outputs(self) -> list[bool]:

@@ -93,6 +93,17 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     return None
 
 
+def unfollowed(closed, batch_inputs: Sequence[int]) -> str | None:
+    """Where the analysis stopped following ``closed``'s samples (the primitive it does
+    not know, or cannot tell the samples apart in, and the user's line), or None: it
+    followed every equation the samples reach."""
+    try:
+        _relations(closed, batch_inputs)
+    except _Unknown as err:
+        return str(err.args[0]) if err.args else "an equation"
+    return None
+
+
 def per_sample_outputs(closed, batch_inputs: Sequence[int]) -> dict[int, int] | None:
     """The outputs of ``closed`` that hold a value per sample (logits returned as aux),
     each with its samples' axis: a cut batch's pieces are concatenated along it, in the
@@ -297,8 +308,13 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
                 dens.called(eqn, got[3])
         else:
             # axes as Python ints (params hold numpy integers)
-            outs = [int(o) if isinstance(o, Integral) else o
-                    for o in _rule(eqn, states, state_in)]
+            try:
+                outs = [int(o) if isinstance(o, Integral) else o
+                        for o in _rule(eqn, states, state_in)]
+            except _Unknown as err:
+                if not err.args or "(at " in str(err.args[0]):
+                    raise
+                raise _Unknown(f"{err.args[0]}{_where(eqn, outer)}") from None
             if CURVED in outs:  # where it turned: the user's line
                 outs = [("reduced", "curved", _where(eqn, outer)) if o == CURVED else o
                         for o in outs]

@@ -171,6 +171,15 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
         program.per_sample_outputs  # noqa: B018
         program.update_batch_reads  # noqa: B018
     why = program.sample_coupling if cuts else None
+    gap = program.sample_gap if cuts and not why else None
+    if gap and gap not in guard.warned:
+        guard.warned.add(gap)
+        warnings.warn(f"hetshard could not follow how the loss treats its samples at "
+                      f"{gap}: this plan cuts the batch into pieces (micro-batches, batch "
+                      f"shares) and weighs each piece's loss outputs by its share of the "
+                      f"samples, as for a mean over them; a loss that sums over the "
+                      f"samples, or mixes them there, would differ from one device's",
+                      stacklevel=3)
     if why and why not in guard.warned:
         guard.warned.add(why)
         warnings.warn(f"{why}: this plan cuts the batch into pieces (micro-batches, "
