@@ -44,7 +44,10 @@ of attention, so its backward re-runs 3 of a Llama block's 7 weight matmuls (wk,
 and the elementwise ops; hetshard's ``selective`` saves every matmul but recomputes the
 attention kernel's forward. Those rows are priced as ``selective`` plus the re-run
 matmuls' forward time less the attention forward, at the same roofline
-(``_op_sac_extra_s``, not fitted).
+(``_op_sac_extra_s``, not fitted). torchtitan's vanilla-TP rows also copy every
+sequence-parallel activation they gather or scatter, once (PyTorch's functional
+collectives work on dimension 0, its layouts shard dimension 1): ``_sp_copies_s``, at
+the roofline's memory rate, not fitted; its asynchronous-TP rows fuse them away.
 
 Per set the script reports the median and mean absolute error over the held-out rows,
 the Spearman rank correlation between predicted and measured times, and which rows (if
@@ -271,6 +274,26 @@ def _op_sac_extra_s(model, gpu, tp, cal, samples):
     return mm - attn
 
 
+def _sp_copies_s(model, gpu, tp, cal, samples, remat):
+    """What PyTorch's sequence-parallel collectives copy, per block and micro-batch of
+    ``samples`` sequences, on a vanilla-TP row: torchtitan's layouts shard the sequence
+    (dimension 1), but ``torch.distributed._functional_collectives`` gathers and
+    scatters dimension 0, so each all-gather is followed, and each reduce-scatter
+    preceded, by a chunk-and-concatenate copy of the whole activation (read and
+    written once, at the roofline's memory rate). A block gathers twice and scatters
+    twice forward; its backward scatters and gathers the cotangents alike and gathers
+    the inputs again (per-op recomputation saves no gather; full recomputation re-runs
+    the forward, its 4 included). Asynchronous TP's collective matmuls take the shards
+    as they are (none). hetshard's runtime makes none of these copies (XLA gathers in
+    place): they are torchtitan's, priced here only to compare like with like."""
+    if tp == 1:
+        return 0.0
+    _, seq, h, _, _ = _LLAMA[model]
+    e = cal.for_type(gpu.name)
+    copy = 2.0 * samples * seq * h * 2 / (gpu.memory_gbs * 1e9 * e.memory_eff)  # bf16
+    return copy * (4 + 4 + (4 if remat == "full" else 2))
+
+
 def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
     out = []
     for name, model, gpus, fsdp, tp, lbs, remat, overlap, tps in rows:
@@ -294,12 +317,15 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
         if remat == "op":
             extra = layers * _op_sac_extra_s(model, gpu, tp, cal, lbs)
             step += extra
+        copies = 0.0 if overlap else layers * _sp_copies_s(model, gpu, tp, cal, lbs, remat)
+        step += copies
         family = "llama" if model.startswith("2-") else "llama3-"
         out.append(dict(row=f"{name} ({gpus} GPUs)", model=family + model, gpus=gpus,
                         fsdp=fsdp, tp=tp, batch=batch, remat=remat, tp_overlap=overlap,
                         published=f"{tps} TPS/GPU", measured_step_s=batch * seq /
                         (tps * gpus), predicted_step_s=step, op_sac_extra_s=extra,
-                        fits=r.fits, predicted_memory_bytes=r.peak_memory_bytes))
+                        sp_copies_s=copies, fits=r.fits,
+                        predicted_memory_bytes=r.peak_memory_bytes))
     return out
 
 
