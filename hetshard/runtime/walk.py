@@ -154,7 +154,7 @@ class PipelineWalk:
             if unread.get(v):
                 values[v] = x
             if j in st.outputs and st.outputs[j] in self.runner.per_sample:
-                self.loss_acc.setdefault(st.outputs[j], []).append(x)  # joined after
+                self.loss_acc.setdefault(st.outputs[j], {})[mb] = x  # joined after
             elif j in st.outputs:
                 pos = st.outputs[j]
                 summed = bool(self.summed and self.summed[pos])
@@ -243,7 +243,7 @@ class PipelineWalk:
             for k in set(st.outputs.values()) & set(runner.per_sample):
                 if outputs[k] is not None:  # the micro-batches' pieces, in their order
                     outputs[k] = stage_fns.joined(
-                        outputs[k], runner.per_sample[k],
+                        [outputs[k][mb] for mb in sorted(outputs[k])], runner.per_sample[k],
                         NamedSharding(runs[st.index].mesh, PartitionSpec()))
         for st in self.stages:
             if st.index == loss_stage or not st.outputs:
