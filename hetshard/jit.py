@@ -151,8 +151,10 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
     several = options.max_stages != 1 or options.max_pipelines != 1
     if program.call is None and several:
         options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
-        why = (f"the step's loss cannot be cut per micro-batch ({program.call_error}): "
-               f"hetshard restricts itself to single-stage plans for it")
+        # (an evaluation step, which changes no parameter, needs no loss call: no word)
+        if program.changes_parameters:
+            why = (f"the step's loss cannot be cut per micro-batch ({program.call_error}): "
+                   f"hetshard restricts itself to single-stage plans for it")
     elif several:
         found = pipeline_obstacle(program)
         if found is not None:

@@ -454,6 +454,7 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
         return loss
     program = hetshard.Program(outside, args)
     assert program.call is None and "differentiates no loss" in program.call_error
+    assert program.changes_parameters  # a training step: planning it whole is told
     assert program.output_shape.shape == ()
 
     def failing(model, optimizer, batch):
@@ -516,7 +517,7 @@ def test_flax_mnist_tutorial_trains_and_evaluates_as_under_nnx_jit():
         return [{k: float(v) for k, v in m.items()} for m in got]
     want = run(nnx.jit(user_models.mnist_train_step), nnx.jit(user_models.mnist_eval_step))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the eval step differentiates nothing
+        warnings.simplefilter("error")  # an evaluation step needs no loss call: no word
         got = run(hetshard.jit(user_models.mnist_train_step, cluster=CLUSTER, quiet=True),
                   hetshard.jit(user_models.mnist_eval_step, cluster=CLUSTER, quiet=True))
     for a, b in zip(got, want, strict=True):
@@ -524,6 +525,9 @@ def test_flax_mnist_tutorial_trains_and_evaluates_as_under_nnx_jit():
     model, opt, metrics, batches = user_models.make_mnist()
     program = hetshard.Program(user_models.mnist_train_step, (model, opt, metrics, batches[0]))
     assert program.per_sample_outputs == {1: 0} and program.sample_coupling is None
+    evaluating = hetshard.Program(user_models.mnist_eval_step, (model, metrics, batches[0]))
+    assert evaluating.call is None and not evaluating.changes_parameters
+    assert program.changes_parameters
     cluster = Cluster.load(CLUSTER)
     shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
                                    (("data", 2),)),), 4, 2, 1)

@@ -170,6 +170,9 @@ class Program:
             self.graphdef, state = None, others
         flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state)
         self.paths = [path_string(p) for p, _ in flat]
+        self._param_paths = None if self.kind != "nnx" else {
+            path_string(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(nnx.state(others, nnx.Param))[0]}
         self.state_avals = [_aval(x) for _, x in flat]
         batch_leaves, self.batch_tree = jax.tree.flatten(batch)
         self.batch_avals = [_aval(x) for x in batch_leaves]
@@ -187,6 +190,21 @@ class Program:
             self.__dict__.pop("loss_flat", None)
             self._update_traced = None
             self.loss_jaxpr.cache_clear()
+
+    @functools.cached_property
+    def changes_parameters(self) -> bool:
+        """Whether the step changes any ``nnx.Param`` it is given (an evaluation step
+        changes none: only metrics, or nothing). A pytree step, whose parameters cannot
+        be told apart, is taken to."""
+        if self.kind != "nnx":
+            return True
+
+        def run(state_leaves, batch_leaves):
+            return self.updated_state(self.call_step(state_leaves, batch_leaves)[1])
+        closed = jax.make_jaxpr(run)(self.state_avals, self.batch_at(2))
+        ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
+        return any(outs[i] is not ins[i] for i, path in enumerate(self.paths)
+                   if path in self._param_paths)
 
     # ---- state ----------------------------------------------------------------------
     def merge(self, state_leaves) -> list:

@@ -237,7 +237,8 @@ class SpmdStep:
         state = jax.device_put(step_state(program, others), self.shardings)
         scale = (np.float32(self.loss_scale.scale),) if self.loss_scale else ()
         out, new_state, used_vg, (ok, loss) = self.step(state, batch, *scale)
-        if program.kind == "nnx" and not bool(used_vg) and not self.guard.warned_vg:
+        if program.kind == "nnx" and not bool(used_vg) and not self.guard.warned_vg \
+                and program.changes_parameters:  # (an evaluation step differentiates none)
             self.guard.warned_vg = True
             warnings.warn("the step's differentiation was not seen by hetshard (a transform "
                           "made outside the step and passed in, or called from a helper "
