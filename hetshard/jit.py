@@ -139,9 +139,9 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
     """Options limited to what the program can run, and why (None: not limited):
     single-stage plans without the loss call, or where the step's update or outputs
     need every gradient in one place (``pipeline_obstacle``; one pipeline where the
-    update reads the batch); no distributed optimizer for pytree steps (their optimizer
-    state cannot be told from the parameters). Per-GPU compute dtypes need the loss call
-    (its loss is scaled): asking for them without it is an error."""
+    loss couples the batch's samples); no distributed optimizer for pytree steps (their
+    optimizer state cannot be told from the parameters). Per-GPU compute dtypes need the
+    loss call (its loss is scaled): asking for them without it is an error."""
     if program.call is None and options.gpu_dtypes != "program":
         raise SpecError("gpu_dtypes", options.gpu_dtypes,
                         "'program' for a step whose loss call hetshard does not see "
