@@ -651,11 +651,17 @@ def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
                 (Pipeline(stages, 2048, 1, 128, extra_warmup=warmup),),
                 dtype="float16", distributed_optimizer=True, tp_overlap=True)
 
+    # The stage times this scenario was built for: collective matmuls' interference
+    # 0.57 (the default is refitted as measurements come in; at 0.92 less warm-up is
+    # simply faster on every stage, and memory no longer decides which stage lowers it).
+    cal = dataclasses.replace(DEFAULT, default=dataclasses.replace(
+        DEFAULT.default, tp_overlap_interference=0.57))
+
     def run(p):
-        return simulate(p, prof, cluster, trace=False, margin=0.05)
+        return simulate(p, prof, cluster, cal, trace=False, margin=0.05)
     zb = zero_bubble(plan)
     assert run(plan).fits and not run(zb).fits
-    tuned = tune_warmup(zb, prof, cluster, margin=0.05, zero_bubble_options=True)
+    tuned = tune_warmup(zb, prof, cluster, cal, margin=0.05, zero_bubble_options=True)
     got = run(tuned)
     assert got.fits and tuned.pipelines[0].schedule == "zbh1"
     bare = dataclasses.replace(zb, pipelines=(dataclasses.replace(zb.pipelines[0],

@@ -101,15 +101,21 @@ def _leading(x) -> int | None:
 
 
 def _scalar(x) -> bool:
-    return isinstance(x, (int, float, jax.Array, np.ndarray, np.generic,
-                          jax.ShapeDtypeStruct)) and not len(np.shape(x))
+    """A scalar argument, or a raw PRNG key (``jax.random.PRNGKey``: uint32[2]): never
+    a batch."""
+    if not isinstance(x, (int, float, jax.Array, np.ndarray, np.generic,
+                          jax.ShapeDtypeStruct)):
+        return False
+    shape = tuple(np.shape(x))
+    return not shape or (shape == (2,) and jnp.result_type(x) == jnp.uint32)
 
 
 def batch_positions(args, batch_argnums, where: str = "hetshard.jit") -> tuple[int, ...]:
     """The positions of the batch among the step's ``args``: ``batch_argnums`` (an index
     or a tuple of them), or by default the last argument that is not a scalar (an RNG
-    key, a step counter) together with the plain arrays just before it that share its
-    leading size, when it is a plain array itself (``step(model, optimizer, x, y)``).
+    key, raw or typed, a step counter) together with the plain arrays just before it
+    that share its leading size, when it is a plain array itself (``step(model,
+    optimizer, x, y)``).
 
     Raises:
       SpecError: an index that is not one of the arguments', or none at all.
