@@ -42,7 +42,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.program import Program, batch_positions, check_batch, path_string
+from hetshard.ir.program import Program, batch_of, batch_positions, check_batch, path_string
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
@@ -122,10 +122,8 @@ def plan(step, *args, cluster, batch_argnum: int | tuple[int, ...] | None = None
       NoFeasiblePlanError: nothing fits the cluster.
     """
     options = PlannerOptions.from_fields(planner_options, "hetshard.plan")
-    batch = None
-    if args:
-        batch = [args[i] for i in batch_positions(args, batch_argnum, "hetshard.plan")]
-        batch = batch[0] if len(batch) == 1 else tuple(batch)
+    batch = batch_of(args, batch_positions(args, batch_argnum, "hetshard.plan")) \
+        if args else None
     with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
         program = Program(step, args, batch_argnum=batch_argnum)
         options, why = _restricted(options, program)
@@ -396,8 +394,7 @@ class HetshardJit:
             raise SpecError("args", "()", "the step's arguments, the batch among them",
                             where="hetshard.jit")
         pos = batch_positions(args, self.batch_argnums)
-        batch = [untyped(args[i]) for i in pos]
-        return (pos, batch[0] if len(pos) == 1 else tuple(batch),
+        return (pos, batch_of(self._with_untyped(args, pos), pos),
                 tuple(a for i, a in enumerate(args) if i not in pos))
 
     @staticmethod

@@ -628,10 +628,7 @@ def test_a_gradient_inside_the_loss_is_the_losss_own():
         penalty = jax.grad(lambda p: jnp.sum(jnp.tanh(p) ** 2))(pos)
         return ce.mean() + 1e-3 * jnp.sum(penalty ** 2)
 
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    step = user_models.flax_step(loss_fn)
     import jax.numpy as jnp
     _two_stages_train_as_nnx_jit(step)
 
@@ -874,11 +871,7 @@ def _penalised_step(form):
         l2 = sum(jnp.sum(x ** 2) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         return getattr(ce, form)() + 1e-3 * l2
 
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-    return step
+    return user_models.flax_step(loss_fn)
 
 
 def test_a_weight_penalty_in_the_loss_is_not_a_stack_of_layers():
@@ -971,10 +964,7 @@ def test_a_loss_the_analysis_cannot_follow_warns_a_cutting_plan():
         return optax.softmax_cross_entropy_with_integer_labels(
             logits, batch["targets"]).mean()
 
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
+    step = user_models.flax_step(loss_fn)
     args, batches = _loss_and_model()
     want = _train(nnx.jit(step), args, batches)
     args, batches = _loss_and_model()
@@ -1001,11 +991,7 @@ def _load_balanced_step():
         routed = jnp.mean(jax.nn.one_hot(jnp.argmax(probs, -1), 4), axis=(0, 1))
         return ce.mean() + 0.5 * 4 * jnp.sum(routed * jnp.mean(probs, axis=(0, 1)))
 
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-    return step
+    return user_models.flax_step(loss_fn)
 
 
 def test_a_load_balancing_loss_keeps_the_batch_whole():

@@ -46,6 +46,16 @@ def nnx_step(loss):
     return step
 
 
+def flax_step(loss):
+    """The step as Flax users write it: ``nnx.value_and_grad`` of ``loss(model, batch)``
+    called in the step (hetshard answers the plain transform), the update, the loss."""
+    def step(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value
+    return step
+
+
 def by_name_step(model, optimizer, batch):
     """A step calling Flax's transform by a name imported from it (``from flax.nnx
     import value_and_grad``), not as ``nnx.value_and_grad``."""

@@ -142,6 +142,12 @@ def batch_positions(args, batch_argnums, where: str = "hetshard.jit") -> tuple[i
     return tuple(pos)
 
 
+def batch_of(args, positions: tuple[int, ...]):
+    """The batch among a step's ``args`` at ``positions`` (``batch_positions``): the
+    argument, or the tuple of them."""
+    return args[positions[0]] if len(positions) == 1 else tuple(args[i] for i in positions)
+
+
 class Program:
     """A train step with one call's arguments (see the module docstring).
 
@@ -228,8 +234,19 @@ class Program:
 
     def batch_of(self, args):
         """The batch among the step's ``args``: the argument, or the tuple of them."""
-        pos = self.batch_positions
-        return args[pos[0]] if len(pos) == 1 else tuple(args[i] for i in pos)
+        return batch_of(args, self.batch_positions)
+
+    def outputs_for(self, avals, samples: int) -> list[jax.ShapeDtypeStruct]:
+        """The loss's flat output ``avals`` for ``samples`` samples: a per-sample
+        output's samples' axis that long (``per_sample_outputs``), the others as they
+        are."""
+        out = []
+        for k, a in enumerate(avals):
+            shape = list(a.shape)
+            if k in self.per_sample_outputs:
+                shape[self.per_sample_outputs[k]] = samples
+            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
+        return out
 
     def with_batch(self, objs: list, batch) -> list:
         """``objs`` (the step's other arguments) with ``batch`` put at its positions."""
@@ -724,13 +741,8 @@ class Program:
             # the loss's outputs as the update sees them: the whole batch's (a per-sample
             # output joined from the pieces)
             leaves, tree = jax.tree.flatten(shape)
-            sized = []
-            for k, s in enumerate(leaves):
-                dims = list(s.shape)
-                if k in self.per_sample_outputs:
-                    dims[self.per_sample_outputs[k]] = self.global_batch
-                sized.append(jax.ShapeDtypeStruct(tuple(dims), s.dtype))
-            loss_avals = jax.tree.unflatten(tree, sized)
+            loss_avals = jax.tree.unflatten(tree, self.outputs_for(leaves,
+                                                                   self.global_batch))
             seen: list = []
             self._update_seen = seen
 

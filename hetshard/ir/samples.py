@@ -311,9 +311,7 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
             try:
                 outs = [int(o) if isinstance(o, Integral) else o
                         for o in _rule(eqn, states, state_in)]
-            except _Unknown as err:
-                if not err.args or "(at " in str(err.args[0]):
-                    raise
+            except _Unknown as err:  # where, in the user's code
                 raise _Unknown(f"{err.args[0]}{_where(eqn, outer)}") from None
             if CURVED in outs:  # where it turned: the user's line
                 outs = [("reduced", "curved", _where(eqn, outer)) if o == CURVED else o
@@ -744,8 +742,10 @@ def _rule(eqn, states: list, state_in: list) -> list:
         # pooling: a window of one sample along the samples' axis keeps them apart
         one = (p["window_dimensions"][a] == 1 and p["window_strides"][a] == 1 and
                tuple(p["padding"][a]) == (0, 0) and p["base_dilation"][a] == 1)
-        if not one or any(s is not None for s in states[1:]):
-            return [MIXED] * n_out if not one else _raise_unknown(name)
+        if not one:
+            return [MIXED] * n_out
+        if any(s is not None for s in states[1:]):
+            raise _Unknown(name)
         return [a] * n_out
     if name == "conv_general_dilated":
         dn = p["dimension_numbers"]
@@ -809,10 +809,6 @@ def _scatter(eqn, states) -> object:
     if upd not in from_updates:  # samples scattered to positions: they may meet
         raise _Unknown(eqn.primitive.name)
     return from_updates[upd]
-
-
-def _raise_unknown(name):
-    raise _Unknown(name)
 
 
 def _dot(eqn, states) -> object:

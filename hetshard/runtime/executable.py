@@ -40,6 +40,7 @@ from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.plan import Plan
 from hetshard.rewrite import swap_attention
 from hetshard.rewrite.spmd import constrain_layers
+from hetshard.runtime import stage_fns
 from hetshard.runtime.pipeline import PipelineRunner
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 
@@ -347,7 +348,7 @@ class SharesStep:
             if values is None:
                 values, grads = leaves, g
                 continue
-            values = [jnp.concatenate([a, x], axis=per_sample[k]) if k in per_sample
+            values = [stage_fns.joined([a, x], per_sample[k], home) if k in per_sample
                       else a + x for k, (a, x) in enumerate(zip(values, leaves, strict=True))]
             grads = jax.tree.map(jnp.add, grads, g)
         combined = (jax.tree.unflatten(tree, values), grads)

@@ -202,21 +202,10 @@ class PipelineRunner:
         leaves = [next(it) if x is None else x for x in leaves]
         return jax.tree.unflatten(tree, leaves)
 
-    def out_avals(self, avals, samples: int) -> list:
-        """The loss outputs' ``avals`` for ``samples`` samples: a per-sample output's
-        samples' axis that long, the others as they are."""
-        out = []
-        for k, a in enumerate(avals):
-            shape = list(a.shape)
-            if k in self.per_sample:
-                shape[self.per_sample[k]] = samples
-            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
-        return out
-
     def _ownership(self):
         """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
         self._loss_tree = self.splits[0].out_tree
-        self.loss_out_avals = self.out_avals(
+        self.loss_out_avals = self.program.outputs_for(
             [v.aval for v in self.splits[0].closed.jaxpr.outvars], self.global_batch)
         found = ownership(self._apply_fn(), self.state_avals, self.grad_index,
                           self.loss_out_avals, self.batch_avals, self.paths, self.diff,
@@ -527,7 +516,8 @@ class PipelineRunner:
             src = self._loss_home(pi)
             if not takes_part(src, home):
                 continue
-            avals = self.out_avals(self.loss_out_avals, self.plan.pipelines[pi].batch_share)
+            avals = self.program.outputs_for(self.loss_out_avals,
+                                             self.plan.pipelines[pi].batch_share)
             moved = transfer(list(losses[pi]) if here(src) else None, avals,
                              [src] * n, [home] * n)
             if total is not None:  # (the pipelines hold the batch's shares in order)

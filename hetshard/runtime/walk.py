@@ -235,7 +235,7 @@ class PipelineWalk:
         """The loss outputs, every one moved to the loss stage (some may be computed
         before it)."""
         runs, runner = self.runs, self.runner
-        avals = runner.out_avals(runner.loss_out_avals, self.pipeline.batch_share)
+        avals = runner.program.outputs_for(runner.loss_out_avals, self.pipeline.batch_share)
         loss_stage = runner.loss_stage[self.pi]
         outputs = [self.loss_acc.get(k) for k in range(len(avals))]
         home = NamedSharding(runs[loss_stage].mesh, PartitionSpec())
