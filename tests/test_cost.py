@@ -218,6 +218,27 @@ def test_tensor_parallel_divides_compute_and_adds_communication(prof):
     assert two.memory_static_bytes == pytest.approx(one.memory_static_bytes / 2)
 
 
+def test_full_remat_does_not_gather_the_sequence_parallel_inputs_twice():
+    """With sequence parallelism the backward gathers the column-parallel inputs again
+    (half an all-reduce more than the forward's collectives); under full remat the
+    recomputed forward, priced with its own collectives, has just gathered them."""
+    prof = profile_model("gpt-6.7b", 2048, "bfloat16")
+    assert prof.layers[1].tp_sequence % 4 == 0  # sequence-parallel at tp 4
+    c = Cluster.load("dgx-a100-80gb-x8")
+    gpu, topo = c.groups[0].gpu, topology(c, [0, 1, 2, 3])
+
+    def comm(remat):
+        kw = dict(mbs=1, tp=4, cal=DEFAULT, remat=remat)
+        on, off = stage_cost(prof, 1, 3, gpu, tp_topo=topo, **kw), stage_cost(
+            prof, 1, 3, gpu, **kw)
+        return on.fwd_s - off.fwd_s, on.bwd_s - off.bwd_s
+
+    fwd, bwd = comm("none")
+    assert fwd > 0 and bwd == pytest.approx(1.5 * fwd, rel=1e-9)
+    fwd, bwd = comm("full")  # the recomputed forward's collectives, then the backward's
+    assert bwd == pytest.approx(2.0 * fwd, rel=1e-9)
+
+
 def test_collective_matmuls_hide_tensor_parallel_collectives_behind_their_matmuls():
     prof = profile_model("gpt-6.7b", 2048, "bfloat16")
     block = prof.layers[1]

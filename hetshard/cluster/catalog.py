@@ -125,11 +125,11 @@ _FA2_A100, _FA2_HOPPER = 190.0, 330.0
 # Large GEMMs' sustained share of the 16-bit peak in training, fitted per architecture
 # (experiments/cost_model_accuracy.py, ``fit_matmul_eff``: the mean log error of the fit
 # rows zeroed; every other row of every set held out). Ampere: 3 of Megatron-LM's 14
-# DGX A100 rows (Narayanan et al. 2021: 1.7B, 18.4B, 145.6B) give 0.691. Hopper: the 8-GPU
+# DGX A100 rows (Narayanan et al. 2021: 1.7B, 18.4B, 145.6B) give 0.674. Hopper: the 8-GPU
 # FSDP Llama 3.1 8B row of torchtitan's H100 runs (500 W, peak priced at 912) gives 0.542;
 # the same share is taken for the 700 W SXM part, the H200 and the GH200 (no measured
 # row of their own). Without a fit a type uses the cost model's 0.75.
-_AMPERE_GEMM, _HOPPER_GEMM = 0.69, 0.54
+_AMPERE_GEMM, _HOPPER_GEMM = 0.674, 0.54
 
 _TYPES = [
     DeviceType("V100-16GB", None, 125.0, 15.7, 16, 900, 150, 50,

@@ -67,7 +67,7 @@ class Efficiency:
     # with the vanilla rows' sequence-parallel copies priced (most of that speed-up is
     # those copies gone: the overlap itself gains little); checked on the 8B rows it was
     # not fitted on (asynchronous 8B: -3.0%; 0.57 without the copies gave -10.4%).
-    tp_overlap_interference: float = 0.92
+    tp_overlap_interference: float = 0.78
     # What each kernel adds to its roofline time: the launch and the switch between
     # back-to-back kernels. NVIDIA's CUDA Graphs blog (Gray 2019) measured a 2.9 us kernel
     # at 3.8 us per launch when queued on a stream (3.4 us from a graph): ~1 us.

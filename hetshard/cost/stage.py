@@ -489,8 +489,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             else:
                 t_f += layer.tp_collectives * ar
                 # Sequence parallelism keeps the column-parallel inputs split: the
-                # backward gathers them again (half an all-reduce more per collective).
-                t_b += layer.tp_collectives * ar * (1.5 if sequence else 1.0)
+                # backward gathers them again (half an all-reduce more per collective),
+                # unless full remat's recomputed forward (priced with its collectives)
+                # has just gathered them.
+                regather = sequence and mode != "full"
+                t_b += layer.tp_collectives * ar * (1.5 if regather else 1.0)
         if cp > 1 and cp_topo is not None and layer.fwd_attention.any():
             # K and V chunks travel the ring (cp - 1 steps): the volume of an all-gather
             # of the sequence's K and V (~2x the activation), overlapped with attention.
