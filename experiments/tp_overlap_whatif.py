@@ -3,14 +3,15 @@
 Tensor-parallel stages run collective matmuls (``Plan.tp_overlap``): each reduce-scatter
 and all-gather is split into ring steps next to independent block matmuls. The
 simulator hides a collective behind ``(tp - 1) / tp`` of its matmuls' time and charges
-``tp_overlap_interference`` (a calibration factor, 0.78 by default: fitted on torchtitan's
-70B asynchronous-TP speed-up on H100s with the vanilla rows' sequence-parallel copies
-priced and no re-gather under full remat, checked on its 8B rows) of the hidden time as the slowdown the transfers
-inflict on the matmuls. Neither is measured on these clusters' GPUs: this replans the
-rows that were below 0.85 of the upper bound before collective matmuls with the overlap
-off and with the interference at 0.78 (default), 0.92 (the fit that still counted full
-remat's re-gathers twice), 0.57 (the fit before the copies were priced), 0.2 (the assumption shipped before any fit) and 0 (``1.0`` would equal off), so
-the reader sees how far each result depends on it.
+``tp_overlap_interference`` (a calibration factor, 0.78 by default: fitted on
+torchtitan's 70B asynchronous-TP speed-up on H100s with the vanilla rows'
+sequence-parallel copies priced and no re-gather under full remat, checked on its 8B
+rows) of the hidden time as the slowdown the transfers inflict on the matmuls. Neither
+is measured on these clusters' GPUs: this replans the rows that were below 0.85 of the
+upper bound before collective matmuls with the overlap off and with the interference at
+0.78 (default), 0.92 (the fit that still counted full remat's re-gather twice), 0.57
+(the fit before the copies were priced), 0.2 (the assumption shipped before any fit)
+and 0 (``1.0`` would equal off), so the reader sees how far each result depends on it.
 
 Usage: python experiments/tp_overlap_whatif.py
 Writes experiments/results/tp_overlap_whatif.json.
