@@ -148,3 +148,35 @@ def test_backward_splits_into_input_and_weight_passes(remat, rng):
     b, w = dots(input_backward, vjp, cts), dots(weight_backward, vjp, cts, carried)
     # Every matmul once: the dW pair in W, the dX pair (and any recomputation) in B.
     assert (b, w, full) == ((4, 2, 6) if remat else (2, 2, 4))
+
+
+def test_dependencies_follow_cond_while_and_scan_bodies():
+    """Each output of a cond reads the branch index and what it reads in either branch,
+    not every operand; a loop's carries are followed to a fixed point (a swap reaches
+    both), and a while loop's outputs read what its condition reads."""
+    from hetshard.ir.dependencies import output_dependencies
+
+    def cond(i, a, b):
+        return jax.lax.cond(i > 0, lambda a, b: (a * 2, b), lambda a, b: (a, b + 1), a, b)
+    deps = output_dependencies(jax.make_jaxpr(cond)(1, jnp.ones(3), jnp.ones(3)))
+    assert deps == [frozenset({0, 1}), frozenset({0, 2})]
+
+    def swap(n, a, b, c):
+        def body(carry):
+            k, a, b = carry
+            return k + 1, b, a
+        _, a, b = jax.lax.while_loop(lambda carry: carry[0] < n, body, (0, a, b))
+        return a, b, c
+    deps = output_dependencies(jax.make_jaxpr(swap)(3, jnp.ones(3), jnp.ones(3),
+                                                    jnp.ones(3)))
+    assert deps == [frozenset({0, 1, 2}), frozenset({0, 1, 2}), frozenset({3})]
+
+    def scan(a, b, xs):
+        def body(carry, x):
+            a, b = carry
+            return (a + x, b * 2), a
+        (a, b), ys = jax.lax.scan(body, (a, b), xs)
+        return a, b, ys
+    deps = output_dependencies(jax.make_jaxpr(scan)(jnp.ones(()), jnp.ones(()),
+                                                    jnp.ones(4)))
+    assert deps == [frozenset({0, 2}), frozenset({1}), frozenset({0, 2})]

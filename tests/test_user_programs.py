@@ -9,6 +9,7 @@ import re
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import user_models
@@ -347,9 +348,23 @@ def test_a_loss_that_mixes_samples_keeps_the_batch_whole():
     assert not np.allclose(pinned, want, rtol=1e-3)  # per micro-batch statistics
 
 
+def _rolled(tx):
+    """``tx`` after a transform that mixes the gradients of different parameters
+    element by element (the flattened gradient rolled by one): a coupling no stage
+    split can run, as no few scalars carry it."""
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    def update(grads, state, params=None):
+        flat, unravel = ravel_pytree(grads)
+        return unravel(0.5 * (flat + jnp.roll(flat, 1))), state
+    return optax.chain(optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                                    update), tx)
+
+
 def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_it():
-    """optax.MultiSteps applies the whole update under one condition (a lax.cond over
-    every parameter): pipeline stages cannot split it. The planner, which picks a
+    """An update that mixes every parameter's gradient with its neighbour's in the
+    flattened gradient: pipeline stages cannot split it. The planner, which picks a
     multi-stage pipeline for the same model with plain AdamW, keeps to single-stage
     plans for it and says why (it used to plan a pipeline the runtime then refused)."""
     import optax
@@ -361,12 +376,40 @@ def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_
     # (at 5 s, under CI's load, it stopped at a 1-stage plan 97% from the bound).
     plain = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=60)
     assert max(len(p.stages) for p in plain.pipelines) > 1  # what the coupling rules out
-    step, args = _shape_only_lm(optax.MultiSteps(optax.adamw(1e-3), 2))
+    step, args = _shape_only_lm(_rolled(optax.adamw(1e-3)))
     why, one_pipeline = pipeline_obstacle(hetshard.Program(step, args))
     assert "couples parameters of different layers" in why and not one_pipeline
     with pytest.warns(UserWarning, match="pipeline stages cannot run this step"):
         coupled = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=5)
     assert all(len(p.stages) == 1 for p in coupled.pipelines)
+
+
+def test_gradient_accumulation_in_the_optimizer_runs_under_pipeline_stages():
+    """optax.MultiSteps switches every parameter's update on a shared counter (a
+    lax.cond over all of them): each update still reads only its own parameter's
+    gradient and state, so stages split it. A 2-stage pipeline on two GPU types trains
+    as nnx.jit does over two accumulation cycles, and the planner plans it with no
+    warning (it was kept single-stage while a cond was taken to couple its operands)."""
+    import optax
+
+    from hetshard.runtime.ownership import pipeline_obstacle
+
+    def make():
+        model = user_models.TinyLM(nnx.Rngs(0))
+        tx = optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        return user_models.flax_step(user_models.lm_loss), [model, opt]
+    batches = user_models._text_batches(np.random.default_rng(0))
+    step, args = make()
+    want = _train(nnx.jit(step), args + [batches[0]], batches, steps=5)
+    assert want[2] != pytest.approx(want[1], rel=1e-3)  # the accumulated update applied
+    step, args = make()
+    program = hetshard.Program(step, args + [batches[0]])
+    assert pipeline_obstacle(program) is None
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
+    got = _train(jitted, args + [batches[0]], batches, steps=5)
+    assert len(jitted.plan.pipelines[0].stages) == 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def _clipped(max_norm):

@@ -3,9 +3,12 @@
 The pipeline runtime uses it to split a train step's update per stage: an optimizer is
 separable when every updated leaf depends only on its own state, its own gradient and
 shared scalars (AdamW is; global-norm clipping is not). Calls (``jit``,
-``custom_jvp``/``custom_vjp``, ``remat``, ``closed_call``) are analysed inside; any other
-primitive with a body (``scan``, ``while``, ``cond``) is taken conservatively: each
-output depends on all its operands.
+``custom_jvp``/``custom_vjp``, ``remat``, ``closed_call``) are analysed inside; so are
+``cond`` (each output reads the branch index and what that output reads in any branch:
+``optax.MultiSteps`` switches every leaf's update on a shared counter), ``while`` and
+``scan`` (their carries followed to a fixed point; a while loop's outputs also read what
+its condition reads). Any other primitive is taken conservatively: each output depends
+on all its operands.
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ def _flow(jaxpr, in_deps: list[frozenset], small: int | None = None,
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         body = _body(eqn)
+        loop = _LOOPS.get(eqn.primitive.name)
         if body is not None and len(body.invars) == len(ins):
             outs = _flow(body, ins, small, sizes)
+        elif loop is not None:
+            outs = loop(eqn, ins, small, sizes)
         else:
             union = frozenset().union(*ins) if ins else empty
             outs = [union] * len(eqn.outvars)
@@ -53,6 +59,53 @@ def _flow(jaxpr, in_deps: list[frozenset], small: int | None = None,
                 size_of(v) < min(sizes[i] for i in d)
             env[v] = empty if cut else d
     return [read(v) for v in jaxpr.outvars]
+
+
+def _inner(closed):
+    return getattr(closed, "jaxpr", closed)
+
+
+def _cond(eqn, ins, small, sizes):
+    """``cond``: invars are the branch index, then the branches' operands."""
+    index, operands = ins[0], ins[1:]
+    outs = [index] * len(eqn.outvars)
+    for branch in eqn.params["branches"]:
+        got = _flow(_inner(branch), operands, small, sizes)
+        outs = [a | b for a, b in zip(outs, got, strict=True)]
+    return outs
+
+
+def _while(eqn, ins, small, sizes):
+    """``while``: invars are the condition's constants, the body's, then the carry."""
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], list(ins[nc + nb:])
+    body, cond = _inner(eqn.params["body_jaxpr"]), _inner(eqn.params["cond_jaxpr"])
+    while True:
+        got = _flow(body, bconsts + carry, small, sizes)
+        new = [a | b for a, b in zip(carry, got, strict=True)]
+        if new == carry:
+            break
+        carry = new
+    (pred,) = _flow(cond, cconsts + carry, small, sizes)  # how many times the body runs
+    return [d | pred for d in carry]
+
+
+def _scan(eqn, ins, small, sizes):
+    """``scan``: invars are the constants, the carry, then the scanned inputs; outputs
+    the final carry, then the stacked per-step outputs."""
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, xs = ins[:nc], list(ins[nc:nc + nk]), ins[nc + nk:]
+    body = _inner(eqn.params["jaxpr"])
+    while True:
+        got = _flow(body, consts + carry + xs, small, sizes)
+        new = [a | b for a, b in zip(carry, got[:nk], strict=True)]
+        if new == carry:
+            break
+        carry = new
+    return carry + got[nk:]
+
+
+_LOOPS = {"cond": _cond, "while": _while, "scan": _scan}
 
 
 def output_dependencies(closed, small: int | None = None) -> list[frozenset[int]]:
