@@ -180,3 +180,27 @@ def test_dependencies_follow_cond_while_and_scan_bodies():
     deps = output_dependencies(jax.make_jaxpr(scan)(jnp.ones(()), jnp.ones(()),
                                                     jnp.ones(4)))
     assert deps == [frozenset({0, 2}), frozenset({1}), frozenset({0, 2})]
+
+
+def test_a_users_remat_survives_the_attention_swap(rng):
+    """A block under ``nnx.remat`` (a checkpoint around the attention) is evaluated in
+    place to swap its attention, and stays under a checkpoint of the same policy: the
+    rewritten function still recomputes it in the backward (same values and
+    gradients). Without it the user's remat was silently dropped."""
+    mha = nnx.MultiHeadAttention(num_heads=2, in_features=16, qkv_features=16, decode=False,
+                                 rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(mha)
+    x = jnp.asarray(rng.normal(size=(2, 24, 16)), jnp.float32)
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    def f(p, x):
+        block = jax.checkpoint(lambda p, x: nnx.merge(graphdef, p)(x), policy=policy)
+        return jnp.sum(block(p, x) ** 2)
+
+    swapped = swap_attention(f, "flash", block_q=16, block_k=16)
+    forward = jax.make_jaxpr(swapped)(params, x)
+    assert str(forward).count("pallas_call") == 1
+    (eqn,) = [e for e in forward.jaxpr.eqns if e.primitive.name == "remat2"]
+    assert eqn.params["policy"] is policy and "pallas_call" in str(eqn.params["jaxpr"])
+    np.testing.assert_allclose(swapped(params, x), f(params, x), rtol=1e-5)
+    _close(jax.grad(swapped)(params, x), jax.grad(f)(params, x), rtol=1e-4, atol=1e-4)

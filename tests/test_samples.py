@@ -105,6 +105,10 @@ def _pooled_over_samples(w, x):
                                           "VALID"))
 
 
+def _rematted(w, x):  # nnx.remat / jax.checkpoint around per-sample work
+    return jnp.mean(jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(w, x))
+
+
 def _loop_over_samples(w, x):
     def body(i, acc):
         return 0.5 * acc + jnp.sum(x[i] @ w)  # sequential across samples
@@ -114,7 +118,8 @@ def _loop_over_samples(w, x):
 @pytest.mark.parametrize("loss, batch", [(_per_token_mean, (X,)), (_merged_rows, (X,)),
                                          (_pooled, (X,)), (_routed, (X,)),
                                          (_masked_mean, (X, M)),
-                                         (_per_token_normalised, (X, M))])
+                                         (_per_token_normalised, (X, M)),
+                                         (_rematted, (X,))])
 def test_losses_that_treat_samples_one_by_one_pass(loss, batch):
     assert _coupling(loss, *batch) is None
     # the analysis followed every equation (it gives no answer where it cannot)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from jax.extend import core as ext
 
 _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 

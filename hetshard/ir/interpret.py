@@ -48,8 +48,21 @@ MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot")
 
 # Calls an autocast evaluates inline when they contain a matmul (their equations are
 # typed for the program's dtype); loops and branches keep their own types.
-_INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
+_INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
                  "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+# What ``jax.checkpoint`` (``nnx.remat``) binds: evaluated inline, its equations stay
+# under a checkpoint of the same policy, so the user's remat survives the rewrite.
+_CHECKPOINTS = ("remat2", "checkpoint")
+
+
+def _inline(eqn, inner, invals, run, autocast) -> list:
+    """``eqn``'s body evaluated in place (``evaluate_jaxpr``), under its checkpoint."""
+    def body(*xs):
+        return evaluate_jaxpr(inner[0], inner[1], list(xs), run, autocast)
+    if eqn.primitive.name in _CHECKPOINTS:
+        body = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
+                              policy=eqn.params.get("policy"))
+    return list(body(*invals))
 
 
 @functools.cache
@@ -138,10 +151,10 @@ def _evaluate(eqn, idx, read, run, patterns, constrain, autocast=None) -> list:
     else:
         inner = inner_jaxpr(eqn)
         if run is not None and inner is not None and contains_attention(inner[0]):
-            outs = evaluate_jaxpr(inner[0], inner[1], invals, run, autocast)
+            outs = _inline(eqn, inner, invals, run, autocast)
         elif autocast is not None and inner is not None and \
                 eqn.primitive.name in _INLINE_CALLS and _has_matmul(inner[0]):
-            outs = evaluate_jaxpr(inner[0], inner[1], invals, run, autocast)
+            outs = _inline(eqn, inner, invals, run, autocast)
         elif autocast is not None and eqn.primitive.name in MATMUL_PRIMITIVES and \
                 any(jnp.result_type(x) == autocast[0] for x in invals):
             params = dict(eqn.primitive.get_bind_params(eqn.params))
