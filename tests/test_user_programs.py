@@ -412,6 +412,51 @@ def test_gradient_accumulation_in_the_optimizer_runs_under_pipeline_stages():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+class _GatedLM(user_models.TinyLM):
+    """The user LM with a gate on its logits, sqrt(0): finite values, a non-finite
+    gradient for the gate alone (in the last layer)."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.gate = nnx.Param(jnp.zeros(()))
+
+    def __call__(self, tokens):
+        return super().__call__(tokens) + jnp.sqrt(self.gate[...])
+
+
+def test_an_update_skipped_on_a_non_finite_gradient_is_skipped_on_every_stage():
+    """optax.apply_if_finite skips the whole update when any gradient is not finite: a
+    flag of every parameter deciding every parameter's update (a cond). Under a 2-stage
+    pipeline only the last stage's gradients are not finite; the stages trade the flag,
+    so the first stage skips too and the losses stay as nnx.jit's (the same batch, no
+    update applied). Without the trade the first stage would update its layers."""
+    import optax
+
+    from hetshard.runtime.ownership import pipeline_obstacle
+
+    def make():
+        model = _GatedLM(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.apply_if_finite(optax.adamw(1e-2), 5),
+                            wrt=nnx.Param)
+        return user_models.flax_step(user_models.lm_loss), [model, opt]
+    batch = user_models._text_batches(np.random.default_rng(0))[0]
+    step, args = make()
+    want = _train(nnx.jit(step), args + [batch], [batch], steps=3)
+    assert want[0] == want[1] == want[2]  # every update skipped
+    step, args = make()
+    program = hetshard.Program(step, args + [batch])
+    assert pipeline_obstacle(program) is None
+    # nan_policy="apply": the step's own optimizer decides (hetshard's default would
+    # skip the whole step, counters included)
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program),
+                          nan_policy="apply", quiet=True)
+    got = _train(jitted, args + [batch], [batch], steps=3)
+    assert len(jitted.plan.pipelines[0].stages) == 2
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(args[1].opt_state.notfinite_count[...]) == 3  # counted on every step
+    assert int(args[1].step[...]) == 3
+
+
 def _clipped(max_norm):
     """The user transformer with AdamW behind a global-norm clip, returning the loss and
     the gradients' global norm (a metric read from every stage's gradients)."""

@@ -53,12 +53,21 @@ def _flow(jaxpr, in_deps: list[frozenset], small: int | None = None,
         else:
             union = frozenset().union(*ins) if ins else empty
             outs = [union] * len(eqn.outvars)
+        widest = max((size_of(v) for v in eqn.invars if not isinstance(v, ext.Literal)),
+                     default=0) if small is not None and eqn.primitive.name in _REDUCTIONS \
+            else 0
         for v, d in zip(eqn.outvars, outs, strict=True):
-            # a small reduction of larger inputs (a norm) carries no dependency
-            cut = small is not None and d and size_of(v) <= small and \
-                size_of(v) < min(sizes[i] for i in d)
+            # A small reduction of larger inputs (a norm) carries no dependency; so does a
+            # small reduction of a larger value (the flag of every gradient being finite,
+            # scalar parameters' among them): what pipeline stages can trade.
+            cut = small is not None and d and size_of(v) <= small and (
+                size_of(v) < min(sizes[i] for i in d) or size_of(v) < widest)
             env[v] = empty if cut else d
     return [read(v) for v in jaxpr.outvars]
+
+
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+               "reduce_or", "reduce_xor", "argmax", "argmin", "dot_general")
 
 
 def _inner(closed):
