@@ -419,13 +419,16 @@ def test_stacked_copies_and_shard_to_shard_hop():
 # ---- what cannot run gets a clear error -------------------------------------------------
 
 def test_an_update_coupling_stages_beyond_scalars_is_refused_with_the_fix():
-    """optax.MultiSteps applies every parameter's update under one condition: no stage
-    can update its own parameters alone (a global-norm clip can: the stages trade the
-    norm, test_stages_trade_small_values_and_refuse_large_ones)."""
+    """An update mixing every parameter's gradient with its neighbour's in the flattened
+    gradient: no stage can update its own parameters alone (a global-norm clip can: the
+    stages trade the norm, test_stages_trade_small_values_and_refuse_large_ones;
+    optax.MultiSteps can: each leaf's update reads its own gradient and a shared
+    counter)."""
+    from user_models import rolled_gradients
     plan = _plan("gpt-tiny", [Pipeline((_stage(0, 2, (0,), H), _stage(2, 4, (4,), V)),
                                        8, 4, 2)])
     batches = _batches("gpt-tiny")
-    tx = optax.MultiSteps(optax.sgd(0.1), 2)
+    tx = rolled_gradients(optax.sgd(0.1))
     with pytest.raises(PipelineSetupError, match="single-stage plan \\(max_stages=1\\)"):
         _train("gpt-tiny", lm_loss, batches, 1, tx, plan)
 

@@ -348,20 +348,6 @@ def test_a_loss_that_mixes_samples_keeps_the_batch_whole():
     assert not np.allclose(pinned, want, rtol=1e-3)  # per micro-batch statistics
 
 
-def _rolled(tx):
-    """``tx`` after a transform that mixes the gradients of different parameters
-    element by element (the flattened gradient rolled by one): a coupling no stage
-    split can run, as no few scalars carry it."""
-    import optax
-    from jax.flatten_util import ravel_pytree
-
-    def update(grads, state, params=None):
-        flat, unravel = ravel_pytree(grads)
-        return unravel(0.5 * (flat + jnp.roll(flat, 1))), state
-    return optax.chain(optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                                    update), tx)
-
-
 def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_it():
     """An update that mixes every parameter's gradient with its neighbour's in the
     flattened gradient: pipeline stages cannot split it. The planner, which picks a
@@ -376,7 +362,7 @@ def test_an_update_coupling_every_parameter_keeps_the_planner_to_plans_that_run_
     # (at 5 s, under CI's load, it stopped at a 1-stage plan 97% from the bound).
     plain = hetshard.plan(step, *args, cluster=CLUSTER, time_limit_s=60)
     assert max(len(p.stages) for p in plain.pipelines) > 1  # what the coupling rules out
-    step, args = _shape_only_lm(_rolled(optax.adamw(1e-3)))
+    step, args = _shape_only_lm(user_models.rolled_gradients(optax.adamw(1e-3)))
     why, one_pipeline = pipeline_obstacle(hetshard.Program(step, args))
     assert "couples parameters of different layers" in why and not one_pipeline
     with pytest.warns(UserWarning, match="pipeline stages cannot run this step"):

@@ -513,3 +513,16 @@ def make_mnist(seed=0):
     rng = np.random.default_rng(seed)
     batches = [{"image": b["images"], "label": b["labels"]} for b in _image_batches(rng)]
     return model, opt, metrics, batches
+
+
+def rolled_gradients(tx):
+    """``tx`` after a transform that mixes the gradients of different parameters
+    element by element (the flattened gradient rolled by one): an update coupling no
+    pipeline stage split can run, as no few scalars carry it."""
+    from jax.flatten_util import ravel_pytree
+
+    def update(grads, state, params=None):
+        flat, unravel = ravel_pytree(grads)
+        return unravel(0.5 * (flat + jnp.roll(flat, 1))), state
+    return optax.chain(optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                                    update), tx)

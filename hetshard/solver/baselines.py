@@ -111,15 +111,25 @@ def _shift(plan: Plan, offset: int, cluster: Cluster) -> Plan:
     return dataclasses.replace(plan, pipelines=tuple(pipes), cluster=cluster)
 
 
+def group_uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
+                             groups=None) -> list[Plan]:
+    """Uniform plans on each of ``groups`` (default: every GPU group) alone, the rest of
+    the cluster idle: plans whose stages each hold one GPU type."""
+    out = []
+    for g in groups or cluster.groups:
+        plans = uniform_candidates(model, profile, _sub_cluster(cluster, g.name),
+                                   global_batch, seq_len, opts)
+        offset = cluster.group_device_ids(g.name).start
+        out += [_shift(p, offset, cluster) for p in plans]
+    return out
+
+
 def fastest_only(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
     """The best uniform plan on the fastest GPU group alone (the rest idle)."""
-    g = max(cluster.groups, key=lambda g: g.gpu.peak_flops(profile.dtype) * g.num_devices)
     fastest = max(cluster.groups, key=lambda g: g.gpu.peak_flops(profile.dtype))
-    g = fastest
-    sub = _sub_cluster(cluster, g.name)
-    plans = uniform_candidates(model, profile, sub, global_batch, seq_len, opts)
-    offset = cluster.group_device_ids(g.name).start
-    return _best([_shift(p, offset, cluster) for p in plans], profile, cluster, cal,
+    plans = group_uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
+                                     groups=(fastest,))
+    return _best(plans, profile, cluster, cal,
                  choose_zero1=opts.distributed_optimizer is None, margin=opts.memory_margin)
 
 

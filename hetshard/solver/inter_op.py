@@ -64,7 +64,12 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.plan import Plan
-from hetshard.solver.baselines import amp_like, metis_like, uniform_candidates
+from hetshard.solver.baselines import (
+    amp_like,
+    group_uniform_candidates,
+    metis_like,
+    uniform_candidates,
+)
 from hetshard.solver.batch import assign_batch, relaxed_time
 from hetshard.solver.context import mixed_context_plans
 from hetshard.solver.evaluator import Candidate, Evaluator
@@ -245,6 +250,10 @@ class _Search:
             out = [p for p in uniform_candidates(self.model, self.profile, cluster,
                                                  self.global_batch, self.seq_len, opts)
                    if self._allowed(p)]
+            if not out:  # e.g. one single-stage pipeline: on one GPU type's devices
+                out = [p for p in group_uniform_candidates(
+                    self.model, self.profile, cluster, self.global_batch, self.seq_len,
+                    opts) if self._allowed(p)]
         if not out:
             raise self.no_plan()
         return out
