@@ -117,6 +117,12 @@ def _scan(eqn, ins, small, sizes):
 _LOOPS = {"cond": _cond, "while": _while, "scan": _scan}
 
 
+def cond_reads(eqn) -> list[frozenset[int]]:
+    """Per output of a ``cond`` equation, the positions among its invars it reads: the
+    branch index (0) and the operands it reads in any branch."""
+    return _cond(eqn, [frozenset({i}) for i in range(len(eqn.invars))], None, None)
+
+
 def output_dependencies(closed, small: int | None = None) -> list[frozenset[int]]:
     """For each output of ``closed`` (a ClosedJaxpr), the input positions it reads;
     with ``small``, not through reductions to at most that many elements of inputs

@@ -25,7 +25,7 @@ import dataclasses
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
-from hetshard.ir.dependencies import output_dependencies, size_of
+from hetshard.ir.dependencies import cond_reads, size_of
 from hetshard.ir.interpret import eval_equations
 
 SMALL = 64  # elements: what stages trade (norms, sums of squares), never tensors
@@ -108,8 +108,8 @@ def plan_exchange(closed, input_stages, output_stages) -> Exchange:
         # A cond's outputs each read the branch index and their own operands only
         # (``optax.apply_if_finite``, ``optax.MultiSteps``: every leaf's update switched
         # on one flag), so each output is settled on its own; any other equation as one.
-        reads = (_cond_reads(eqn) if eqn.primitive.name == "cond" else
-                 [eqn.invars] * len(eqn.outvars))
+        reads = ([[eqn.invars[j] for j in sorted(d)] for d in cond_reads(eqn)]
+                 if eqn.primitive.name == "cond" else [eqn.invars] * len(eqn.outvars))
         for o, r in zip(eqn.outvars, reads, strict=True):
             ins = [v for v in r if not isinstance(v, ext.Literal)]
             owner[o] = settle(ins, None, what)
@@ -119,19 +119,6 @@ def plan_exchange(closed, input_stages, output_stages) -> Exchange:
             continue
         settle([v], none if want is None else frozenset({want}), f"output {k} of the update")
     return Exchange(closed, tuple(tuple(r) for r in rounds))
-
-
-def _cond_reads(eqn) -> list[list]:
-    """Per output of a ``cond``: the branch index and the operands it reads in any
-    branch."""
-    index, operands = eqn.invars[0], eqn.invars[1:]
-    deps = [frozenset()] * len(eqn.outvars)
-    for branch in eqn.params["branches"]:
-        inner = getattr(branch, "jaxpr", branch)
-        got = output_dependencies(ext.ClosedJaxpr(inner, getattr(branch, "consts", ())))
-        deps = [a | b for a, b in zip(deps, got, strict=True)]
-    return [[index] + [operands[j] for j in sorted(d)]
-            for d in deps]
 
 
 def evaluate(jaxpr, consts, args, overrides: dict, wanted) -> list:
