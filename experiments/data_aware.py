@@ -6,11 +6,17 @@ Global batches are sampled from the 1M Wikipedia document lengths FlexSP publish
 context are cut to it, as FlexSP does), at 32K and 128K maximum context, for llama-7b on
 homogeneous and mixed clusters of 32 and 64 GPUs, plus an MLLM mixture (llama-7b with a
 ViT-L/14 encoder; 0-8 images per sample, each 256 tokens in the language model). Each
-batch is planned four ways and priced by the same model (``hetshard.data.plan_batch``):
+batch is planned four ways and priced by the same model (``hetshard.data.plan_batch``),
+each way on the outer plan it does best on: ``hetshard.data.choose_groups`` splits each
+GPU type into 1, 2, 4 or 8 data-parallel replicas (node-aligned; at most 8 compiled
+micro-step programs a run) and keeps the split with the least step time over four
+calibration batches drawn apart from the eight measured ones:
 
 * ``pad``: every sample padded to the maximum context (a static plan for the longest);
 * ``fixed-cp``: Megatron-LM-style packing (samples concatenated into maximum-context
-  rows, one context degree for all), static batch shares by GPU type;
+  rows, one context degree for all: the replica's devices), static batch shares by
+  throughput; ``fixed-cp-whole`` is the same on one replica per GPU type (the context
+  ring over all of a type's devices), the baseline before replicas were chosen;
 * ``identical``: the per-batch planner believing all GPUs are the cluster's average one
   (FlexSP's planner is made for identical GPUs);
 * ``hetshard``: the per-batch planner with each GPU type's priced costs.
@@ -18,7 +24,8 @@ batch is planned four ways and priced by the same model (``hetshard.data.plan_ba
 Reported per configuration: tokens/s over all batches, hetshard's per-batch planning
 time (median and max, on this machine), the number of compiled micro-step shapes over
 the run, the median gap to the lower bound, and the bound's speedup over fixed-cp
-packing (no per-batch plan can beat it). A PNG shows every batch's step time.
+packing (no per-batch plan on hetshard's replicas can beat it), and the replicas each
+method chose. A PNG shows every batch's step time.
 
 Usage: python experiments/data_aware.py [--batches N]
 Writes experiments/results/data_aware.json and data_aware.png.
@@ -36,7 +43,7 @@ import numpy as np
 from long_context import DGX_A100, DGX_H100, DGX_V100  # the DGX node specs
 
 from hetshard.cluster import Cluster
-from hetshard.data import METHODS, group_costs, plan_batch
+from hetshard.data import METHODS, choose_groups, group_costs, plan_batch
 from models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +70,16 @@ TOKENS_PER_GPU = 32768  # per global batch
 IMAGE_TOKENS = 256  # ViT-L/14 at 224 px: 16 x 16 patches
 
 
+def draw(lengths: np.ndarray, rng, cluster, max_context: int, mllm: bool):
+    """One global batch: sample lengths and (multimodal) images per sample."""
+    batch = sample_batch(lengths, rng, TOKENS_PER_GPU * cluster.num_devices, max_context)
+    if not mllm:
+        return batch, None
+    images = rng.integers(0, 9, batch.size)
+    # the text part leaves room for the images' tokens
+    return np.maximum(1, np.minimum(batch, max_context - images * IMAGE_TOKENS)), images
+
+
 def sample_batch(lengths: np.ndarray, rng, tokens: int, max_context: int):
     out, total = [], 0
     while total < tokens:
@@ -85,36 +102,47 @@ def main() -> int:
     for name, max_context, mllm in RUNS:
         cluster = CLUSTERS[name]()
         dtypes = {"V100-32GB": "float16"}  # no bfloat16 tensor cores (gpu_dtypes="fastest")
-        groups = group_costs(text, cluster, max_context=max_context, dtypes=dtypes,
-                             vision=vision if mllm else None,
-                             image_tokens=IMAGE_TOKENS if mllm else 0)
+        costs = dict(dtypes=dtypes, vision=vision if mllm else None,
+                     image_tokens=IMAGE_TOKENS if mllm else 0)
+        # Calibration batches (their own seed) choose each method's replicas; the
+        # measured batches are drawn apart.
+        calib = [draw(lengths, np.random.default_rng(1000 + k), cluster, max_context, mllm)
+                 for k in range(4)]
+        cal_images = [i for _, i in calib] if mllm else None
+        chosen, choose_s = {}, {}
+        for m in METHODS:
+            t0 = time.perf_counter()
+            chosen[m] = choose_groups(text, cluster, [b for b, _ in calib],
+                                      images=cal_images, max_context=max_context,
+                                      method=m, **costs)
+            choose_s[m] = time.perf_counter() - t0
+        whole = group_costs(text, cluster, max_context=max_context, **costs)
         rng = np.random.default_rng(0)
         per = {m: {"times": [], "tokens": 0, "planning": [], "gaps": [], "shapes": set()}
-               for m in METHODS}
-        bounds = []  # per batch: no plan of any method is faster (hetshard.data.lower_bound)
+               for m in (*METHODS, "fixed-cp-whole")}
+        bounds = []  # per batch: no plan on hetshard's replicas is faster (lower_bound)
         for _ in range(args.batches):
-            batch = sample_batch(lengths, rng, TOKENS_PER_GPU * cluster.num_devices,
-                                 max_context)
-            images = None
-            if mllm:
-                images = rng.integers(0, 9, batch.size)
-                # the text part leaves room for the images' tokens
-                batch = np.maximum(1, np.minimum(batch, max_context - images * IMAGE_TOKENS))
-            for m in METHODS:
-                r = plan_batch(batch, groups, images=images, cluster=cluster, method=m)
+            batch, images = draw(lengths, rng, cluster, max_context, mllm)
+            for m in (*METHODS, "fixed-cp-whole"):
+                groups = whole if m == "fixed-cp-whole" else chosen[m]
+                r = plan_batch(batch, groups, images=images, cluster=cluster,
+                               method="fixed-cp" if m == "fixed-cp-whole" else m,
+                               max_context=max_context, bound=m == "hetshard")
                 p = per[m]
                 p["times"].append(r.step_time_s)
                 p["tokens"] += r.tokens
                 p["planning"].append(r.planning_s)
                 p["gaps"].append(r.gap)
                 p["shapes"] |= set(r.shapes)
-            bounds.append(r.bound_s)
+                if m == "hetshard":
+                    bounds.append(r.bound_s)
         row = {"cluster": name, "model": "llava-7b-like" if mllm else "llama-7b",
                "max_context": max_context, "gpus": cluster.num_devices,
-               "groups": [{"name": g.name, "gpu": g.gpu, "devices": g.n, "chunk": g.chunk,
-                           "remat": g.remat, "long_remat": g.long_remat,
-                           "buckets": list(g.buckets)} for g in groups],
-               "methods": {}}
+               "groups": {m: [{"name": g.name, "gpu": g.gpu, "devices": g.n, "chunk": g.chunk,
+                               "remat": g.remat, "long_remat": g.long_remat,
+                               "buckets": list(g.buckets)} for g in gs]
+                          for m, gs in (*chosen.items(), ("fixed-cp-whole", whole))},
+               "choose_s": choose_s, "methods": {}}
         for m, p in per.items():
             row["methods"][m] = {
                 "tokens_per_s": p["tokens"] / sum(p["times"]),
@@ -122,22 +150,24 @@ def main() -> int:
                 "planning_ms_median": 1e3 * float(np.median(p["planning"])),
                 "planning_ms_max": 1e3 * max(p["planning"]),
                 "compiled_shapes": len(p["shapes"]),
-                "gap_median": float(np.median(p["gaps"]))}
+                "gap_median": (float(np.median(p["gaps"])) if m == "hetshard" else None)}
         h = row["methods"]["hetshard"]["tokens_per_s"]
-        row["speedup"] = {m: h / row["methods"][m]["tokens_per_s"] for m in METHODS
+        row["speedup"] = {m: h / row["methods"][m]["tokens_per_s"] for m in per
                           if m != "hetshard"}
-        # The most any per-batch plan could gain over fixed-cp packing: its step times
-        # over the batches' lower bounds.
+        # The most a per-batch plan on hetshard's replicas could gain over fixed-cp
+        # packing: its step times over the batches' lower bounds.
         row["bound_s"] = bounds
         row["bound_speedup_over_fixed_cp"] = sum(per["fixed-cp"]["times"]) / sum(bounds)
         rows.append(row)
         hm = row["methods"]["hetshard"]
         print(f"{name:15s} {row['model']:14s} {max_context // 1024:4d}K  hetshard "
               f"{h:10,.0f} tok/s  x{row['speedup']['fixed-cp']:.2f} fixed-cp  "
+              f"(x{row['speedup']['fixed-cp-whole']:.2f} whole)  "
               f"x{row['speedup']['identical']:.2f} identical  x{row['speedup']['pad']:.1f} pad  "
               f"plan {hm['planning_ms_median']:.1f}/{hm['planning_ms_max']:.1f} ms  "
               f"shapes {hm['compiled_shapes']}  gap {hm['gap_median']:.1%}  "
-              f"bound x{row['bound_speedup_over_fixed_cp']:.2f} fixed-cp", flush=True)
+              f"bound x{row['bound_speedup_over_fixed_cp']:.2f} fixed-cp  replicas "
+              f"{len(chosen['hetshard'])} (fixed-cp {len(chosen['fixed-cp'])})", flush=True)
     out = {"batches": args.batches, "tokens_per_gpu": TOKENS_PER_GPU, "rows": rows,
            "wall_time_s": time.time() - t_start}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

@@ -178,20 +178,28 @@ def data_aware(lines, data):
               "`python experiments/data_aware.py`: per-batch plans of Wikipedia-length "
               f"batches ({data['batches']} batches of {data['tokens_per_gpu'] // 1024}K tokens "
               "per GPU), tokens/s priced by the cost model; hetshard's per-batch planning "
-              "time measured on this machine (median / max).", ""]
-    names = ["hetshard", "fixed-cp", "identical", "pad"]
+              "time measured on this machine (median / max). Each method runs on the "
+              "data-parallel replicas it does best on (`choose_groups`, four calibration "
+              "batches); `fixed-cp whole` is fixed-cp packing on one replica per GPU type. "
+              "Replicas: hetshard's.", ""]
+    names = ["hetshard", "fixed-cp", "fixed-cp-whole", "identical", "pad"]
     rows = []
     for r in data["rows"]:
         m = r["methods"]
         h = m["hetshard"]
+        mine = r["groups"]["hetshard"]
         rows.append([r["cluster"], r["model"], f"{r['max_context'] // 1024}K",
                      *[f"{m[n]['tokens_per_s']:,.0f}" for n in names],
                      f"{r['speedup']['fixed-cp']:.2f}x",
+                     f"{r['speedup']['fixed-cp-whole']:.2f}x",
+                     f"{len(mine)} x {mine[0]['devices']}",
                      f"{h['planning_ms_median']:.1f} / {h['planning_ms_max']:.1f}",
                      h["compiled_shapes"], f"{h['gap_median']:.1%}",
                      f"{r['bound_speedup_over_fixed_cp']:.2f}x"])
-    lines += _table(["cluster", "model", "max context", *names, "vs fixed-cp",
-                     "planning ms", "shapes", "gap to bound", "bound vs fixed-cp"], rows)
+    lines += _table(["cluster", "model", "max context", *[n.replace("-whole", " whole")
+                                                          for n in names],
+                     "vs fixed-cp", "vs fixed-cp whole", "replicas", "planning ms", "shapes",
+                     "gap to bound", "bound vs fixed-cp"], rows)
     lines.append("")
 
 

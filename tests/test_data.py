@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 from hetshard.cost.calibration import DEFAULT
-from hetshard.data import GroupCost, geometric_buckets, lower_bound, pack, packed_arrays, plan_batch
+from hetshard.data import (
+    GroupCost,
+    Row,
+    geometric_buckets,
+    lower_bound,
+    pack,
+    packed_arrays,
+    plan_batch,
+)
 from hetshard.data.packing import Packing
 from hetshard.data.planner import _compose, _group_plan, _lp_bound, _Pricer, _two_group_bound
 from hetshard.errors import SpecError
@@ -263,6 +271,35 @@ def _one_by_one(model, opt, batches):
     return out
 
 
+def _run_equals_one_device(cluster, groups, batches):
+    """Train llama-tiny on ``batches`` ((samples, BatchPlan) pairs) with
+    ``run_batch_plan`` on ``groups``; assert its losses and weights equal one device
+    training the samples one by one. Returns the step and its (model, optimizer)."""
+    import optax
+    from flax import nnx
+
+    import hetshard
+    import models
+    from hetshard.data import run_batch_plan
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want = _one_by_one(model, opt, [s for s, _ in batches])
+    want_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    got = [float(run_batch_plan(step, (model, opt, None), s, p, groups)) for s, p in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    got_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    return step, (model, opt)
+
+
 @pytest.mark.slow
 def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
     """Two steps, each a global batch of variable-length samples packed into rows of its
@@ -312,14 +349,7 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
     every group's micro-steps summed into one update under hetshard.jit; losses and
     weights equal one device training the samples one by one, over two steps; each
     (group, bucket) compiled once."""
-    import optax
-    from flax import nnx
 
-    import hetshard
-    import models
-    from hetshard.data import run_batch_plan
-    from models.losses import packed_text_loss
-    from models.steps import train_step
 
     cluster = {"name": "two-speeds", "groups": [
         {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
@@ -341,19 +371,141 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
                   for n in ("fast", "slow"))
     assert fast > slow
 
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    want = _one_by_one(model, opt, [s for s, _ in batches])
-    want_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
-    got = [float(run_batch_plan(step, (model, opt, None), s, p, groups))
-           for s, p in batches]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    got_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    step, _ = _run_equals_one_device(cluster, groups, batches)
     shapes = {s for _, p in batches for s in p.shapes}
     assert len(step._captures) == len(shapes) <= 4
+
+
+@pytest.mark.slow
+def test_a_plan_on_replicas_of_one_gpu_type_with_long_remat_rows_equals_one_device():
+    """One cluster group split into two replicas (``group_costs(split=)`` names them
+    ``a/0`` and ``a/1``) beside a second group; on ``a/0`` rows of the larger bucket run
+    on one device under the long remat (``long_buckets``), so its micro-step plan
+    carries remat "full". The step's losses and weights equal one device's."""
+
+    from hetshard.data import micro_step_plan
+
+    cluster = {"name": "replicas", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 2},
+        {"name": "b", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4}]}
+    base = dict(chunk=16, attention_fwd_share=0.3, layers=4, kv_bytes_per_token=0.0,
+                buckets=(16, 32))
+    groups = (GroupCost(name="a/0", gpu="A100-80GB", devices=(0, 1), token_s=2.0,
+                        attention_s=0.01, long_remat="full", long_chunk=32,
+                        long_token_s=2.0, long_buckets=(32,), **base),
+              GroupCost(name="a/1", gpu="A100-80GB", devices=(2, 3), token_s=2.0,
+                        attention_s=0.01, **base),
+              GroupCost(name="b", gpu="H100-80GB", devices=(4, 5, 6, 7), token_s=1.5,
+                        attention_s=0.005, **base))
+    assert groups[0].degree(32) == 1 and groups[0].remat_of(32) == "full"
+    assert groups[1].degree(32) == 2 and groups[1].remat_of(32) == "none"
+    rng = np.random.default_rng(5)
+    batches = []
+    for _ in range(2):
+        lengths = np.concatenate([rng.integers(20, 33, 6), rng.integers(3, 12, 12)])
+        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+        batches.append((samples, plan_batch(lengths, groups, bound=False)))
+    used = {(g.group, s.bucket) for _, p in batches for g in p.groups for s in g.steps}
+    assert ("a/0", 32) in used and ("a/1", 32) in used and ("b", 32) in used
+
+    step, (model, opt) = _run_equals_one_device(cluster, groups, batches)
+    batch = {k: jnp.asarray(v) for k, v in packed_arrays(
+        batches[0][0], [Row(32, (0,), (int(batches[0][0][0].size),))]).items()}
+    plan = micro_step_plan(step, (model, opt, batch), groups[0], 32, 1)
+    stage = plan.pipelines[0].stages[0]
+    assert stage.remat == "full" and stage.devices == (0, 1)
+
+
+_DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
+             "inter_node_gbs": 200.0}
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    from models import profile as profile_model
+    return profile_model("llama-7b", seq_len=4096)
+
+
+def _a100s(nodes=4):
+    from hetshard.cluster import Cluster
+    return Cluster.from_dict({"name": f"a100-x{8 * nodes}", "inter_group_gbs": 100.0,
+                              "groups": [{"name": "a100", "nodes": nodes, **_DGX_A100}]})
+
+
+def test_split_groups_are_node_aligned_replicas_that_pay_a_gradient_sync(llama7b):
+    from hetshard.data import group_costs
+    cluster = _a100s()
+    whole, = group_costs(llama7b, cluster, max_context=32768)
+    parts = group_costs(llama7b, cluster, max_context=32768, split={"a100": 2})
+    assert [p.name for p in parts] == ["a100/0", "a100/1"]
+    assert parts[0].devices == tuple(range(16)) and parts[1].devices == tuple(range(16, 32))
+    # the replicas' gradients meet once a step; one group has no one to meet
+    assert parts[0].step_s > whole.step_s + 0.1
+    # a row of max_context holds 8 devices in either case: 32K / 4K
+    assert whole.degree(32768) == parts[0].degree(32768) == 8
+    for split, field in (({"a100": 3}, "split['a100']"), ({"h100": 2}, "split"),
+                         ({"a100": 0}, "split['a100']"), ({"a100": True}, "split['a100']")):
+        with pytest.raises(SpecError) as e:
+            group_costs(llama7b, cluster, max_context=32768, split=split)
+        assert e.value.field == field
+
+
+def test_long_chunk_runs_long_rows_on_a_shorter_ring_under_remat(llama7b):
+    from hetshard.data import group_costs
+    cluster = _a100s()
+    default, = group_costs(llama7b, cluster, max_context=131072)
+    # 128K over 32 devices: 4K a device, no remat, a ring over four nodes
+    assert default.degree(131072) == 32 and default.remat_of(131072) == "none"
+    short, = group_costs(llama7b, cluster, max_context=131072, long_chunk=16384)
+    # 16K a device under full remat: the ring stays in one node, and its saving beats
+    # the recomputation there
+    assert short.degree(131072) == 8 and short.remat_of(131072) == "full"
+    assert 131072 in short.long_buckets and short.slots(131072) == 16384
+    assert short.degree(4096) == 1 and short.remat_of(4096) == "none"
+    for bad in (4096, 12288, 262144, True):
+        with pytest.raises(SpecError) as e:
+            group_costs(llama7b, cluster, max_context=131072, long_chunk=bad)
+        assert e.value.field == "long_chunk"
+    with pytest.raises(SpecError, match="at least 16384"):  # 8K x 8 devices < 128K
+        group_costs(llama7b, cluster, max_context=131072, split={"a100": 4}, long_chunk=8192)
+
+
+def _rare_long_batches(rng, count, tokens=32 * 32768):
+    """Batches of short documents with a rare long one (what makes a whole-type ring
+    idle most of the cluster)."""
+    out = []
+    for _ in range(count):
+        lengths = [int(rng.integers(20000, 60000))]
+        while sum(lengths) < tokens:
+            lengths.append(int(rng.integers(100, 3000)))
+        out.append(np.asarray(lengths))
+    return out
+
+
+def test_choose_groups_picks_replicas_that_beat_one_group_on_fresh_batches(llama7b):
+    from hetshard.data import choose_groups, group_costs
+    cluster = _a100s()
+    calib = _rare_long_batches(np.random.default_rng(0), 3)
+    chosen = choose_groups(llama7b, cluster, calib, max_context=131072)
+    assert sum(len(g.buckets) for g in chosen) <= 8
+    assert sorted(d for g in chosen for d in g.devices) == list(range(32))
+    whole = group_costs(llama7b, cluster, max_context=131072, max_buckets=8)
+    fresh = _rare_long_batches(np.random.default_rng(1), 3)
+    t_chosen = sum(plan_batch(b, chosen, cluster=cluster, bound=False).step_time_s
+                   for b in fresh)
+    t_whole = sum(plan_batch(b, whole, cluster=cluster, bound=False).step_time_s
+                  for b in fresh)
+    assert t_chosen < 0.9 * t_whole, (t_chosen, t_whole, [g.name for g in chosen])
+    # a baseline tunes its replicas the same way
+    fixed = choose_groups(llama7b, cluster, calib, max_context=131072, method="fixed-cp")
+    assert sum(plan_batch(b, fixed, cluster=cluster, method="fixed-cp",
+                          bound=False).step_time_s for b in calib) <= sum(
+        plan_batch(b, whole, cluster=cluster, method="fixed-cp", bound=False).step_time_s
+        for b in calib)
+    for kwargs, field in (({"batches": []}, "batches"), ({"max_shapes": 0}, "max_shapes"),
+                          ({"method": "best"}, "method"),
+                          ({"images": [None, None]}, "images")):
+        args = {"batches": calib, **kwargs}
+        with pytest.raises(SpecError) as e:
+            choose_groups(llama7b, cluster, args.pop("batches"), max_context=131072, **args)
+        assert e.value.field == field

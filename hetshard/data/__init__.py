@@ -10,6 +10,7 @@ from hetshard.data.planner import (
                                    GroupCost,
                                    GroupPlan,
                                    MicroStep,
+                                   choose_groups,
                                    group_costs,
                                    identical,
                                    lower_bound,
@@ -18,5 +19,5 @@ from hetshard.data.planner import (
 from hetshard.data.runner import micro_step_plan, run_batch_plan
 
 __all__ = ["METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
-           "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
+           "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
            "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan"]

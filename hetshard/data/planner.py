@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -83,8 +84,10 @@ class GroupCost:
     layers: int
     kv_bytes_per_token: float
     remat: str = "none"
-    # Rows longer than ``devices * chunk`` run over every device of the group under
-    # ``long_remat`` (``long_chunk`` slots fit in memory there), at ``long_token_s``.
+    # Rows longer than ``devices * chunk``, and those of ``long_buckets``, run under
+    # ``long_remat``, where ``long_chunk`` slots a device fit in memory, at
+    # ``long_token_s``: over ``bucket / long_chunk`` devices (a shorter ring, within a
+    # node where it fits, for more recomputation).
     long_remat: str = ""
     long_chunk: int = 0
     long_token_s: float = 0.0
@@ -92,21 +95,31 @@ class GroupCost:
     image_tokens: int = 0
     step_s: float = 0.0
     buckets: tuple[int, ...] = ()
+    long_buckets: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.devices)
 
+    def is_long(self, bucket: int) -> bool:
+        """Whether rows of ``bucket`` run under the long remat."""
+        return bool(self.long_chunk) and (bucket in self.long_buckets
+                                          or bucket > self.n * self.chunk)
+
     def degree(self, bucket: int) -> int:
-        d = max(1, bucket // self.chunk)
-        return d if d <= self.n or not self.long_chunk else self.n
+        if self.is_long(bucket):
+            return min(self.n, max(1, -(-bucket // self.long_chunk)))
+        return max(1, bucket // self.chunk)
 
     def slots(self, bucket: int) -> int:
         """Token slots per device of a micro-step of ``bucket`` rows."""
         return max(self.chunk, bucket // self.degree(bucket))
 
+    def remat_of(self, bucket: int) -> str:
+        return self.long_remat if self.is_long(bucket) else self.remat
+
     def token_cost(self, bucket: int) -> float:
-        return self.long_token_s if self.slots(bucket) > self.chunk else self.token_s
+        return self.long_token_s if self.is_long(bucket) else self.token_s
 
     @property
     def longest(self) -> int:
@@ -159,7 +172,9 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
                 cal: Calibration = DEFAULT, remat: str | Sequence[str] = ("none", "full"),
                 dtypes: dict | None = None,
                 vision: ModelProfile | None = None, image_tokens: int = 0,
-                max_buckets: int = 4, memory_margin: float = 0.9) -> tuple[GroupCost, ...]:
+                max_buckets: int = 4, memory_margin: float = 0.9,
+                split: Mapping[str, int] | None = None,
+                long_chunk: int | None = None) -> tuple[GroupCost, ...]:
     """One :class:`GroupCost` per group of ``cluster``, priced by
     ``hetshard.cost.stage.stage_cost`` on the whole model (FSDP over the group, ``remat``):
     the linear and attention parts from ``profile`` at its sequence length. The chunk (token
@@ -169,16 +184,43 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     that holds ``max_context`` so (``long_remat``). Buckets run from the chunk to
     ``max_context`` (at most ``max_buckets``). ``vision``: a vision encoder's profile
     (one image a sample), priced per image the same way; ``image_tokens`` what each image
-    adds to the language model's sequence."""
+    adds to the language model's sequence.
+
+    ``split``: cluster group name -> how many equal data-parallel replicas its devices
+    form (default one a group). Each part is a group of its own, named
+    ``"<group>/<i>"`` (its devices shard the weights, the parts' gradients meet once a
+    step): a long document's context ring then holds only its part while the other parts
+    train other rows (see :func:`choose_groups`). Parts are whole nodes, or equal shares
+    of a one-node group. ``long_chunk``: token slots a device holds for long rows (a
+    power-of-two multiple of the sequence length; default: the fewest that hold a
+    ``max_context`` row over the group's devices); buckets whose full rows then train
+    faster over fewer devices, under a remat that holds them, run so (``long_buckets``).
+
+    Raises:
+      SpecError: ``max_context`` not a power of two at least the profile's sequence
+        length, a group (or part) whose devices cannot hold a ``max_context`` row, a
+        split naming no group or not dividing it into equal node-aligned parts.
+    """
     seq = profile.seq_len
     remats = (remat,) if isinstance(remat, str) else tuple(remat)
     if max_context < seq or max_context & (max_context - 1):
         raise SpecError("max_context", max_context,
                         f"a power of two at least the profile's sequence length {seq}")
+    if long_chunk is not None and (
+            isinstance(long_chunk, bool) or not isinstance(long_chunk, (int, np.integer))
+            or long_chunk < 2 * seq or long_chunk > max_context or long_chunk % seq
+            or (long_chunk // seq) & (long_chunk // seq - 1)):
+        raise SpecError("long_chunk", long_chunk,
+                        f"a power-of-two multiple of the sequence length {seq}, from "
+                        f"{2 * seq} to max_context={max_context}")
+    parts = _parts(cluster, split)
     out = []
     everyone = list(range(cluster.num_devices))
     for g in cluster.groups:
-        devs = tuple(cluster.group_device_ids(g.name))
+        ids = tuple(cluster.group_device_ids(g.name))
+        k = parts[g.name]
+        size = len(ids) // k
+        devs = ids[:size]  # the parts are alike: priced once, on the first
         dtype = (dtypes or {}).get(g.gpu.name)
         cap = memory_margin * g.gpu.memory_bytes
         def priced(mode: str, mbs: int, g=g, devs=devs, dtype=dtype):
@@ -187,43 +229,154 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
                               dp_topo=topology(cluster, devs))
 
         # Short rows: the cheapest remat that holds one profile-length sequence per device
-        # (the finest micro-steps); rows beyond the group's chunks: the first remat that
-        # holds max_context spread over every device.
+        # (the finest micro-steps). Long rows: ``long_chunk`` slots a device (default:
+        # the fewest that hold a max_context row over the group) under the first remat
+        # that holds them.
         fits = [m for m in remats if priced(m, 1).peak_memory(1) <= cap]
-        need = -(-max_context // (seq * len(devs)))
-        long = next((m for m in remats if need > 1 and priced(m, need).peak_memory(1) <= cap),
+        need = -(-max_context // (seq * len(devs)))  # slots (in sequences) to hold one
+        held = need if long_chunk is None else long_chunk // seq
+        long = next((m for m in remats if held > 1 and priced(m, held).peak_memory(1) <= cap),
                     None)
         if not fits or (need > 1 and long is None):
-            raise SpecError("cluster.groups", g.name,
+            field, value = (f"split[{g.name!r}]", k) if k > 1 else ("cluster.groups", g.name)
+            raise SpecError(field, value,
                             f"a group whose {len(devs)} {g.gpu.name} hold a {max_context}-"
-                            f"token row of {profile.model} under FSDP (remat {remats})")
+                            f"token row of {profile.model} under FSDP (remat {remats})"
+                            + (" in each part" if k > 1 else ""))
+        if held < need or (held > 1 and long is None):
+            raise SpecError("long_chunk", long_chunk,
+                            f"token slots a {g.gpu.name} of group {g.name!r} holds under "
+                            f"one of remat {remats}, at least {need * seq} (a "
+                            f"{max_context}-token row over its {len(devs)} devices)")
         mode, chunk, one = fits[0], seq, priced(fits[0], 1)
-        long_cost = priced(long, 1) if long else None
         token_s = (one.fwd_s + one.bwd_s - one.attention_fwd_s - one.attention_bwd_s) / seq
-        long = (long, need * seq, (long_cost.fwd_s + long_cost.bwd_s - long_cost.attention_fwd_s
-                                   - long_cost.attention_bwd_s) / seq) if long else ("", 0, 0.0)
+        if long:
+            c = priced(long, 1)
+            long = (long, held * seq,
+                    (c.fwd_s + c.bwd_s - c.attention_fwd_s - c.attention_bwd_s) / seq)
+        else:
+            long = ("", 0, 0.0)
+        layer = profile.layers[len(profile.layers) // 2]
+        kv = 2.0 * layer.boundary_bytes_per_sample / seq
+        buckets = geometric_buckets(chunk, max_context, max_buckets)
+
+        def per_token(token_s: float, slots: int, bucket: int, devs=devs, g=g,
+                      kv=kv) -> float:
+            """Device seconds per token of full ``bucket`` rows at ``slots`` a device."""
+            d = max(1, bucket // slots)
+            ring = collective_time("all_gather", kv * bucket, topology(cluster, devs[:d]),
+                                   cal, g.gpu.name) if d > 1 else 0.0
+            return token_s + 3 * profile.num_layers * ring * d / bucket
+
+        # Buckets whose full rows train faster on fewer devices (a shorter ring, within
+        # a node where it fits) under the long remat
+        long_buckets = tuple(
+            b for b in buckets if long[1] and chunk < b <= len(devs) * chunk
+            and b >= long[1] and per_token(long[2], long[1], b) < per_token(token_s, chunk, b))
         attention = one.attention_fwd_s + one.attention_bwd_s
         # The gradient sync of the whole model over every group, and the update.
         sync = collective_time("all_reduce", one.grad_sync_bytes, topology(cluster, everyone),
-                               cal, g.gpu.name) if len(cluster.groups) > 1 else 0.0
+                               cal, g.gpu.name) if sum(parts.values()) > 1 else 0.0
         image_s = 0.0
         if vision is not None:
             v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, dp=len(devs),
                            fsdp=len(devs) > 1, remat=mode, cal=cal, dtype=dtype,
                            dp_topo=topology(cluster, devs))
             image_s = v.fwd_s + v.bwd_s
-        layer = profile.layers[len(profile.layers) // 2]
-        out.append(GroupCost(
+        first = GroupCost(
             name=g.name, gpu=g.gpu.name, devices=devs, chunk=chunk, token_s=token_s,
             attention_s=attention / seq ** 2,
             attention_fwd_share=one.attention_fwd_s / attention if attention else 0.5,
             layers=profile.num_layers,
-            kv_bytes_per_token=2.0 * layer.boundary_bytes_per_sample / seq,
+            kv_bytes_per_token=kv,
             remat=mode, long_remat=long[0], long_chunk=long[1], long_token_s=long[2],
             image_s=image_s, image_tokens=image_tokens,
-            step_s=one.optimizer_s + sync,
-            buckets=geometric_buckets(chunk, max_context, max_buckets)))
+            step_s=one.optimizer_s + sync, buckets=buckets, long_buckets=long_buckets)
+        out.extend([first] if k == 1 else [
+            dataclasses.replace(first, name=f"{g.name}/{i}", devices=ids[i * size:(i + 1) * size])
+            for i in range(k)])
     return tuple(out)
+
+
+def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
+                  max_context: int, images: Sequence | None = None, max_shapes: int = 8,
+                  max_parts: int = 8, method: str = "hetshard", cal: Calibration = DEFAULT,
+                  **costs) -> tuple[GroupCost, ...]:
+    """The groups a run's per-batch plans go on, chosen from a sample of its data.
+
+    Candidates split each cluster group into 1, 2, 4, ... (at most ``max_parts``) equal
+    data-parallel replicas (``group_costs(split=)``), each replica given
+    ``max_shapes // replicas`` buckets, so that a run compiles at most ``max_shapes``
+    micro-step programs, and hold long rows at 2 to 16 sequence lengths a device
+    (``group_costs(long_chunk=)``; or the fewest that hold ``max_context``). Each
+    candidate plans every batch of ``batches`` (lists of sample lengths, drawn from the
+    run's data; ``images``: per batch, images per sample, or None) and the one with the
+    least summed step time is returned. Replicas trade a gradient
+    sync between them (and weights sharded over fewer devices) for rings that hold one
+    replica, not the whole GPU type, while the others train other rows: worth it where
+    long documents are rare. ``method``: whose plans choose (a baseline of
+    ``plan_batch`` tunes its outer plan the same way). ``costs``: further
+    ``group_costs`` arguments (``remat``, ``dtypes``, ``vision``, ``image_tokens``,
+    ``memory_margin``).
+
+    Raises:
+      SpecError: no batches, ``max_shapes`` below the groups' count, or no candidate
+        that holds a ``max_context`` row.
+    """
+    if method not in METHODS:
+        raise SpecError("method", method, f"one of {METHODS}")
+    if not len(batches):
+        raise SpecError("batches", [], "at least one batch of sample lengths")
+    if images is not None and len(images) != len(batches):
+        raise SpecError("images", f"{len(images)} batches", f"one per batch ({len(batches)})")
+    if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or (
+            max_shapes < len(cluster.groups)):
+        raise SpecError("max_shapes", max_shapes,
+                        f"an integer at least the cluster's {len(cluster.groups)} groups")
+    options = []
+    for g in cluster.groups:
+        unit = g.nodes if g.nodes > 1 else g.gpus_per_node
+        options.append([k for k in (2 ** i for i in range(unit.bit_length()))
+                        if unit % k == 0 and k <= max_parts])
+    seq = profile.seq_len
+    longs = [None] + [seq * 2 ** i for i in range(1, 5) if seq * 2 ** i <= max_context]
+    best, error = None, None
+    for ks, long in itertools.product(itertools.product(*options), longs):
+        total = sum(ks)
+        if total > max_shapes:
+            continue
+        split = {g.name: k for g, k in zip(cluster.groups, ks, strict=True)}
+        try:
+            groups = group_costs(profile, cluster, max_context=max_context, cal=cal,
+                                 max_buckets=max_shapes // total, split=split,
+                                 long_chunk=long, **costs)
+        except SpecError as e:  # parts too small to hold a max_context row
+            error = error or e
+            continue
+        t = sum(plan_batch(b, groups, images=None if images is None else images[i],
+                           cluster=cluster, cal=cal, max_context=max_context,
+                           method=method, bound=False).step_time_s for i, b in enumerate(batches))
+        if best is None or t < best[0]:
+            best = (t, groups)
+    if best is None:
+        raise error or SpecError("max_shapes", max_shapes, "room for one bucket a group")
+    return best[1]
+
+
+def _parts(cluster: Cluster, split: Mapping[str, int] | None) -> dict[str, int]:
+    """Replicas per cluster group (checked: whole nodes, or equal shares of one node)."""
+    out = {g.name: 1 for g in cluster.groups}
+    for name, k in (split or {}).items():
+        if name not in out:
+            raise SpecError("split", name, f"a group of the cluster: one of {sorted(out)}")
+        g = cluster.group(name)
+        ok = (not isinstance(k, bool) and isinstance(k, (int, np.integer)) and k >= 1
+              and (g.nodes % k == 0 if g.nodes > 1 else g.gpus_per_node % k == 0))
+        if not ok:
+            unit = (f"{g.nodes} nodes" if g.nodes > 1 else f"{g.gpus_per_node} GPUs")
+            raise SpecError(f"split[{name!r}]", k, f"a positive count dividing its {unit}")
+        out[name] = int(k)
+    return out
 
 
 def identical(groups: Sequence[GroupCost]) -> tuple[GroupCost, ...]:

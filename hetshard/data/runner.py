@@ -31,7 +31,8 @@ from hetshard.plan import Context, Pipeline, Plan, Stage
 def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
                     attention: str = "flash") -> Plan:
     """The one-stage plan a micro-step of ``bucket`` rows at ``degree`` runs under on
-    ``group``'s devices (``step``: the ``hetshard.jit`` step, ``args`` its arguments
+    ``group``'s devices, under the remat the group prices such rows with
+    (``GroupCost.remat_of``; ``step``: the ``hetshard.jit`` step, ``args`` its arguments
     with a batch of that shape)."""
     cluster = step.cluster
     rows = group.n // degree
@@ -39,8 +40,10 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
     layers = program.layering(2, False).num_layers
     axes = (("data", rows),) + ((("context", degree),) if degree > 1 else ())
     gpu = cluster.gpu_of(group.devices[0]).name
+    remat = group.remat_of(bucket) or "none"
     return Plan(program.name, cluster, rows, bucket, (
-        Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes),), rows, 1, 1),),
+        Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes, remat=remat),),
+                 rows, 1, 1),),
         attention=attention, context=Context(degree) if degree > 1 else Context(),
         fingerprint=program.model_fingerprint)
 
