@@ -554,8 +554,16 @@ def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
     if samples.size == 0:
         return _Draft(g.name, samples, None, [], g.step_s)
     buckets = tuple(buckets or g.buckets)
-    p = _fill_steps(g, best_fit(lengths[samples], buckets, samples), buckets)
-    steps = _compose(pricer, p, images, sort)
+    packed = best_fit(lengths[samples], buckets, samples)
+    merged = _fill_steps(g, packed, buckets)
+    p, steps = merged, _compose(pricer, merged, images, sort)
+    if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
+        # Merging a part-empty micro-step's rows up saves that micro-step, but where
+        # the bucket above had no micro-step of its own with room, it opens one, on a
+        # longer ring: kept only where it prices faster.
+        plain = _compose(pricer, packed, images, sort)
+        if sum(st[3] for st in plain) < sum(st[3] for st in steps):
+            p, steps = packed, plain
     n_img = int(images[samples].sum()) if images is not None else 0
     return _Draft(g.name, samples, p, steps, sum(s[3] for s in steps) + g.step_s, n_img)
 
