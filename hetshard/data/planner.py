@@ -11,7 +11,8 @@ milliseconds:
   causal attention, plus a vision-encoder cost per image. Longest-processing-time first
   (Graham 1969) on machines of different speeds, each sample to the group where it
   finishes earliest, then re-run with each group's priced-to-estimated ratio until the
-  priced step time stops improving;
+  priced step time stops improving; then a few moves of samples from the slowest group
+  to the one that finishes first, each kept where the priced step falls;
 * **packing** per group into rows of the group's buckets (``hetshard.data.packing``);
 * **context parallelism per sequence**: a row of bucket ``B`` runs over ``B / chunk``
   devices (the K/V ring of ``hetshard.kernels.ring_attention``), so a long document
@@ -640,13 +641,15 @@ def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.n
 def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
                cluster: Cluster | None = None, cal: Calibration = DEFAULT,
                method: str = "hetshard", max_context: int | None = None,
-               rounds: int = 2, bound: bool = True) -> BatchPlan:
+               rounds: int = 2, moves: int = 3, bound: bool = True) -> BatchPlan:
     """The per-batch plan of one global batch (see the module docstring).
 
     ``lengths``: tokens per sample (each image adds the groups' ``image_tokens``);
     ``images``: images per sample (None: a text batch); ``cluster``: where the groups'
     devices are (prices the context ring; None: no ring cost); ``method``: one of
-    ``METHODS``; ``max_context``: the largest row (default: the groups' largest bucket).
+    ``METHODS``; ``max_context``: the largest row (default: the groups' largest bucket);
+    ``rounds``: placements re-run with the priced speeds; ``moves``: local-search moves
+    after them.
 
     Raises:
       SpecError: empty or non-positive lengths, a sample longer than ``max_context``,
@@ -658,14 +661,14 @@ def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
     gc.disable()
     try:
         return _plan_batch(lengths, groups, images, cluster, cal, method, max_context,
-                           rounds, bound)
+                           rounds, moves, bound)
     finally:
         if collecting:
             gc.enable()
 
 
 def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, rounds,
-                bound) -> BatchPlan:
+                moves, bound) -> BatchPlan:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise SpecError("method", method, f"one of {METHODS}")
@@ -720,6 +723,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             if np.allclose(new_scale / new_scale.max(), scale / scale.max(), rtol=0.01):
                 break  # the same relative speeds: the same placement
             scale = new_scale
+        best = _rebalance(best, believed_pricers, costs, n, lengths, img, moves)
         # ... and runs it on the real GPUs.
         plan = tuple(d.plan() for d in best[2]) if believed is groups else tuple(
             _group_plan(p, best[1][k], lengths, img) for k, p in enumerate(pricers))
@@ -727,6 +731,43 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     step = max(g.time_s for g in plan)
     lb = lower_bound(lengths, groups, img) if bound else None
     return BatchPlan(method, plan, step, int(lengths.sum()), lb, planning)
+
+
+def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndarray,
+               img: np.ndarray | None, moves: int):
+    """Local search on a placement ``best`` = (step, parts, drafts): the slowest group
+    hands the group that finishes first its shortest samples, worth a half, a quarter
+    or three quarters of the difference between them (priced on the receiver, no
+    padding), or its longest sample; a move is kept where the priced step falls. Micro-
+    steps are coarse (a step of short rows is one row a device), so the placement's
+    estimate misses by up to a micro-step a group; the priced plans do not."""
+    worst, parts, seen = best
+    parts, seen = list(parts), list(seen)
+    for _ in range(moves):
+        times = np.array([d.time_s for d in seen])
+        k, j = int(np.argmax(times)), int(np.argmin(times))
+        mine = parts[k]
+        if k == j or mine.size < 2:
+            break
+        order = mine[np.argsort(lengths[mine], kind="stable")]
+        gain = np.cumsum(costs[j, order] / n[j])
+        tries = [order[:max(1, int(np.searchsorted(gain, f * (times[k] - times[j]))))]
+                 for f in (0.5, 0.25, 0.75)] + [order[-1:]]
+        for moved in tries:
+            if not np.isfinite(costs[j, moved]).all() or moved.size >= mine.size:
+                continue
+            keep = np.setdiff1d(mine, moved, assume_unique=True)
+            got = np.sort(np.concatenate([parts[j], moved]))
+            dk = _draft(pricers[k], keep, lengths, img, True)
+            dj = _draft(pricers[j], got, lengths, img, True)
+            step = max([dk.time_s, dj.time_s] + [d.time_s for i, d in enumerate(seen)
+                                                 if i not in (k, j)])
+            if step < worst - 1e-12:
+                worst, parts[k], parts[j], seen[k], seen[j] = step, keep, got, dk, dj
+                break
+        else:
+            break  # no move helps
+    return worst, parts, tuple(seen)
 
 
 def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
