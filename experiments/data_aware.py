@@ -140,7 +140,8 @@ def main() -> int:
                "max_context": max_context, "gpus": cluster.num_devices,
                "groups": {m: [{"name": g.name, "gpu": g.gpu, "devices": g.n, "chunk": g.chunk,
                                "remat": g.remat, "long_remat": g.long_remat,
-                               "buckets": list(g.buckets)} for g in gs]
+                               "long_chunk": g.long_chunk, "buckets": list(g.buckets),
+                               "long_buckets": list(g.long_buckets)} for g in gs]
                           for m, gs in (*chosen.items(), ("fixed-cp-whole", whole))},
                "choose_s": choose_s, "methods": {}}
         for m, p in per.items():

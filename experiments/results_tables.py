@@ -173,6 +173,15 @@ def multihost(lines, data):
               f"{data['pp_step_two_processes_s'] * 1e3:.0f} ms.", ""]
 
 
+def _replicas(groups) -> str:
+    """'h100 2x8, a100 1x16': replicas per GPU type and their devices."""
+    count: dict[tuple[str, int], int] = {}
+    for g in groups:
+        key = (g["name"].split("/")[0], g["devices"])
+        count[key] = count.get(key, 0) + 1
+    return ", ".join(f"{name} {k}x{n}" for (name, n), k in count.items())
+
+
 def data_aware(lines, data):
     lines += ["## Data-aware planning", "",
               "`python experiments/data_aware.py`: per-batch plans of Wikipedia-length "
@@ -192,7 +201,7 @@ def data_aware(lines, data):
                      *[f"{m[n]['tokens_per_s']:,.0f}" for n in names],
                      f"{r['speedup']['fixed-cp']:.2f}x",
                      f"{r['speedup']['fixed-cp-whole']:.2f}x",
-                     f"{len(mine)} x {mine[0]['devices']}",
+                     _replicas(mine),
                      f"{h['planning_ms_median']:.1f} / {h['planning_ms_max']:.1f}",
                      h["compiled_shapes"], f"{h['gap_median']:.1%}",
                      f"{r['bound_speedup_over_fixed_cp']:.2f}x"])
