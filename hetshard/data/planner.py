@@ -275,9 +275,12 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             b for b in buckets if long[1] and chunk < b <= len(devs) * chunk
             and b >= long[1] and per_token(long[2], long[1], b) < per_token(token_s, chunk, b))
         attention = one.attention_fwd_s + one.attention_bwd_s
-        # The gradient sync of the whole model over every group, and the update.
-        sync = collective_time("all_reduce", one.grad_sync_bytes, topology(cluster, everyone),
-                               cal, g.gpu.name) if sum(parts.values()) > 1 else 0.0
+        # The gradient sync, and the update. Under FSDP the step's gradients are
+        # reduce-scattered over every data-parallel device, every group's and replica's
+        # (as the simulator prices an FSDP stage's sync); stage_cost prices the weights'
+        # gathers, not this.
+        sync = collective_time("reduce_scatter", one.grad_sync_bytes,
+                               topology(cluster, everyone), cal, g.gpu.name)
         image_s = 0.0
         if vision is not None:
             v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, dp=len(devs),
@@ -736,9 +739,9 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
 def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndarray,
                img: np.ndarray | None, moves: int):
     """Local search on a placement ``best`` = (step, parts, drafts): the slowest group
-    hands the group that finishes first its shortest samples, worth a half, a quarter
-    or three quarters of the difference between them (priced on the receiver, no
-    padding), or its longest sample; a move is kept where the priced step falls. Micro-
+    hands the group that finishes first its shortest samples, worth a half or a quarter
+    of the difference between them (priced on the receiver, no padding), or its
+    longest sample; a move is kept where the priced step falls. Micro-
     steps are coarse (a step of short rows is one row a device), so the placement's
     estimate misses by up to a micro-step a group; the priced plans do not."""
     worst, parts, seen = best
@@ -752,7 +755,7 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
         order = mine[np.argsort(lengths[mine], kind="stable")]
         gain = np.cumsum(costs[j, order] / n[j])
         tries = [order[:max(1, int(np.searchsorted(gain, f * (times[k] - times[j]))))]
-                 for f in (0.5, 0.25, 0.75)] + [order[-1:]]
+                 for f in (0.5, 0.25)] + [order[-1:]]
         for moved in tries:
             if not np.isfinite(costs[j, moved]).all() or moved.size >= mine.size:
                 continue
