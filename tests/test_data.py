@@ -509,6 +509,17 @@ def test_long_chunk_runs_long_rows_on_a_shorter_ring_under_remat(llama7b):
         group_costs(llama7b, cluster, max_context=131072, split={"a100": 4}, long_chunk=8192)
 
 
+def test_buckets_can_be_given_and_are_checked(llama7b):
+    from hetshard.data import group_costs
+    cluster = _a100s()
+    g, = group_costs(llama7b, cluster, max_context=131072, buckets=(65536, 4096, 131072))
+    assert g.buckets == (4096, 65536, 131072) and g.degree(65536) == 16
+    for bad in ((4096, 65536), (4096, 12288, 131072), (2048, 131072), (), (4096.0, 131072)):
+        with pytest.raises(SpecError) as e:
+            group_costs(llama7b, cluster, max_context=131072, buckets=bad)
+        assert e.value.field == "buckets"
+
+
 def _wikipedia_like(rng, count, tokens=32 * 32768, max_context=131072):
     """Batches of log-normal document lengths shaped like FlexSP's Wikipedia sample
     (median 347 tokens, p99 about 11K), cut at ``max_context``: long documents rare."""
@@ -526,6 +537,7 @@ def test_choose_groups_picks_replicas_that_beat_one_group_on_fresh_batches(llama
     chosen = choose_groups(llama7b, cluster, calib, max_context=131072)
     assert len(chosen) > 1  # replicas: a long row's ring holds one, the others go on
     assert sum(len(g.buckets) for g in chosen) <= 8
+    assert all(g.buckets[0] == 4096 and g.buckets[-1] == 131072 for g in chosen)
     assert sorted(d for g in chosen for d in g.devices) == list(range(32))
     whole = group_costs(llama7b, cluster, max_context=131072, max_buckets=8)
     quarters = group_costs(llama7b, cluster, max_context=131072, max_buckets=2,

@@ -175,7 +175,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
                 vision: ModelProfile | None = None, image_tokens: int = 0,
                 max_buckets: int = 4, memory_margin: float = 0.9,
                 split: Mapping[str, int] | None = None,
-                long_chunk: int | None = None) -> tuple[GroupCost, ...]:
+                long_chunk: int | None = None,
+                buckets: Sequence[int] | None = None) -> tuple[GroupCost, ...]:
     """One :class:`GroupCost` per group of ``cluster``, priced by
     ``hetshard.cost.stage.stage_cost`` on the whole model (FSDP over the group, ``remat``):
     the linear and attention parts from ``profile`` at its sequence length. The chunk (token
@@ -196,6 +197,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     power-of-two multiple of the sequence length; default: the fewest that hold a
     ``max_context`` row over the group's devices); buckets whose full rows then train
     faster over fewer devices, under a remat that holds them, run so (``long_buckets``).
+    ``buckets``: the row lengths (powers-of-two multiples of the sequence length, the
+    largest ``max_context``; default ``geometric_buckets`` up to ``max_buckets`` of them).
 
     Raises:
       SpecError: ``max_context`` not a power of two at least the profile's sequence
@@ -214,6 +217,15 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
         raise SpecError("long_chunk", long_chunk,
                         f"a power-of-two multiple of the sequence length {seq}, from "
                         f"{2 * seq} to max_context={max_context}")
+    if buckets is not None:
+        b = sorted(set(int(x) for x in buckets)) if all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in buckets) else []
+        if not b or b[-1] != max_context or any(
+                x < seq or x % seq or (x // seq) & (x // seq - 1) for x in b):
+            raise SpecError("buckets", list(buckets),
+                            f"powers-of-two multiples of the sequence length {seq}, the "
+                            f"largest max_context={max_context}")
+        buckets = tuple(b)
     parts = _parts(cluster, split)
     out = []
     everyone = list(range(cluster.num_devices))
@@ -259,7 +271,7 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             long = ("", 0, 0.0)
         layer = profile.layers[len(profile.layers) // 2]
         kv = 2.0 * layer.boundary_bytes_per_sample / seq
-        buckets = geometric_buckets(chunk, max_context, max_buckets)
+        rows = buckets or geometric_buckets(chunk, max_context, max_buckets)
 
         def per_token(token_s: float, slots: int, bucket: int, devs=devs, g=g,
                       kv=kv) -> float:
@@ -272,7 +284,7 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
         # Buckets whose full rows train faster on fewer devices (a shorter ring, within
         # a node where it fits) under the long remat
         long_buckets = tuple(
-            b for b in buckets if long[1] and chunk < b <= len(devs) * chunk
+            b for b in rows if long[1] and chunk < b <= len(devs) * chunk
             and b >= long[1] and per_token(long[2], long[1], b) < per_token(token_s, chunk, b))
         attention = one.attention_fwd_s + one.attention_bwd_s
         # The gradient sync, and the update. Under FSDP the step's gradients are
@@ -295,7 +307,7 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             kv_bytes_per_token=kv,
             remat=mode, long_remat=long[0], long_chunk=long[1], long_token_s=long[2],
             image_s=image_s, image_tokens=image_tokens,
-            step_s=one.optimizer_s + sync, buckets=buckets, long_buckets=long_buckets)
+            step_s=one.optimizer_s + sync, buckets=rows, long_buckets=long_buckets)
         out.extend([first] if k == 1 else [
             dataclasses.replace(first, name=f"{g.name}/{i}", devices=ids[i * size:(i + 1) * size])
             for i in range(k)])
@@ -312,7 +324,9 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
     data-parallel replicas (``group_costs(split=)``), each replica given
     ``max_shapes // replicas`` buckets, so that a run compiles at most ``max_shapes``
     micro-step programs, and hold long rows at 2 to 16 sequence lengths a device
-    (``group_costs(long_chunk=)``; or the fewest that hold ``max_context``). Each
+    (``group_costs(long_chunk=)``; or the fewest that hold ``max_context``); then, on
+    the best of those, every set of as many power-of-two row lengths from the sequence
+    length to ``max_context`` (``group_costs(buckets=)``). Each
     candidate plans every batch of ``batches`` (lists of sample lengths, drawn from the
     run's data; ``images``: per batch, images per sample, or None) and the one with the
     least summed step time is returned. Replicas trade a gradient
@@ -344,6 +358,13 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
                         if unit % k == 0 and k <= max_parts])
     seq = profile.seq_len
     longs = [None] + [seq * 2 ** i for i in range(1, 5) if seq * 2 ** i <= max_context]
+
+    def score(groups):
+        return sum(plan_batch(b, groups, images=None if images is None else images[i],
+                              cluster=cluster, cal=cal, max_context=max_context,
+                              method=method, bound=False).step_time_s
+                   for i, b in enumerate(batches))
+
     best, error = None, None
     for ks, long in itertools.product(itertools.product(*options), longs):
         total = sum(ks)
@@ -357,13 +378,25 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
         except SpecError as e:  # parts too small to hold a max_context row
             error = error or e
             continue
-        t = sum(plan_batch(b, groups, images=None if images is None else images[i],
-                           cluster=cluster, cal=cal, max_context=max_context,
-                           method=method, bound=False).step_time_s for i, b in enumerate(batches))
+        t = score(groups)
         if best is None or t < best[0]:
-            best = (t, groups)
+            best = (t, groups, split, long)
     if best is None:
         raise error or SpecError("max_shapes", max_shapes, "room for one bucket a group")
+    # Then the row lengths on the chosen replicas: every set of as many powers of two
+    # from the sequence length to max_context, both ends kept.
+    t_best, groups, split, long = best
+    count = len(groups[0].buckets)
+    inner = [seq * 2 ** i for i in range(1, 64) if seq * 2 ** i < max_context]
+    for mid in itertools.combinations(inner, max(0, count - 2)):
+        rows = (seq, *mid, max_context) if count > 1 else (max_context,)
+        if rows == groups[0].buckets or len(set(rows)) < count:
+            continue
+        cand = group_costs(profile, cluster, max_context=max_context, cal=cal, split=split,
+                           long_chunk=long, buckets=rows, **costs)
+        t = score(cand)
+        if t < t_best:
+            t_best, best = t, (t, cand, split, long)
     return best[1]
 
 
