@@ -182,8 +182,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     the linear and attention parts from ``profile`` at its sequence length. The chunk (token
     slots per device per micro-step) is that length, under the first of ``remat`` where
     one such micro-batch fits in ``memory_margin`` of the device: the finest micro-steps.
-    Rows longer than the group's chunks run over all its devices under the first remat
-    that holds ``max_context`` so (``long_remat``). Buckets run from the chunk to
+    Rows longer than the group's chunks run under ``long_remat``, the first remat that
+    holds ``long_chunk`` slots a device (below). Buckets run from the chunk to
     ``max_context`` (at most ``max_buckets``). ``vision``: a vision encoder's profile
     (one image a sample), priced per image the same way; ``image_tokens`` what each image
     adds to the language model's sequence.
@@ -203,7 +203,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     Raises:
       SpecError: ``max_context`` not a power of two at least the profile's sequence
         length, a group (or part) whose devices cannot hold a ``max_context`` row, a
-        split naming no group or not dividing it into equal node-aligned parts.
+        split naming no group or not dividing it into equal node-aligned parts, a
+        ``long_chunk`` or ``buckets`` outside what is accepted above.
     """
     seq = profile.seq_len
     remats = (remat,) if isinstance(remat, str) else tuple(remat)
