@@ -190,9 +190,10 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
 
     ``split``: cluster group name -> how many equal data-parallel replicas its devices
     form (default one a group). Each part is a group of its own, named
-    ``"<group>/<i>"`` (its devices shard the weights, the parts' gradients meet once a
-    step): a long document's context ring then holds only its part while the other parts
-    train other rows (see :func:`choose_groups`). Parts are whole nodes, or equal shares
+    ``"<group>/<i>"`` (its devices shard the weights; the gradients are reduce-scattered
+    over every device once a step, as for one group): a long document's context ring
+    then holds only its part while the other parts train other rows (see
+    :func:`choose_groups`). Parts are whole nodes, or equal shares
     of a one-node group. ``long_chunk``: token slots a device holds for long rows (a
     power-of-two multiple of the sequence length; default: the fewest that hold a
     ``max_context`` row over the group's devices); buckets whose full rows then train
@@ -327,16 +328,15 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
     micro-step programs, and hold long rows at 2 to 16 sequence lengths a device
     (``group_costs(long_chunk=)``; or the fewest that hold ``max_context``); then, on
     the best of those, every set of as many power-of-two row lengths from the sequence
-    length to ``max_context`` (``group_costs(buckets=)``). Each
-    candidate plans every batch of ``batches`` (lists of sample lengths, drawn from the
-    run's data; ``images``: per batch, images per sample, or None) and the one with the
-    least summed step time is returned. Replicas trade a gradient
-    sync between them (and weights sharded over fewer devices) for rings that hold one
-    replica, not the whole GPU type, while the others train other rows: worth it where
-    long documents are rare. ``method``: whose plans choose (a baseline of
-    ``plan_batch`` tunes its outer plan the same way). ``costs``: further
-    ``group_costs`` arguments (``remat``, ``dtypes``, ``vision``, ``image_tokens``,
-    ``memory_margin``).
+    length to ``max_context`` (``group_costs(buckets=)``). Each candidate plans every
+    batch of ``batches`` (lists of sample lengths, drawn from the run's data;
+    ``images``: per batch, images per sample, or None) and the one with the least
+    summed step time is returned. Replicas trade weights and optimizer state sharded
+    over fewer devices (and fewer buckets each) for rings that hold one replica, not the
+    whole GPU type, while the others train other rows: worth it where long documents
+    are rare. ``method``: whose plans choose (a baseline of ``plan_batch`` tunes its
+    outer plan the same way). ``costs``: further ``group_costs`` arguments (``remat``,
+    ``dtypes``, ``vision``, ``image_tokens``, ``memory_margin``).
 
     Raises:
       SpecError: no batches, ``max_shapes`` below the groups' count, or no candidate
