@@ -38,3 +38,14 @@ def packed_text_loss(model, batch):
                    segment_ids_bs=batch["segment_ids"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return (ce * batch["loss_weight"]).sum(-1).mean()
+
+
+def packed_mllm_loss(model, batch):
+    """Cross-entropy of the MLLM over packed multimodal rows
+    (``hetshard.data.packed_arrays`` of multimodal samples): each row's
+    ``loss_weight``-weighted sum over its text targets, averaged over rows; with weights
+    for the batch's target count, the token mean of the samples trained one by one."""
+    logits = model(batch["tokens"], batch["images"], batch["image_index"],
+                   positions_bs=batch["positions"], segment_ids_bs=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (ce * batch["loss_weight"]).sum(-1).mean()

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hetshard.data.packing import IMAGE_TOKEN  # one image-feature slot in a sample's tokens
 from hetshard.errors import SpecError
 from models.gpt import GPT, GPTConfig
 from models.vit import ViT, ViTConfig
 
 PROJECTORS = ("mlp", "linear")
-IMAGE_TOKEN = -1  # placeholder id in a sample's tokens for one image-feature slot
 
 
 @dataclasses.dataclass(frozen=True)

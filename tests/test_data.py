@@ -191,7 +191,7 @@ def test_a_part_empty_micro_step_is_not_merged_into_long_remat_rows():
     lengths = np.array([16, 16, 16])
     plan = _group_plan(pricer, np.arange(3), lengths, None)
     assert {s.bucket for s in plan.steps} == {16}
-    merged = _compose(pricer, Packing.of(pack([16, 16], (16,)) + pack([16], (64,))), None, True)
+    merged = _compose(pricer, Packing.of(pack([16, 16], (16,)) + pack([16], (64,))), True)
     assert {bucket for bucket, _, _, _ in merged} == {16, 64}
     assert plan.time_s < sum(t for _, _, _, t in merged) + g.step_s
 
@@ -208,7 +208,7 @@ def test_a_part_empty_micro_step_stays_where_merging_it_up_opens_a_dearer_ring()
                             buckets=(8, 32), kv_bytes_per_token=1e10)
     lengths = np.full(5, 8)
     merged = _compose(_Pricer(g, cluster, DEFAULT),
-                      Packing.of(pack([8] * 4, (8,)) + pack([8], (32,))), None, True)
+                      Packing.of(pack([8] * 4, (8,)) + pack([8], (32,))), True)
     dear = _group_plan(_Pricer(g, cluster, DEFAULT), np.arange(5), lengths, None)
     assert [s.bucket for s in dear.steps] == [8, 8]
     assert dear.time_s < sum(t for _, _, _, t in merged) + g.step_s
@@ -261,6 +261,105 @@ def test_packed_arrays_restart_positions_per_sample():
         packed_arrays(samples, pack([3, 2, 1], (1, 2, 3)))
 
 
+@pytest.mark.parametrize("order", ["best-fit", "sequential"])
+def test_multimodal_packing_keeps_every_sample_once_and_each_row_within_its_image_slots(order):
+    rng = np.random.default_rng(2)
+    caps = {16: 1, 32: 2, 64: 6}
+    for _ in range(20):
+        images = rng.integers(0, 4, rng.integers(1, 60))
+        lengths = rng.integers(1, 40, images.size) + 8 * images
+        lengths = np.minimum(lengths, 64)
+        images = np.minimum(images, lengths // 8)  # what a sample's tokens hold
+        rows = pack(lengths, (16, 32, 64), order=order, images=images, images_per_row=caps)
+        assert sorted(i for r in rows for i in r.samples) == list(range(lengths.size))
+        for r in rows:
+            assert r.used <= r.bucket
+            assert images[list(r.samples)].sum() <= caps[r.bucket]
+    # a 10-token sample with 2 images skips the 16-token bucket (1 image a row)
+    assert [r.bucket for r in pack([10], (16, 32, 64), images=[2], images_per_row=caps)] \
+        == [32]
+    # an image-less sample fills the room a full row's images leave
+    rows = pack([12, 4], (16,), images=[1, 0], images_per_row=1)
+    assert [r.samples for r in rows] == [(0, 1)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(images=[7], images_per_row={16: 2, 64: 6}), "images[0]"),  # 7 > every cap
+    (dict(images=[1], images_per_row={16: 2}), "images_per_row"),  # 64 missing
+    (dict(images=[1], images_per_row={16: 2, 64: -1}), "images_per_row[64]"),
+    (dict(images=[1, 2], images_per_row=2), "images"),
+    (dict(images=[-1], images_per_row=2), "images[0]"),
+    (dict(images=[1]), "images_per_row"),
+])
+def test_malformed_multimodal_packing_is_refused(kwargs, field):
+    with pytest.raises(SpecError) as e:
+        pack([10], (16, 64), **kwargs)
+    assert e.value.field == field
+
+
+def _mm_samples(rng, spec, image_tokens=16):
+    from hetshard.data import IMAGE_TOKEN
+    out = []
+    for n, k in spec:
+        tok = rng.integers(0, 256, n).astype(np.int32)
+        tok = np.concatenate([tok[:1], np.full(image_tokens * k, IMAGE_TOKEN, np.int32),
+                              tok[1:]])
+        out.append({"tokens": tok, "images": rng.normal(size=(k, 16, 16, 3))
+                    .astype(np.float32)})
+    return out
+
+
+def test_multimodal_packed_arrays_equal_the_models_own_packer():
+    """hetshard.data.packed_arrays of multimodal samples gives what models.mllm.pack
+    (written for the model, first fit) gives for the same rows."""
+    import models
+    from hetshard.data import target_count
+    from models.mllm import pack as mllm_pack
+
+    config = models.mllm.preset("llava-tiny")
+    samples = _mm_samples(np.random.default_rng(0), ((13, 1), (7, 0), (5, 2), (3, 1)))
+    want = mllm_pack(samples, config=config, seq_len=64, images_per_row=4)
+    n = [s["tokens"].size for s in samples]
+    rows = [Row(64, (0, 1, 3), (n[0], n[1], n[3])), Row(64, (2,), (n[2],))]  # its first fit
+    got = packed_arrays(samples, rows, images_per_row=4, image_tokens=16)
+    for key in want:
+        np.testing.assert_array_equal(got["loss_weight" if key == "loss_mask" else key],
+                                      want[key], err_msg=key)
+    assert target_count(samples) == int(want["loss_mask"].sum())
+    with pytest.raises(SpecError) as e:  # 2 images in a row of 1
+        packed_arrays(samples, rows, images_per_row=1, image_tokens=16)
+    assert e.value.field == "rows[0]"
+    bad = [dict(samples[0], tokens=samples[0]["tokens"][:-17])] + samples[1:]
+    with pytest.raises(SpecError) as e:
+        packed_arrays(bad, [Row(64, (0,), (n[0] - 17,))], images_per_row=4, image_tokens=16)
+    assert e.value.field == "samples[0].tokens"
+    with pytest.raises(SpecError) as e:
+        packed_arrays(samples, rows, images_per_row=4)
+    assert e.value.field == "image_tokens"
+
+
+def test_image_slots_are_priced_padding_too():
+    """A row's image dimension is compiled: every slot runs the encoder, so a row with
+    one image costs as much as one with its bucket's full slots, and more slots cost
+    more; a sample with more images than any row holds is refused."""
+    base = dict(chunk=16, token_s=1.0, attention_s=0.0, attention_fwd_share=0.5, layers=2,
+                kv_bytes_per_token=0.0, buckets=(16, 32), image_s=3.0, image_tokens=4)
+    few, many = (GroupCost(name="g", gpu="A100-80GB", devices=(0, 1), image_slots=slots,
+                           **base)
+                 for slots in ((1, 2), (4, 8)))
+    one = plan_batch([6], (few,), images=[1], bound=False).step_time_s
+    assert plan_batch([6], (many,), images=[1], bound=False).step_time_s == \
+        pytest.approx(one + 3 * 3.0)
+    assert plan_batch([2], (many,), images=[0], bound=False).step_time_s == \
+        plan_batch([6], (many,), images=[1], bound=False).step_time_s
+    with pytest.raises(SpecError) as e:
+        plan_batch([6, 3], (few,), images=[3, 0], bound=False)
+    assert e.value.field == "images[0]"
+    # the fixed-cp baseline starts a new row where the images run out
+    r = plan_batch([4, 4, 4], (few,), images=[2, 1, 0], method="fixed-cp", bound=False)
+    assert [len(row.samples) for st in r.groups[0].steps for row in st.rows] == [1, 2]
+
+
 def test_flash_kernel_skips_blocks_of_other_segments():
     pos = jnp.arange(4)
     seg_a, seg_b = jnp.array([1, 1, 1, 1]), jnp.array([2, 2, 2, 2])
@@ -284,20 +383,44 @@ def test_packed_flash_attention_equals_each_sample_alone():
         at += n
 
 
+def _text_sample_ce(model, s):
+    """Summed next-token cross-entropy of one token sample, alone."""
+    import optax
+    logits = model(jnp.asarray(s[None, :-1]))
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.asarray(s[None, 1:])).sum()
+
+
+def _mllm_sample_ce(model, s):
+    """Summed cross-entropy over the text targets of one multimodal sample
+    ({"tokens", "images"}), alone through the MLLM."""
+    import optax
+
+    from hetshard.data import IMAGE_TOKEN
+    tok, imgs = np.asarray(s["tokens"]), np.asarray(s["images"])
+    slots = tok == IMAGE_TOKEN
+    index = np.where(slots, np.cumsum(slots) - 1, -1)
+    if not len(imgs):  # the model takes at least one image; none is placed
+        imgs = np.zeros((1,) + imgs.shape[1:], np.float32)
+    text = np.where(slots, 0, tok)
+    logits = model(jnp.asarray(text[None]), jnp.asarray(imgs[None]),
+                   jnp.asarray(index[None].astype(np.int32)))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits[0, :-1],
+                                                         jnp.asarray(text[1:]))
+    return (ce * jnp.asarray(~slots[1:])).sum()
+
+
 def _one_by_one(model, opt, batches):
     """Per-step losses of one device training each batch's samples one at a time
-    (unpacked), the loss their token mean: what packed training must equal."""
-    import optax
+    (unpacked; token arrays, or multimodal mappings), the loss their token mean: what
+    packed training must equal."""
     from flax import nnx
 
+    from hetshard.data import target_count
+
     def loss_of(model, samples):
-        total = sum(s.size - 1 for s in samples)
-        loss = 0.0
-        for s in samples:
-            logits = model(jnp.asarray(s[None, :-1]))
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(s[None, 1:]))
-            loss = loss + ce.sum() / total
-        return loss
+        one = _mllm_sample_ce if isinstance(samples[0], dict) else _text_sample_ce
+        return sum(one(model, s) for s in samples) / target_count(samples)
 
     out = []
     for samples in batches:
@@ -307,27 +430,30 @@ def _one_by_one(model, opt, batches):
     return out
 
 
-def _run_equals_one_device(cluster, groups, batches):
-    """Train llama-tiny on ``batches`` ((samples, BatchPlan) pairs) with
-    ``run_batch_plan`` on ``groups``; assert its losses and weights equal one device
-    training the samples one by one. Returns the step and its (model, optimizer)."""
+def _run_equals_one_device(cluster, groups, batches, model_name="llama-tiny"):
+    """Train ``model_name`` (llama-tiny, or llava-tiny on multimodal samples) on
+    ``batches`` ((samples, BatchPlan) pairs) with ``run_batch_plan`` on ``groups``;
+    assert its losses and weights equal one device training the samples one by one.
+    Returns the step and its (model, optimizer)."""
     import optax
     from flax import nnx
 
     import hetshard
     import models
     from hetshard.data import run_batch_plan
-    from models.losses import packed_text_loss
+    from models.losses import packed_mllm_loss, packed_text_loss
     from models.steps import train_step
 
-    model = models.build("llama-tiny", rngs=0)
+    multimodal = model_name.startswith("llava")
+    model = models.build(model_name, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     want = _one_by_one(model, opt, [s for s, _ in batches])
     want_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
-    model = models.build("llama-tiny", rngs=0)
+    model = models.build(model_name, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    step = hetshard.jit(train_step(packed_mllm_loss if multimodal else packed_text_loss),
+                        cluster=cluster, quiet=True)
     got = [float(run_batch_plan(step, (model, opt, None), s, p, groups)) for s, p in batches]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     got_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -378,6 +504,21 @@ def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
     assert len(step._compiled) == 2
 
 
+def _two_speeds(slow, *, chunk, attention, layers, buckets, image_s=0.0, **extra):
+    """A cluster of two 4-GPU groups and their GroupCosts, the second ``slow`` times
+    slower (per token slot, per squared token over ``attention``, per image)."""
+    cluster = {"name": "two-speeds", "groups": [
+        {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
+        {"name": "slow", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
+    groups = tuple(GroupCost(name=n, gpu=g, devices=tuple(range(o, o + 4)), chunk=chunk,
+                             token_s=t, attention_s=t / attention, attention_fwd_share=0.3,
+                             layers=layers, kv_bytes_per_token=0.0, buckets=buckets,
+                             image_s=image_s * t, **extra)
+                   for n, g, o, t in (("fast", "H100-80GB", 0, 1.0),
+                                      ("slow", "A100-80GB", 4, slow)))
+    return cluster, groups
+
+
 @pytest.mark.slow
 def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
     """A batch of variable-length samples planned on two groups of different speeds
@@ -387,14 +528,7 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
     (group, bucket) compiled once."""
 
 
-    cluster = {"name": "two-speeds", "groups": [
-        {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
-        {"name": "slow", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
-    groups = tuple(GroupCost(name=n, gpu=g, devices=tuple(range(o, o + 4)), chunk=16,
-                             token_s=t, attention_s=t / 200, attention_fwd_share=0.3,
-                             layers=4, kv_bytes_per_token=0.0, buckets=(16, 32))
-                   for n, g, o, t in (("fast", "H100-80GB", 0, 1.0),
-                                      ("slow", "A100-80GB", 4, 2.5)))
+    cluster, groups = _two_speeds(2.5, chunk=16, attention=200, layers=4, buckets=(16, 32))
     rng = np.random.default_rng(4)
     batches = []
     for _ in range(2):
@@ -450,6 +584,43 @@ def test_a_plan_on_replicas_of_one_gpu_type_with_long_remat_rows_equals_one_devi
     plan = micro_step_plan(step, (model, opt, batch), groups[0], 32, 1)
     stage = plan.pipelines[0].stages[0]
     assert stage.remat == "full" and stage.devices == (0, 1)
+
+
+@pytest.mark.slow
+def test_a_multimodal_per_batch_plan_runs_equal_to_one_device():
+    """llava-tiny samples with 0-3 images each (16 decoder tokens an image), planned on
+    two groups of different speeds with image slots sized per bucket: rows of the long
+    bucket over a context group of 2 (the encoder's patch attention left whole, the
+    decoder's a ring), every row's images padded to its bucket's slots. Losses and
+    weights over two steps equal one device training the samples one by one."""
+    from hetshard.data import IMAGE_TOKEN
+
+    cluster, groups = _two_speeds(2.0, chunk=32, attention=400, layers=2, buckets=(32, 64),
+                                  image_tokens=16, image_slots=(2, 3), image_s=4.0)
+    rng = np.random.default_rng(6)
+    batches = []
+    for _ in range(2):
+        text = np.concatenate([rng.integers(10, 16, 2), rng.integers(2, 10, 8)])
+        images = rng.integers(0, 3, text.size)
+        images[:2] = (3, 2)  # long samples, one with a full row's images
+        samples = []
+        for n, k in zip(text.tolist(), images.tolist(), strict=True):
+            tok = rng.integers(0, 256, n).astype(np.int32)
+            tok = np.concatenate([tok[:1], np.full(16 * k, IMAGE_TOKEN, np.int32), tok[1:]])
+            samples.append({"tokens": tok,
+                            "images": rng.normal(size=(k, 16, 16, 3)).astype(np.float32)})
+        plan = plan_batch(text, groups, images=images, bound=False)
+        batches.append((samples, plan))
+    rows = [(g.group, s.bucket, s.degree, r) for _, p in batches for g in p.groups
+            for s in g.steps for r in s.rows]
+    assert any(d == 2 for _, _, d, _ in rows)
+    for samples, p in batches:
+        for gp in p.groups:
+            for st in gp.steps:
+                for r in st.rows:  # no row takes more images than its bucket's slots
+                    k = sum(len(samples[i]["images"]) for i in r.samples)
+                    assert k <= groups[0].images_of(st.bucket)
+    _run_equals_one_device(cluster, groups, batches, "llava-tiny")
 
 
 _DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
@@ -561,4 +732,52 @@ def test_choose_groups_picks_replicas_that_beat_one_group_on_fresh_batches(llama
         args = {"batches": calib, **kwargs}
         with pytest.raises(SpecError) as e:
             choose_groups(llama7b, cluster, args.pop("batches"), max_context=131072, **args)
+        assert e.value.field == field
+
+
+def test_choose_groups_sizes_image_slots_from_the_data(llama7b):
+    """A multimodal run's rows hold as many images as its data fills them with: the
+    chosen groups' slots are below what the rows' tokens could hold (every slot is
+    encoded), so fresh batches plan faster than on the default slots; every row of
+    those plans keeps within its slots. group_costs(images_per_row=) is checked."""
+    from hetshard.data import choose_groups, group_costs
+    from models import profile as profile_model
+
+    vision = profile_model("vit-l14")
+    cluster = _a100s(2)
+    mm = dict(vision=vision, image_tokens=256)
+
+    def draw(rng):
+        text = _wikipedia_like(rng, 1, tokens=16 * 32768, max_context=16384)[0]
+        images = rng.integers(0, 9, text.size)
+        return np.maximum(1, np.minimum(text, 32768 - 256 * images)), images
+
+    calib = [draw(np.random.default_rng(k)) for k in (10, 11)]
+    chosen = choose_groups(llama7b, cluster, [t for t, _ in calib], max_context=32768,
+                           images=[i for _, i in calib], **mm)
+    for g in chosen:
+        caps = g.image_caps()
+        assert all(8 <= c <= b // 256 for b, c in zip(g.buckets, caps, strict=True))
+        assert caps[-1] < g.buckets[-1] // 256
+    default = tuple(dataclasses.replace(g, image_slots=()) for g in chosen)
+    for k in (20, 21):
+        text, images = draw(np.random.default_rng(k))
+        plan = plan_batch(text, chosen, images=images, cluster=cluster, bound=False)
+        full = plan_batch(text, default, images=images, cluster=cluster, bound=False)
+        assert plan.step_time_s < full.step_time_s
+        by_name = {g.name: g for g in chosen}
+        lengths = text + 256 * images
+        for gp in plan.groups:
+            for st in gp.steps:
+                for r in st.rows:
+                    assert images[list(r.samples)].sum() <= by_name[gp.group].images_of(st.bucket)
+                    assert list(r.lengths) == lengths[list(r.samples)].tolist()
+
+    one, = group_costs(llama7b, cluster, max_context=32768, images_per_row={4096: 3}, **mm)
+    assert one.images_of(4096) == 3 and one.images_of(32768) == 128
+    for kwargs, field in (({"images_per_row": {4096: 17}, **mm}, "images_per_row[4096]"),
+                          ({"images_per_row": {1000: 1}, **mm}, "images_per_row"),
+                          ({"images_per_row": {4096: 1}}, "images_per_row")):
+        with pytest.raises(SpecError) as e:
+            group_costs(llama7b, cluster, max_context=32768, **kwargs)
         assert e.value.field == field

@@ -3,7 +3,14 @@ gets its own packing, placement, context degrees and micro-steps on the static p
 GPU groups (``hetshard.data.planner``), and the packed arrays a model with segment ids
 trains on (``hetshard.data.packing``). See docs/data-aware.md."""
 
-from hetshard.data.packing import Row, geometric_buckets, pack, packed_arrays
+from hetshard.data.packing import (
+    IMAGE_TOKEN,
+    Row,
+    geometric_buckets,
+    pack,
+    packed_arrays,
+    target_count,
+)
 from hetshard.data.planner import (
                                    METHODS,
                                    BatchPlan,
@@ -18,6 +25,6 @@ from hetshard.data.planner import (
 )
 from hetshard.data.runner import micro_step_plan, run_batch_plan
 
-__all__ = ["METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
+__all__ = ["IMAGE_TOKEN", "METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
-           "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan"]
+           "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count"]

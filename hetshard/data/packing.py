@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -148,7 +148,8 @@ def geometric_buckets(smallest: int, largest: int, count: int) -> tuple[int, ...
 
 
 def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
-         ids: Sequence[int] | None = None) -> tuple[Row, ...]:
+         ids: Sequence[int] | None = None, images=None,
+         images_per_row: int | Mapping[int, int] | None = None) -> tuple[Row, ...]:
     """Rows holding every sample of ``lengths`` exactly once (``ids``: what the rows
     call the samples; default their positions in ``lengths``).
 
@@ -157,11 +158,23 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
     while it fits, else a new row of the largest bucket (Megatron-LM's concatenation,
     without splitting documents across rows).
 
+    Multimodal samples: ``images`` per sample (their tokens counted in ``lengths``) and
+    ``images_per_row``, the images a row of each bucket holds (one count for every
+    bucket, or a mapping bucket -> count): a row's image dimension is part of its
+    compiled shape, so no row takes more; a sample goes to the smallest bucket holding
+    both its tokens and its images.
+
     Raises:
-      SpecError: a sample longer than the largest bucket, naming it and the buckets.
+      SpecError: a sample longer than the largest bucket, or with more images than any
+        bucket that holds it takes, naming it and the buckets.
     """
     lengths = check_lengths(lengths)
     buckets = check_buckets(buckets)
+    caps = None
+    if images is not None:
+        images = check_images(images, lengths)
+        caps = image_caps(buckets, images_per_row)
+        check_fits(lengths, images, buckets, caps)
     top = buckets[-1]
     over = np.flatnonzero(lengths > top)
     if over.size:
@@ -170,20 +183,130 @@ def pack(lengths, buckets: Sequence[int], *, order: str = "best-fit",
                         f"at most the largest bucket, {top} tokens (buckets {list(buckets)}; "
                         f"truncate or split longer samples, or add a bucket)")
     if order == "sequential":
-        rows: list[list] = []
-        room = 0
-        names = range(lengths.size) if ids is None else list(ids)
-        for i, n in enumerate(lengths.tolist()):
-            if not rows or n > room:
-                rows.append([top, [], []])
-                room = top
-            rows[-1][1].append(names[i])
-            rows[-1][2].append(n)
-            room -= n
-        return tuple(Row(b, tuple(s), tuple(n)) for b, s, n in rows)
+        return sequential(lengths, top, ids, images, None if caps is None else caps[-1])
     if order != "best-fit":
         raise SpecError("order", order, "'best-fit' or 'sequential'")
+    if images is not None:
+        return best_fit_images(lengths, images, buckets, caps, ids).rows()
     return best_fit(lengths, buckets, ids).rows()
+
+
+def check_images(images, lengths: np.ndarray) -> np.ndarray:
+    """``images`` as int64 counts, one per sample of ``lengths``, each at least 0.
+
+    Raises:
+      SpecError: naming the first bad entry or the count mismatch.
+    """
+    arr = check_lengths(np.asarray(images) + 1, "images") - 1  # counts may be 0
+    if arr.shape != lengths.shape:
+        raise SpecError("images", f"{arr.size} counts", f"one per sample ({lengths.size})")
+    return arr
+
+
+def image_caps(buckets: tuple[int, ...], images_per_row) -> tuple[int, ...]:
+    """Images a row of each bucket holds, from one count or a mapping bucket -> count.
+
+    Raises:
+      SpecError: a missing bucket or a count that is not a whole number at least 0.
+    """
+    if images_per_row is None:
+        raise SpecError("images_per_row", None, "the images a row of each bucket holds, "
+                        "with images")
+    if isinstance(images_per_row, Mapping):
+        missing = [b for b in buckets if b not in images_per_row]
+        if missing:
+            raise SpecError("images_per_row", dict(images_per_row),
+                            f"a count for every bucket (missing {missing})")
+        caps = tuple(images_per_row[b] for b in buckets)
+    else:
+        caps = (images_per_row,) * len(buckets)
+    for b, c in zip(buckets, caps, strict=True):
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+            raise SpecError(f"images_per_row[{b}]", c, "a whole number of images, at least 0")
+    return tuple(int(c) for c in caps)
+
+
+def check_fits(lengths: np.ndarray, images: np.ndarray, buckets: tuple[int, ...],
+               caps: tuple[int, ...]) -> None:
+    """Every sample has a bucket holding its tokens and its images.
+
+    Raises:
+      SpecError: naming the first sample that has none.
+    """
+    # the most images a bucket at least as long as each sample holds
+    most = np.maximum.accumulate(np.asarray(caps[::-1]))[::-1]
+    at = np.searchsorted(np.asarray(buckets), lengths)
+    fits = at < len(buckets)
+    bad = np.flatnonzero(fits & (images > most[np.minimum(at, len(buckets) - 1)]))
+    if bad.size:
+        i = int(bad[0])
+        raise SpecError(f"images[{i}]", int(images[i]),
+                        f"at most {int(most[at[i]])} images, the most a row of buckets "
+                        f"{list(buckets)} of at least {int(lengths[i])} tokens holds "
+                        f"(images per row {list(caps)})")
+
+
+def sequential(lengths: np.ndarray, top: int, ids=None, images: np.ndarray | None = None,
+               cap: int | None = None) -> tuple[Row, ...]:
+    """Megatron-LM's concatenation (see :func:`pack`): rows of ``top`` tokens, a new one
+    where a sample's tokens (or its images, beyond ``cap`` a row) do not fit."""
+    rows: list[list] = []
+    room = room_img = 0
+    names = range(lengths.size) if ids is None else list(ids)
+    counts = images.tolist() if images is not None else [0] * lengths.size
+    cap = 0 if cap is None else cap
+    for i, (n, k) in enumerate(zip(lengths.tolist(), counts, strict=True)):
+        if not rows or n > room or k > room_img:
+            rows.append([top, [], []])
+            room, room_img = top, cap
+        rows[-1][1].append(names[i])
+        rows[-1][2].append(n)
+        room -= n
+        room_img -= k
+    return tuple(Row(b, tuple(s), tuple(n)) for b, s, n in rows)
+
+
+def best_fit_images(lengths: np.ndarray, images: np.ndarray, buckets: tuple[int, ...],
+                    caps: tuple[int, ...], ids: Sequence[int] | None = None) -> Packing:
+    """Best-fit decreasing of checked multimodal samples: longest first, each into the
+    open row with the least token room that takes it and has room for its images, else
+    into a new row of the smallest bucket holding its tokens and its images (samples
+    checked by :func:`check_fits`)."""
+    widths: list[int] = []
+    img_room: list[int] = []
+    bits = max(1, lengths.size.bit_length())
+    shift, mask = 1 << bits, (1 << bits) - 1
+    rooms: list[int] = []  # room * shift + row, increasing (see best_fit)
+    find, insort = bisect.bisect_left, bisect.insort
+    order = np.argsort(-lengths, kind="stable")
+    row_of = np.empty(lengths.size, np.int64)
+    for j, (n, k) in enumerate(zip(lengths[order].tolist(), images[order].tolist(),
+                                   strict=True)):
+        need = n * shift
+        at = find(rooms, need)
+        if k:
+            while at < len(rooms) and img_room[rooms[at] & mask] < k:
+                at += 1
+        if at < len(rooms):
+            key = rooms.pop(at) - need
+            r = key & mask
+        else:
+            r = len(widths)
+            b = find(buckets, n)
+            while caps[b] < k:
+                b += 1
+            widths.append(buckets[b])
+            img_room.append(caps[b])
+            key = (buckets[b] - n) * shift + r
+        img_room[r] -= k
+        row_of[j] = r
+        if key >= shift:
+            insort(rooms, key)
+    taken = order[np.argsort(row_of, kind="stable")]
+    names = taken if ids is None else np.asarray(ids)[taken]
+    return Packing(np.asarray(widths, np.int64),
+                   np.bincount(row_of, minlength=len(widths)).astype(np.int64),
+                   names, lengths[taken])
 
 
 def best_fit(lengths: np.ndarray, buckets: tuple[int, ...],
@@ -252,24 +375,38 @@ def best_fit(lengths: np.ndarray, buckets: tuple[int, ...],
                    names, lengths[taken])
 
 
+IMAGE_TOKEN = -1  # a multimodal sample's token id for one image-feature slot
+
+
 def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
-                  targets: Sequence | None = None, target_tokens: int | None = None
-                  ) -> dict[str, np.ndarray]:
+                  targets: Sequence | None = None, target_tokens: int | None = None,
+                  images_per_row: int | None = None, image_tokens: int | None = None,
+                  image_token: int = IMAGE_TOKEN) -> dict[str, np.ndarray]:
     """The arrays of ``rows`` (all of one bucket) for a model taking packed sequences:
     ``tokens``, ``targets``, ``positions`` (restarting at 0 per sample), ``segment_ids``
     (1, 2, ... per sample in its row; padding 0) and ``loss_weight`` (1 on every target
     token, 0 on padding and on each sample's last token when ``targets`` is None, where
     the targets are the next tokens).
 
-    ``samples``: 1-D integer token arrays, indexed as the rows' sample indices.
-    ``target_tokens``: the global batch's target count (over every bucket's rows). Given,
-    each weight is ``rows / target_tokens``, so the mean over rows of each row's weighted
-    token losses is the global batch's token mean: a per-row loss, which any split of the
-    rows into micro-batches, pipelines or calls of one bucket at a time sums exactly
-    (``models.losses.packed_text_loss``).
+    ``samples``: 1-D integer token arrays, indexed as the rows' sample indices; or, for a
+    multimodal model, mappings ``{"tokens": [n], "images": [k, H, W, C]}`` whose tokens
+    hold one run of ``image_tokens`` entries ``image_token`` per image (the image's
+    feature slots). Then the arrays also hold ``images`` [rows, images_per_row, H, W,
+    C] (each row's images in order, zero padding) and ``image_index`` (per token: -1
+    for text, else the index of its feature among the row's ``images_per_row *
+    image_tokens`` features), ``tokens`` hold ``pad_id`` at image slots, and only text
+    targets weigh.
+
+    ``target_tokens``: the global batch's target count (over every bucket's rows,
+    ``target_count``). Given, each weight is ``rows / target_tokens``, so the mean over
+    rows of each row's weighted token losses is the global batch's token mean: a
+    per-row loss, which any split of the rows into micro-batches, pipelines or calls of
+    one bucket at a time sums exactly (``models.losses.packed_text_loss``,
+    ``models.losses.packed_mllm_loss``).
 
     Raises:
-      SpecError: rows of several buckets, or a row that does not match its samples.
+      SpecError: rows of several buckets, a row that does not match its samples, a
+        malformed multimodal sample, or a row with more images than ``images_per_row``.
     """
     if not rows:
         raise SpecError("rows", [], "at least one row")
@@ -282,20 +419,49 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
     out = {"tokens": np.full(shape, pad_id, np.int32), "targets": np.zeros(shape, np.int32),
            "positions": np.zeros(shape, np.int32), "segment_ids": np.zeros(shape, np.int32),
            "loss_weight": np.zeros(shape, np.float32)}
+    multimodal = isinstance(samples[rows[0].samples[0]] if rows[0].samples else samples[0],
+                            Mapping)
+    if multimodal:
+        if isinstance(images_per_row, bool) or not isinstance(images_per_row, (int, np.integer)) \
+                or images_per_row < 0:
+            raise SpecError("images_per_row", images_per_row, "a whole number of images a "
+                            "row holds, at least 0 (multimodal samples)")
+        if isinstance(image_tokens, bool) or not isinstance(image_tokens, (int, np.integer)) \
+                or image_tokens < 1:
+            raise SpecError("image_tokens", image_tokens, "the positive count of token "
+                            "slots an image takes (multimodal samples)")
+        per_image = int(image_tokens)
+        image_shape, dtype = _image_layout(samples)
+        out["images"] = np.zeros((len(rows), images_per_row) + image_shape, dtype)
+        out["image_index"] = np.full(shape, -1, np.int32)
     for r, row in enumerate(rows):
-        at = 0
+        at = img_at = 0
         for seg, (i, n) in enumerate(zip(row.samples, row.lengths, strict=True), start=1):
-            tok = np.asarray(samples[i]).reshape(-1)
+            tok, imgs = _sample(samples, i, multimodal)
             if tok.shape[0] != n:
                 raise SpecError(f"samples[{i}]", f"{tok.shape[0]} tokens",
                                 f"the {n} tokens the packing was made for")
+            text = np.ones(n, bool)
+            if multimodal:
+                text = tok != image_token
+                slots = n - int(text.sum())
+                if slots != len(imgs) * per_image:
+                    raise SpecError(f"samples[{i}].tokens", f"{slots} image slots",
+                                    f"{len(imgs)} images x {per_image} slots")
+                if img_at + len(imgs) > images_per_row:
+                    raise SpecError(f"rows[{r}]", f"{img_at + len(imgs)} images",
+                                    f"at most images_per_row={images_per_row}")
+                out["images"][r, img_at:img_at + len(imgs)] = imgs
+                out["image_index"][r, at:at + n][~text] = img_at * per_image + np.arange(slots)
+                tok = np.where(text, tok, pad_id)
+                img_at += len(imgs)
             out["tokens"][r, at:at + n] = tok
             if targets is None:
                 out["targets"][r, at:at + n - 1] = tok[1:]
-                out["loss_weight"][r, at:at + n - 1] = 1.0
+                out["loss_weight"][r, at:at + n - 1] = text[1:]
             else:
                 out["targets"][r, at:at + n] = np.asarray(targets[i]).reshape(-1)
-                out["loss_weight"][r, at:at + n] = 1.0
+                out["loss_weight"][r, at:at + n] = text
             out["positions"][r, at:at + n] = np.arange(n)
             out["segment_ids"][r, at:at + n] = seg
             at += n
@@ -307,3 +473,45 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
                             f"{int(out['loss_weight'].sum())}")
         out["loss_weight"] *= len(rows) / target_tokens
     return out
+
+
+def target_count(samples: Sequence, image_token: int = IMAGE_TOKEN) -> int:
+    """The next-token targets of ``samples`` (as :func:`packed_arrays` takes them): every
+    token but each sample's first, and for multimodal samples only text tokens."""
+    total = 0
+    for i in range(len(samples)):
+        multimodal = isinstance(samples[i], Mapping)
+        tok, _ = _sample(samples, i, multimodal)
+        total += int((tok[1:] != image_token).sum()) if multimodal else max(0, tok.size - 1)
+    return total
+
+
+def _sample(samples: Sequence, i: int, multimodal: bool):
+    """(tokens, images or None) of sample ``i``, checked."""
+    s = samples[i]
+    if not multimodal:
+        if isinstance(s, Mapping):
+            raise SpecError(f"samples[{i}]", "a mapping", "a token array, as the other "
+                            "samples of these rows")
+        return np.asarray(s).reshape(-1), None
+    if not isinstance(s, Mapping) or "tokens" not in s or "images" not in s:
+        raise SpecError(f"samples[{i}]", type(s).__name__,
+                        "a mapping with 'tokens' and 'images', as the other samples")
+    imgs = np.asarray(s["images"])
+    if imgs.ndim != 4:
+        raise SpecError(f"samples[{i}].images", f"shape {imgs.shape}",
+                        "[images, H, W, C] (0 images: shape [0, H, W, C])")
+    return np.asarray(s["tokens"]).reshape(-1), imgs
+
+
+def _image_layout(samples: Sequence):
+    """(image shape, dtype) of the samples' images, which must share the shape."""
+    shape = dtype = None
+    for i in range(len(samples)):
+        _, imgs = _sample(samples, i, True)
+        if shape is None:
+            shape, dtype = imgs.shape[1:], imgs.dtype
+        elif imgs.shape[1:] != shape:
+            raise SpecError(f"samples[{i}].images", f"image shape {imgs.shape[1:]}",
+                            f"the other samples' {shape}")
+    return tuple(shape), (dtype if np.issubdtype(dtype, np.floating) else np.float32)

@@ -54,10 +54,13 @@ from hetshard.data.packing import (
     Packing,
     Row,
     best_fit,
+    best_fit_images,
+    check_fits,
+    check_images,
     check_lengths,
     geometric_buckets,
-    pack,
     ranges,
+    sequential,
 )
 from hetshard.errors import SpecError
 
@@ -73,7 +76,10 @@ class GroupCost:
     squared token of causal attention (forward+backward, one device), of which
     ``attention_fwd_share`` is the forward's; ``kv_bytes_per_token`` per layer, what the
     context ring passes around; ``image_s`` the vision encoder's forward+backward per
-    image; ``step_s`` per step (the update and the gradient sync)."""
+    image, ``image_tokens`` the decoder positions an image takes and ``image_slots``
+    the images a row of each of ``buckets`` holds (its compiled image dimension; default
+    as many as its tokens hold); ``step_s`` per step (the update and the gradient
+    sync)."""
 
     name: str
     gpu: str
@@ -97,6 +103,19 @@ class GroupCost:
     step_s: float = 0.0
     buckets: tuple[int, ...] = ()
     long_buckets: tuple[int, ...] = ()
+    image_slots: tuple[int, ...] = ()
+
+    def images_of(self, bucket: int) -> int:
+        """Images a row of ``bucket`` holds (0 without a vision encoder). Every slot is
+        encoded, padding too: a row's image dimension is part of its compiled shape."""
+        if not self.image_tokens:
+            return 0
+        if self.image_slots and bucket in self.buckets:
+            return self.image_slots[self.buckets.index(bucket)]
+        return bucket // self.image_tokens
+
+    def image_caps(self, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
+        return tuple(self.images_of(b) for b in (buckets or self.buckets))
 
     @property
     def n(self) -> int:
@@ -176,7 +195,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
                 max_buckets: int = 4, memory_margin: float = 0.9,
                 split: Mapping[str, int] | None = None,
                 long_chunk: int | None = None,
-                buckets: Sequence[int] | None = None) -> tuple[GroupCost, ...]:
+                buckets: Sequence[int] | None = None,
+                images_per_row: Mapping[int, int] | None = None) -> tuple[GroupCost, ...]:
     """One :class:`GroupCost` per group of ``cluster``, priced by
     ``hetshard.cost.stage.stage_cost`` on the whole model (FSDP over the group, ``remat``):
     the linear and attention parts from ``profile`` at its sequence length. The chunk (token
@@ -186,7 +206,11 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     holds ``long_chunk`` slots a device (below). Buckets run from the chunk to
     ``max_context`` (at most ``max_buckets``). ``vision``: a vision encoder's profile
     (one image a sample), priced per image the same way; ``image_tokens`` what each image
-    adds to the language model's sequence.
+    adds to the language model's sequence; ``images_per_row``: bucket -> the images a
+    row of it holds (default: as many as its tokens hold, ``bucket // image_tokens``).
+    Every image slot of a row is encoded, padding too, and priced so (the encoder
+    runs on each device of the row's context group): :func:`choose_groups` sizes them
+    from the data.
 
     ``split``: cluster group name -> how many equal data-parallel replicas its devices
     form (default one a group). Each part is a group of its own, named
@@ -205,7 +229,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
       SpecError: ``max_context`` not a power of two at least the profile's sequence
         length, a group (or part) whose devices cannot hold a ``max_context`` row, a
         split naming no group or not dividing it into equal node-aligned parts, a
-        ``long_chunk`` or ``buckets`` outside what is accepted above.
+        ``long_chunk``, ``buckets`` or ``images_per_row`` outside what is accepted
+        above.
     """
     seq = profile.seq_len
     remats = (remat,) if isinstance(remat, str) else tuple(remat)
@@ -309,7 +334,9 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             kv_bytes_per_token=kv,
             remat=mode, long_remat=long[0], long_chunk=long[1], long_token_s=long[2],
             image_s=image_s, image_tokens=image_tokens,
-            step_s=one.optimizer_s + sync, buckets=rows, long_buckets=long_buckets)
+            step_s=one.optimizer_s + sync, buckets=rows, long_buckets=long_buckets,
+            image_slots=_image_slots(rows, image_tokens if vision is not None else 0,
+                                     images_per_row))
         out.extend([first] if k == 1 else [
             dataclasses.replace(first, name=f"{g.name}/{i}", devices=ids[i * size:(i + 1) * size])
             for i in range(k)])
@@ -330,8 +357,9 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
     the best of those, every set of as many power-of-two row lengths from the sequence
     length to ``max_context`` (``group_costs(buckets=)``). Each candidate plans every
     batch of ``batches`` (lists of sample lengths, drawn from the run's data;
-    ``images``: per batch, images per sample, or None) and the one with the least
-    summed step time is returned. Replicas trade weights and optimizer state sharded
+    ``images``: per batch, images per sample, or None; with images, each candidate's
+    image slots a row are then sized from its plans and it plans again) and the one
+    with the least summed step time is returned. Replicas trade weights and optimizer state sharded
     over fewer devices (and fewer buckets each) for rings that hold one replica, not the
     whole GPU type, while the others train other rows: worth it where long documents
     are rare. ``method``: whose plans choose (a baseline of ``plan_batch`` tunes its
@@ -360,11 +388,18 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
     seq = profile.seq_len
     longs = [None] + [seq * 2 ** i for i in range(1, 5) if seq * 2 ** i <= max_context]
 
+    def plans(groups):
+        return [plan_batch(b, groups, images=None if images is None else images[i],
+                           cluster=cluster, cal=cal, max_context=max_context,
+                           method=method, bound=False) for i, b in enumerate(batches)]
+
     def score(groups):
-        return sum(plan_batch(b, groups, images=None if images is None else images[i],
-                              cluster=cluster, cal=cal, max_context=max_context,
-                              method=method, bound=False).step_time_s
-                   for i, b in enumerate(batches))
+        """(summed step time, the groups with image slots sized from these batches)."""
+        got = plans(groups)
+        if images is not None and groups[0].image_tokens:
+            groups = _capped(groups, batches, images, got)
+            got = plans(groups)
+        return sum(p.step_time_s for p in got), groups
 
     best, error = None, None
     for ks, long in itertools.product(itertools.product(*options), longs):
@@ -379,7 +414,7 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
         except SpecError as e:  # parts too small to hold a max_context row
             error = error or e
             continue
-        t = score(groups)
+        t, groups = score(groups)
         if best is None or t < best[0]:
             best = (t, groups, split, long)
     if best is None:
@@ -395,10 +430,59 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
             continue
         cand = group_costs(profile, cluster, max_context=max_context, cal=cal, split=split,
                            long_chunk=long, buckets=rows, **costs)
-        t = score(cand)
+        t, cand = score(cand)
         if t < t_best:
             t_best, best = t, (t, cand, split, long)
     return best[1]
+
+
+def _image_slots(buckets: tuple[int, ...], image_tokens: int,
+                 images_per_row: Mapping[int, int] | None) -> tuple[int, ...]:
+    """Checked ``images_per_row`` as counts per bucket (empty: the default)."""
+    if images_per_row is None:
+        return ()
+    if not image_tokens:
+        raise SpecError("images_per_row", dict(images_per_row),
+                        "None without a vision encoder (group_costs(vision=, image_tokens=))")
+    if not isinstance(images_per_row, Mapping) or set(images_per_row) - set(buckets):
+        raise SpecError("images_per_row", images_per_row,
+                        f"a mapping from the buckets {list(buckets)} to image counts")
+    out = []
+    for b in buckets:
+        c = images_per_row.get(b, b // image_tokens)
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or \
+                not 0 <= c <= b // image_tokens:
+            raise SpecError(f"images_per_row[{b}]", c,
+                            f"0 to {b // image_tokens} (the images of {image_tokens} tokens "
+                            f"a {b}-token row holds)")
+        out.append(int(c))
+    return tuple(out)
+
+
+def _capped(groups: Sequence[GroupCost], batches: Sequence, images: Sequence,
+            plans: Sequence[BatchPlan]) -> tuple[GroupCost, ...]:
+    """``groups`` with image slots sized from the data: a bucket's rows hold the power
+    of two at or above the most images any of its rows took in ``plans`` (of
+    ``batches``), and at least the most one sample had (so that any sample like these
+    fits the bucket holding its tokens), at most what its tokens hold."""
+    one = max((int(np.max(i)) for i in images if len(i)), default=0)
+    seen: dict[tuple[str, int], int] = {}
+    for k, plan in enumerate(plans):
+        img = np.asarray(images[k])
+        for gp in plan.groups:
+            for st in gp.steps:
+                for r in st.rows:
+                    key = (gp.group, r.bucket)
+                    seen[key] = max(seen.get(key, 0), int(img[list(r.samples)].sum()))
+    out = []
+    for g in groups:
+        slots = []
+        for b in g.buckets:
+            most = b // g.image_tokens
+            need = max(seen.get((g.name, b), 0), min(one, most))
+            slots.append(min(most, 1 << max(0, need - 1).bit_length()) if need else 0)
+        out.append(dataclasses.replace(g, image_slots=tuple(slots)))
+    return tuple(out)
 
 
 def _parts(cluster: Cluster, split: Mapping[str, int] | None) -> dict[str, int]:
@@ -454,25 +538,25 @@ class _Pricer:
 
     def _of(self, bucket: int) -> tuple:
         """(degree, empty-row seconds, attention per squared token per device, ring
-        seconds per layer) of ``bucket`` rows on this group, computed once."""
+        seconds per layer) of ``bucket`` rows on this group, computed once. An empty row
+        costs its token slots and its image slots (the encoder runs on every slot, on
+        each device of the row's context group)."""
         got = self._buckets.get(bucket)
         if got is None:
             g = self.g
             d = g.degree(bucket)
-            got = (d, g.token_cost(bucket) * g.slots(bucket), g.attention_s / d,
-                   self.ring(bucket))
+            got = (d, g.token_cost(bucket) * g.slots(bucket) + g.image_s * g.images_of(bucket),
+                   g.attention_s / d, self.ring(bucket))
             self._buckets[bucket] = got
         return got
 
     def empty(self, bucket: int) -> float:
         return self._of(bucket)[1]
 
-    def rows(self, p: Packing, images: np.ndarray | None) -> np.ndarray:
-        """Seconds of each of ``p``'s rows on one slot of this group (``images``: per
-        sample of the batch, or None): an empty row of its bucket, plus attention over its
-        samples' squared lengths and their images' encoder time spread over the row's
-        context group, plus the K/V ring where attention's forward does not hide it
-        (forward and the backward's two passes)."""
+    def rows(self, p: Packing) -> np.ndarray:
+        """Seconds of each of ``p``'s rows on one slot of this group: an empty row of its
+        bucket, plus attention over its samples' squared lengths, plus the K/V ring where
+        attention's forward does not hide it (forward and the backward's two passes)."""
         g = self.g
         starts = p.starts
         filled = p.counts > 0
@@ -483,10 +567,6 @@ class _Pricer:
         d, empty, per_square, ring = per.T
         attn = per_square * squares
         t = empty + attn
-        if images is not None:
-            img = np.zeros(p.counts.size, np.int64)
-            img[filled] = np.add.reduceat(np.asarray(images)[p.samples], starts[filled])
-            t = np.where(img > 0, t + g.image_s * img / d, t)
         exposed = ring - g.attention_fwd_share * attn / g.layers
         return np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
 
@@ -495,14 +575,13 @@ class _Pricer:
 _Step = tuple[int, int, np.ndarray, float]
 
 
-def _compose(pricer: _Pricer, p: Packing, images: np.ndarray | None,
-             sort: bool) -> list[_Step]:
+def _compose(pricer: _Pricer, p: Packing, sort: bool) -> list[_Step]:
     """Micro-steps of ``p``'s rows per bucket: ``devices // degree`` rows each, sorted by
     cost when ``sort`` (else in the given order)."""
     g = pricer.g
     if not p.counts.size:
         return []
-    times = pricer.rows(p, images)
+    times = pricer.rows(p)
     steps = []
     for bucket in np.unique(p.bucket).tolist():
         d = g.degree(bucket)
@@ -527,38 +606,48 @@ def _micro_steps(rows: Sequence[Row], steps: Sequence[_Step]) -> tuple[MicroStep
                  for b, d, idx, t in steps)
 
 
-def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int]) -> Packing:
+def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int],
+               images: np.ndarray | None = None) -> Packing:
     """Rows re-bucketed so that at most the largest bucket ends in a part-empty micro-step:
     from the smallest bucket up, the rows a bucket's last micro-step would hold short of
     full are merged, ``next / bucket`` at a time, into rows of the next bucket (the same
     device slots, one context degree up), as packing them there would have. Not into a
     bucket whose rows hold more slots per device (rows over every device under the long
-    remat): there the merged row costs more than the idle devices it would fill."""
+    remat): there the merged row costs more than the idle devices it would fill; nor
+    where a merged row would take more images than a row of the next bucket holds."""
     used = p.used()
+    img = None
+    if images is not None:
+        img = np.zeros(p.counts.size, np.int64)
+        filled = p.counts > 0
+        img[filled] = np.add.reduceat(images[p.samples], p.starts[filled])
     out_bucket, out_parts, out_src = [], [], []
     # Rows merged up from the bucket below, after the bucket's own rows: tokens used,
-    # how many of the packing's rows each holds, and those rows in order.
+    # images, how many of the packing's rows each holds, and those rows in order.
     none = np.zeros(0, np.int64)
-    carry_fill, carry_size, carry_members = none, none, none
+    carry_fill, carry_img, carry_size, carry_members = none, none, none, none
     for i, b in enumerate(buckets):
         own = np.flatnonzero(p.bucket == b)
         size = np.concatenate([np.ones(own.size, np.int64), carry_size])
         members = np.concatenate([own, carry_members])
         fill = np.concatenate([used[own], carry_fill])
+        pics = None if img is None else np.concatenate([img[own], carry_img])
         start = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
         nxt = buckets[i + 1] if i + 1 < len(buckets) else None
         extra = fill.size % max(1, g.n // g.degree(b))
-        carry_fill, carry_size, carry_members = none, none, none
-        if nxt is None or not extra or nxt > g.longest or g.slots(nxt) > g.slots(b):
-            order = np.arange(fill.size)
-        else:
+        carry_fill, carry_img, carry_size, carry_members = none, none, none, none
+        order = np.arange(fill.size)
+        if not (nxt is None or not extra or nxt > g.longest or g.slots(nxt) > g.slots(b)):
             # the least-filled rows move up, next / bucket of them per new row
-            order = np.argsort(-fill, kind="stable")
-            moving, order = order[fill.size - extra:], order[:fill.size - extra]
+            by_fill = np.argsort(-fill, kind="stable")
+            moving = by_fill[fill.size - extra:]
             first = np.arange(0, moving.size, nxt // b)
-            carry_fill = np.add.reduceat(fill[moving], first)
-            carry_size = np.add.reduceat(size[moving], first)
-            carry_members = members[ranges(start[moving], size[moving])]
+            if pics is None or np.add.reduceat(pics[moving], first).max() <= g.images_of(nxt):
+                order = by_fill[:fill.size - extra]
+                carry_fill = np.add.reduceat(fill[moving], first)
+                carry_img = none if pics is None else np.add.reduceat(pics[moving], first)
+                carry_size = np.add.reduceat(size[moving], first)
+                carry_members = members[ranges(start[moving], size[moving])]
         out_bucket.append(np.full(order.size, b, np.int64))
         out_parts.append(size[order])
         out_src.append(members[ranges(start[order], size[order])])
@@ -592,14 +681,18 @@ def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
     if samples.size == 0:
         return _Draft(g.name, samples, None, [], g.step_s)
     buckets = tuple(buckets or g.buckets)
-    packed = best_fit(lengths[samples], buckets, samples)
-    merged = _fill_steps(g, packed, buckets)
-    p, steps = merged, _compose(pricer, merged, images, sort)
+    if images is None:
+        packed = best_fit(lengths[samples], buckets, samples)
+    else:
+        packed = best_fit_images(lengths[samples], images[samples], buckets,
+                                 g.image_caps(buckets), samples)
+    merged = _fill_steps(g, packed, buckets, images)
+    p, steps = merged, _compose(pricer, merged, sort)
     if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
         # Merging a part-empty micro-step's rows up saves that micro-step, but where
         # the bucket above had no micro-step of its own with room, it opens one, on a
         # longer ring: kept only where it prices faster.
-        plain = _compose(pricer, packed, images, sort)
+        plain = _compose(pricer, packed, sort)
         if sum(st[3] for st in plain) < sum(st[3] for st in steps):
             p, steps = packed, plain
     n_img = int(images[samples].sum()) if images is not None else 0
@@ -625,9 +718,18 @@ def _sample_costs(groups: Sequence[GroupCost], lengths: np.ndarray,
         c = g.token_s * lengths + g.attention_s * lengths.astype(np.float64) ** 2
         if images is not None:
             c = c + g.image_s * images
+            c[~_holds(g, lengths, images)] = np.inf
         c[lengths > g.longest] = np.inf
         out[k] = c
     return out
+
+
+def _holds(g: GroupCost, lengths: np.ndarray, images: np.ndarray) -> np.ndarray:
+    """Whether some bucket of ``g`` holds each sample's tokens and its images."""
+    buckets = np.asarray(g.buckets)
+    most = np.maximum.accumulate(np.asarray(g.image_caps())[::-1])[::-1]
+    at = np.searchsorted(buckets, lengths)
+    return (at < buckets.size) & (images <= most[np.minimum(at, buckets.size - 1)])
 
 
 def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -714,9 +816,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     lengths = check_lengths(lengths)
     img = None
     if images is not None:
-        img = check_lengths(np.asarray(images) + 1, "images") - 1  # counts may be 0
-        if img.shape != lengths.shape:
-            raise SpecError("images", f"{img.size} counts", f"one per sample ({lengths.size})")
+        img = check_images(images, lengths)
         if img.any() and any(g.image_s <= 0 for g in groups):
             raise SpecError("images", f"{int(img.sum())} images",
                             "a text-only batch: these groups price no vision encoder "
@@ -729,6 +829,20 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
         raise SpecError(f"lengths[{i}]", int(lengths[i]),
                         f"at most max_context={top} tokens"
                         + (" (with its images' tokens)" if img is not None else ""))
+    if img is not None:
+        if method in ("pad", "fixed-cp"):  # rows of the largest bucket on every group
+            check_fits(lengths, img, (top,), (min(g.images_of(top) for g in groups),))
+        else:
+            held = np.zeros(lengths.size, bool)
+            for g in groups:
+                held |= _holds(g, lengths, img)
+            if not held.all():
+                i = int(np.flatnonzero(~held)[0])
+                most = max(max(g.image_caps()) for g in groups)
+                raise SpecError(f"images[{i}]", int(img[i]),
+                                f"as many images as some group's rows of at least "
+                                f"{int(lengths[i])} tokens hold (at most {most} a row; "
+                                f"group_costs(images_per_row=))")
     pricers = [_Pricer(g, cluster, cal) for g in groups]
     n = np.array([g.n for g in groups], dtype=np.float64)
     if method in ("pad", "fixed-cp"):
@@ -815,14 +929,15 @@ def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
         return tuple(_padded(p, np.arange(bounds[k], bounds[k + 1]), lengths, img, top)
                      for k, p in enumerate(pricers))
     # fixed-cp: concatenate in order into rows of the largest bucket, rows shared out.
-    rows = pack(lengths, (top,), order="sequential")
+    rows = sequential(lengths, top, None, img,
+                      None if img is None else min(g.images_of(top) for g in groups))
     share = _static_shares(groups, len(rows), top)
     bounds = np.concatenate([[0], np.cumsum(share)])
     out = []
     for k, p in enumerate(pricers):
         mine = rows[bounds[k]:bounds[k + 1]]
         samples = tuple(i for r in mine for i in r.samples)
-        steps = _micro_steps(mine, _compose(p, Packing.of(mine), img, sort=False))
+        steps = _micro_steps(mine, _compose(p, Packing.of(mine), sort=False))
         n_img = int(img[list(samples)].sum()) if img is not None and samples else 0
         out.append(GroupPlan(p.g.name, samples, steps,
                              sum(s.time_s for s in steps) + p.g.step_s, n_img))
@@ -831,7 +946,7 @@ def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
 
 def _padded(pricer: _Pricer, samples: np.ndarray, lengths, img, top) -> GroupPlan:
     rows = tuple(Row(top, (int(i),), (int(lengths[i]),)) for i in samples)
-    steps = _micro_steps(rows, _compose(pricer, Packing.of(rows), img, sort=False))
+    steps = _micro_steps(rows, _compose(pricer, Packing.of(rows), sort=False))
     return GroupPlan(pricer.g.name, tuple(int(i) for i in samples), steps,
                      sum(s.time_s for s in steps) + pricer.g.step_s,
                      int(img[samples].sum()) if img is not None and samples.size else 0)

@@ -11,18 +11,22 @@ gradients *sum* to the whole batch's token-mean loss and gradient. Each group su
 own micro-steps on its devices; the groups' sums are added once and applied once
 (``HetshardJit.apply_grads``). A (group, bucket) pair compiles once: a run
 compiles at most as many programs as the groups have buckets.
+
+Multimodal samples (mappings of ``tokens`` and ``images``) run the same way, a row of
+each bucket holding the group's ``images_of(bucket)`` images (zero padding; the
+vision encoder runs in the micro-step, on each device of a row's context group, and
+its attention over the image patches is not split along the context axis).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard.data.packing import Row, packed_arrays
+from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.planner import BatchPlan, GroupCost
 from hetshard.errors import SpecError
 from hetshard.plan import Context, Pipeline, Plan, Stage
@@ -52,13 +56,15 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                    groups: Sequence[GroupCost], *, batch_argnum: int = -1,
                    attention: str = "flash"):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
-    rows: ``models.losses.packed_text_loss``) on ``samples`` (1-D token arrays) as
-    ``plan`` places them on ``groups``; ``args``: the step's other arguments with any
-    batch at ``batch_argnum`` (replaced per micro-step). Returns the step's output.
+    rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
+    samples) on ``samples`` (1-D token arrays, or mappings ``{"tokens", "images"}`` as
+    ``packed_arrays`` takes them) as ``plan`` places them on ``groups``; ``args``: the
+    step's other arguments with any batch at ``batch_argnum`` (replaced per
+    micro-step). Returns the step's output.
 
     Raises:
       SpecError: a plan that does not place every sample exactly once, or names a group
-        not in ``groups``.
+        not in ``groups``; multimodal samples on groups priced without a vision encoder.
     """
     by_name = {g.name: g for g in groups}
     placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
@@ -66,12 +72,16 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
     if placed != list(range(len(samples))):
         raise SpecError("plan", f"{len(placed)} placed samples",
                         f"every one of the {len(samples)} samples exactly once")
-    targets = int(sum(max(0, np.size(s) - 1) for s in samples))
+    targets = target_count(samples)
     args = list(args)
     at = batch_argnum % len(args)
     for gp in plan.groups:
         if gp.group not in by_name:
             raise SpecError("plan.groups", gp.group, f"one of {sorted(by_name)}")
+    multimodal = bool(samples) and isinstance(samples[0], Mapping)
+    if multimodal and any(not by_name[gp.group].image_tokens for gp in plan.groups):
+        raise SpecError("samples", "multimodal samples", "groups priced with a vision "
+                        "encoder (group_costs(vision=, image_tokens=))")
     # Every group's micro-steps are dispatched (JAX runs them asynchronously, each group
     # on its own devices), round-robin so that no group waits on another's compilation;
     # a group sums its own micro-steps where they ran, and the groups' sums meet once.
@@ -85,8 +95,10 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
             ms = steps[k]
             per = group.n // ms.degree
             rows = list(ms.rows) + [Row(ms.bucket, (), ())] * (per - len(ms.rows))
-            batch = {name: jnp.asarray(v) for name, v in
-                     packed_arrays(samples, rows, target_tokens=targets).items()}
+            images = group.images_of(ms.bucket) if multimodal else None
+            batch = {name: jnp.asarray(v) for name, v in packed_arrays(
+                samples, rows, target_tokens=targets, images_per_row=images,
+                image_tokens=group.image_tokens if multimodal else None).items()}
             args[at] = batch
             first = batch if first is None else first
             p = micro_step_plan(step, args, group, ms.bucket, ms.degree, attention)

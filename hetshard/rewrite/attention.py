@@ -47,7 +47,7 @@ IMPLEMENTATIONS = ("reference", "flash", "ring")
 # ---- evaluation ---------------------------------------------------------------------
 
 def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=True,
-          **kernel):
+          sequence=None, **kernel):
     if name not in IMPLEMENTATIONS:
         raise SpecError("impl", name, f"one of {IMPLEMENTATIONS}", where="swap_attention")
     if name == "ring" and mesh is None:
@@ -55,8 +55,11 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
                         where="swap_attention")
 
     def run(q, k, v, seg, scale, causal):
-        if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1:
+        if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1 and \
+                (sequence is None or q.shape[1] == sequence):
             # A stage with a context axis: its activations are split along the sequence.
+            # Attention over other lengths (a vision encoder's patches) is not split
+            # along it and runs as it would without the axis.
             return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel,
                                  chunk_lengths)
         if name == "reference":
@@ -163,7 +166,9 @@ def swap_attention(fn, impl: str = "flash", **options):
 
     ``options`` go to the implementation: kernel tile sizes and ``interpret`` for flash,
     and a ``mesh`` to run it on each device's samples and heads (``attention_layout``);
-    ``mesh``, ``axis`` and ``chunk_lengths`` for ring attention.
+    ``mesh``, ``axis`` and ``chunk_lengths`` for ring attention; on a mesh with a
+    context axis, ``sequence``: the length split along it (None: every attention's), so
+    that attention over other lengths (a vision encoder's patches) is left whole.
     """
     run = _impl(impl, **options)
 

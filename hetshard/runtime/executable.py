@@ -416,7 +416,8 @@ def rewriting(fn, plan: Plan, mesh=None):
                                     split_blocks=plan.split_blocks,
                                     tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag,
                                     autocast=stage_autocast(plan, stage),
-                                    chunk_lengths=plan.context_chunks(stage) or None)
+                                    chunk_lengths=plan.context_chunks(stage) or None,
+                                    sequence=plan.seq_len)
     elif plan.attention in (None, "reference"):
         rewrite = None
     else:
