@@ -5,7 +5,9 @@ Global batches are sampled from the 1M Wikipedia document lengths FlexSP publish
 (``../shared/data/lengths/wikipedia-flexsp.txt.gz``; documents longer than the maximum
 context are cut to it, as FlexSP does), at 32K and 128K maximum context, for llama-7b on
 homogeneous and mixed clusters of 32 and 64 GPUs, plus an MLLM mixture (llama-7b with a
-ViT-L/14 encoder; 0-8 images per sample, each 256 tokens in the language model). Each
+ViT-L/14 encoder; 0-8 images per sample, each 256 tokens in the language model; a
+row holds a fixed number of image slots per bucket, every slot encoded, split over the
+row's context group, sized from the calibration batches where that prices faster). Each
 batch is planned four ways and priced by the same model (``hetshard.data.plan_batch``),
 each way on the outer plan it does best on: ``hetshard.data.choose_groups`` splits each
 GPU type into 1, 2, 4 or 8 data-parallel replicas (node-aligned; at most 8 compiled
@@ -141,7 +143,8 @@ def main() -> int:
                "groups": {m: [{"name": g.name, "gpu": g.gpu, "devices": g.n, "chunk": g.chunk,
                                "remat": g.remat, "long_remat": g.long_remat,
                                "long_chunk": g.long_chunk, "buckets": list(g.buckets),
-                               "long_buckets": list(g.long_buckets)} for g in gs]
+                               "long_buckets": list(g.long_buckets),
+                               "images_per_row": list(g.image_caps())} for g in gs]
                           for m, gs in (*chosen.items(), ("fixed-cp-whole", whole))},
                "choose_s": choose_s, "methods": {}}
         for m, p in per.items():

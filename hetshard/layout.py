@@ -138,7 +138,10 @@ def param_paths(tree) -> set[str]:
 def batch_sharding(batch, plan: Plan, mesh: Mesh):
     """The batch's leading dimension over the batch axes; on a stage with a ``context``
     axis, token arrays (dimension 1 of the plan's sequence length) also along their
-    sequence over ``context``."""
+    sequence over ``context``, and other arrays of a row's items (a row's images,
+    ``[batch, items, ...]``) their items over it where it divides them: each device of
+    a row's context group takes its share (a vision encoder then runs split, not
+    repeated on every device of the group)."""
     axes, ways = batch_axes(mesh), batch_ways(mesh)
     cp = mesh.shape.get("context", 1)
 
@@ -153,6 +156,8 @@ def batch_sharding(batch, plan: Plan, mesh: Mesh):
             if plan.seq_len % cp:
                 raise SpecError("seq_len", plan.seq_len,
                                 f"a multiple of the plan's context degree {cp}")
+            return NamedSharding(mesh, PartitionSpec(entry, "context"))
+        if cp > 1 and np.ndim(x) >= 3 and np.shape(x)[1] % cp == 0:
             return NamedSharding(mesh, PartitionSpec(entry, "context"))
         return NamedSharding(mesh, PartitionSpec(entry))
     return jax.tree.map(one, batch)
@@ -174,11 +179,14 @@ def activation_sharding(shape, mesh: Mesh, mbs: int, seq_len: int | None = None
     return NamedSharding(mesh, PartitionSpec(batch) if batch else PartitionSpec())
 
 
-def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
+def boundary_layout(stage: Stage, mesh: Mesh, shape, sequence: int | None = None
+                    ) -> NamedSharding | None:
     """The layout of a boundary activation of ``shape`` on the stage mesh: its batch over
     the batch axes and, on a stage with a ``context`` axis, its sequence (dimension 1)
     over ``context``; None where the stage's activation layout does not split the batch
-    first or the shape does not divide."""
+    first or the shape does not divide. Given the ``sequence`` the context axis splits,
+    activations over other lengths (a vision encoder's patches) split their batch over
+    ``context`` too, where it divides."""
     axes = batch_axes(mesh)
     named = [entries for _, entries in stage.activations]
     if named and "data" not in tuple(named[0])[:1]:
@@ -186,20 +194,23 @@ def boundary_layout(stage: Stage, mesh: Mesh, shape) -> NamedSharding | None:
     if not len(shape) or shape[0] % batch_ways(mesh):
         return None
     cp = mesh.shape.get("context", 1)
-    if cp > 1 and len(shape) >= 3 and shape[1] % cp == 0:
+    if cp > 1 and len(shape) >= 3 and sequence is not None and shape[1] != sequence:
+        if shape[0] % (batch_ways(mesh) * cp) == 0:
+            return NamedSharding(mesh, PartitionSpec(axes + ("context",)))
+    elif cp > 1 and len(shape) >= 3 and shape[1] % cp == 0:
         return NamedSharding(mesh, PartitionSpec(axes if axes else None, "context"))
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))
 
 
-def attention_layout(mesh: Mesh, q_shape, kv_heads: int):
+def attention_layout(mesh: Mesh, q_shape, kv_heads: int, extra: tuple[str, ...] = ()):
     """``(batch axes or None, heads axis or None)``: how attention splits over a stage
     mesh, each sample and head being independent. The batch goes over the batch axes
-    (``data``, then ``fsdp``) as far as their product divides it; the heads over
-    ``tensor`` when it divides the query and the key/value heads (grouped-query
-    attention keeps each key/value head with its queries)."""
+    (``data``, then ``fsdp``, then any ``extra``) as far as their product divides it;
+    the heads over ``tensor`` when it divides the query and the key/value heads
+    (grouped-query attention keeps each key/value head with its queries)."""
     b, h = q_shape[0], q_shape[2]
     batch, ways = [], 1
-    for a in BATCH_AXES:
+    for a in BATCH_AXES + tuple(extra):
         n = mesh.shape.get(a, 1)
         if n > 1 and b % (ways * n) == 0:
             batch.append(a)

@@ -117,6 +117,14 @@ class GroupCost:
     def image_caps(self, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
         return tuple(self.images_of(b) for b in (buckets or self.buckets))
 
+    def image_time(self, bucket: int) -> float:
+        """Seconds a device spends encoding a ``bucket`` row's image slots: split over the
+        row's context group where its degree divides them (the runtime lays the images
+        and the encoder's activations out so), else every device of the group encodes
+        them all."""
+        slots, d = self.images_of(bucket), self.degree(bucket)
+        return self.image_s * (slots / d if slots % d == 0 else slots)
+
     @property
     def n(self) -> int:
         return len(self.devices)
@@ -208,9 +216,9 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
     (one image a sample), priced per image the same way; ``image_tokens`` what each image
     adds to the language model's sequence; ``images_per_row``: bucket -> the images a
     row of it holds (default: as many as its tokens hold, ``bucket // image_tokens``).
-    Every image slot of a row is encoded, padding too, and priced so (the encoder
-    runs on each device of the row's context group): :func:`choose_groups` sizes them
-    from the data.
+    Every image slot of a row is encoded, padding too, and priced so (split over the
+    row's context group where its degree divides them, ``GroupCost.image_time``):
+    :func:`choose_groups` sizes them from the data.
 
     ``split``: cluster group name -> how many equal data-parallel replicas its devices
     form (default one a group). Each part is a group of its own, named
@@ -357,14 +365,15 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
     the best of those, every set of as many power-of-two row lengths from the sequence
     length to ``max_context`` (``group_costs(buckets=)``). Each candidate plans every
     batch of ``batches`` (lists of sample lengths, drawn from the run's data;
-    ``images``: per batch, images per sample, or None; with images, each candidate's
-    image slots a row are then sized from its plans and it plans again) and the one
-    with the least summed step time is returned. Replicas trade weights and optimizer state sharded
-    over fewer devices (and fewer buckets each) for rings that hold one replica, not the
-    whole GPU type, while the others train other rows: worth it where long documents
-    are rare. ``method``: whose plans choose (a baseline of ``plan_batch`` tunes its
-    outer plan the same way). ``costs``: further ``group_costs`` arguments (``remat``,
-    ``dtypes``, ``vision``, ``image_tokens``, ``memory_margin``).
+    ``images``: per batch, images per sample, or None; with images, each candidate also
+    plans with its image slots a row sized from those plans, kept where faster) and
+    the one with the least summed step time is returned. Replicas trade weights and
+    optimizer state sharded over fewer devices (and fewer buckets each) for rings that
+    hold one replica, not the whole GPU type, while the others train other rows: worth
+    it where long documents are rare. ``method``: whose plans choose (a baseline of
+    ``plan_batch`` tunes its outer plan the same way). ``costs``: further
+    ``group_costs`` arguments (``remat``, ``dtypes``, ``vision``, ``image_tokens``,
+    ``memory_margin``).
 
     Raises:
       SpecError: no batches, ``max_shapes`` below the groups' count, or no candidate
@@ -394,12 +403,17 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
                            method=method, bound=False) for i, b in enumerate(batches)]
 
     def score(groups):
-        """(summed step time, the groups with image slots sized from these batches)."""
+        """(summed step time, the groups), with image slots sized from these batches
+        where that prices faster than as many as the rows' tokens hold (fewer slots
+        encode less padding; more pack images more densely)."""
         got = plans(groups)
+        t = sum(p.step_time_s for p in got)
         if images is not None and groups[0].image_tokens:
-            groups = _capped(groups, batches, images, got)
-            got = plans(groups)
-        return sum(p.step_time_s for p in got), groups
+            capped = _capped(groups, batches, images, got)
+            t_capped = sum(p.step_time_s for p in plans(capped))
+            if t_capped < t:
+                return t_capped, capped
+        return t, groups
 
     best, error = None, None
     for ks, long in itertools.product(itertools.product(*options), longs):
@@ -464,7 +478,8 @@ def _capped(groups: Sequence[GroupCost], batches: Sequence, images: Sequence,
     """``groups`` with image slots sized from the data: a bucket's rows hold the power
     of two at or above the most images any of its rows took in ``plans`` (of
     ``batches``), and at least the most one sample had (so that any sample like these
-    fits the bucket holding its tokens), at most what its tokens hold."""
+    fits the bucket holding its tokens) and the row's context degree (so that its
+    devices split them), at most what its tokens hold."""
     one = max((int(np.max(i)) for i in images if len(i)), default=0)
     seen: dict[tuple[str, int], int] = {}
     for k, plan in enumerate(plans):
@@ -480,7 +495,9 @@ def _capped(groups: Sequence[GroupCost], batches: Sequence, images: Sequence,
         for b in g.buckets:
             most = b // g.image_tokens
             need = max(seen.get((g.name, b), 0), min(one, most))
-            slots.append(min(most, 1 << max(0, need - 1).bit_length()) if need else 0)
+            if need:  # a power of two, split over the row's context group where it can be
+                need = max(1 << (need - 1).bit_length(), g.degree(b))
+            slots.append(min(most, need))
         out.append(dataclasses.replace(g, image_slots=tuple(slots)))
     return tuple(out)
 
@@ -539,13 +556,13 @@ class _Pricer:
     def _of(self, bucket: int) -> tuple:
         """(degree, empty-row seconds, attention per squared token per device, ring
         seconds per layer) of ``bucket`` rows on this group, computed once. An empty row
-        costs its token slots and its image slots (the encoder runs on every slot, on
-        each device of the row's context group)."""
+        costs its token slots and its image slots (the encoder runs on every slot,
+        ``GroupCost.image_time``)."""
         got = self._buckets.get(bucket)
         if got is None:
             g = self.g
             d = g.degree(bucket)
-            got = (d, g.token_cost(bucket) * g.slots(bucket) + g.image_s * g.images_of(bucket),
+            got = (d, g.token_cost(bucket) * g.slots(bucket) + g.image_time(bucket),
                    g.attention_s / d, self.ring(bucket))
             self._buckets[bucket] = got
         return got

@@ -13,9 +13,11 @@ own micro-steps on its devices; the groups' sums are added once and applied once
 compiles at most as many programs as the groups have buckets.
 
 Multimodal samples (mappings of ``tokens`` and ``images``) run the same way, a row of
-each bucket holding the group's ``images_of(bucket)`` images (zero padding; the
-vision encoder runs in the micro-step, on each device of a row's context group, and
-its attention over the image patches is not split along the context axis).
+each bucket holding the group's ``images_of(bucket)`` images (zero padding). The
+vision encoder runs in the micro-step: on a context group, a row's images (and the
+encoder's activations, its patch attention whole per image) are split over the group
+where its degree divides them (``hetshard.layout.batch_sharding``,
+``boundary_layout``), then the decoder's sequence is.
 """
 
 from __future__ import annotations

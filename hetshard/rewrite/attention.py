@@ -58,10 +58,12 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
         if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1 and \
                 (sequence is None or q.shape[1] == sequence):
             # A stage with a context axis: its activations are split along the sequence.
-            # Attention over other lengths (a vision encoder's patches) is not split
-            # along it and runs as it would without the axis.
             return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel,
                                  chunk_lengths)
+        if name == "flash" and mesh is not None and mesh.shape.get(axis, 1) > 1:
+            # Attention over other lengths (a vision encoder's patches) is not split
+            # along the sequence: its samples are split over the context axis too.
+            return _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel, (axis,))
         if name == "reference":
             return attention_reference(q, k, v, causal=causal, segment_ids=seg,
                                        sm_scale=scale)
@@ -76,13 +78,14 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
     return run
 
 
-def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel):
-    """The flash kernel on each device's samples and heads (``jax.shard_map``). XLA's
-    partitioner cannot split a Pallas call: left to it, every device of a stage would
-    gather the whole micro-batch's q, k and v and compute attention for all of it."""
+def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel, extra=()):
+    """The flash kernel on each device's samples and heads (``jax.shard_map``; samples
+    over the batch axes and ``extra``). XLA's partitioner cannot split a Pallas call:
+    left to it, every device of a stage would gather the whole micro-batch's q, k and v
+    and compute attention for all of it."""
     from jax.sharding import PartitionSpec as P
 
-    batch, heads = attention_layout(mesh, q.shape, k.shape[2])
+    batch, heads = attention_layout(mesh, q.shape, k.shape[2], extra)
     if batch is None and heads is None:
         return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale,
                                **kernel)

@@ -269,7 +269,8 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
         except StageSplitError:
             bounds = []
         constrain = {v: layout for v in bounds
-                     if (layout := boundary_layout(stage, mesh, v.aval.shape)) is not None}
+                     if (layout := boundary_layout(stage, mesh, v.aval.shape,
+                                                   options.get("sequence"))) is not None}
         leaves = jax.tree_util.tree_flatten_with_path(args)[0]
         if sequence:
             weights = {var: leaf_spec(path_string(path[1:]), np.shape(x), specs, mesh)
