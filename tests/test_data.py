@@ -360,6 +360,31 @@ def test_image_slots_are_priced_padding_too():
     assert [len(row.samples) for st in r.groups[0].steps for row in st.rows] == [1, 2]
 
 
+def test_a_context_stage_splits_a_rows_images_and_the_encoders_activations_over_it():
+    """On a data x context stage a row's tokens split along the sequence and its images
+    (and the encoder's activations, of other lengths than the plan's sequence) by their
+    batch over the context axis too, so that a row's context group shares its encoding
+    rather than each device encoding every image."""
+    import types
+
+    from jax.sharding import Mesh
+
+    from hetshard.layout import batch_sharding, boundary_layout
+    from hetshard.plan import Stage
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context"))
+    stage = Stage(0, 2, (0, 1, 2, 3), "A100-80GB", (("data", 2), ("context", 2)))
+    got = batch_sharding({"tokens": np.zeros((2, 64)), "images": np.zeros((2, 4, 8, 8, 3)),
+                          "odd": np.zeros((2, 3, 5))}, types.SimpleNamespace(seq_len=64), mesh)
+    assert tuple(got["tokens"].spec) == tuple(got["images"].spec) == ("data", "context")
+    assert tuple(got["odd"].spec) == ("data",)
+    spec = lambda shape, seq=64: tuple(boundary_layout(stage, mesh, shape, seq).spec)  # noqa: E731
+    assert spec((8, 17, 32)) == (("data", "context"),)  # the encoder's 8 images of 17 patches
+    assert spec((2, 64, 32)) == ("data", "context")  # the decoder's sequence
+    assert spec((6, 17, 32)) == ("data",)  # 6 images do not split 4 ways
+    assert spec((8, 17, 32), None) == ("data",)  # no sequence named: as before
+
+
 def test_flash_kernel_skips_blocks_of_other_segments():
     pos = jnp.arange(4)
     seg_a, seg_b = jnp.array([1, 1, 1, 1]), jnp.array([2, 2, 2, 2])
