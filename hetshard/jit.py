@@ -40,6 +40,7 @@ from hetshard import __version__, cache
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, batch_of, batch_positions, check_batch, path_string
@@ -416,6 +417,13 @@ class HetshardJit:
                     f"{got.call_error}")
             self._programs[sig] = got
         return got
+
+    def profile(self, *args):
+        """The cost model's :class:`~hetshard.cost.profile.ModelProfile` of this step on
+        arguments of these shapes (traced from the program itself): what the planner
+        prices, and what ``hetshard.data.group_costs`` takes."""
+        with no_ambient_mesh():
+            return profile_program(self.program_for(*args))
 
     def grads_under(self, plan: Plan, *args):
         """``(value, gradients)`` of the step's ``hetshard.value_and_grad`` loss on

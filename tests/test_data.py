@@ -813,3 +813,30 @@ def test_choose_groups_sizes_image_slots_from_the_data(llama7b):
         with pytest.raises(SpecError) as e:
             group_costs(llama7b, cluster, max_context=32768, **kwargs)
         assert e.value.field == field
+
+
+def test_group_costs_price_the_users_own_program():
+    """The per-batch planner's costs come from the step it is given: a user's own Flax
+    model (not a zoo model) under hetshard.jit, profiled from its trace
+    (``HetshardJit.profile``), priced per GPU type (the faster type's token slots
+    cheaper) and planned on."""
+    import user_models
+
+    import hetshard
+    from hetshard.cluster import Cluster
+    from hetshard.data import group_costs
+
+    step_fn, args, _ = user_models.make_transformer()
+    cluster = Cluster.from_dict({"name": "mixed", "groups": [
+        {"name": "v100", "gpu": "V100-32GB", "nodes": 1, "gpus_per_node": 4},
+        {"name": "h100", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4}]})
+    step = hetshard.jit(step_fn, cluster=cluster, quiet=True)
+    profile = step.profile(*args)
+    seq = args[-1]["tokens"].shape[1]
+    assert profile.seq_len == seq and profile.num_layers > 1
+    slow, fast = group_costs(profile, cluster, max_context=4 * seq)
+    assert 0 < fast.token_s < slow.token_s
+    lengths = np.random.default_rng(0).integers(1, 4 * seq + 1, 40)
+    plan = plan_batch(lengths, (slow, fast), cluster=cluster)
+    done = {g.group: len(g.samples) for g in plan.groups}
+    assert sum(done.values()) == 40 and done["h100"] > done["v100"]
