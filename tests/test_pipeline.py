@@ -359,6 +359,21 @@ def test_mllm_with_the_vision_encoder_on_its_own_stage():
     assert {runner.paths[i].split("/")[1] for i in first.params} == {"vision", "projector"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["reference", "flash"])
+def test_mllm_pipeline_with_its_vision_encoder_on_a_context_stage(attention):
+    """The vision encoder shares a data 2 x context 2 stage with the first decoder
+    layers: only attention over the plan's sequence is a ring there, the encoder's
+    attention over an image's patches stays whole (it failed as a ring over 17
+    patches). Trains as one device."""
+    from hetshard.plan import Context
+    first = _stage(0, 6, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2)
+    rest = _stage(6, 9, (4, 5, 6, 7), V, context=4)
+    plan = Plan("llava-tiny", Cluster.load(CLUSTER).to_dict(), 8, 64,
+                (Pipeline((first, rest), 8, 2, 2),), context=Context(4), attention=attention)
+    _assert_matches_one_device("llava-tiny", plan, loss_fn=mllm_loss, steps=2, seq=64)
+
+
 def test_collectives_sum_copies_on_other_submeshes():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

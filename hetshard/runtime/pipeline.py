@@ -164,7 +164,8 @@ class PipelineRunner:
         try:
             return split_stages(self.program.loss_flat, self.state_avals, mb_avals, ranges,
                                 self.diff, attention=self.plan.attention,
-                                split_blocks=self.plan.split_blocks)
+                                split_blocks=self.plan.split_blocks,
+                                sequence=self.plan.seq_len)
         except StageSplitError as e:
             raise PipelineSetupError(str(e)) from None
 
