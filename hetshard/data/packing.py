@@ -431,7 +431,7 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
             raise SpecError("image_tokens", image_tokens, "the positive count of token "
                             "slots an image takes (multimodal samples)")
         per_image = int(image_tokens)
-        image_shape, dtype = _image_layout(samples)
+        image_shape, dtype = _image_layout(samples, [i for r in rows for i in r.samples] or [0])
         out["images"] = np.zeros((len(rows), images_per_row) + image_shape, dtype)
         out["image_index"] = np.full(shape, -1, np.int32)
     for r, row in enumerate(rows):
@@ -504,10 +504,11 @@ def _sample(samples: Sequence, i: int, multimodal: bool):
     return np.asarray(s["tokens"]).reshape(-1), imgs
 
 
-def _image_layout(samples: Sequence):
-    """(image shape, dtype) of the samples' images, which must share the shape."""
+def _image_layout(samples: Sequence, which: Sequence[int]):
+    """(image shape, dtype) of the images of samples ``which``, which must share the
+    shape."""
     shape = dtype = None
-    for i in range(len(samples)):
+    for i in which:
         _, imgs = _sample(samples, i, True)
         if shape is None:
             shape, dtype = imgs.shape[1:], imgs.dtype
