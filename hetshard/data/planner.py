@@ -878,8 +878,11 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             where = _lpt(costs, n, scale)
             parts = [np.flatnonzero(where == k) for k in range(len(groups))]
             # The planner prices its choice with the costs it believes in ...
-            seen = [_draft(p, parts[k], lengths, img, True)
-                    for k, p in enumerate(believed_pricers)]
+            seen = []
+            for k, p in enumerate(believed_pricers):
+                seen.append(_draft(p, parts[k], lengths, img, True))
+                if best is not None and seen[-1].time_s >= best[0]:
+                    break  # no better than the last placement, whatever the rest price
             worst = max(s.time_s for s in seen)
             if best is not None and worst >= best[0]:
                 break
@@ -926,8 +929,10 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
                 continue
             keep = np.setdiff1d(mine, moved, assume_unique=True)
             got = np.sort(np.concatenate([parts[j], moved]))
-            dk = _draft(pricers[k], keep, lengths, img, True)
             dj = _draft(pricers[j], got, lengths, img, True)
+            if dj.time_s >= worst - 1e-12:
+                continue  # the receiver alone is as slow as the step was
+            dk = _draft(pricers[k], keep, lengths, img, True)
             step = max([dk.time_s, dj.time_s] + [d.time_s for i, d in enumerate(seen)
                                                  if i not in (k, j)])
             if step < worst - 1e-12:
