@@ -103,14 +103,133 @@ def test_unmodified_flax_attention_is_found_and_swapped(rng):
         mask = nnx.make_causal_mask(jnp.ones((2, 24)))
         return jnp.sum(nnx.merge(graphdef, p)(x, mask=mask) ** 2)
 
+    def windowed(p, x):  # a sliding window: not causal, left as it is
+        i = jnp.arange(24)
+        mask = ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 4))[None, None]
+        return jnp.sum(nnx.merge(graphdef, p)(x, mask=mask) ** 2)
+
     assert count_attention(f, params, x) == 1
-    assert count_attention(masked, params, x) == 0  # masks are not matched: left alone
-    swapped = swap_attention(f, "flash", block_q=16, block_k=16)
-    assert str(jax.make_jaxpr(swapped)(params, x)).count("pallas_call") == 1
-    np.testing.assert_allclose(swapped(params, x), f(params, x), rtol=1e-5)
-    _close(jax.grad(swapped)(params, x), jax.grad(f)(params, x), rtol=1e-4, atol=1e-4)
-    m = swap_attention(masked, "flash")
-    np.testing.assert_allclose(m(params, x), masked(params, x), rtol=1e-6)
+    assert count_attention(masked, params, x) == 1  # a causal mask: the kernel's own
+    assert count_attention(windowed, params, x) == 0
+    for fn in (f, masked):
+        swapped = swap_attention(fn, "flash", block_q=16, block_k=16)
+        assert str(jax.make_jaxpr(swapped)(params, x)).count("pallas_call") == 1
+        np.testing.assert_allclose(swapped(params, x), fn(params, x), rtol=1e-5)
+        _close(jax.grad(swapped)(params, x), jax.grad(fn)(params, x), rtol=1e-4, atol=1e-4)
+    m = swap_attention(windowed, "flash")
+    assert "pallas_call" not in str(jax.make_jaxpr(m)(params, x))
+    np.testing.assert_allclose(m(params, x), windowed(params, x), rtol=1e-6)
+
+
+def _einsum_attention(q, k, v, mask):
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def _causal_tril(q, k, v, seg):
+    s = q.shape[1]
+    return _einsum_attention(q, k, v, jnp.tril(jnp.ones((s, s), bool)))
+
+
+def _causal_and_segments(q, k, v, seg):  # Flax's mask helpers, as a packed LM writes them
+    mask = nnx.combine_masks(nnx.make_causal_mask(seg),
+                             nnx.make_attention_mask(seg, seg, jnp.equal))
+    return nnx.dot_product_attention(q, k, v, mask=mask)
+
+
+def _segments_only(q, k, v, seg):
+    return _einsum_attention(q, k, v, (seg[:, :, None] == seg[:, None, :])[:, None])
+
+
+def _jax_nn_causal(q, k, v, seg):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _strict(q, k, v, seg):  # a token does not see itself: not the kernel's mask
+    i = jnp.arange(q.shape[1])
+    return _einsum_attention(q, k, v, i[:, None] > i[None, :])
+
+
+def _anti_causal(q, k, v, seg):
+    i = jnp.arange(q.shape[1])
+    return _einsum_attention(q, k, v, i[:, None] <= i[None, :])
+
+
+def _shifted(q, k, v, seg):
+    i = jnp.arange(q.shape[1])
+    return _einsum_attention(q, k, v, i[:, None] + 1 >= i[None, :])
+
+
+def _from_data(q, k, v, seg):  # padding keys masked: a mask from the data's values
+    keep = seg > 0
+    return _einsum_attention(q, k, v, (keep[:, None, :] & keep[:, :, None])[:, None])
+
+
+def _positions(q, k, v, seg):  # compares an array other than an index: not provably causal
+    return _einsum_attention(q, k, v, (seg[:, :, None] >= seg[:, None, :])[:, None])
+
+
+@pytest.mark.parametrize("form, causal, segments", [
+    (_causal_tril, True, False), (_causal_and_segments, True, True),
+    (_segments_only, False, True), (_jax_nn_causal, True, False)])
+def test_masked_attention_a_user_writes_is_swapped_with_its_mask(form, causal, segments, rng):
+    """Causal masks (``jnp.tril``, ``nnx.make_causal_mask``, ``jax.nn``'s) and segment
+    masks (a per-token array equal at query and key), alone or combined, are read from
+    the mask's equations and given to the kernel: values and gradients as before, the
+    mask's [s, s] arrays gone from the compiled program."""
+    from hetshard.ir.attention_patterns import flax_patterns
+    b, s, h, d = 2, 32, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, size=(b, s)), axis=1), jnp.int32)
+    (pat,) = flax_patterns(jax.make_jaxpr(form)(q, k, v, seg).jaxpr).values()
+    assert pat["causal"] is causal and (pat["seg"] is not None) is segments
+
+    def loss(q, k, v, seg):
+        return jnp.sum(form(q, k, v, seg) ** 2)
+
+    for impl, opts in (("reference", {}), ("flash", {"block_q": 16, "block_k": 16})):
+        swapped = swap_attention(loss, impl, **opts)
+        np.testing.assert_allclose(swapped(q, k, v, seg), loss(q, k, v, seg), rtol=1e-5)
+        _close(jax.grad(swapped, (0, 1, 2))(q, k, v, seg),
+               jax.grad(loss, (0, 1, 2))(q, k, v, seg), rtol=1e-4, atol=1e-5)
+    def compiled(fn):
+        return jax.jit(jax.grad(fn)).lower(q, k, v, seg).compile().as_text()
+
+    # No [.., s, s] array (scores, weights or mask) is left once the kernel takes it
+    assert f"{s},{s}]" in compiled(loss)
+    assert f"{s},{s}]" not in compiled(swap_attention(loss, "flash", block_q=16, block_k=16))
+
+
+def test_attention_inside_a_scan_over_stacked_blocks_is_swapped(rng):
+    """``nnx.scan`` over stacked blocks: the scan's body is evaluated with its (causal,
+    masked) attention swapped, the loop kept."""
+    import user_models
+    step, (model, _, batch), _ = user_models.make_scanned()
+    graphdef, params = nnx.split(model)
+    loss = _lm_loss(graphdef)
+    assert count_attention(loss, params, batch) == 1  # one body, run per block
+    swapped = swap_attention(loss, "flash", block_q=16, block_k=16)
+    jaxpr = str(jax.make_jaxpr(swapped)(params, batch))
+    assert jaxpr.count("pallas_call") == 1 and "scan[" in jaxpr
+    l0, g0 = jax.value_and_grad(loss)(params, batch)
+    l1, g1 = jax.value_and_grad(swapped)(params, batch)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
+    _close(g1, g0, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", [_strict, _anti_causal, _shifted, _from_data, _positions])
+def test_masks_that_are_not_causal_or_segments_are_left_as_they_are(form, rng):
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(rng.integers(0, 3, size=(2, 16)), jnp.int32)
+
+    def loss(q, k, v, seg):
+        return jnp.sum(jnp.nan_to_num(form(q, k, v, seg)) ** 2)
+
+    assert count_attention(loss, q, k, v, seg) == 0
+    swapped = swap_attention(loss, "flash", block_q=16, block_k=16)
+    assert "pallas_call" not in str(jax.make_jaxpr(swapped)(q, k, v, seg))
+    np.testing.assert_allclose(swapped(q, k, v, seg), loss(q, k, v, seg), rtol=1e-6)
 
 
 def test_swap_rejects_bad_choices():

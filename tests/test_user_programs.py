@@ -112,6 +112,26 @@ def test_layers_are_found_in_the_program(case):
     assert prof.param_count == total
 
 
+@pytest.mark.parametrize("name", ["transformer", "scanned", "flax_attention"])
+def test_a_users_masked_attention_is_priced_as_the_kernel_that_runs(name):
+    """The user's causal einsum attention (``jnp.tril`` under ``jnp.where``; the same
+    scanned; ``nnx.MultiHeadAttention`` under ``nnx.make_causal_mask``) is what the
+    runtime swaps for the causal kernel, so the profile traces it as that call: every
+    block's attention is causal, forward and backward, and no [s, s] array of the
+    written-out form (scores, weights, mask) is left in the priced program."""
+    from hetshard.ir.program import traced_graph
+    program = hetshard.jit(user_models.MODELS[name]()[0], cluster=CLUSTER, quiet=True
+                           ).program_for(*user_models.MODELS[name]()[1])
+    prof = profile_program(program)
+    blocks = [lay for lay in prof.layers if lay.fwd_attention.any()]
+    assert len(blocks) == 4
+    assert all(lay.attention_causal and lay.bwd_attention.any() for lay in blocks)
+    s = program.seq_len
+    square = [op for op in traced_graph(program, 2).ops if op.region != "hetshard_attention"
+              and any(sh[-2:] == (s, s) for sh in op.out_shapes if len(sh) >= 2)]
+    assert not square
+
+
 def test_two_uneven_stages_on_two_gpu_types(case):
     # Stage 0 on the two H100s (2 data ways), stage 1 on the four V100s (4 data ways).
     name, program, want = case

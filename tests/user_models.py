@@ -407,6 +407,42 @@ MODELS = {"transformer": make_transformer, "tutorial": make_tutorial,
           "lora": make_lora}
 
 
+# ---- a packed LM: samples share rows, attention kept within each ------------------------
+# Not in MODELS (its batch is packed rows: hetshard.data.packed_arrays).
+
+class PackedLM(nnx.Module):
+    """A causal LM over packed rows as a user writes one with Flax's own pieces:
+    ``nnx.MultiHeadAttention`` under ``nnx.make_causal_mask`` combined with a segment
+    mask from ``nnx.make_attention_mask``, learned positions that restart per sample.
+    Called on tokens alone it is one sample a row."""
+
+    def __init__(self, rngs, layers=2, d=DIM, heads=HEADS, max_len=64):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.pos = nnx.Embed(max_len, d, rngs=rngs)
+        self.blocks = nnx.List([FlaxBlock(d, heads, rngs) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        mask = nnx.combine_masks(nnx.make_causal_mask(tokens),
+                                 nnx.make_attention_mask(segment_ids, segment_ids, jnp.equal))
+        x = self.embed(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def packed_loss(model, batch):
+    """Each row's weighted next-token cross-entropy, averaged over rows."""
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (ce * batch["loss_weight"]).sum(-1).mean()
+
+
 # ---- a model with dropout: an RNG stream in the model state ----------------------------
 # Not in MODELS: a dropout mask is drawn in the batch's shape from the model's RNG
 # stream, so each micro-batch of a cut batch would draw the same mask again (not its

@@ -20,6 +20,7 @@ from jax.extend import core as ext
 from hetshard.ir.attention_patterns import (
     attention_call,
     contains_attention,
+    contains_patterns,
     flax_patterns,
     inner_jaxpr,
     skipped_equations,
@@ -63,6 +64,21 @@ def _inline(eqn, inner, invals, run, autocast) -> list:
         body = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
                               policy=eqn.params.get("policy"))
     return list(body(*invals))
+
+
+def _scan(eqn, inner, invals, run, autocast) -> list:
+    """A ``scan`` whose body holds attention (stacked blocks under ``nnx.scan``): the
+    same loop, its body evaluated with the attention swapped."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, carry, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+    def body(c, x):
+        outs = evaluate_jaxpr(inner[0], inner[1], [*consts, *c, *x], run, autocast)
+        return outs[:nk], outs[nk:]
+    c, ys = jax.lax.scan(body, list(carry), list(xs), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    return [*c, *ys]
 
 
 @functools.cache
@@ -126,9 +142,23 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None,
                 env[var] = val
 
 
+def named_attention(q, k, v, seg, scale, causal):
+    """A ``run`` for ``eval_equations`` that makes each recognised Flax attention a
+    ``hetshard.nn.attention`` call and leaves everything else as traced: the cost
+    model's trace then prices a user's attention as the kernel the runtime swaps in
+    (forward and backward), as it prices the named calls."""
+    from hetshard.nn import attention
+    return attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale)
+
+
+named_attention.patterns_only = True
+
+
 def _evaluate(eqn, idx, read, run, patterns, constrain, autocast=None) -> list:
     """One equation's outputs (see ``eval_equations``)."""
-    causal = attention_call(eqn) if run is not None else None
+    only = getattr(run, "patterns_only", False)
+    holds = contains_patterns if only else contains_attention
+    causal = attention_call(eqn) if run is not None and not only else None
     if autocast is not None and run is not None:
         run = _autocast_run(run, autocast)
     invals = [] if idx in patterns else [read(v) for v in eqn.invars]
@@ -138,8 +168,9 @@ def _evaluate(eqn, idx, read, run, patterns, constrain, autocast=None) -> list:
                             [read(v) for v in replace.reads]))
     elif idx in patterns:
         pat = patterns[idx]
-        out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), None, pat["scale"],
-                  False)
+        seg = None if pat["seg"] is None else read(pat["seg"])
+        out = run(read(pat["q"]), read(pat["k"]), read(pat["v"]), seg, pat["scale"],
+                  pat["causal"])
         outs = [out.astype(eqn.outvars[0].aval.dtype)]
     elif causal is not None:
         if len(invals) == 5:
@@ -150,8 +181,11 @@ def _evaluate(eqn, idx, read, run, patterns, constrain, autocast=None) -> list:
                     else scale, causal)]
     else:
         inner = inner_jaxpr(eqn)
-        if run is not None and inner is not None and contains_attention(inner[0]):
+        if run is not None and inner is not None and holds(inner[0]) and \
+                eqn.primitive.name in _INLINE_CALLS:
             outs = _inline(eqn, inner, invals, run, autocast)
+        elif run is not None and eqn.primitive.name == "scan" and holds(inner[0]):
+            outs = _scan(eqn, inner, invals, run, autocast)
         elif autocast is not None and inner is not None and \
                 eqn.primitive.name in _INLINE_CALLS and _has_matmul(inner[0]):
             outs = _inline(eqn, inner, invals, run, autocast)

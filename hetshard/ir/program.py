@@ -35,9 +35,10 @@ from jax.extend import core as ext
 
 from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph, user_step
 from hetshard.errors import SpecError
+from hetshard.ir.attention_patterns import dead_equations
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.ir.graph import OpGraph
-from hetshard.ir.interpret import eval_equations
+from hetshard.ir.interpret import eval_equations, named_attention
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
 from hetshard.ir.samples import (
@@ -973,6 +974,10 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
     rest = [i for i in range(len(program.state_avals)) if i not in diff_set]
     n_state = len(program.state_avals)
 
+    # A user's Flax attention is traced as the named call the runtime's kernel replaces
+    # (its mask's computation dropped, as XLA drops it once nothing reads it).
+    dead = dead_equations(jaxpr)
+
     def reduced(diff_vals, rest_vals, batch_leaves):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         state = [None] * n_state
@@ -984,7 +989,8 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
         for k, seg in enumerate(segments):
             if rep[k] == k:
                 with jax.named_scope(f"{_LAYER_TAG}{k}"):
-                    eval_equations(jaxpr, env, None, seg)
+                    eval_equations(jaxpr, env, named_attention,
+                                   [i for i in seg if i not in dead])
                 continue
             for i, j in zip(seg, segments[rep[k]], strict=True):
                 for a, b in zip(jaxpr.eqns[i].outvars, jaxpr.eqns[j].outvars, strict=True):

@@ -6,14 +6,16 @@ chosen implementation:
 
 * ``hetshard.nn.attention`` calls, found by name (``hetshard_attention[_causal]`` jit
   equations with operands ``q, k, v[, segment_ids], scale``);
-* the einsum-softmax-einsum pattern of unmodified Flax attention
-  (``nnx.dot_product_attention``, used by ``nnx.MultiHeadAttention``): a
-  ``dot_general`` of q and k, a scale, a softmax and a ``dot_general`` with v, back in
-  q's layout. Masked Flax attention (a ``select_n`` on the logits), dropout on the
-  weights, or weights used elsewhere do not match and are left as they are.
+* the einsum-softmax-einsum pattern of Flax-style attention
+  (``nnx.dot_product_attention``, ``nnx.MultiHeadAttention``, hand-written einsums): a
+  ``dot_general`` of q and k, a scale, an optional ``where(mask, logits, -big)`` whose
+  mask ``hetshard.ir.masks`` reads as causal and/or a segment mask, a softmax and a
+  ``dot_general`` with v, back in q's layout. Other masks, dropout on the weights, or
+  weights used elsewhere do not match and are left as they are.
 
 Calls that contain attention (``jit``, ``remat``, custom-derivative wrappers) are
-inlined so the swap reaches inside them; everything else is re-bound unchanged. The
+inlined so the swap reaches inside them, and a ``scan`` over blocks is re-run with its
+body swapped; everything else is re-bound unchanged. The
 rewrite is applied before differentiation: ``jax.grad(swap_attention(loss))`` uses the
 kernel's own backward pass.
 """

@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
-from hetshard.ir.attention_patterns import skipped_equations
+from hetshard.ir.attention_patterns import reads_of, skipped_equations
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import LayerDiscoveryError, discover
 from hetshard.rewrite.attention import attention_runner
@@ -233,15 +233,15 @@ def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
     for r in range(len(runs) - 1, -1, -1):
         later[r] = set(seen)
         for i in runs[r]:
-            seen.update(v for v in eqns[i].invars if isinstance(v, ext.Var))
+            seen.update(reads_of(jaxpr, i))
     out = []
     for r, run in enumerate(runs):
         if not recomputed[0] <= eqn_layer[run[0]] < recomputed[1]:
             out.append((run, None, None))
             continue
         made = {v for i in run for v in eqns[i].outvars}
-        reads = list(dict.fromkeys(v for i in run for v in eqns[i].invars
-                                   if isinstance(v, ext.Var) and v not in made))
+        reads = list(dict.fromkeys(v for i in run for v in reads_of(jaxpr, i)
+                                   if v not in made))
         outs = [v for i in run if i not in skip for v in eqns[i].outvars if v in later[r]]
         out.append((run, reads, outs))
     return out
@@ -323,10 +323,8 @@ def split_stages(loss: Callable, state_leaves: Sequence, batch_leaves: Sequence,
     invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
     diff = set(diff_state)
     reads: list[set] = [set() for _ in range(n)]
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if isinstance(v, ext.Var):
-                reads[eqn_stage[i]].add(v)
+    for i in range(len(jaxpr.eqns)):
+        reads[eqn_stage[i]].update(reads_of(jaxpr, i))
     final = [v for v in jaxpr.outvars if isinstance(v, ext.Var)]
     stages = []
     for k in range(n):
