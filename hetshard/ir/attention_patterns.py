@@ -20,8 +20,6 @@ from hetshard.ir.masks import inner_jaxpr  # noqa: F401 (the module's callers re
 _NAMES = {"hetshard_attention": False, "hetshard_attention_causal": True}
 
 
-
-
 def attention_call(eqn):
     if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") in _NAMES:
         return _NAMES[eqn.params["name"]]
@@ -79,7 +77,7 @@ def _consumers(jaxpr):
     return out
 
 
-def _dot_labels(eqn, q_rank: int) -> tuple | None:
+def _dot_labels(eqn) -> tuple | None:
     """Labels of the q.k ``dot_general``'s output dimensions: "B" (batch), "Q" and "K"
     (the query's and key's positions), "H" (heads and head groups); q is ``[b, s, h,
     d]`` (or reshaped to ``[b, s, ...]`` with its heads split), k ``[b, s, h, d]``."""
@@ -110,13 +108,11 @@ def _moved(eqn, labels: tuple) -> tuple | None:
             out[int(d)] = labels[i]
         return tuple(out)
     if name in ("reshape", "squeeze", "expand_dims"):
-        src = tuple(eqn.invars[0].aval.shape)
-        ins = [i for i, n in enumerate(src) if n != 1]
-        outs = [i for i, n in enumerate(shape) if n != 1]
-        if [src[i] for i in ins] != [shape[i] for i in outs]:
+        where = masks.kept_dims(tuple(eqn.invars[0].aval.shape), shape)
+        if where is None:
             return None
         out = [None] * len(shape)
-        for i, o in zip(ins, outs, strict=True):
+        for i, o in where.items():
             out[o] = labels[i]
         return tuple(out)
     if name in ("convert_element_type", "mul", "div", "stop_gradient"):
@@ -191,7 +187,7 @@ def _softmax_patterns(jaxpr):
                 continue
         else:
             continue
-        top = _dot_labels(e, len(lhs.aval.shape))
+        top = _dot_labels(e)
         if top is None:
             continue
         labels = {e.outvars[0]: top}

@@ -93,7 +93,7 @@ def _remap(sym, where: dict[int, int]):
     return sym
 
 
-def _kept(shape_in, shape_out) -> dict[int, int] | None:
+def kept_dims(shape_in, shape_out) -> dict[int, int] | None:
     """Dimension map of a reshape that only adds or drops size-1 dimensions."""
     ins = [i for i, n in enumerate(shape_in) if n != 1]
     outs = [i for i, n in enumerate(shape_out) if n != 1]
@@ -169,7 +169,7 @@ def _equation(jaxpr, eqn, var, bindings, memo, top):
         x = arg(0)
         return None if x is None else _remap(x, {int(p): j for j, p in enumerate(perm)})
     if name in ("reshape", "squeeze", "expand_dims"):
-        where = _kept(tuple(eqn.invars[0].aval.shape), shape)
+        where = kept_dims(tuple(eqn.invars[0].aval.shape), shape)
         x = arg(0)
         return None if x is None or where is None else _remap(x, where)
     if name == "convert_element_type":
