@@ -11,20 +11,30 @@ from hetshard.data.packing import (
     packed_arrays,
     target_count,
 )
+from hetshard.data.pipelines import (
+    PipelineCost,
+    StageRate,
+    identical_pipelines,
+    pipeline_bound,
+    pipeline_costs,
+    plan_pipeline_batch,
+)
 from hetshard.data.planner import (
-                                   METHODS,
-                                   BatchPlan,
-                                   GroupCost,
-                                   GroupPlan,
-                                   MicroStep,
-                                   choose_groups,
-                                   group_costs,
-                                   identical,
-                                   lower_bound,
-                                   plan_batch,
+    METHODS,
+    BatchPlan,
+    GroupCost,
+    GroupPlan,
+    MicroStep,
+    choose_groups,
+    group_costs,
+    identical,
+    lower_bound,
+    plan_batch,
 )
 from hetshard.data.runner import micro_step_plan, run_batch_plan
 
 __all__ = ["IMAGE_TOKEN", "METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
-           "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count"]
+           "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count",
+           "PipelineCost", "StageRate", "identical_pipelines", "pipeline_bound", "pipeline_costs",
+           "plan_pipeline_batch"]

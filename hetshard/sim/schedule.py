@@ -345,3 +345,30 @@ def capped_warmup(extra, m: int) -> tuple[int, ...]:
     p = len(extra)
     out = tuple(min(e, max(0, m - (p - s))) for s, e in enumerate(extra))
     return out if any(out) else ()
+
+
+def time_varied(fwd_s, bwd_s, sends_s, schedule: str = "1f1b") -> float:
+    """Finish time of one pipeline whose micro-batches differ (a per-batch plan's
+    micro-batches of different buckets and documents): ``fwd_s[s][i]``/``bwd_s[s][i]``
+    micro-batch ``i``'s forward/backward on stage ``s`` (one stage a submesh),
+    ``sends_s[s][i]`` its transfer between stage ``s`` and ``s + 1`` (both ways), every
+    task in ``schedule_walk`` order, one at a time per stage."""
+    n, m = len(fwd_s), len(fwd_s[0]) if fwd_s else 0
+    f_end = [[0.0] * m for _ in range(n)]
+    b_end = [[0.0] * m for _ in range(n)]
+    free = [0.0] * n
+    last = n - 1
+    for s, kind, i in _walk(schedule, n, m, 1):
+        if kind == "F":
+            ready = f_end[s - 1][i] + sends_s[s - 1][i] if s else 0.0
+            start = free[s] if free[s] > ready else ready
+            f_end[s][i] = free[s] = start + fwd_s[s][i]
+        else:
+            ready = f_end[s][i]
+            if s < last:
+                after = b_end[s + 1][i] + sends_s[s][i]
+                if after > ready:
+                    ready = after
+            start = free[s] if free[s] > ready else ready
+            b_end[s][i] = free[s] = start + bwd_s[s][i]
+    return max(free, default=0.0)
