@@ -30,9 +30,10 @@ import os
 import time
 
 import numpy as np
-from data_aware import CLUSTERS, LENGTHS, TOKENS_PER_GPU, sample_batch
+from data_aware import CLUSTERS, IMAGE_TOKENS, LENGTHS, TOKENS_PER_GPU, draw
 
-from hetshard.data import METHODS, pipeline_costs, plan_pipeline_batch
+from hetshard.data import METHODS, image_slots_from, pipeline_costs, plan_pipeline_batch
+from hetshard.data.pipelines import encoder_batch
 from hetshard.plan import Pipeline, Plan, Stage
 from models import profile as profile_model
 
@@ -52,6 +53,14 @@ def _stages_of(cluster, parts):
     return out
 
 
+def _costs(profile, cluster, pipes, splits, max_context, encoders, vision, slots=None):
+    mm = {} if encoders is None else dict(
+        vision=vision, image_tokens=IMAGE_TOKENS, images_per_row=slots,
+        vision_devices=[e for _, e in _stages_of(cluster, encoders)] if encoders else None)
+    return pipeline_costs(profile, cluster, _plan(cluster, pipes, splits),
+                          max_context=max_context, **mm)
+
+
 def _plan(cluster, pipes, splits) -> Plan:
     pipelines = []
     for stages, split in zip(pipes, splits, strict=True):
@@ -65,29 +74,46 @@ def _plan(cluster, pipes, splits) -> Plan:
                 tuple(pipelines), fsdp=True, gpu_dtypes=DTYPES)
 
 
-def balanced_split(profile, cluster, stages, max_context: int, square_per_token: float):
-    """Layers per stage where a micro-batch of the data's document mix (its squared
-    lengths per token) takes the least time on the slowest stage."""
+def balanced_split(profile, cluster, stages, max_context: int, square_per_token: float,
+                   images_per_token: float = 0.0, encoders=None, vision=None):
+    """Layers per stage where a micro-batch of the data's mix (its squared document
+    lengths and images per token) takes the least time on the slowest stage."""
     layers = profile.num_layers
     best = None
     for k in range(1, layers):
         split = (k, layers - k)
-        pc = pipeline_costs(profile, cluster, _plan(cluster, [stages], [split]),
-                            max_context=max_context)[0]
+        pc = _costs(profile, cluster, [stages], [split], max_context, encoders, vision)[0]
         worst = max((s.token_fwd_s + s.token_bwd_s + (s.attention_fwd_s + s.attention_bwd_s)
-                     * square_per_token) / s.ways for s in pc.stages)
+                     * square_per_token + (s.image_fwd_s + s.image_bwd_s) * images_per_token)
+                    / s.ways for s in pc.stages if s.layers)
         if best is None or worst < best[0]:
             best = (worst, split)
     return best[1]
 
 
-CONFIGS = {  # name -> cluster, pipelines (stages as (group, first node, nodes))
-    "a100-x64 2-stage": ("a100-x64", [[("a100", 0, 4), ("a100", 4, 4)]]),
-    "h100-a100-x32 2-stage": ("h100-a100-x32", [[("h100", 0, 2), ("a100", 0, 2)]]),
-    "h100-a100-x64 2-stage": ("h100-a100-x64", [[("h100", 0, 4), ("a100", 0, 4)]]),
-    "a100-v100-x64 2-stage": ("a100-v100-x64", [[("a100", 0, 4), ("v100", 0, 4)]]),
+# name -> cluster, pipelines (stages as (group, first node, nodes)), max contexts,
+# and for the MLLM mixture the vision encoder's place: [] with each pipeline's first
+# stage, else a vision stage of its own per pipeline (group, first node, nodes).
+CONFIGS = {
+    "a100-x64 2-stage": ("a100-x64", [[("a100", 0, 4), ("a100", 4, 4)]], (32768, 131072),
+                         None),
+    "h100-a100-x32 2-stage": ("h100-a100-x32", [[("h100", 0, 2), ("a100", 0, 2)]],
+                              (32768, 131072), None),
+    "h100-a100-x64 2-stage": ("h100-a100-x64", [[("h100", 0, 4), ("a100", 0, 4)]],
+                              (32768, 131072), None),
+    "a100-v100-x64 2-stage": ("a100-v100-x64", [[("a100", 0, 4), ("v100", 0, 4)]],
+                              (32768, 131072), None),
     "h100-a100-x64 2 pipelines": ("h100-a100-x64", [[("h100", 0, 2), ("h100", 2, 2)],
-                                                    [("a100", 0, 2), ("a100", 2, 2)]]),
+                                                    [("a100", 0, 2), ("a100", 2, 2)]],
+                                  (32768, 131072), None),
+    "MLLM a100-v100-x64 2-stage, encoder in stage 0": (
+        "a100-v100-x64", [[("a100", 0, 4), ("v100", 0, 4)]], (32768,), []),
+    "MLLM a100-v100-x64 V100 vision stage + 2-stage": (
+        "a100-v100-x64", [[("a100", 0, 4), ("v100", 2, 2)]], (32768,), [("v100", 0, 2)]),
+    "MLLM h100-a100-x64 2-stage, encoder in stage 0": (
+        "h100-a100-x64", [[("h100", 0, 4), ("a100", 0, 4)]], (32768,), []),
+    "MLLM h100-a100-x64 A100 vision stage + 2-stage": (
+        "h100-a100-x64", [[("h100", 0, 4), ("a100", 2, 2)]], (32768,), [("a100", 0, 2)]),
 }
 
 
@@ -99,46 +125,67 @@ def main() -> int:
     with gzip.open(LENGTHS) as f:
         lengths = np.loadtxt(f, dtype=np.int64)
     profile = profile_model("llama-7b", seq_len=SEQ)
+    vision = profile_model("vit-l14")
     replicas = {}
     try:
         with open(os.path.join(HERE, "results", "data_aware.json")) as f:
             for r in json.load(f)["rows"]:
-                if r["model"] == "llama-7b":
-                    replicas[(r["cluster"], r["max_context"])] = \
-                        r["methods"]["hetshard"]["tokens_per_s"]
+                replicas[(r["cluster"], r["model"], r["max_context"])] = \
+                    r["methods"]["hetshard"]["tokens_per_s"]
     except FileNotFoundError:
         pass
     rows = []
-    for name, (cname, parts) in CONFIGS.items():
+    for name, (cname, parts, contexts, encoders) in CONFIGS.items():
         cluster = CLUSTERS[cname]()
-        for max_context in (32768, 131072):
-            calib = sample_batch(lengths, np.random.default_rng(1000), TOKENS_PER_GPU *
-                                 cluster.num_devices, max_context).astype(np.float64)
-            sq = float((calib ** 2).sum() / calib.sum())
+        mllm = encoders is not None
+        for max_context in contexts:
+            # Calibration batches (their own seed) size the layer split and the image
+            # slots; the measured batches are drawn apart.
+            calib = [draw(lengths, np.random.default_rng(1000 + k), cluster, max_context,
+                          mllm) for k in range(4)]
+            text = np.concatenate([b for b, _ in calib]).astype(np.float64)
+            pics = np.concatenate([i for _, i in calib]) if mllm else np.zeros(1)
+            total = text.sum() + IMAGE_TOKENS * pics.sum()
+            sq = float(((text + IMAGE_TOKENS * pics) ** 2).sum() / total)
             pipes = [_stages_of(cluster, p) for p in parts]
-            splits = [balanced_split(profile, cluster, s, max_context, sq) for s in pipes]
-            costs = pipeline_costs(profile, cluster, _plan(cluster, pipes, splits),
-                                   max_context=max_context)
+            splits = [balanced_split(profile, cluster, s, max_context, sq,
+                                     float(pics.sum() / total), encoders, vision)
+                      for s in pipes]
+            costs = _costs(profile, cluster, pipes, splits, max_context, encoders, vision)
+            slots = None
+            if mllm:
+                slots = image_slots_from([b for b, _ in calib], [i for _, i in calib], costs,
+                                         cluster)
+                costs = _costs(profile, cluster, pipes, splits, max_context, encoders,
+                               vision, slots)
             rng = np.random.default_rng(0)
-            per = {m: {"times": [], "tokens": 0, "planning": [], "gaps": [], "shapes": set()}
-                   for m in METHODS}
+            per = {m: {"times": [], "tokens": 0, "planning": [], "gaps": [], "shapes": set(),
+                       "encoder": set()} for m in METHODS}
             for _ in range(args.batches):
-                batch = sample_batch(lengths, rng, TOKENS_PER_GPU * cluster.num_devices,
-                                     max_context)
+                batch, images = draw(lengths, rng, cluster, max_context, mllm)
                 for m in METHODS:
-                    r = plan_pipeline_batch(batch, costs, cluster=cluster, method=m,
-                                            bound=m == "hetshard")
+                    r = plan_pipeline_batch(batch, costs, images=images, cluster=cluster,
+                                            method=m, bound=m == "hetshard")
                     p = per[m]
                     p["times"].append(r.step_time_s)
                     p["tokens"] += r.tokens
                     p["planning"].append(r.planning_s)
                     p["gaps"].append(r.gap)
                     p["shapes"] |= set(r.shapes)
-            row = {"config": name, "cluster": cname, "model": "llama-7b",
+                    for pc, g in zip(costs, r.groups, strict=True):
+                        if pc.encoder_stage is not None:  # the vision stage's passes
+                            one = pc.stages[pc.encoder_stage].ways * pc.encoder_chunk
+                            p["encoder"] |= {encoder_batch(int(images[[
+                                i for row in s.rows for i in row.samples]].sum()), one,
+                                1) // one for s in g.steps}
+            model = "llava-7b-like" if mllm else "llama-7b"
+            row = {"config": name, "cluster": cname, "model": model,
                    "max_context": max_context, "gpus": cluster.num_devices,
                    "pipelines": [[{"gpu": s.gpu, "devices": len(s.devices),
-                                   "layers": [s.start, s.end]} for s in pc.stages]
+                                   "layers": [s.start, s.end],
+                                   "encoder": s.image_fwd_s > 0} for s in pc.stages]
                                  for pc in costs],
+                   "images_per_row": slots,
                    "micro_batch_tokens": costs[0].tokens, "buckets": list(costs[0].buckets),
                    "methods": {}}
             for m, p in per.items():
@@ -148,19 +195,25 @@ def main() -> int:
                     "planning_ms_median": 1e3 * float(np.median(p["planning"])),
                     "planning_ms_max": 1e3 * max(p["planning"]),
                     "compiled_shapes": len(p["shapes"]),
+                    # a vision stage's encoder passes a micro-batch (one shape each)
+                    "encoder_passes": [min(p["encoder"]), max(p["encoder"])]
+                    if p["encoder"] else None,
                     "gap_median": float(np.median(p["gaps"])) if m == "hetshard" else None}
             h = row["methods"]["hetshard"]["tokens_per_s"]
             row["speedup"] = {m: h / row["methods"][m]["tokens_per_s"] for m in METHODS
                               if m != "hetshard"}
-            row["replicas_hetshard_tokens_per_s"] = replicas.get((cname, max_context))
+            row["replicas_hetshard_tokens_per_s"] = replicas.get((cname, model, max_context))
             rows.append(row)
             hm = row["methods"]["hetshard"]
             rep = row["replicas_hetshard_tokens_per_s"]
-            print(f"{name:27s} {max_context // 1024:4d}K  hetshard {h:10,.0f} tok/s  "
+            print(f"{name:47s} {max_context // 1024:4d}K  hetshard {h:10,.0f} tok/s  "
                   f"x{row['speedup']['fixed-cp']:.2f} fixed-cp  "
                   f"x{row['speedup']['identical']:.3f} identical  "
                   f"x{row['speedup']['pad']:.1f} pad  plan {hm['planning_ms_median']:.1f}/"
-                  f"{hm['planning_ms_max']:.1f} ms  shapes {hm['compiled_shapes']}  gap "
+                  f"{hm['planning_ms_max']:.1f} ms  shapes {hm['compiled_shapes']}"
+                  + (f" (+1 encoder, {hm['encoder_passes'][0]}-{hm['encoder_passes'][1]}"
+                     " passes)" if hm["encoder_passes"] else "")
+                  + "  gap "
                   f"{hm['gap_median']:.1%}  split {splits}"
                   + (f"  (replicas {rep:,.0f} tok/s)" if rep else ""), flush=True)
     out = {"batches": args.batches, "tokens_per_gpu": TOKENS_PER_GPU, "rows": rows,
@@ -177,13 +230,14 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cols = 5
-    fig, axes = plt.subplots(-(-len(rows) // cols), cols, figsize=(3.6 * cols, 6),
+    fig, axes = plt.subplots(-(-len(rows) // cols), cols,
+                             figsize=(3.6 * cols, 3 * -(-len(rows) // cols)),
                              squeeze=False)
     for ax, row in zip(axes.flat, rows, strict=False):
         for m, p in row["methods"].items():
             ax.plot(p["step_times_s"], marker="o", ms=3, label=m)
         ax.set_yscale("log")
-        ax.set_title(f"{row['config']} {row['max_context'] // 1024}K", fontsize=7)
+        ax.set_title(f"{row['config']} {row['max_context'] // 1024}K", fontsize=6)
         ax.set_xlabel("batch", fontsize=7)
         ax.set_ylabel("step time (s)", fontsize=7)
         ax.tick_params(labelsize=6)

@@ -212,6 +212,36 @@ def data_aware(lines, data):
     lines.append("")
 
 
+def data_aware_pipeline(lines, data):
+    lines += ["## Data-aware planning on pipelines", "",
+              "`python experiments/data_aware_pipeline.py`: per-batch plans of the same "
+              f"batches ({data['batches']} of {data['tokens_per_gpu'] // 1024}K tokens per "
+              "GPU) on pipeline outer plans (one GPU type a stage, layers split for the "
+              "data's mix; `enc`: the stage that runs the vision encoder), priced by the "
+              "simulator's stage costs; planning time measured here (median / max). `replicas`: hetshard's per-batch plan on data-parallel "
+              "replicas of the same cluster (data_aware.json).", ""]
+    names = ["hetshard", "fixed-cp", "identical", "pad"]
+    rows = []
+    for r in data["rows"]:
+        m = r["methods"]
+        h = m["hetshard"]
+        stages = "; ".join(" > ".join(
+            f"{'enc ' if s['encoder'] else ''}{s['gpu'].split('-')[0]}x{s['devices']}"
+            + (f" L{s['layers'][1] - s['layers'][0]}" if s['layers'][1] > s['layers'][0]
+               else "") for s in p) for p in r["pipelines"])
+        rep = r.get("replicas_hetshard_tokens_per_s")
+        rows.append([r["config"], f"{r['max_context'] // 1024}K", stages,
+                     *[f"{m[n]['tokens_per_s']:,.0f}" for n in names],
+                     f"{r['speedup']['fixed-cp']:.2f}x", f"{r['speedup']['identical']:.2f}x",
+                     f"{h['planning_ms_median']:.1f} / {h['planning_ms_max']:.1f}",
+                     h["compiled_shapes"], f"{h['gap_median']:.1%}",
+                     f"{rep:,.0f}" if rep else "-"])
+    lines += _table(["config", "max context", "stages", *names, "vs fixed-cp",
+                     "vs identical", "planning ms", "shapes", "gap to bound", "replicas"],
+                    rows)
+    lines.append("")
+
+
 def elastic(lines, d):
     s = d.get("straggler") or {}
     lines += ["## Elastic training", "",
@@ -237,6 +267,7 @@ def elastic(lines, d):
 SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
             ("long_context.json", long_context), ("data_aware.json", data_aware),
+            ("data_aware_pipeline.json", data_aware_pipeline),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("multihost_bench.json", multihost))
 

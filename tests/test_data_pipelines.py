@@ -5,6 +5,7 @@ simulator, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -15,12 +16,22 @@ from hetshard.data import (
     METHODS,
     PipelineCost,
     StageRate,
+    image_slots_from,
     pipeline_bound,
     pipeline_costs,
     plan_pipeline_batch,
 )
-from hetshard.data.packing import Packing, Row, best_fit
-from hetshard.data.pipelines import _compose, _Stages
+from hetshard.data.packing import Packing, Row, best_fit, best_fit_images
+from hetshard.data.pipelines import (
+    _compose,
+    _deal,
+    _draft,
+    _pictures,
+    _reprice,
+    _squares,
+    _Stages,
+    encoder_batch,
+)
 from hetshard.errors import SpecError
 from hetshard.sim.schedule import time_pipeline, time_varied
 
@@ -183,13 +194,13 @@ def test_composing_and_ordering_micro_batches_never_slows_the_pipeline_and_can_h
 def test_a_long_row_spans_ways_and_short_rows_take_a_way_each():
     pc = _pipe(stages=(_stage(0, ways=4),), tokens=16, buckets=(4, 16))
     st = _Stages(pc, None, DEFAULT)
-    one = st.times(16, np.array([256.0]))  # one 16-token row over the 4 ways
-    four = st.times(4, np.array([16.0, 16.0, 16.0, 16.0]))  # four rows, a way each
+    one = st.times(16, np.array([256.0]))[:, :2]  # one 16-token row over the 4 ways
+    four = st.times(4, np.array([16.0, 16.0, 16.0, 16.0]))[:, :2]  # four rows, a way each
     lin, att = np.array([1.0, 2.0]), np.array([0.02, 0.04])
     assert one[0] == pytest.approx(lin * 16 / 4 + att * 256 / 4)
     assert four[0] == pytest.approx(lin * 4 + att * 16)
     # a way's rows are padded to the micro-batch's: two rows on four ways cost as four
-    assert st.times(4, np.array([16.0, 16.0]))[0] == pytest.approx(four[0])
+    assert st.times(4, np.array([16.0, 16.0]))[0, :2] == pytest.approx(four[0])
 
 
 @pytest.mark.parametrize("lengths,field", [
@@ -287,3 +298,209 @@ def test_rows_name_samples_the_runtime_packs():
     rows = [r for g in plan.groups for s in g.steps for r in s.rows]
     assert all(isinstance(r, Row) for r in rows)
     assert Packing.of(rows).counts.sum() == 4
+
+
+# ---- multimodal batches -------------------------------------------------------------------
+
+def _seeing(name="p", encoder=(0.5, 1.0), vision_stage=True, image_tokens=2):
+    """A pipeline whose rows take ``image_tokens`` positions an image, the encoder on a
+    stage of its own (or with the first language-model stage)."""
+    text = [_stage(0), _stage(1, lin=(0.5, 1.0), att=(0.08, 0.16))]
+    if vision_stage:
+        vis = StageRate(gpu="enc", devices=(10, 11), start=0, end=0, ways=2,
+                        token_fwd_s=0.0, token_bwd_s=0.0, attention_fwd_s=0.0,
+                        attention_bwd_s=0.0, kv_bytes_per_token=0.0,
+                        send_bytes_per_token=0.0, step_s=0.0, image_fwd_s=encoder[0],
+                        image_bwd_s=encoder[1])
+        stages = (vis, *text)
+    else:
+        text[0] = dataclasses.replace(text[0], image_fwd_s=encoder[0], image_bwd_s=encoder[1])
+        stages = tuple(text)
+    return PipelineCost(name, stages, 16, (4, 8, 16), image_tokens, ())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_multimodal_rows_keep_every_sample_once_within_their_image_slots(method):
+    pipes = (_seeing("a"), _seeing("b", encoder=(1.5, 3.0)))
+    rng = np.random.default_rng(5)
+    for _ in range(8):
+        n = int(rng.integers(1, 40))
+        images = rng.integers(0, 3, n)
+        lengths = np.maximum(1, rng.integers(1, 11, n) - 2 * images)
+        plan = plan_pipeline_batch(lengths, pipes, images=images, method=method)
+        placed = sorted(i for g in plan.groups for s in g.steps for r in s.rows
+                        for i in r.samples)
+        assert placed == list(range(n))
+        for g, pc in zip(plan.groups, pipes, strict=True):
+            assert g.images == int(images[list(g.samples)].sum())
+            for s in g.steps:
+                for r in s.rows:
+                    assert r.used <= r.bucket  # image tokens included
+                    assert int(images[list(r.samples)].sum()) <= pc.images_of(r.bucket)
+        assert plan.step_time_s >= pipeline_bound(lengths, pipes, images) - 1e-9
+
+
+def test_the_faster_vision_stage_takes_more_of_the_images():
+    """Two pipelines alike but for their vision stages (one four times faster, the slow
+    one their bottleneck): the planner decides how many images each takes, the fast one
+    more."""
+    pipes = (_seeing("fast", encoder=(1.5, 3.0)), _seeing("slow", encoder=(6.0, 12.0)))
+    rng = np.random.default_rng(6)
+    images = rng.integers(0, 4, 120)
+    lengths = np.maximum(1, rng.integers(1, 9, 120))
+    het = plan_pipeline_batch(lengths, pipes, images=images)
+    same = plan_pipeline_batch(lengths, pipes, images=images, method="identical")
+    got = {g.group: g.images for g in het.groups}
+    assert got["fast"] > 1.5 * got["slow"]
+    assert het.step_time_s < same.step_time_s
+
+
+def test_a_vision_stage_encodes_its_micro_batchs_images_and_an_inner_encoder_every_slot():
+    pc = _seeing()
+    st = _Stages(pc, None, DEFAULT)
+    rate = np.array([0.5, 1.0])
+    sq = np.array([4.0, 9.0])  # two 8-token rows (4 image slots each), 2 ways
+    # passes of 4 images a way: 5 images over 2 ways take one pass, 9 two
+    assert st.times(8, sq, np.array([3.0, 2.0]))[0, :2] == pytest.approx(rate * 4)
+    assert st.times(8, sq, np.array([5.0, 4.0]))[0, :2] == pytest.approx(rate * 8)
+    assert st.times(8, sq, np.array([1.0, 0.0]))[0, :2] == pytest.approx(rate * 4)
+    assert st.times(8, sq, np.array([0.0, 0.0]))[0, :2] == pytest.approx([0.0, 0.0])
+    one = _Stages(dataclasses.replace(pc, encoder_chunk=1), None, DEFAULT)
+    assert one.times(8, sq, np.array([3.0, 2.0]))[0, :2] == pytest.approx(rate * 3)
+    # the language model's stages do not see the images
+    text = _Stages(_pipe(tokens=16, buckets=(4, 8, 16)), None, DEFAULT).times(8, sq)
+    assert st.times(8, sq, np.array([3.0, 2.0]))[1:, :2] == pytest.approx(text[:, :2])
+    # an encoder inside the first stage encodes a row's every slot (the row's shape)
+    inside = _Stages(_seeing(vision_stage=False), None, DEFAULT).times(8, sq,
+                                                                        np.array([1.0, 0.0]))
+    assert inside[0, :2] == pytest.approx(text[0, :2] + rate * 4)
+
+
+def test_a_vision_stage_encodes_in_passes_of_one_shape():
+    assert [encoder_batch(n, 4) for n in (0, 1, 16, 17, 33)] == [0, 16, 16, 32, 48]
+    assert [encoder_batch(n, 2, chunk=1) for n in (0, 1, 2, 3)] == [0, 2, 2, 4]
+
+
+def test_micro_batches_share_the_images_out_where_the_vision_stage_paces_the_pipeline():
+    """Rows dealt by attention and images spread the images over a bucket's full
+    micro-batches more evenly than rows dealt by attention alone; and the planner (which
+    tries both) is faster over the batches than the same planner believing the vision
+    stage free, priced the same."""
+    pc = dataclasses.replace(_seeing(encoder=(3.0, 6.0)), tokens=32, buckets=(4, 8, 16))
+    blind = dataclasses.replace(pc, stages=(dataclasses.replace(
+        pc.stages[0], image_fwd_s=1e-9, image_bwd_s=2e-9),) + pc.stages[1:])
+    st = _Stages(pc, None, DEFAULT)
+
+    def spread(batches, pics):
+        out = [0]
+        for b in (4, 8):
+            per = [pics[idx].sum() for bb, idx in batches if bb == b and idx.size == 32 // b]
+            out.append(max(per) - min(per) if per else 0)
+        return max(out)
+
+    rng = np.random.default_rng(7)
+    mine = theirs = 0.0
+    for _ in range(6):
+        images = rng.integers(0, 3, 120)
+        lengths = np.maximum(1, rng.integers(1, 7, 120) - 2 * images)
+        packed = best_fit_images(lengths + 2 * images, images, pc.buckets, (2, 4, 8))
+        sq, pics = _squares(packed), _pictures(packed, images)
+        assert spread(_deal(pc, packed, sq, pics), pics) < \
+            spread(_deal(pc, packed, sq, np.zeros_like(pics)), pics)
+        plan = plan_pipeline_batch(lengths, [pc], images=images)
+        other = _reprice(st, _draft(_Stages(blind, None, DEFAULT), np.arange(120),
+                                    lengths + 2 * images, images), images)
+        mine, theirs = mine + plan.step_time_s, theirs + other.time_s
+    assert mine < theirs
+
+
+def test_images_on_text_pipelines_and_too_many_images_are_refused():
+    with pytest.raises(SpecError) as e:
+        plan_pipeline_batch([3, 4], [_pipe()], images=[0, 1])
+    assert e.value.field == "images"
+    with pytest.raises(SpecError) as e:  # 9 images: more than a 16-token row's 8 slots
+        plan_pipeline_batch([1, 1], [_seeing()], images=[1, 9])
+    assert e.value.field in ("images[1]", "lengths[1]")
+    with pytest.raises(SpecError) as e:  # 5 images of 2 tokens and 7 tokens: 17 > 16
+        plan_pipeline_batch([7, 1], [_seeing()], images=[5, 0])
+    assert e.value.field == "lengths[0]"
+    with pytest.raises(SpecError) as e:
+        plan_pipeline_batch([3, 4], [_seeing()], images=[0, -1])
+    assert e.value.field == "images[1]"
+
+
+@pytest.fixture(scope="module")
+def with_encoders(mixed):
+    from hetshard.cluster import Cluster
+    from models import profile as profile_model
+    profile, _ = mixed
+    cluster = Cluster.from_dict({"name": "a100-v100-enc", "inter_group_gbs": 100.0,
+                                 "groups": [{"name": "a100", "nodes": 1, **_DGX["A100-80GB"]},
+                                            {"name": "v100", "nodes": 1, **_DGX["V100-32GB"]},
+                                            {"name": "enc", "nodes": 1,
+                                             **_DGX["A100-80GB"]}]})
+    return profile, profile_model("vit-l14"), cluster
+
+
+def test_a_vision_stage_of_its_own_is_priced_in_front_of_the_language_model(with_encoders):
+    profile, vit, cluster = with_encoders
+    enc = tuple(cluster.group_device_ids("enc"))
+    own = pipeline_costs(profile, cluster, _outer(cluster, 24), max_context=32768,
+                         vision=vit, image_tokens=256, vision_devices=[enc])[0]
+    inside = pipeline_costs(profile, cluster, _outer(cluster, 24), max_context=32768,
+                            vision=vit, image_tokens=256)[0]
+    assert len(own.stages) == 3 and own.stages[0].layers == 0 and own.stages[0].ways == 8
+    assert own.stages[0].image_fwd_s > 0 and own.stages[0].send_bytes_per_image > 0
+    assert own.stages[1].image_fwd_s == 0
+    assert len(inside.stages) == 2 and inside.stages[0].image_fwd_s > 0
+    assert own.images_of(32768) == 128 and own.images_of(4096) == 16
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 9, 200)
+    lengths = np.maximum(1, np.minimum(rng.lognormal(6.0, 1.4, 200).astype(int),
+                                       32768 - 256 * images))
+    for pc in (own, inside):
+        plan = plan_pipeline_batch(lengths, [pc], images=images, cluster=cluster)
+        assert plan.groups[0].images == int(images.sum())
+        assert plan.step_time_s >= plan.bound_s
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"image_tokens": 256}, "image_tokens"),
+    ({"vision_devices": [(16, 17)]}, "vision_devices"),
+    ({"vision": True, "image_tokens": 0}, "image_tokens"),
+    ({"vision": True, "image_tokens": 256, "vision_devices": [(0, 1)]}, "vision_devices"),
+    ({"vision": True, "image_tokens": 256, "vision_devices": [(16,), (17,)]},
+     "vision_devices"),
+    ({"vision": True, "image_tokens": 256, "vision_devices": [(15, 16)]}, "vision_devices"),
+    ({"vision": True, "image_tokens": 256, "images_per_row": {4096: 99}},
+     "images_per_row[4096]"),
+    ({"vision": True, "image_tokens": 256, "encoder_chunk": 0}, "encoder_chunk")])
+def test_bad_vision_settings_are_refused(with_encoders, kwargs, field):
+    profile, vit, cluster = with_encoders
+    if kwargs.get("vision") is True:
+        kwargs = {**kwargs, "vision": vit}
+    with pytest.raises(SpecError) as e:
+        pipeline_costs(profile, cluster, _outer(cluster, 24), max_context=32768, **kwargs)
+    assert e.value.field == field
+
+
+def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_padding():
+    pc = dataclasses.replace(_seeing(vision_stage=False, encoder=(2.0, 4.0)), tokens=32,
+                             buckets=(4, 8, 16, 32))
+    rng = np.random.default_rng(8)
+
+    def draw():
+        images = rng.integers(0, 3, 80)
+        return np.maximum(1, rng.integers(1, 9, 80) - 2 * images), images
+
+    calib = [draw() for _ in range(3)]
+    slots = image_slots_from([b for b, _ in calib], [i for _, i in calib], [pc])
+    assert set(slots) == set(pc.buckets)
+    for b, n in slots.items():
+        assert n <= b // 2 and (n & (n - 1)) == 0 and n >= min(2, b // 2)
+    assert sum(slots.values()) < sum(b // 2 for b in pc.buckets)
+    sized = dataclasses.replace(pc, image_slots=tuple(slots[b] for b in pc.buckets))
+    fresh = [draw() for _ in range(4)]
+    t_sized = sum(plan_pipeline_batch(b, [sized], images=i).step_time_s for b, i in fresh)
+    t_full = sum(plan_pipeline_batch(b, [pc], images=i).step_time_s for b, i in fresh)
+    assert t_sized < t_full

@@ -15,6 +15,7 @@ from hetshard.data.pipelines import (
     PipelineCost,
     StageRate,
     identical_pipelines,
+    image_slots_from,
     pipeline_bound,
     pipeline_costs,
     plan_pipeline_batch,
@@ -36,5 +37,6 @@ from hetshard.data.runner import micro_step_plan, run_batch_plan
 __all__ = ["IMAGE_TOKEN", "METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
            "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count",
-           "PipelineCost", "StageRate", "identical_pipelines", "pipeline_bound", "pipeline_costs",
+           "PipelineCost", "StageRate", "identical_pipelines", "image_slots_from", "pipeline_bound",
+           "pipeline_costs",
            "plan_pipeline_batch"]

@@ -45,7 +45,7 @@ import gc
 import heapq
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -53,11 +53,15 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
+from hetshard.cost.stage import stage_cost
 from hetshard.data.packing import (
     Packing,
     Row,
     best_fit,
+    best_fit_images,
     check_buckets,
+    check_fits,
+    check_images,
     check_lengths,
     geometric_buckets,
     sequential,
@@ -69,6 +73,7 @@ from hetshard.data.planner import (
     GroupPlan,
     MicroStep,
     _fill_steps,
+    _image_slots,
     _lpt,
 )
 from hetshard.errors import SpecError
@@ -87,7 +92,8 @@ class StageRate:
     ``attention_*_s`` per squared token of causal attention, forward and backward;
     ``kv_bytes_per_token`` per layer (what a context ring passes), ``send_bytes_per_token``
     the activations it sends the next stage (0: the last), ``step_s`` its update and
-    gradient sync per step."""
+    gradient sync per step. A vision stage (``start == end``: no language-model layers)
+    prices only its ``image_*_s``."""
 
     gpu: str
     devices: tuple[int, ...]
@@ -101,6 +107,12 @@ class StageRate:
     kv_bytes_per_token: float
     send_bytes_per_token: float
     step_s: float
+    # A vision encoder's forward and backward per image slot, one way (on a vision
+    # stage, which holds no language-model layers, or with the first stage's layers);
+    # what a vision stage sends the next per image.
+    image_fwd_s: float = 0.0
+    image_bwd_s: float = 0.0
+    send_bytes_per_image: float = 0.0
 
     @property
     def layers(self) -> int:
@@ -110,12 +122,34 @@ class StageRate:
 @dataclasses.dataclass(frozen=True)
 class PipelineCost:
     """One pipeline of the outer plan: its stages in order, ``tokens`` token slots a
-    micro-batch (rows of one of ``buckets``)."""
+    micro-batch (rows of one of ``buckets``); multimodal rows take ``image_tokens`` a
+    image and hold ``images_of(bucket)`` image slots."""
 
     name: str
     stages: tuple[StageRate, ...]
     tokens: int
     buckets: tuple[int, ...]
+    image_tokens: int = 0
+    image_slots: tuple[int, ...] = ()
+    encoder_chunk: int = 4  # a vision stage's images a way per encoder pass
+
+    def images_of(self, bucket: int) -> int:
+        """Image slots a row of ``bucket`` holds (0 without a vision encoder); every slot
+        is encoded, padding too (a row's image dimension is part of its shape)."""
+        if not self.image_tokens:
+            return 0
+        if self.image_slots:
+            return self.image_slots[self.buckets.index(bucket)]
+        return bucket // self.image_tokens
+
+    @property
+    def vision(self) -> bool:
+        return any(s.image_fwd_s > 0 for s in self.stages)
+
+    @property
+    def encoder_stage(self) -> int | None:
+        """The vision stage of its own (no language-model layers), if any."""
+        return next((i for i, s in enumerate(self.stages) if not s.layers), None)
 
     def rows(self, bucket: int) -> int:
         """Rows of ``bucket`` a micro-batch holds."""
@@ -133,7 +167,10 @@ class PipelineCost:
 def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_context: int,
                    cal: Calibration = DEFAULT, tokens: int | None = None,
                    buckets: Sequence[int] | None = None, max_buckets: int = 4,
-                   memory_margin: float = 0.9) -> tuple[PipelineCost, ...]:
+                   memory_margin: float = 0.9, vision: ModelProfile | None = None,
+                   image_tokens: int = 0, images_per_row: Mapping[int, int] | None = None,
+                   vision_devices: Sequence[Sequence[int]] | None = None,
+                   encoder_chunk: int = 4) -> tuple[PipelineCost, ...]:
     """One :class:`PipelineCost` per pipeline of ``plan`` (an outer plan over ``profile``'s
     layers on ``cluster``), each stage priced by the simulator's own stage cost
     (``hetshard.sim.simulator.layers_cost``: its mesh, remat, dtype) at the profile's
@@ -143,11 +180,23 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
     ``buckets``: row lengths (powers of two, the largest ``max_context``; default
     ``geometric_buckets`` from the profile's length, at most ``max_buckets``).
 
+    Multimodal pipelines: ``vision`` a vision encoder's profile (one image a sample),
+    ``image_tokens`` the positions an image takes in a row, ``images_per_row`` bucket ->
+    image slots a row holds (default as many as its tokens hold). The encoder runs with
+    each pipeline's first stage, or, with ``vision_devices`` (one device list a
+    pipeline, of one GPU type, outside the plan's), on a vision stage of its own in
+    front of the language model (DistTrain's disaggregation): it encodes a
+    micro-batch's images in passes of ``encoder_chunk`` images a way (one compiled
+    shape), and sends each image's encoding to the first stage.
+
     Raises:
       SpecError: ``max_context`` not a power of two at least the profile's length,
         ``tokens`` not a power of two at least ``max_context``, ``buckets`` outside the
         above, a stage whose devices do not hold the micro-batches its one-forward-
-        one-backward schedule keeps in flight (within ``memory_margin``).
+        one-backward schedule keeps in flight (within ``memory_margin``); ``vision``
+        without ``image_tokens``, ``images_per_row`` or ``vision_devices`` without
+        ``vision``, ``vision_devices`` not one list of free devices of one GPU type a
+        pipeline, ``encoder_chunk`` not a whole number at least 1.
     """
     seq = profile.seq_len
     if max_context < seq or max_context & (max_context - 1):
@@ -171,9 +220,28 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
             raise SpecError("buckets", list(buckets),
                             f"powers of two, the largest max_context={max_context}")
         buckets = b
+    if vision is None and (image_tokens or images_per_row is not None
+                           or vision_devices is not None):
+        field = "vision_devices" if vision_devices is not None else (
+            "images_per_row" if images_per_row is not None else "image_tokens")
+        raise SpecError(field, locals()[field], "None without a vision encoder (vision=)")
+    if vision is not None and (isinstance(image_tokens, bool) or not isinstance(
+            image_tokens, (int, np.integer)) or not 0 < image_tokens <= buckets[0]):
+        raise SpecError("image_tokens", image_tokens,
+                        f"the positions an image takes in a row, 1 to {buckets[0]}")
+    if isinstance(encoder_chunk, bool) or not isinstance(encoder_chunk, (int, np.integer)) \
+            or encoder_chunk < 1:
+        raise SpecError("encoder_chunk", encoder_chunk, "a whole number of images, at least 1")
+    slots = _image_slots(tuple(buckets), int(image_tokens), images_per_row)
+    encoders = _vision_devices(vision_devices, plan, cluster)
     out = []
     for pi, pipe in enumerate(plan.pipelines):
         stages = []
+        if encoders:
+            stages.append(_vision_stage(vision, encoders[pi], plan, cluster, cal,
+                                        len(pipe.stages) + 1, encoder_chunk,
+                                        image_tokens, memory_margin,
+                                        profile.layers[0].boundary_bytes_per_sample / seq))
         n = len(pipe.stages)
         for j, st in enumerate(pipe.stages):
             fsdp = plan.fsdp or st.axis("fsdp") > 1
@@ -181,6 +249,13 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
                             cal, plan.distributed_optimizer, plan.tp_overlap,
                             priced_dtype(plan, profile, st), ())
             ways = data_ways(st)
+            image = (0.0, 0.0)
+            if vision is not None and not encoders and j == 0:
+                v = stage_cost(vision, 0, vision.num_layers, cluster.gpu_of(st.devices[0]),
+                               mbs=1, dp=ways, fsdp=ways > 1, remat=st.remat, cal=cal,
+                               dtype=priced_dtype(plan, profile, st),
+                               dp_topo=topology(cluster, st.devices[::len(st.devices) // ways]))
+                image = (v.fwd_s, v.bwd_s)
             # In flight on stage j under 1F1B: n - j micro-batches, each tokens / ways
             # slots a way (the cost is priced at one sequence a way).
             per = c.memory_per_microbatch_bytes * max(1.0, tokens / ways / seq)
@@ -207,25 +282,91 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
                 attention_fwd_s=c.attention_fwd_s / seq ** 2,
                 attention_bwd_s=c.attention_bwd_s / seq ** 2,
                 kv_bytes_per_token=2.0 * layer.boundary_bytes_per_sample / seq,
-                send_bytes_per_token=send, step_s=c.optimizer_s + c.cast_s + sync))
-        out.append(PipelineCost(f"pipeline{pi}", tuple(stages), tokens, tuple(buckets)))
+                send_bytes_per_token=send, step_s=c.optimizer_s + c.cast_s + sync,
+                image_fwd_s=image[0], image_bwd_s=image[1]))
+        out.append(PipelineCost(f"pipeline{pi}", tuple(stages), tokens, tuple(buckets),
+                                int(image_tokens) if vision is not None else 0, slots,
+                                int(encoder_chunk)))
     return tuple(out)
+
+
+def _vision_devices(devices, plan: Plan, cluster: Cluster) -> list[tuple[int, ...]]:
+    """Checked ``vision_devices`` (module docstring of :func:`pipeline_costs`)."""
+    if devices is None:
+        return []
+    taken = {d for p in plan.pipelines for st in p.stages for d in st.devices}
+    ok = isinstance(devices, Sequence) and len(devices) == len(plan.pipelines)
+    out, seen = [], set()
+    for devs in devices if ok else ():
+        devs = tuple(devs) if isinstance(devs, Sequence) else ()
+        if not devs or any(isinstance(d, bool) or not isinstance(d, (int, np.integer))
+                           or not 0 <= d < cluster.num_devices for d in devs) \
+                or taken & set(devs) or seen & set(devs) \
+                or len({cluster.gpu_of(d).name for d in devs}) > 1:
+            ok = False
+            break
+        seen |= set(devs)
+        out.append(tuple(int(d) for d in devs))
+    if not ok:
+        raise SpecError("vision_devices", devices,
+                        f"one list of devices a pipeline ({len(plan.pipelines)}), each of "
+                        f"one GPU type, none in the plan's stages or another list")
+    return out
+
+
+def _vision_stage(vision: ModelProfile, devs: tuple[int, ...], plan: Plan,
+                  cluster: Cluster, cal: Calibration, n: int, chunk: int,
+                  image_tokens: int, memory_margin: float, embedding: float) -> StageRate:
+    """The vision stage on ``devs`` (data ways each, FSDP, full remat), first of ``n``;
+    it sends an image's ``image_tokens`` positions of ``embedding`` bytes each (the
+    language model's width: the projector's output)."""
+    gpu = cluster.gpu_of(devs[0])
+    dtype = dict(plan.gpu_dtypes).get(gpu.name, plan.dtype)
+    v = stage_cost(vision, 0, vision.num_layers, gpu, mbs=1, dp=len(devs),
+                   fsdp=len(devs) > 1, remat="full", cal=cal, dtype=dtype,
+                   dp_topo=topology(cluster, devs))
+    # In flight: n micro-batches' encodings kept for their backward, a pass of chunk
+    # images a device at a time (full remat: one image's activations a pass).
+    if v.memory_static_bytes + (n + chunk) * v.memory_per_microbatch_bytes + \
+            v.memory_working_bytes > memory_margin * gpu.memory_bytes:
+        raise SpecError("vision_devices", devs,
+                        f"devices whose {gpu.name} hold the encoder's weights and {n} "
+                        f"micro-batches in flight, {chunk} images a pass")
+    sync = collective_time("reduce_scatter", v.grad_sync_bytes, topology(cluster, devs), cal,
+                           gpu.name) if len(devs) > 1 else 0.0
+    return StageRate(gpu=gpu.name, devices=devs, start=0, end=0, ways=len(devs),
+                     token_fwd_s=0.0, token_bwd_s=0.0, attention_fwd_s=0.0,
+                     attention_bwd_s=0.0, kv_bytes_per_token=0.0, send_bytes_per_token=0.0,
+                     step_s=v.optimizer_s + v.cast_s + sync, image_fwd_s=v.fwd_s,
+                     image_bwd_s=v.bwd_s,
+                     send_bytes_per_image=image_tokens * embedding)
 
 
 def identical_pipelines(pipes: Sequence[PipelineCost]) -> tuple[PipelineCost, ...]:
     """``pipes`` as a planner made for identical GPUs believes them: every stage's rates
-    per layer and device the cluster's average (weighted by devices), its layers and
-    ways as they are."""
-    def avg(field: str) -> float:
-        num = sum(getattr(s, field) * s.ways / s.layers * len(s.devices)
-                  for p in pipes for s in p.stages)
-        return num / sum(len(s.devices) for p in pipes for s in p.stages)
+    per layer and device the cluster's average (weighted by devices; a vision encoder's
+    per image and device among the stages that run one), its layers and ways as
+    they are."""
+    every = [s for p in pipes for s in p.stages]
 
-    mean = {f: avg(f) for f in ("token_fwd_s", "token_bwd_s", "attention_fwd_s",
-                                "attention_bwd_s")}
-    return tuple(dataclasses.replace(p, stages=tuple(
-        dataclasses.replace(s, **{f: v * s.layers / s.ways for f, v in mean.items()})
-        for s in p.stages)) for p in pipes)
+    def avg(field: str, among, per) -> float:
+        num = sum(getattr(s, field) * s.ways / per(s) * len(s.devices) for s in among)
+        return num / sum(len(s.devices) for s in among) if among else 0.0
+
+    text = [s for s in every if s.layers]
+    seeing = [s for s in every if s.image_fwd_s > 0]
+    mean = {f: avg(f, text, lambda s: s.layers) for f in (
+        "token_fwd_s", "token_bwd_s", "attention_fwd_s", "attention_bwd_s")}
+    pics = {f: avg(f, seeing, lambda s: 1) for f in ("image_fwd_s", "image_bwd_s")}
+
+    def believed(s: StageRate) -> StageRate:
+        new = {f: v * s.layers / s.ways for f, v in mean.items()}
+        if s.image_fwd_s > 0:
+            new.update({f: v / s.ways for f, v in pics.items()})
+        return dataclasses.replace(s, **new)
+
+    return tuple(dataclasses.replace(p, stages=tuple(believed(s) for s in p.stages))
+                 for p in pipes)
 
 
 class _Stages:
@@ -237,11 +378,11 @@ class _Stages:
         self.ways = [s.ways for s in st]
         self.lin = np.array([[s.token_fwd_s, s.token_bwd_s] for s in st])
         self.att = np.array([[s.attention_fwd_s, s.attention_bwd_s] for s in st])
-        self.sends = [p2p_time(a.send_bytes_per_token * pc.tokens, cluster, a.devices,
-                               b.devices, cal) if cluster is not None else 0.0
-                      for a, b in zip(st, st[1:], strict=False)]
+        self.img = np.array([[s.image_fwd_s, s.image_bwd_s] for s in st])
         self.cluster, self.cal = cluster, cal
         self._ring: dict = {}
+        self._sends: dict = {}
+        self._buckets: dict = {}
 
     def ring(self, s: int, bucket: int, c: int) -> float:
         """Seconds per layer for a ``bucket`` row's K/V to go round ``c`` ways of stage
@@ -251,7 +392,7 @@ class _Stages:
         if got is None:
             st = self.pc.stages[s]
             got = 0.0
-            if c > 1 and self.cluster is not None:
+            if c > 1 and self.cluster is not None and st.layers:
                 per = len(st.devices) // st.ways
                 got = collective_time("all_gather", st.kv_bytes_per_token * bucket,
                                       topology(self.cluster, st.devices[:c * per:per]),
@@ -259,31 +400,87 @@ class _Stages:
             self._ring[key] = got
         return got
 
-    def times(self, bucket: int, squares: np.ndarray) -> np.ndarray:
-        """[stages, 2] forward and backward seconds of a micro-batch of ``bucket`` rows
+    def sends(self, bucket: int) -> list[float]:
+        """Each stage's transfer to the next of a micro-batch of ``bucket`` rows (its
+        token slots' activations; a vision stage's are its images', :meth:`times`)."""
+        got = self._sends.get(bucket)
+        if got is None:
+            pc = self.pc
+            got = [p2p_time(a.send_bytes_per_token * pc.tokens, self.cluster, a.devices,
+                            b.devices, self.cal)
+                   if self.cluster is not None and a.layers else 0.0
+                   for a, b in zip(pc.stages, pc.stages[1:], strict=False)] + [0.0]
+            self._sends[bucket] = got
+        return got
+
+    def encodings(self, s: int, images: int) -> float:
+        """Seconds to send ``images`` images' encodings from vision stage ``s`` on (a
+        send's time is its latency plus its bytes at the link's rate)."""
+        if images <= 0 or self.cluster is None:
+            return 0.0
+        got = self._sends.get(s)
+        if got is None:
+            a, b = self.pc.stages[s], self.pc.stages[s + 1]
+            one, two = (p2p_time(k * a.send_bytes_per_image, self.cluster, a.devices,
+                                 b.devices, self.cal) for k in (1, 2))
+            got = self._sends[s] = (2 * one - two, two - one)
+        return got[0] + got[1] * images
+
+    def _parts(self, bucket: int) -> tuple:
+        """Per stage, what a micro-batch of ``bucket`` rows costs but for its documents'
+        attention and its images: (kind, forward, backward, ways a row or rows a way,
+        ring seconds); computed once a bucket."""
+        got = self._buckets.get(bucket)
+        if got is None:
+            r, slots = self.pc.rows(bucket), self.pc.images_of(bucket)
+            stages = []
+            for s, w in enumerate(self.ways):
+                if not self.pc.stages[s].layers:
+                    stages.append(("vision", 0.0, 0.0, w, 0.0))
+                elif r >= w:
+                    per = r // w if r % w == 0 else -(-r // w)
+                    f, b = (self.lin[s] * bucket + self.img[s] * slots) * per
+                    stages.append(("rows", f, b, per, 0.0))
+                else:
+                    c = w // r
+                    f, b = (self.lin[s] * bucket / c
+                            + self.img[s] * (slots / c if slots % c == 0 else slots))
+                    stages.append(("ring", f, b, c,
+                                   self.pc.stages[s].layers * self.ring(s, bucket, c)))
+            got = self._buckets[bucket] = (r, stages, self.sends(bucket))
+        return got
+
+    def times(self, bucket: int, squares: np.ndarray,
+              pictures: np.ndarray | None = None) -> np.ndarray:
+        """[stages, 3]: forward and backward seconds of a micro-batch of ``bucket`` rows
         whose squared document lengths sum to ``squares`` row by row, in order (rows
-        missing from the micro-batch are padding)."""
-        r = self.pc.rows(bucket)
-        sq = np.zeros(r)
-        sq[:squares.size] = squares
-        out = np.empty((len(self.ways), 2))
-        for s, w in enumerate(self.ways):
-            if r >= w:
-                per = r // w if r % w == 0 else -(-r // w)
-                part = np.zeros(per * w)
-                part[:r] = sq
-                most = part.reshape(w, per).sum(axis=1).max()
-                out[s] = self.lin[s] * bucket * per + self.att[s] * most
+        missing from the micro-batch are padding), holding ``pictures`` images row by
+        row, and its send to the next stage. An encoder running with a stage's layers
+        encodes every image slot of a row, padding too (the row's compiled shape); a
+        vision stage of its own encodes the micro-batch's images in passes of
+        ``encoder_chunk`` a way (``encoder_batch``) and sends their encodings on."""
+        r, stages, sends = self._parts(bucket)
+        sq = squares.tolist()
+        out = np.empty((len(stages), 3))
+        out[:, 2] = sends
+        for s, (kind, f, b, k, ring) in enumerate(stages):
+            af, ab = self.att[s]
+            if kind == "vision":
+                n = int(pictures.sum()) if pictures is not None else 0
+                f, b = self.img[s] * encoder_batch(n, k, self.pc.encoder_chunk) / k
+                if s + 1 < len(stages):
+                    out[s, 2] = self.encodings(s, n)
+            elif kind == "rows":
+                most = max(sum(sq[i:i + k]) for i in range(0, len(sq), k)) if sq else 0.0
+                f, b = f + af * most, b + ab * most
             else:
-                c = w // r
-                attn = self.att[s] * sq.max() / c
-                t = self.lin[s] * bucket / c + attn
-                ring = self.pc.stages[s].layers * self.ring(s, bucket, c)
-                # the forward's one pass and the backward's two, where attention does
+                most = max(sq, default=0.0) / k
+                f, b = f + af * most, b + ab * most
+                # the ring's forward pass and the backward's two, where attention does
                 # not hide them
-                t[0] += max(0.0, ring - attn[0])
-                t[1] += 2 * max(0.0, ring - attn[1] / 2)
-                out[s] = t
+                f += max(0.0, ring - af * most)
+                b += 2 * max(0.0, ring - ab * most / 2)
+            out[s, 0], out[s, 1] = f, b
         return out
 
     def walk(self, times: Sequence[np.ndarray]) -> float:
@@ -292,14 +489,14 @@ class _Stages:
         return self.walk_lists([t.T.tolist() for t in times])
 
     def walk_lists(self, times: Sequence[list]) -> float:
-        """:meth:`walk` of micro-batches given as ``[forwards, backwards]`` lists by
-        stage (what the order search prices many times)."""
+        """:meth:`walk` of micro-batches given as ``[forwards, backwards, sends]`` lists
+        by stage (what the order search prices many times)."""
         if not times:
             return self.pc.step_s
-        m = len(times)
-        fwd = [[t[0][s] for t in times] for s in range(len(self.ways))]
-        bwd = [[t[1][s] for t in times] for s in range(len(self.ways))]
-        sends = [[x] * m for x in self.sends]
+        n = len(self.ways)
+        fwd = [[t[0][s] for t in times] for s in range(n)]
+        bwd = [[t[1][s] for t in times] for s in range(n)]
+        sends = [[t[2][s] for t in times] for s in range(n - 1)]
         return time_varied(fwd, bwd, sends) + self.pc.step_s
 
 
@@ -314,16 +511,41 @@ def _squares(p: Packing) -> np.ndarray:
     return out
 
 
-def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray) -> list[_Batch]:
-    """Each bucket's rows into micro-batches: longest processing time first (by squared
-    lengths: a bucket's rows cost the same otherwise) into ``micro-batches x bins`` bins
-    of at most ``rows / bins`` rows, ``bins`` the widest stage's ways (at most the rows a
-    micro-batch holds); a micro-batch is its bins' rows in order."""
+def _pictures(p: Packing, img: np.ndarray | None) -> np.ndarray:
+    """Images per row of ``p`` (zeros for a text batch)."""
+    out = np.zeros(p.counts.size)
+    if img is not None:
+        filled = p.counts > 0
+        out[filled] = np.add.reduceat(img[p.samples].astype(np.float64), p.starts[filled])
+    return out
+
+
+def encoder_batch(images: int, ways: int, chunk: int = 4) -> int:
+    """Image slots a vision stage of ``ways`` data ways encodes for a micro-batch of
+    ``images``: passes of ``chunk`` images a way (one compiled shape), as many as hold
+    them."""
+    per = ways * chunk
+    return per * -(-max(0, images) // per)
+
+
+def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray, pics: np.ndarray) -> list[_Batch]:
+    """Each bucket's rows into micro-batches: longest processing time first (by their
+    attention on the stage slowest at it, plus their images' encoding on a vision stage
+    of its own: a bucket's rows cost the same otherwise) into ``micro-batches x bins``
+    bins of at most ``rows / bins`` rows, ``bins`` the widest stage's ways (at most the
+    rows a micro-batch holds); a micro-batch is its bins' rows in order."""
     out = []
+    att = max(s.attention_fwd_s + s.attention_bwd_s for s in pc.stages)
+    key = sq * att
+    v = pc.encoder_stage
     for bucket in np.unique(p.bucket).tolist():
         mine = np.flatnonzero(p.bucket == bucket)
-        mine = mine[np.argsort(-sq[mine], kind="stable")]
         r = pc.rows(bucket)
+        if v is not None:  # a micro-batch's images split over the vision stage's ways
+            enc = pc.stages[v]
+            weight = (enc.image_fwd_s + enc.image_bwd_s) * min(r, pc.widest) / enc.ways
+            key = sq * att + pics * weight
+        mine = mine[np.argsort(-key[mine], kind="stable")]
         k = -(-mine.size // r)
         w = min(r, pc.widest)
         while r % w:
@@ -334,11 +556,11 @@ def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray) -> list[_Batch]:
         # Each row to the least loaded bin with room (a full bin leaves the heap); ties
         # to the lower bin.
         heap = [(0.0, b) for b in range(nb)]
-        for i, v in zip(mine.tolist(), sq[mine].tolist(), strict=True):
+        for i, x in zip(mine.tolist(), key[mine].tolist(), strict=True):
             load, b = heapq.heappop(heap)
             bins[b].append(i)
             if len(bins[b]) < cap:
-                heapq.heappush(heap, (load + v, b))
+                heapq.heappush(heap, (load + x, b))
         for j in range(k):
             rows = [i for b in range(j * w, (j + 1) * w) for i in bins[b]]
             if rows:
@@ -346,8 +568,11 @@ def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray) -> list[_Batch]:
     return out
 
 
-def _order(stages: _Stages, times: list[np.ndarray]) -> tuple[list[int], float]:
-    """The micro-batches' order and its priced time (module docstring)."""
+def _order(stages: _Stages, times: list[np.ndarray],
+           swaps: bool = True) -> tuple[list[int], float]:
+    """The micro-batches' order and its priced time (module docstring); ``swaps``: the
+    adjacent-swap pass too (placement rounds compare drafts without it, the chosen
+    drafts get it, :func:`_polish`)."""
     m = len(times)
     lists = [t.T.tolist() for t in times]
     if m <= 1:
@@ -368,7 +593,7 @@ def _order(stages: _Stages, times: list[np.ndarray]) -> tuple[list[int], float]:
             if best is None or t < best[1] - 1e-15:
                 best = (list(perm), t)
         return best
-    load = np.array([t.sum(axis=1) for t in times])  # [micro-batches, stages]
+    load = np.array([t[:, :2].sum(axis=1) for t in times])  # [micro-batches, stages]
     heavy = np.argsort(-load.max(axis=1), kind="stable")
     # Which stage a micro-batch weighs on, relative to the average micro-batch: the
     # alternation pairs one leaning on the first stages with one on the last.
@@ -382,16 +607,30 @@ def _order(stages: _Stages, times: list[np.ndarray]) -> tuple[list[int], float]:
         t = walk(cand)
         if best is None or t < best[1] - 1e-15:
             best = (cand, t)
-    order, t_best = best
-    # Adjacent swaps, one pass, each kept where the walk is faster.
-    for i in range(m - 1):
+    return _swapped(stages, lists, *best) if swaps else best
+
+
+def _swapped(stages: _Stages, lists: list, order: list[int],
+             t_best: float) -> tuple[list[int], float]:
+    """Adjacent swaps of ``order``, one pass, each kept where the walk is faster."""
+    for i in range(len(order) - 1):
         if lists[order[i]] == lists[order[i + 1]]:
             continue
         cand = order[:i] + [order[i + 1], order[i]] + order[i + 2:]
-        t = walk(cand)
+        t = stages.walk_lists([lists[j] for j in cand])
         if t < t_best - 1e-15:
             order, t_best = cand, t
     return order, t_best
+
+
+def _polish(stages: _Stages, d: _Draft) -> _Draft:
+    """Draft ``d`` with the swap pass over its order (beyond ``EXACT_ORDER``)."""
+    if len(d.times) <= EXACT_ORDER:
+        return d
+    order, t = _swapped(stages, [x.T.tolist() for x in d.times], list(range(len(d.times))),
+                        d.time_s)
+    return dataclasses.replace(d, batches=[d.batches[i] for i in order],
+                               times=[d.times[i] for i in order], time_s=t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +641,7 @@ class _Draft:
     batches: list[_Batch]
     times: list[np.ndarray]
     time_s: float
+    images: int = 0
 
     def plan(self) -> GroupPlan:
         if self.packing is None:
@@ -409,8 +649,9 @@ class _Draft:
         rows = self.packing.rows()
         return GroupPlan(self.name, tuple(self.samples.tolist()), tuple(
             MicroStep(b, 1, tuple(rows[i] for i in idx.tolist()),
-                      float(t.sum(axis=1).max()))
-            for (b, idx), t in zip(self.batches, self.times, strict=True)), self.time_s)
+                      float(t[:, :2].sum(axis=1).max()))
+            for (b, idx), t in zip(self.batches, self.times, strict=True)), self.time_s,
+            self.images)
 
 
 def _proxy(pc: PipelineCost) -> GroupCost:
@@ -419,19 +660,31 @@ def _proxy(pc: PipelineCost) -> GroupCost:
     chunk = pc.buckets[0]
     return GroupCost(name=pc.name, gpu="", devices=tuple(range(pc.tokens // chunk)),
                      chunk=chunk, token_s=0.0, attention_s=0.0, attention_fwd_share=0.5,
-                     layers=1, kv_bytes_per_token=0.0, buckets=pc.buckets)
+                     layers=1, kv_bytes_per_token=0.0, buckets=pc.buckets,
+                     image_tokens=pc.image_tokens, image_slots=pc.image_slots)
 
 
-def _compose(stages: _Stages, p: Packing, search: bool = True) -> _Draft:
-    sq = _squares(p)
-    batches = _deal(stages.pc, p, sq) if search else _in_order(stages.pc, p)
-    times = [stages.times(b, sq[idx]) for b, idx in batches]
-    if search:
-        order, t = _order(stages, times)
-        batches, times = [batches[i] for i in order], [times[i] for i in order]
-    else:
-        t = stages.walk(times)
-    return _Draft(stages.pc.name, np.zeros(0, np.int64), p, batches, times, t)
+def _compose(stages: _Stages, p: Packing, search: bool = True,
+             img: np.ndarray | None = None, swaps: bool = True) -> _Draft:
+    """Micro-batches of ``p``'s rows: dealt and ordered (``search``; with a vision stage
+    of its own, dealt by attention and images and by attention alone, the faster kept),
+    else in the packing's order."""
+    sq, pics = _squares(p), _pictures(p, img)
+    if not search:
+        batches = _in_order(stages.pc, p)
+        times = [stages.times(b, sq[idx], pics[idx]) for b, idx in batches]
+        return _Draft(stages.pc.name, np.zeros(0, np.int64), p, batches, times,
+                      stages.walk(times))
+    best = None
+    seeing = stages.pc.encoder_stage is not None and pics.any()
+    for weigh in ((True, False) if seeing else (False,)):
+        batches = _deal(stages.pc, p, sq, pics if weigh else np.zeros_like(pics))
+        times = [stages.times(b, sq[idx], pics[idx]) for b, idx in batches]
+        order, t = _order(stages, times, swaps)
+        if best is None or t < best.time_s:
+            best = _Draft(stages.pc.name, np.zeros(0, np.int64), p,
+                          [batches[i] for i in order], [times[i] for i in order], t)
+    return best
 
 
 def _in_order(pc: PipelineCost, p: Packing) -> list[_Batch]:
@@ -444,23 +697,35 @@ def _in_order(pc: PipelineCost, p: Packing) -> list[_Batch]:
     return out
 
 
-def _draft(stages: _Stages, samples: np.ndarray, lengths: np.ndarray) -> _Draft:
+def _draft(stages: _Stages, samples: np.ndarray, lengths: np.ndarray,
+           img: np.ndarray | None, swaps: bool = True) -> _Draft:
     pc = stages.pc
     if samples.size == 0:
         return _Draft(pc.name, samples, None, [], [], pc.step_s)
-    packed = best_fit(lengths[samples], pc.buckets, samples)
-    best = _compose(stages, packed)
-    merged = _fill_steps(_proxy(pc), packed, pc.buckets)
+    if img is None:
+        packed = best_fit(lengths[samples], pc.buckets, samples)
+    else:
+        packed = best_fit_images(lengths[samples], img[samples], pc.buckets,
+                                 _caps(pc), samples)
+    best = _compose(stages, packed, img=img, swaps=swaps)
+    merged = _fill_steps(_proxy(pc), packed, pc.buckets, img)
     if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
-        other = _compose(stages, merged)
+        other = _compose(stages, merged, img=img, swaps=swaps)
         if other.time_s < best.time_s:
             best = other
-    return dataclasses.replace(best, samples=samples)
+    return dataclasses.replace(best, samples=samples,
+                               images=int(img[samples].sum()) if img is not None else 0)
 
 
-def _costs(pipes: Sequence[PipelineCost], lengths: np.ndarray) -> np.ndarray:
-    """[pipelines, stages, samples] seconds of each sample's tokens and attention on
-    each stage (forward and backward, spread over its ways; no padding, no ring)."""
+def _caps(pc: PipelineCost) -> tuple[int, ...]:
+    return tuple(pc.images_of(b) for b in pc.buckets)
+
+
+def _costs(pipes: Sequence[PipelineCost], lengths: np.ndarray,
+           img: np.ndarray | None = None) -> np.ndarray:
+    """[pipelines, stages, samples] seconds of each sample's tokens, attention and
+    images on each stage (forward and backward, spread over its ways; no padding, no
+    ring)."""
     s = max(len(p.stages) for p in pipes)
     x = lengths.astype(np.float64)
     out = np.zeros((len(pipes), s, lengths.size))
@@ -468,15 +733,18 @@ def _costs(pipes: Sequence[PipelineCost], lengths: np.ndarray) -> np.ndarray:
         for j, st in enumerate(p.stages):
             out[k, j] = ((st.token_fwd_s + st.token_bwd_s) * x
                          + (st.attention_fwd_s + st.attention_bwd_s) * x * x) / st.ways
+            if img is not None:
+                out[k, j] += (st.image_fwd_s + st.image_bwd_s) * img / st.ways
     return out
 
 
-def plan_pipeline_batch(lengths, pipes: Sequence[PipelineCost], *,
+def plan_pipeline_batch(lengths, pipes: Sequence[PipelineCost], *, images=None,
                         cluster: Cluster | None = None, cal: Calibration = DEFAULT,
-                        method: str = "hetshard", rounds: int = 3,
+                        method: str = "hetshard", rounds: int = 2,
                         bound: bool = True) -> BatchPlan:
-    """The per-batch plan of one global batch of ``lengths`` (tokens per sample) on the
-    pipelines ``pipes`` (:func:`pipeline_costs`); ``cluster`` prices the stages' sends and
+    """The per-batch plan of one global batch of ``lengths`` (tokens per sample; each
+    of its ``images`` adds the pipelines' ``image_tokens``) on the pipelines ``pipes``
+    (:func:`pipeline_costs`); ``cluster`` prices the stages' sends and
     context rings (None: free). ``method``: ``"hetshard"`` (module docstring),
     ``"identical"`` (the same planner believing every GPU the cluster's average,
     :func:`identical_pipelines`, its plan priced on the real ones), ``"fixed-cp"``
@@ -486,18 +754,20 @@ def plan_pipeline_batch(lengths, pipes: Sequence[PipelineCost], *,
 
     Raises:
       SpecError: empty, non-integer or non-positive lengths, a sample longer than the
-        largest bucket, no pipelines, pipelines of different buckets, an unknown method.
+        largest bucket, no pipelines, pipelines of different buckets, an unknown method;
+        images on pipelines priced without a vision encoder, or more images than a row
+        holding the sample has slots.
     """
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _plan(lengths, pipes, cluster, cal, method, rounds, bound)
+        return _plan(lengths, images, pipes, cluster, cal, method, rounds, bound)
     finally:
         if collecting:
             gc.enable()
 
 
-def _plan(lengths, pipes, cluster, cal, method, rounds, bound) -> BatchPlan:
+def _plan(lengths, images, pipes, cluster, cal, method, rounds, bound) -> BatchPlan:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise SpecError("method", method, f"one of {METHODS}")
@@ -507,45 +777,65 @@ def _plan(lengths, pipes, cluster, cal, method, rounds, bound) -> BatchPlan:
         raise SpecError("pipes", [p.buckets for p in pipes],
                         "pipelines of the same buckets (one pipeline_costs call)")
     lengths = check_lengths(lengths)
+    img = None
+    if images is not None:
+        img = check_images(images, lengths)
+        if img.any() and not all(p.vision for p in pipes):
+            raise SpecError("images", f"{int(img.sum())} images",
+                            "a text-only batch: these pipelines price no vision encoder "
+                            "(pipeline_costs(vision=...))")
+        if len({(p.image_tokens, _caps(p)) for p in pipes}) > 1:
+            raise SpecError("pipes", [(p.image_tokens, _caps(p)) for p in pipes],
+                            "pipelines of the same image slots (one pipeline_costs call)")
+        lengths = lengths + img * pipes[0].image_tokens
     top = pipes[0].buckets[-1]
     over = np.flatnonzero(lengths > top)
     if over.size:
         i = int(over[0])
         raise SpecError(f"lengths[{i}]", int(lengths[i]),
-                        f"at most the largest bucket, {top} tokens")
+                        f"at most the largest bucket, {top} tokens"
+                        + (" (with its images' tokens)" if img is not None else ""))
+    if img is not None:
+        caps = _caps(pipes[0])
+        if method in ("pad", "fixed-cp"):  # rows of the largest bucket
+            check_fits(lengths, img, (top,), caps[-1:])
+        else:
+            check_fits(lengths, img, pipes[0].buckets, caps)
     stages = [_Stages(p, cluster, cal) for p in pipes]
-    costs = _costs(pipes, lengths)
     if method in ("pad", "fixed-cp"):
-        drafts = _static(method, stages, lengths, costs, top)
+        drafts = _static(method, stages, lengths, img, top)
     else:
         believed = stages if method == "hetshard" else [
             _Stages(p, cluster, cal) for p in identical_pipelines(pipes)]
-        seen_costs = costs if method == "hetshard" else _costs(
-            [b.pc for b in believed], lengths)
-        drafts = _place(believed, seen_costs, lengths, rounds)
+        drafts = _place(believed, _costs([b.pc for b in believed], lengths, img), lengths,
+                        img, rounds)
         if method == "identical":  # priced on the real GPUs
-            drafts = [_reprice(stages[k], d) for k, d in enumerate(drafts)]
+            drafts = [_reprice(stages[k], d, img) for k, d in enumerate(drafts)]
     plan = tuple(d.plan() for d in drafts)
     planning = time.perf_counter() - t0
-    lb = pipeline_bound(lengths, pipes) if bound else None
+    lb = _bound(_costs(pipes, lengths, img), pipes) if bound else None
     return BatchPlan(method, plan, max(g.time_s for g in plan), int(lengths.sum()), lb,
                      planning)
 
 
 def _place(stages: list[_Stages], costs: np.ndarray, lengths: np.ndarray,
-           rounds: int) -> list[_Draft]:
+           img: np.ndarray | None, rounds: int) -> list[_Draft]:
     """Placement rounds (as ``hetshard.data.planner`` places on groups): LPT on each
     pipeline's bottleneck-stage estimate, then again with each pipeline's priced time
     over its estimate, while the priced step falls."""
     est = costs.max(axis=1)  # [pipelines, samples]: the stage a sample weighs on most
     one = np.ones(len(stages))
     if len(stages) == 1:
-        return [_draft(stages[0], np.arange(lengths.size), lengths)]
+        return [_polish(stages[0], _draft(stages[0], np.arange(lengths.size), lengths, img,
+                                          swaps=False))]
     scale, best = one.copy(), None
     for _ in range(max(1, rounds)):
         where = _lpt(est, one, scale)
-        drafts = [_draft(s, np.flatnonzero(where == k), lengths)
-                  for k, s in enumerate(stages)]
+        drafts = []
+        for k, s in enumerate(stages):
+            drafts.append(_draft(s, np.flatnonzero(where == k), lengths, img, swaps=False))
+            if best is not None and drafts[-1].time_s >= best[0]:
+                break  # no better than the last placement, whatever the rest price
         worst = max(d.time_s for d in drafts)
         if best is not None and worst >= best[0]:
             break
@@ -558,24 +848,25 @@ def _place(stages: list[_Stages], costs: np.ndarray, lengths: np.ndarray,
         if np.allclose(new / new.max(), scale / scale.max(), rtol=0.01):
             break
         scale = new
-    return best[1]
+    return [_polish(s, d) for s, d in zip(stages, best[1], strict=True)]
 
 
-def _reprice(stages: _Stages, d: _Draft) -> _Draft:
+def _reprice(stages: _Stages, d: _Draft, img: np.ndarray | None) -> _Draft:
     """Draft ``d`` (its rows, micro-batches and order) priced on ``stages``."""
     if d.packing is None:
         return dataclasses.replace(d, time_s=stages.pc.step_s)
-    sq = _squares(d.packing)
-    times = [stages.times(b, sq[idx]) for b, idx in d.batches]
+    sq, pics = _squares(d.packing), _pictures(d.packing, img)
+    times = [stages.times(b, sq[idx], pics[idx]) for b, idx in d.batches]
     return dataclasses.replace(d, times=times, time_s=stages.walk(times))
 
 
-def _static(method: str, stages: list[_Stages], lengths: np.ndarray, costs: np.ndarray,
-            top: int) -> list[_Draft]:
+def _static(method: str, stages: list[_Stages], lengths: np.ndarray,
+            img: np.ndarray | None, top: int) -> list[_Draft]:
     if method == "pad":
         rows = tuple(Row(top, (i,), (int(n),)) for i, n in enumerate(lengths.tolist()))
     else:
-        rows = sequential(lengths, top)
+        rows = sequential(lengths, top, None, img,
+                          None if img is None else stages[0].pc.images_of(top))
     # Rows shared out in proportion to each pipeline's speed on a full row (its
     # bottleneck stage), largest remainders.
     full = _costs([s.pc for s in stages], np.array([top])).max(axis=1)[:, 0]
@@ -591,19 +882,56 @@ def _static(method: str, stages: list[_Stages], lengths: np.ndarray, costs: np.n
         if not mine:
             out.append(_Draft(s.pc.name, np.zeros(0, np.int64), None, [], [], s.pc.step_s))
             continue
-        d = _compose(s, Packing.of(mine), search=False)
+        d = _compose(s, Packing.of(mine), search=False, img=img)
+        samples = np.asarray([i for r in mine for i in r.samples], np.int64)
         out.append(dataclasses.replace(
-            d, samples=np.asarray([i for r in mine for i in r.samples], np.int64)))
+            d, samples=samples, images=int(img[samples].sum()) if img is not None else 0))
     return out
 
 
-def pipeline_bound(lengths, pipes: Sequence[PipelineCost]) -> float:
+def image_slots_from(batches: Sequence, images: Sequence, pipes: Sequence[PipelineCost],
+                     cluster: Cluster | None = None, cal: Calibration = DEFAULT
+                     ) -> dict[int, int]:
+    """Image slots a row of each bucket holds, sized from a sample of the data (pass as
+    ``pipeline_costs(images_per_row=)``): ``batches`` planned on ``pipes`` (priced with
+    every slot a row's tokens hold), a bucket holds the power of two at or above the
+    most images any of its rows took, at least the most one sample had (so that any
+    sample like these fits the bucket holding its tokens), at most what its tokens
+    hold. Every slot is encoded, padding too: fewer slots, less padding encoded."""
+    one = max((int(np.max(i)) for i in images if len(i)), default=0)
+    seen: dict[int, int] = {}
+    for lengths, img in zip(batches, images, strict=True):
+        img = np.asarray(img)
+        plan = plan_pipeline_batch(lengths, pipes, images=img, cluster=cluster, cal=cal,
+                                   bound=False)
+        for g in plan.groups:
+            for st in g.steps:
+                for r in st.rows:
+                    seen[r.bucket] = max(seen.get(r.bucket, 0),
+                                         int(img[list(r.samples)].sum()))
+    out = {}
+    for b in pipes[0].buckets:
+        most = b // pipes[0].image_tokens
+        need = max(seen.get(b, 0), min(one, most))
+        out[b] = min(most, 1 << (need - 1).bit_length()) if need else 0
+    return out
+
+
+def pipeline_bound(lengths, pipes: Sequence[PipelineCost], images=None) -> float:
     """No placement, packing, composition or order beats this: the least T such that the
     samples, split fractionally over the pipelines, take at most ``T - step_s`` of every
-    stage of each pipeline (their tokens and attention only: no padding, no ring, no
-    fill or drain). Exact for one pipeline; a linear program (OR-tools GLOP) for more."""
+    stage of each pipeline (their tokens, attention and images only: no padding, no
+    ring, no fill or drain). Exact for one pipeline; a linear program (OR-tools GLOP)
+    for more. ``lengths`` as :func:`plan_pipeline_batch` takes them."""
     lengths = np.asarray(lengths)
-    costs = _costs(pipes, lengths)
+    img = None if images is None else np.asarray(images)
+    if img is not None:
+        lengths = lengths + img * pipes[0].image_tokens
+    return _bound(_costs(pipes, lengths, img), pipes)
+
+
+def _bound(costs: np.ndarray, pipes: Sequence[PipelineCost]) -> float:
+    samples = costs.shape[2]
     if len(pipes) == 1:
         return float(costs[0].sum(axis=1).max() + pipes[0].step_s)
     from ortools.linear_solver import pywraplp
@@ -617,7 +945,7 @@ def pipeline_bound(lengths, pipes: Sequence[PipelineCost]) -> float:
             c.SetCoefficient(t, -1.0)
             loads.append((k, j, c))
     xs = []
-    for _ in range(lengths.size):
+    for _ in range(samples):
         one = solver.Constraint(1.0, 1.0)
         row = []
         for _p in pipes:
@@ -626,7 +954,7 @@ def pipeline_bound(lengths, pipes: Sequence[PipelineCost]) -> float:
             row.append(x)
         xs.append(row)
     for k, j, c in loads:
-        for i in range(lengths.size):
+        for i in range(samples):
             c.SetCoefficient(xs[i][k], float(costs[k, j, i]))
     solver.Minimize(t)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
@@ -634,5 +962,5 @@ def pipeline_bound(lengths, pipes: Sequence[PipelineCost]) -> float:
     return float(t.solution_value())
 
 
-__all__ = ["EXACT_ORDER", "PipelineCost", "StageRate", "identical_pipelines",
-           "pipeline_bound", "pipeline_costs", "plan_pipeline_batch"]
+__all__ = ["EXACT_ORDER", "PipelineCost", "StageRate", "encoder_batch", "identical_pipelines",
+           "image_slots_from", "pipeline_bound", "pipeline_costs", "plan_pipeline_batch"]
