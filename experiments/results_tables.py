@@ -218,8 +218,9 @@ def data_aware_pipeline(lines, data):
               f"batches ({data['batches']} of {data['tokens_per_gpu'] // 1024}K tokens per "
               "GPU) on pipeline outer plans (one GPU type a stage, layers split for the "
               "data's mix; `enc`: the stage that runs the vision encoder), priced by the "
-              "simulator's stage costs; planning time measured here (median / max). `replicas`: hetshard's per-batch plan on data-parallel "
-              "replicas of the same cluster (data_aware.json).", ""]
+              "simulator's stage costs; planning time measured here (median / max). "
+              "`replicas`: hetshard's per-batch plan on data-parallel replicas of the "
+              "same cluster (data_aware.json).", ""]
     names = ["hetshard", "fixed-cp", "identical", "pad"]
     rows = []
     for r in data["rows"]:
