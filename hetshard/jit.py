@@ -59,6 +59,7 @@ from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported
     providing,
     rewriting,
     step_state,
+    update_objects,
 )
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
@@ -241,6 +242,7 @@ class HetshardJit:
         self._programs: dict = {}
         self._captures: dict = {}
         self._apply: dict = {}
+        self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
         if self.elastic:
             self._fit_devices()
         self.program: Program | None = None
@@ -477,6 +479,45 @@ class HetshardJit:
                 self._apply[sig] = jax.jit(providing(program))
             out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
             return self.guard.settle(program, out, new_state, provided, others, state)
+
+    def run_passes(self, passes, order):
+        """One step made of pipeline passes of different batch shapes, walked as one
+        pipeline (``hetshard.runtime.mixed``): ``passes`` lists ``(plan, args)``, each a
+        plan of one pipeline on the same stages and the step's arguments with that pass's
+        batch (its micro-batches in order); ``order`` lists ``(pass, micro-batch)`` in the
+        order they enter the pipeline. The passes' gradients and loss outputs add up (the
+        batches weighted for it: ``hetshard.data.packed_arrays(target_tokens=)``), the
+        update is applied once, on the NNX objects of the first pass's arguments (skipped,
+        with the step's ``nan_policy``, when not finite); returns the step's output. A
+        (plan, shape) pair compiles once (``hetshard.data.run_pipeline_batch_plan``)."""
+        from hetshard.runtime.mixed import mixed_step
+        from hetshard.runtime.pipeline import PipelineRunner
+        if not passes:
+            raise SpecError("passes", [], "at least one (plan, args) pass",
+                            where="run_passes")
+        with no_ambient_mesh():
+            runners, batches = [], []
+            for plan, args in passes:
+                program = self.program_for(*args)
+                key = (_signature(args), plan.what_runs())
+                runner = self._passes.get(key)
+                if runner is None:
+                    if self._bound is None:
+                        self._bound = self.cluster.bind()
+                    runner = PipelineRunner(plan, self._bound.devices, program)
+                    self._passes[key] = runner
+                runners.append(runner)
+                batches.append(self._split_args(args)[1])
+            _, _, others = self._split_args(passes[0][1])
+            lead = runners[0]
+
+            def may_apply(out, finite, loss) -> bool:
+                return self.guard.may_apply(finite, loss)
+            out, new_state = mixed_step(runners, batches, order, lead.state_of(others),
+                                        may_apply)
+            if new_state is not None and lead.program.kind == "nnx":
+                update_objects(others, new_state)
+            return out
 
     def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each

@@ -504,3 +504,142 @@ def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_paddin
     t_sized = sum(plan_pipeline_batch(b, [sized], images=i).step_time_s for b, i in fresh)
     t_full = sum(plan_pipeline_batch(b, [pc], images=i).step_time_s for b, i in fresh)
     assert t_sized < t_full
+
+
+# ---- running a pipeline's per-batch plan ---------------------------------------------------
+
+@pytest.mark.slow
+def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
+    """llama-tiny on a two-stage pipeline (2 A100s, then 2 H100s, a data way each):
+    per-batch plans of variable-length samples with 16- and 32-token rows (two 16-token
+    rows a micro-batch, a way each; one 32-token row over both ways as a ring), every
+    micro-batch of both shapes walked as one pipeline in the plan's order, the update
+    applied once: losses and weights equal one device training the samples one by one,
+    over two steps; one compiled pass a (bucket, micro-batch count)."""
+    import optax
+    from flax import nnx
+    from test_data import _one_by_one
+
+    import hetshard
+    import models
+    from hetshard.data import pack, packed_arrays, pass_plan, run_pipeline_batch_plan
+    from hetshard.plan import Pipeline, Plan, Stage
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+
+    cluster = {"name": "two-types", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 2}]}
+    pc = PipelineCost("p", (_stage(0, ways=2, lin=(2.0, 4.0), att=(0.01, 0.02)),
+                            _stage(1, ways=2, lin=(1.0, 2.0), att=(0.02, 0.04))),
+                      tokens=32, buckets=(16, 32))
+    rng = np.random.default_rng(11)
+    batches = []
+    for _ in range(2):
+        lengths = np.concatenate([rng.integers(17, 33, 2), rng.integers(3, 12, 9)])
+        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+        plan = plan_pipeline_batch(lengths, [pc])
+        assert {s.bucket for s in plan.groups[0].steps} == {16, 32}
+        batches.append((samples, plan))
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want = _one_by_one(model, opt, [s for s, _ in batches])
+    want_params = jax_params(model)
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    example = {k: jnp_array(v) for k, v in packed_arrays(
+        batches[0][0], pack([len(x) for x in batches[0][0]], (32,))).items()}
+    program = step.program_for(model, opt, example)
+    n = program.layering(2, False).num_layers
+    outer = Plan(program.name, step.cluster, 4, 32, (Pipeline((
+        Stage(0, n // 2, (0, 1), "A100-80GB", (("data", 2),)),
+        Stage(n // 2, n, (2, 3), "H100-80GB", (("data", 2),))), 4, 1, 2),),
+        fingerprint=program.model_fingerprint)
+    ring = pass_plan(outer, pc, 32, 3).pipelines[0].stages[0]
+    assert ring.mesh_shape == (("data", 1), ("context", 2))
+    got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, [pc], outer))
+           for s, p in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax_leaves(jax_params(model)), jax_leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    passes = {(s.bucket, sum(1 for t in p.groups[0].steps if t.bucket == s.bucket))
+              for _, p in batches for s in p.groups[0].steps}
+    assert len(step._passes) == len(passes)
+
+
+def jax_params(model):
+    import jax
+    from flax import nnx
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
+
+
+def jnp_array(x):
+    import jax.numpy as jnp
+    return jnp.asarray(x)
+
+
+def _outer_of(ways=(2, 2), layers=4):
+    from hetshard.plan import Pipeline, Plan, Stage
+    at, stages = 0, []
+    for k, w in enumerate(ways):
+        stages.append(Stage(k * layers // len(ways), (k + 1) * layers // len(ways),
+                            tuple(range(at, at + w)), "A100-80GB", (("data", w),)))
+        at += w
+    return Plan("m", None, ways[0], 32, (Pipeline(tuple(stages), ways[0], 1, 1),))
+
+
+def test_pass_plans_split_rows_over_ways_or_rows_over_a_context_axis():
+    from hetshard.data import pass_plan
+    pc = PipelineCost("p", (_stage(0, ways=2), _stage(1, ways=4)), 32, (8, 16, 32))
+    outer = _outer_of((2, 4))
+    p8 = pass_plan(outer, pc, 8, 3)  # 4 rows a micro-batch
+    assert [s.mesh_shape for s in p8.pipelines[0].stages] == [(("data", 2),), (("data", 4),)]
+    assert (p8.global_batch, p8.seq_len, p8.pipelines[0].num_micro_batches) == (12, 8, 3)
+    assert p8.pipelines[0].samples_per_micro_batch == 4
+    p32 = pass_plan(outer, pc, 32, 2)  # one row a micro-batch, over every way
+    assert [s.mesh_shape for s in p32.pipelines[0].stages] == [
+        (("data", 1), ("context", 2)), (("data", 1), ("context", 4))]
+    with pytest.raises(SpecError) as e:  # 3 ways and 2 rows: neither divides the other
+        pass_plan(_outer_of((3, 2)), PipelineCost("p", (_stage(0, ways=3), _stage(1)), 32,
+                                                  (16, 32)), 16, 1)
+    assert e.value.field == "outer.pipelines[0].stages[0]"
+
+
+def test_bad_pipeline_plans_are_refused_before_anything_runs():
+    from hetshard.data import run_pipeline_batch_plan
+    pc = _pipe()
+    samples = [np.arange(n, dtype=np.int32) for n in (3, 5, 8)]
+    plan = plan_pipeline_batch([3, 5, 8], [pc])
+    with pytest.raises(SpecError) as e:  # a sample the plan does not place
+        run_pipeline_batch_plan(None, (None,), samples + samples[:1], plan, [pc], _outer_of())
+    assert e.value.field == "plan"
+    two = plan_pipeline_batch([3, 5, 8], [pc, dataclasses.replace(pc, name="q")])
+    with pytest.raises(SpecError) as e:
+        run_pipeline_batch_plan(None, (None,), samples, two, [pc, pc], _outer_of())
+    assert e.value.field == "plan.groups"
+    seeing = [{"tokens": s, "images": np.zeros((0, 4, 4, 3))} for s in samples]
+    with pytest.raises(SpecError) as e:
+        run_pipeline_batch_plan(None, (None,), seeing, plan, [pc], _outer_of())
+    assert e.value.field == "samples"
+
+
+def test_rows_that_a_stages_ways_cannot_split_are_refused(mixed):
+    from hetshard.plan import Pipeline, Plan, Stage
+    profile, cluster = mixed
+    a = tuple(cluster.group_device_ids("a100"))[:6]
+    v = tuple(cluster.group_device_ids("v100"))
+    plan = Plan("llama-7b", cluster, 48, 4096, (Pipeline((
+        Stage(0, 20, a, "A100-80GB", (("data", 6),), remat="full"),
+        Stage(20, 34, v, "V100-32GB", (("data", 8),), remat="full")), 48, 1, 8),),
+        fsdp=True, gpu_dtypes=(("V100-32GB", "float16"),))
+    with pytest.raises(SpecError) as e:
+        pipeline_costs(profile, cluster, plan, max_context=32768)
+    assert e.value.field == "tokens" and "6 data ways" in str(e.value)

@@ -32,11 +32,16 @@ from hetshard.data.planner import (
     lower_bound,
     plan_batch,
 )
-from hetshard.data.runner import micro_step_plan, run_batch_plan
+from hetshard.data.runner import (
+    micro_step_plan,
+    pass_plan,
+    run_batch_plan,
+    run_pipeline_batch_plan,
+)
 
 __all__ = ["IMAGE_TOKEN", "METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
            "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count",
            "PipelineCost", "StageRate", "identical_pipelines", "image_slots_from", "pipeline_bound",
            "pipeline_costs",
-           "plan_pipeline_batch"]
+           "plan_pipeline_batch", "pass_plan", "run_pipeline_batch_plan"]

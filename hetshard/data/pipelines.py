@@ -191,7 +191,8 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
 
     Raises:
       SpecError: ``max_context`` not a power of two at least the profile's length,
-        ``tokens`` not a power of two at least ``max_context``, ``buckets`` outside the
+        ``tokens`` not a power of two at least ``max_context`` or whose rows a stage's
+        data ways neither divide nor are divided by, ``buckets`` outside the
         above, a stage whose devices do not hold the micro-batches its one-forward-
         one-backward schedule keeps in flight (within ``memory_margin``); ``vision``
         without ``image_tokens``, ``images_per_row`` or ``vision_devices`` without
@@ -234,6 +235,14 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
         raise SpecError("encoder_chunk", encoder_chunk, "a whole number of images, at least 1")
     slots = _image_slots(tuple(buckets), int(image_tokens), images_per_row)
     encoders = _vision_devices(vision_devices, plan, cluster)
+    for p in plan.pipelines:  # a micro-batch's rows split over the ways, or rows over them
+        for j, st in enumerate(p.stages):
+            ways = data_ways(st)
+            bad = [b for b in buckets if (tokens // b) % ways and ways % (tokens // b)]
+            if bad:
+                raise SpecError("tokens", tokens,
+                                f"token slots a micro-batch whose rows of buckets {bad} "
+                                f"stage {j}'s {ways} data ways divide, or divide them")
     out = []
     for pi, pipe in enumerate(plan.pipelines):
         stages = []

@@ -22,6 +22,7 @@ where its degree divides them (``hetshard.layout.batch_sharding``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -29,9 +30,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.data.packing import Row, packed_arrays, target_count
+from hetshard.data.pipelines import PipelineCost
 from hetshard.data.planner import BatchPlan, GroupCost
 from hetshard.errors import SpecError
-from hetshard.plan import Context, Pipeline, Plan, Stage
+from hetshard.plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 
 
 def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
@@ -121,3 +123,84 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                                  jax.device_put(part, jax.tree.leaves(total)[0].sharding))
     args[at] = first
     return step.apply_grads(total, *args)
+
+
+def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int) -> Plan:
+    """The plan a pass of ``micro_batches`` micro-batches of ``bucket`` rows
+    (``pipe.rows(bucket)`` each) runs under on ``outer``'s pipeline: its stages, layers,
+    devices and remat; each stage's data ways split a micro-batch's rows, or, with
+    fewer rows than ways, each row over ``ways / rows`` of them as a context axis (the
+    ring).
+
+    Raises:
+      SpecError: rows that a stage's data ways do not divide, or ways that the rows do
+        not divide.
+    """
+    rows = pipe.rows(bucket)
+    stages = []
+    for j, st in enumerate(outer.pipelines[0].stages):
+        ways = data_ways(st)
+        if (rows >= ways and rows % ways) or (rows < ways and ways % rows):
+            raise SpecError(f"outer.pipelines[0].stages[{j}]", f"{ways} data ways",
+                            f"ways that divide, or are divided by, the {rows} rows of a "
+                            f"{bucket}-token micro-batch")
+        data, context = min(rows, ways), max(1, ways // rows)
+        other = [(a, n) for a, n in st.mesh_shape if a not in ("data", "fsdp", "context")]
+        shape = (("data", data),) + ((("context", context),) if context > 1 else ()) + \
+            tuple(other)
+        stages.append(dataclasses.replace(st, mesh_shape=shape, activations=()))
+    first = min(rows, data_ways(outer.pipelines[0].stages[0]))
+    pipeline = Pipeline(tuple(stages), rows * micro_batches, rows // first, micro_batches)
+    return dataclasses.replace(outer, global_batch=rows * micro_batches, seq_len=bucket,
+                               pipelines=(pipeline,), context=Context(),
+                               predicted=Predicted())
+
+
+def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
+                            pipes: Sequence[PipelineCost], outer: Plan, *,
+                            batch_argnum: int = -1):
+    """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
+    rows, ``models.losses.packed_text_loss``) on ``samples`` (1-D token arrays) as
+    ``plan`` (``hetshard.data.plan_pipeline_batch`` on ``pipes``) composes them on
+    ``outer``'s pipeline (a plan of one pipeline over the step's layers): one pass a
+    bucket (``pass_plan``: its micro-batches' rows, part-empty ones padded), walked as
+    one pipeline in the plan's micro-batch order (``HetshardJit.run_passes``); the
+    update applied once. ``args``: the step's arguments with any batch at
+    ``batch_argnum`` (replaced per pass). Returns the step's output.
+
+    Raises:
+      SpecError: a plan that does not place every sample exactly once, a plan or outer
+        plan of more than one pipeline, multimodal samples (a pipeline's vision stage is
+        priced, not run), stages whose data ways a bucket's rows do not fit.
+    """
+    placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
+                    for i in r.samples)
+    if placed != list(range(len(samples))):
+        raise SpecError("plan", f"{len(placed)} placed samples",
+                        f"every one of the {len(samples)} samples exactly once")
+    if len(plan.groups) != 1 or len(pipes) != 1 or len(outer.pipelines) != 1:
+        raise SpecError("plan.groups", len(plan.groups),
+                        "one pipeline's plan on an outer plan of one pipeline")
+    if samples and isinstance(samples[0], Mapping):
+        raise SpecError("samples", "multimodal samples",
+                        "text samples: a pipeline's vision stage is priced, not run yet")
+    pipe = pipes[0]
+    targets = target_count(samples)
+    args = list(args)
+    at = batch_argnum % len(args)
+    steps = plan.groups[0].steps
+    buckets = list(dict.fromkeys(s.bucket for s in steps))
+    order, rows = [], {b: [] for b in buckets}
+    for s in steps:
+        k = buckets.index(s.bucket)
+        order.append((k, len(rows[s.bucket]) // pipe.rows(s.bucket)))
+        rows[s.bucket] += list(s.rows) + [Row(s.bucket, (), ())] * (
+            pipe.rows(s.bucket) - len(s.rows))
+    passes = []
+    for b in buckets:
+        batch = {name: jnp.asarray(v) for name, v in packed_arrays(
+            samples, rows[b], target_tokens=targets).items()}
+        mine = list(args)
+        mine[at] = batch
+        passes.append((pass_plan(outer, pipe, b, len(rows[b]) // pipe.rows(b)), tuple(mine)))
+    return step.run_passes(passes, order)

@@ -341,12 +341,7 @@ class PipelineRunner:
         the transfers that touch them); returns (the step's output, the new state or
         None when ``may_apply(output, finite, loss)`` refused the update: ``finite`` says
         whether the loss and every gradient are finite, on every process)."""
-        if self.clock is not None:
-            self.clock = {}
-        leaves = jax.tree.leaves(state)
-        if self.published is None or len(leaves) != len(self.published) or any(
-                a is not b for a, b in zip(leaves, self.published, strict=True)):
-            self._distribute(leaves)
+        leaves = self.prepare(state)
         batch_leaves = jax.tree.leaves(batch)
         grads, losses = [], []
         start = 0
@@ -366,6 +361,23 @@ class PipelineRunner:
             grads.append(g)
             losses.append(loss)
             start += p.batch_share
+        return self.finish(grads, losses, scale, batch_leaves, leaves, may_apply)
+
+    def prepare(self, state) -> list:
+        """The state's leaves, put on the stages (again only where they changed since
+        the last step): what a step starts from."""
+        if self.clock is not None:
+            self.clock = {}
+        leaves = jax.tree.leaves(state)
+        if self.published is None or len(leaves) != len(self.published) or any(
+                a is not b for a, b in zip(leaves, self.published, strict=True)):
+            self._distribute(leaves)
+        return leaves
+
+    def finish(self, grads, losses, scale: float, batch_leaves, leaves, may_apply):
+        """The rest of a step once its pipelines have walked: ``grads`` (per pipeline,
+        per stage, leaf -> gradient) summed over pipelines, ``losses`` combined, the
+        update applied (see :meth:`step`)."""
         grads = self._sync(grads)
         loss = self._combine_losses(losses)
         new_views, out = [], None
@@ -486,6 +498,10 @@ class PipelineRunner:
 
     def _loss_home(self, pi: int) -> NamedSharding:
         return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
+
+    def loss_home(self, pi: int) -> NamedSharding:
+        """Where pipeline ``pi``'s loss outputs are (its loss stage, replicated)."""
+        return self._loss_home(pi)
 
     def _finite(self, grads, loss) -> tuple[bool, bool]:
         """Whether every gradient, and the combined loss, are finite (all processes

@@ -83,6 +83,12 @@ class PipelineWalk:
         for s, kind, mb in schedule_walk(p.schedule, self.n, self.m, p.virtual_stages,
                                          p.extra_warmup):
             task[kind](s, mb)
+        return self.results()
+
+    def results(self):
+        """After every task ran (:meth:`run`, or a walk driving :meth:`forward` and
+        :meth:`backward` itself): (per stage, parameter leaf -> gradient; the loss
+        outputs on the loss stage)."""
         for run in self.runs:
             run.fwd.release()  # the step's casts (the vjps that read them are gone)
         return self._tied_gradients(), self._outputs()
