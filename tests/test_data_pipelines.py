@@ -570,6 +570,64 @@ def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
     assert len(step._passes) == len(passes)
 
 
+@pytest.mark.slow
+def test_a_per_batch_plan_over_two_pipelines_of_different_speeds_equals_one_device():
+    """Two pipelines of two stages each, one on H100s and one on A100s (8 fake devices):
+    the planner gives the faster more of the batch; each pipeline walks its own passes,
+    their gradients are summed and each applies the update to its copy of the state:
+    losses and weights equal one device's, over two steps."""
+    import optax
+    from flax import nnx
+    from test_data import _one_by_one
+
+    import hetshard
+    import models
+    from hetshard.data import pack, packed_arrays, run_pipeline_batch_plan
+    from hetshard.plan import Pipeline, Plan, Stage
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+
+    cluster = {"name": "two-pipelines", "groups": [
+        {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
+    pipes = [PipelineCost(name, (_stage(0, ways=2, lin=(t, 2 * t), att=(0.01, 0.02)),
+                                 _stage(1, ways=2, lin=(t, 2 * t), att=(0.01, 0.02))),
+                          tokens=32, buckets=(16, 32))
+             for name, t in (("fast", 1.0), ("slow", 2.5))]
+    rng = np.random.default_rng(12)
+    batches = []
+    for _ in range(2):
+        lengths = np.concatenate([rng.integers(17, 33, 3), rng.integers(3, 12, 12)])
+        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+        plan = plan_pipeline_batch(lengths, pipes)
+        done = {g.group: int(lengths[list(g.samples)].sum()) for g in plan.groups}
+        assert done["fast"] > done["slow"] > 0
+        batches.append((samples, plan))
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want = _one_by_one(model, opt, [s for s, _ in batches])
+    want_params = jax_params(model)
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    example = {k: jnp_array(v) for k, v in packed_arrays(
+        batches[0][0], pack([len(x) for x in batches[0][0]], (32,))).items()}
+    program = step.program_for(model, opt, example)
+    n = program.layering(2, False).num_layers
+    outer = Plan(program.name, step.cluster, 8, 32, tuple(Pipeline((
+        Stage(0, n // 2, (o, o + 1), gpu, (("data", 2),)),
+        Stage(n // 2, n, (o + 2, o + 3), gpu, (("data", 2),))), 4, 1, 2)
+        for o, gpu in ((0, "H100-80GB"), (4, "A100-80GB"))),
+        fingerprint=program.model_fingerprint)
+    got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, pipes, outer))
+           for s, p in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax_leaves(jax_params(model)), jax_leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
 def jax_params(model):
     import jax
     from flax import nnx

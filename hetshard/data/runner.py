@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
-from hetshard.data.planner import BatchPlan, GroupCost
+from hetshard.data.planner import BatchPlan, GroupCost, MicroStep
 from hetshard.errors import SpecError
 from hetshard.plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 
@@ -125,9 +125,11 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
     return step.apply_grads(total, *args)
 
 
-def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int) -> Plan:
+def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
+              pipeline: int = 0) -> Plan:
     """The plan a pass of ``micro_batches`` micro-batches of ``bucket`` rows
-    (``pipe.rows(bucket)`` each) runs under on ``outer``'s pipeline: its stages, layers,
+    (``pipe.rows(bucket)`` each) runs under on ``outer``'s pipeline ``pipeline``: its
+    stages, layers,
     devices and remat; each stage's data ways split a micro-batch's rows, or, with
     fewer rows than ways, each row over ``ways / rows`` of them as a context axis (the
     ring).
@@ -138,10 +140,10 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int) 
     """
     rows = pipe.rows(bucket)
     stages = []
-    for j, st in enumerate(outer.pipelines[0].stages):
+    for j, st in enumerate(outer.pipelines[pipeline].stages):
         ways = data_ways(st)
         if (rows >= ways and rows % ways) or (rows < ways and ways % rows):
-            raise SpecError(f"outer.pipelines[0].stages[{j}]", f"{ways} data ways",
+            raise SpecError(f"outer.pipelines[{pipeline}].stages[{j}]", f"{ways} data ways",
                             f"ways that divide, or are divided by, the {rows} rows of a "
                             f"{bucket}-token micro-batch")
         data, context = min(rows, ways), max(1, ways // rows)
@@ -149,7 +151,7 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int) 
         shape = (("data", data),) + ((("context", context),) if context > 1 else ()) + \
             tuple(other)
         stages.append(dataclasses.replace(st, mesh_shape=shape, activations=()))
-    first = min(rows, data_ways(outer.pipelines[0].stages[0]))
+    first = min(rows, data_ways(outer.pipelines[pipeline].stages[0]))
     pipeline = Pipeline(tuple(stages), rows * micro_batches, rows // first, micro_batches)
     return dataclasses.replace(outer, global_batch=rows * micro_batches, seq_len=bucket,
                                pipelines=(pipeline,), context=Context(),
@@ -161,46 +163,53 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
                             batch_argnum: int = -1):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
     rows, ``models.losses.packed_text_loss``) on ``samples`` (1-D token arrays) as
-    ``plan`` (``hetshard.data.plan_pipeline_batch`` on ``pipes``) composes them on
-    ``outer``'s pipeline (a plan of one pipeline over the step's layers): one pass a
-    bucket (``pass_plan``: its micro-batches' rows, part-empty ones padded), walked as
-    one pipeline in the plan's micro-batch order (``HetshardJit.run_passes``); the
-    update applied once. ``args``: the step's arguments with any batch at
-    ``batch_argnum`` (replaced per pass). Returns the step's output.
+    ``plan`` (``hetshard.data.plan_pipeline_batch`` on ``pipes``, one a pipeline of
+    ``outer``) composes them on ``outer``'s pipelines (over the step's layers): one
+    pass a (pipeline, bucket) (``pass_plan``: its micro-batches' rows, part-empty ones
+    padded; a pipeline given no samples runs one empty micro-batch), each pipeline's
+    passes walked as one pipeline in the plan's micro-batch order
+    (``HetshardJit.run_passes``), the gradients summed over the pipelines and the update
+    applied once. ``args``: the step's arguments with any batch at ``batch_argnum``
+    (replaced per pass). Returns the step's output.
 
     Raises:
-      SpecError: a plan that does not place every sample exactly once, a plan or outer
-        plan of more than one pipeline, multimodal samples (a pipeline's vision stage is
-        priced, not run), stages whose data ways a bucket's rows do not fit.
+      SpecError: a plan that does not place every sample exactly once, or whose groups
+        are not ``pipes`` and ``outer``'s pipelines one to one; multimodal samples (a
+        pipeline's vision stage is priced, not run); stages whose data ways a bucket's
+        rows do not fit.
     """
     placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
                     for i in r.samples)
     if placed != list(range(len(samples))):
         raise SpecError("plan", f"{len(placed)} placed samples",
                         f"every one of the {len(samples)} samples exactly once")
-    if len(plan.groups) != 1 or len(pipes) != 1 or len(outer.pipelines) != 1:
-        raise SpecError("plan.groups", len(plan.groups),
-                        "one pipeline's plan on an outer plan of one pipeline")
+    names = [p.name for p in pipes]
+    if [g.group for g in plan.groups] != names or len(outer.pipelines) != len(pipes):
+        raise SpecError("plan.groups", [g.group for g in plan.groups],
+                        f"one plan a pipeline, {names}, on an outer plan of as many "
+                        f"pipelines ({len(outer.pipelines)})")
     if samples and isinstance(samples[0], Mapping):
         raise SpecError("samples", "multimodal samples",
                         "text samples: a pipeline's vision stage is priced, not run yet")
-    pipe = pipes[0]
     targets = target_count(samples)
     args = list(args)
     at = batch_argnum % len(args)
-    steps = plan.groups[0].steps
-    buckets = list(dict.fromkeys(s.bucket for s in steps))
-    order, rows = [], {b: [] for b in buckets}
-    for s in steps:
-        k = buckets.index(s.bucket)
-        order.append((k, len(rows[s.bucket]) // pipe.rows(s.bucket)))
-        rows[s.bucket] += list(s.rows) + [Row(s.bucket, (), ())] * (
-            pipe.rows(s.bucket) - len(s.rows))
-    passes = []
-    for b in buckets:
-        batch = {name: jnp.asarray(v) for name, v in packed_arrays(
-            samples, rows[b], target_tokens=targets).items()}
-        mine = list(args)
-        mine[at] = batch
-        passes.append((pass_plan(outer, pipe, b, len(rows[b]) // pipe.rows(b)), tuple(mine)))
+    passes, order = [], []
+    for pi, (gp, pipe) in enumerate(zip(plan.groups, pipes, strict=True)):
+        steps = gp.steps or (MicroStep(pipe.buckets[0], 1, (), 0.0),)
+        buckets = list(dict.fromkeys(s.bucket for s in steps))
+        rows = {b: [] for b in buckets}
+        first = len(passes)
+        for s in steps:
+            order.append((first + buckets.index(s.bucket),
+                          len(rows[s.bucket]) // pipe.rows(s.bucket)))
+            rows[s.bucket] += list(s.rows) + [Row(s.bucket, (), ())] * (
+                pipe.rows(s.bucket) - len(s.rows))
+        for b in buckets:
+            batch = {name: jnp.asarray(v) for name, v in packed_arrays(
+                samples, rows[b], target_tokens=targets).items()}
+            mine = list(args)
+            mine[at] = batch
+            passes.append((pass_plan(outer, pipe, b, len(rows[b]) // pipe.rows(b), pi),
+                           tuple(mine)))
     return step.run_passes(passes, order)

@@ -13,6 +13,11 @@ passes' gradients and loss outputs are then added, on the first pass's stages, a
 update is applied once (``PipelineRunner.finish``). The batch's rows are weighted for
 that sum: each pass's loss is its share of the whole batch's
 (``hetshard.data.packed_arrays(target_tokens=)``).
+
+Passes on other stages are other pipelines (data-parallel replicas on their own
+devices): each walks its own passes, their sums are added across pipelines (the total
+on every pipeline's holder of each leaf), and each pipeline applies the update to its
+own copy of the state, as ``PipelineRunner`` does for a plan of several pipelines.
 """
 
 from __future__ import annotations
@@ -64,11 +69,54 @@ def _moved(x, sharding):
 
 def mixed_step(runners: Sequence[PipelineRunner], batches: Sequence,
                order: Sequence[tuple[int, int]], state, may_apply):
-    """One step of ``runners``' passes (one runner a shape; ``batches[k]`` the batch of
-    pass ``k``, its micro-batches in its plan's order) walked together, micro-batch
-    ``order[g] = (pass, micro-batch)`` ``g``-th into the pipeline; returns what
-    ``PipelineRunner.step`` returns (the lead runner applies the update)."""
-    check_passes(runners)
+    """One step of ``runners``' passes (one runner a shape and pipeline; ``batches[k]``
+    the batch of pass ``k``, its micro-batches in its plan's order), micro-batch
+    ``order[g] = (pass, micro-batch)`` entering its pipeline ``g``-th. Passes on the
+    same stages are one pipeline, walked together; several pipelines (data-parallel
+    replicas on their own devices) walk one after the other (JAX runs them at once), sum
+    their gradients and loss outputs, and each applies the update to its own copy of the
+    state. Returns what ``PipelineRunner.step`` returns (the first pipeline's)."""
+    pipes: dict = {}  # stages -> the passes on them
+    for k, r in enumerate(runners):
+        key = tuple(st.devices for st in r.plan.pipelines[0].stages)
+        pipes.setdefault(key, []).append(k)
+    seen = sorted(order)
+    want = sorted((k, j) for k, r in enumerate(runners)
+                  for j in range(r.plan.pipelines[0].num_micro_batches))
+    if seen != want:
+        raise PipelineSetupError(f"the order names every pass's micro-batches once "
+                                 f"({len(want)}), not {len(order)} entries")
+    groups = list(pipes.values())
+    for ks in groups:
+        check_passes([runners[k] for k in ks])
+    leads = [runners[ks[0]] for ks in groups]
+    leaves = jax.tree.leaves(state)
+    summed = []
+    for ks in groups:
+        local = {k: n for n, k in enumerate(ks)}
+        mine = [(local[k], j) for k, j in order if k in local]
+        summed.append(_walked([runners[k] for k in ks], [batches[k] for k in ks], mine,
+                              state))
+    if len(leads) > 1:
+        summed = _across(leads, summed)
+    decided: list = []
+
+    def once(out, finite, loss) -> bool:  # every pipeline applies what the first decides
+        if not decided:
+            decided.append(bool(may_apply(out, finite, loss)))
+        return decided[0]
+
+    results = [lead.finish([g], [loss], 1.0, jax.tree.leaves(batches[ks[0]]), leaves, once)
+               for lead, (g, loss), ks in zip(leads, summed, groups, strict=True)]
+    for lead in leads[1:]:  # its copy equals the first's: the caller holds the first's
+        lead.published = leads[0].published
+    return results[0]
+
+
+def _walked(runners: Sequence[PipelineRunner], batches: Sequence,
+            order: Sequence[tuple[int, int]], state):
+    """One pipeline's passes walked as one: (per stage, leaf -> gradient; the loss
+    outputs), the passes' sums on the first pass's stages."""
     lead = runners[0]
     leaves = lead.prepare(state)
     for r in runners[1:]:  # the other passes read the lead's copies
@@ -83,33 +131,65 @@ def mixed_step(runners: Sequence[PipelineRunner], batches: Sequence,
         weights = r.program.piece_weights(
             bl, [(k * mbs, (k + 1) * mbs) for k in range(p.num_micro_batches)])
         walks.append(PipelineWalk(r, 0, bl, 0, 1.0, weights))
-    seen = sorted(order)
-    want = sorted((k, j) for k, r in enumerate(runners)
-                  for j in range(r.plan.pipelines[0].num_micro_batches))
-    if seen != want:
-        raise PipelineSetupError(f"the order names every pass's micro-batches once "
-                                 f"({len(want)}), not {len(order)} entries")
     for s, kind, g in schedule_walk("1f1b", len(lead.runs[0]), len(order)):
         k, j = order[g]
         (walks[k].forward if kind == "F" else walks[k].backward)(s, j)
     results = [w.results() for w in walks]
     # The passes' gradients, and loss outputs, added on the lead's stages.
     grads, loss = results[0]
-    home = lead.runs[0]
     for r, (g, out) in zip(runners[1:], results[1:], strict=True):
-        for si, (mine, theirs) in enumerate(zip(grads, g, strict=True)):
-            run = home[si]
+        for si, theirs in enumerate(g):
             for i, x in theirs.items():
-                src, dst = r.runs[0][si].shardings[i], run.shardings[i]
-                if not takes_part(src, dst):
-                    continue
-                got = transfer([x] if r.runs[0][si].here else None,
-                               [lead.state_avals[i]], [src], [dst])
-                if run.here:
-                    mine[i] = got[0] if mine.get(i) is None else stage_fns.add(mine[i], got[0])
+                _add_into(grads, si, i, lead, r, si, x)
         loss = _added(lead, r, loss, out)
-    return lead.finish([grads], [loss], 1.0,
-                       jax.tree.leaves(batches[0]), leaves, may_apply)
+    return grads, loss
+
+
+def _add_into(grads, si: int, i: int, lead: PipelineRunner, r: PipelineRunner, sj: int,
+              x) -> None:
+    """``grads[si][i]`` (on ``lead``'s stage ``si``) plus ``x`` (leaf ``i``'s gradient
+    on ``r``'s stage ``sj``)."""
+    src, dst = r.runs[0][sj].shardings[i], lead.runs[0][si].shardings[i]
+    if not takes_part(src, dst):
+        return
+    got = transfer([x] if r.runs[0][sj].here else None, [lead.state_avals[i]], [src], [dst])
+    if lead.runs[0][si].here:
+        held = grads[si].get(i)
+        grads[si][i] = got[0] if held is None else stage_fns.add(held, got[0])
+
+
+def _holder(grads, i: int) -> int:
+    return next(s for s, g in enumerate(grads) if i in g)
+
+
+def _across(leads: Sequence[PipelineRunner], summed: list) -> list:
+    """The pipelines' gradients and loss outputs summed, the total on each pipeline's
+    holder of each leaf (and its loss stage)."""
+    first, (grads, loss) = leads[0], summed[0]
+    for lead, (g, out) in zip(leads[1:], summed[1:], strict=True):
+        for sj, theirs in enumerate(g):
+            for i, x in theirs.items():
+                _add_into(grads, _holder(grads, i), i, first, lead, sj, x)
+        loss = _added(first, lead, loss, out)
+    out = [(grads, loss)]
+    for lead, (g, _) in zip(leads[1:], summed[1:], strict=True):
+        total = [dict.fromkeys(d) for d in g]
+        for sj, d in enumerate(g):
+            for i in d:
+                si = _holder(grads, i)
+                src, dst = first.runs[0][si].shardings[i], lead.runs[0][sj].shardings[i]
+                if takes_part(src, dst):
+                    got = transfer([grads[si][i]] if first.runs[0][si].here else None,
+                                   [first.state_avals[i]], [src], [dst])
+                    if lead.runs[0][sj].here:
+                        total[sj][i] = got[0]
+        home, dst = first.loss_home(0), lead.loss_home(0)
+        n = len(first.loss_out_avals)
+        moved = transfer(list(loss) if loss is not None and here(home) else None,
+                         list(first.loss_out_avals), [home] * n, [dst] * n) \
+            if takes_part(home, dst) else None
+        out.append((total, moved))
+    return out
 
 
 def _added(lead: PipelineRunner, r: PipelineRunner, loss, out):
