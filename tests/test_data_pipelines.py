@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -508,6 +510,71 @@ def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_paddin
 
 # ---- running a pipeline's per-batch plan ---------------------------------------------------
 
+def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
+                                        model_name="llama-tiny"):
+    """Train ``model_name`` (llama-tiny, or llava-tiny on multimodal samples) on
+    ``batches`` ((samples, BatchPlan) pairs) with
+    ``run_pipeline_batch_plan`` on an outer plan of ``pipelines`` ((first device, GPU)
+    of each two-stage pipeline, two data ways a stage); assert its losses and weights
+    equal one device training the samples one by one. Returns the step and the outer
+    plan."""
+    import optax
+    from flax import nnx
+    from test_data import _one_by_one
+
+    import hetshard
+    import models
+    from hetshard.data import pack, packed_arrays, run_pipeline_batch_plan
+    from hetshard.plan import Pipeline, Plan, Stage
+    from models.losses import packed_mllm_loss, packed_text_loss
+    from models.steps import train_step
+
+    seeing = model_name.startswith("llava")
+    model = models.build(model_name, rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want = _one_by_one(model, opt, [s for s, _ in batches])
+    want_params = _params(model)
+
+    model = models.build(model_name, rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_mllm_loss if seeing else packed_text_loss),
+                        cluster=cluster, quiet=True)
+    first = batches[0][0]
+    top = pipes[0].buckets[-1]
+    extra = dict(images_per_row=pipes[0].images_of(top),
+                 image_tokens=pipes[0].image_tokens) if seeing else {}
+    example = {k: jnp.asarray(v) for k, v in packed_arrays(first, pack(
+        [len(x["tokens"] if seeing else x) for x in first], (top,)), **extra).items()}
+    program = step.program_for(model, opt, example)
+    n = program.layering(2, False).num_layers
+    outer = Plan(program.name, step.cluster, 4 * len(pipelines), top, tuple(Pipeline((
+        Stage(0, n // 2, (o, o + 1), gpu, (("data", 2),)),
+        Stage(n // 2, n, (o + 2, o + 3), second or gpu, (("data", 2),))), 4, 1, 2)
+        for o, gpu, second in pipelines), fingerprint=program.model_fingerprint)
+    got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, pipes, outer))
+           for s, p in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(_params(model)), jax.tree.leaves(want_params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    return step, outer
+
+
+def _params(model):
+    from flax import nnx
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def _batches(pipes, seed, long, short):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        lengths = np.concatenate([rng.integers(17, 33, long), rng.integers(3, 12, short)])
+        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+        out.append((samples, plan_pipeline_batch(lengths, pipes)))
+    return out
+
+
 @pytest.mark.slow
 def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
     """llama-tiny on a two-stage pipeline (2 A100s, then 2 H100s, a data way each):
@@ -516,16 +583,7 @@ def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
     micro-batch of both shapes walked as one pipeline in the plan's order, the update
     applied once: losses and weights equal one device training the samples one by one,
     over two steps; one compiled pass a (bucket, micro-batch count)."""
-    import optax
-    from flax import nnx
-    from test_data import _one_by_one
-
-    import hetshard
-    import models
-    from hetshard.data import pack, packed_arrays, pass_plan, run_pipeline_batch_plan
-    from hetshard.plan import Pipeline, Plan, Stage
-    from models.losses import packed_text_loss
-    from models.steps import train_step
+    from hetshard.data import pass_plan
 
     cluster = {"name": "two-types", "groups": [
         {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
@@ -533,38 +591,12 @@ def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
     pc = PipelineCost("p", (_stage(0, ways=2, lin=(2.0, 4.0), att=(0.01, 0.02)),
                             _stage(1, ways=2, lin=(1.0, 2.0), att=(0.02, 0.04))),
                       tokens=32, buckets=(16, 32))
-    rng = np.random.default_rng(11)
-    batches = []
-    for _ in range(2):
-        lengths = np.concatenate([rng.integers(17, 33, 2), rng.integers(3, 12, 9)])
-        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
-        plan = plan_pipeline_batch(lengths, [pc])
-        assert {s.bucket for s in plan.groups[0].steps} == {16, 32}
-        batches.append((samples, plan))
-
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    want = _one_by_one(model, opt, [s for s, _ in batches])
-    want_params = jax_params(model)
-
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
-    example = {k: jnp_array(v) for k, v in packed_arrays(
-        batches[0][0], pack([len(x) for x in batches[0][0]], (32,))).items()}
-    program = step.program_for(model, opt, example)
-    n = program.layering(2, False).num_layers
-    outer = Plan(program.name, step.cluster, 4, 32, (Pipeline((
-        Stage(0, n // 2, (0, 1), "A100-80GB", (("data", 2),)),
-        Stage(n // 2, n, (2, 3), "H100-80GB", (("data", 2),))), 4, 1, 2),),
-        fingerprint=program.model_fingerprint)
+    batches = _batches([pc], 11, 2, 9)
+    assert all({s.bucket for s in p.groups[0].steps} == {16, 32} for _, p in batches)
+    step, outer = _pipeline_plans_train_as_one_device(
+        cluster, [pc], batches, [(0, "A100-80GB", "H100-80GB")])
     ring = pass_plan(outer, pc, 32, 3).pipelines[0].stages[0]
     assert ring.mesh_shape == (("data", 1), ("context", 2))
-    got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, [pc], outer))
-           for s, p in batches]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(jax_leaves(jax_params(model)), jax_leaves(want_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     passes = {(s.bucket, sum(1 for t in p.groups[0].steps if t.bucket == s.bucket))
               for _, p in batches for s in p.groups[0].steps}
     assert len(step._passes) == len(passes)
@@ -576,17 +608,6 @@ def test_a_per_batch_plan_over_two_pipelines_of_different_speeds_equals_one_devi
     the planner gives the faster more of the batch; each pipeline walks its own passes,
     their gradients are summed and each applies the update to its copy of the state:
     losses and weights equal one device's, over two steps."""
-    import optax
-    from flax import nnx
-    from test_data import _one_by_one
-
-    import hetshard
-    import models
-    from hetshard.data import pack, packed_arrays, run_pipeline_batch_plan
-    from hetshard.plan import Pipeline, Plan, Stage
-    from models.losses import packed_text_loss
-    from models.steps import train_step
-
     cluster = {"name": "two-pipelines", "groups": [
         {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4},
         {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]}
@@ -594,54 +615,12 @@ def test_a_per_batch_plan_over_two_pipelines_of_different_speeds_equals_one_devi
                                  _stage(1, ways=2, lin=(t, 2 * t), att=(0.01, 0.02))),
                           tokens=32, buckets=(16, 32))
              for name, t in (("fast", 1.0), ("slow", 2.5))]
-    rng = np.random.default_rng(12)
-    batches = []
-    for _ in range(2):
-        lengths = np.concatenate([rng.integers(17, 33, 3), rng.integers(3, 12, 12)])
-        samples = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
-        plan = plan_pipeline_batch(lengths, pipes)
-        done = {g.group: int(lengths[list(g.samples)].sum()) for g in plan.groups}
+    batches = _batches(pipes, 12, 3, 12)
+    for samples, plan in batches:
+        done = {g.group: sum(len(samples[i]) for i in g.samples) for g in plan.groups}
         assert done["fast"] > done["slow"] > 0
-        batches.append((samples, plan))
-
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    want = _one_by_one(model, opt, [s for s, _ in batches])
-    want_params = jax_params(model)
-
-    model = models.build("llama-tiny", rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
-    example = {k: jnp_array(v) for k, v in packed_arrays(
-        batches[0][0], pack([len(x) for x in batches[0][0]], (32,))).items()}
-    program = step.program_for(model, opt, example)
-    n = program.layering(2, False).num_layers
-    outer = Plan(program.name, step.cluster, 8, 32, tuple(Pipeline((
-        Stage(0, n // 2, (o, o + 1), gpu, (("data", 2),)),
-        Stage(n // 2, n, (o + 2, o + 3), gpu, (("data", 2),))), 4, 1, 2)
-        for o, gpu in ((0, "H100-80GB"), (4, "A100-80GB"))),
-        fingerprint=program.model_fingerprint)
-    got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, pipes, outer))
-           for s, p in batches]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(jax_leaves(jax_params(model)), jax_leaves(want_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-
-
-def jax_params(model):
-    import jax
-    from flax import nnx
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def jax_leaves(tree):
-    import jax
-    return jax.tree.leaves(tree)
-
-
-def jnp_array(x):
-    import jax.numpy as jnp
-    return jnp.asarray(x)
+    _pipeline_plans_train_as_one_device(cluster, pipes, batches,
+                                        [(0, "H100-80GB", None), (4, "A100-80GB", None)])
 
 
 def _outer_of(ways=(2, 2), layers=4):
@@ -701,3 +680,38 @@ def test_rows_that_a_stages_ways_cannot_split_are_refused(mixed):
     with pytest.raises(SpecError) as e:
         pipeline_costs(profile, cluster, plan, max_context=32768)
     assert e.value.field == "tokens" and "6 data ways" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_multimodal_pipeline_plan_with_the_encoder_in_the_first_stage_equals_one_device():
+    """llava-tiny samples with 0-3 images each (16 decoder tokens an image) on a
+    two-stage pipeline whose first stage runs the vision encoder: 32-token rows (two
+    image slots) two a micro-batch, 64-token rows (three slots) over both ways as a
+    ring (the encoder's patch attention whole); every row's images padded to its
+    bucket's slots. Losses and weights over two steps equal one device training the
+    samples one by one."""
+    from hetshard.data import IMAGE_TOKEN
+
+    cluster = {"name": "two-types", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 2}]}
+    pc = PipelineCost("p", (dataclasses.replace(_stage(0, ways=2), image_fwd_s=2.0,
+                                                image_bwd_s=4.0),
+                            _stage(1, ways=2, lin=(0.5, 1.0))),
+                      tokens=64, buckets=(32, 64), image_tokens=16, image_slots=(2, 3))
+    rng = np.random.default_rng(6)
+    batches = []
+    for _ in range(2):
+        text = np.concatenate([rng.integers(10, 16, 2), rng.integers(2, 10, 8)])
+        images = rng.integers(0, 3, text.size)
+        images[:2] = (3, 2)  # long samples, one with a full row's images
+        samples = []
+        for n, k in zip(text.tolist(), images.tolist(), strict=True):
+            tok = rng.integers(0, 256, n).astype(np.int32)
+            tok = np.concatenate([tok[:1], np.full(16 * k, IMAGE_TOKEN, np.int32), tok[1:]])
+            samples.append({"tokens": tok,
+                            "images": rng.normal(size=(k, 16, 16, 3)).astype(np.float32)})
+        batches.append((samples, plan_pipeline_batch(text, [pc], images=images)))
+    assert {s.bucket for _, p in batches for s in p.groups[0].steps} == {32, 64}
+    _pipeline_plans_train_as_one_device(cluster, [pc], batches,
+                                        [(0, "A100-80GB", "H100-80GB")], "llava-tiny")

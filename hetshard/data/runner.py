@@ -162,7 +162,10 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
                             pipes: Sequence[PipelineCost], outer: Plan, *,
                             batch_argnum: int = -1):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
-    rows, ``models.losses.packed_text_loss``) on ``samples`` (1-D token arrays) as
+    rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
+    samples with the encoder in the first stage) on ``samples`` (1-D token arrays, or
+    mappings ``{"tokens", "images"}`` as ``packed_arrays`` takes them, each row's images
+    padded to its bucket's slots) as
     ``plan`` (``hetshard.data.plan_pipeline_batch`` on ``pipes``, one a pipeline of
     ``outer``) composes them on ``outer``'s pipelines (over the step's layers): one
     pass a (pipeline, bucket) (``pass_plan``: its micro-batches' rows, part-empty ones
@@ -174,9 +177,9 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
 
     Raises:
       SpecError: a plan that does not place every sample exactly once, or whose groups
-        are not ``pipes`` and ``outer``'s pipelines one to one; multimodal samples (a
-        pipeline's vision stage is priced, not run); stages whose data ways a bucket's
-        rows do not fit.
+        are not ``pipes`` and ``outer``'s pipelines one to one; multimodal samples on
+        pipelines without an encoder or with a vision stage of its own (priced, not
+        run); stages whose data ways a bucket's rows do not fit.
     """
     placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
                     for i in r.samples)
@@ -188,9 +191,12 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
         raise SpecError("plan.groups", [g.group for g in plan.groups],
                         f"one plan a pipeline, {names}, on an outer plan of as many "
                         f"pipelines ({len(outer.pipelines)})")
-    if samples and isinstance(samples[0], Mapping):
+    multimodal = bool(samples) and isinstance(samples[0], Mapping)
+    if multimodal and any(not p.image_tokens or p.encoder_stage is not None for p in pipes):
         raise SpecError("samples", "multimodal samples",
-                        "text samples: a pipeline's vision stage is priced, not run yet")
+                        "text samples, or pipelines priced with the vision encoder in "
+                        "their first stage (pipeline_costs(vision=) without "
+                        "vision_devices: a vision stage of its own is priced, not run)")
     targets = target_count(samples)
     args = list(args)
     at = batch_argnum % len(args)
@@ -206,8 +212,10 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
             rows[s.bucket] += list(s.rows) + [Row(s.bucket, (), ())] * (
                 pipe.rows(s.bucket) - len(s.rows))
         for b in buckets:
+            extra = dict(images_per_row=pipe.images_of(b),
+                         image_tokens=pipe.image_tokens) if multimodal else {}
             batch = {name: jnp.asarray(v) for name, v in packed_arrays(
-                samples, rows[b], target_tokens=targets).items()}
+                samples, rows[b], target_tokens=targets, **extra).items()}
             mine = list(args)
             mine[at] = batch
             passes.append((pass_plan(outer, pipe, b, len(rows[b]) // pipe.rows(b), pi),
