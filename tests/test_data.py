@@ -651,19 +651,14 @@ def test_a_plan_on_replicas_of_one_gpu_type_with_long_remat_rows_equals_one_devi
     assert stage.remat == "full" and stage.devices == (0, 1)
 
 
-@pytest.mark.slow
-def test_a_multimodal_per_batch_plan_runs_equal_to_one_device():
-    """llava-tiny samples with 0-3 images each (16 decoder tokens an image), planned on
-    two groups of different speeds with image slots sized per bucket: rows of the long
-    bucket over a context group of 2 (the encoder's patch attention left whole, the
-    decoder's a ring), every row's images padded to its bucket's slots. Losses and
-    weights over two steps equal one device training the samples one by one."""
+def multimodal_batches(seed: int, plan):
+    """Two (samples, plan) batches of llava-tiny samples: two long ones (3 and 2 images)
+    and eight short, 0-3 images each (16 decoder tokens an image, ``IMAGE_TOKEN``
+    placeholders after the first text token); ``plan(text lengths, images)``."""
     from hetshard.data import IMAGE_TOKEN
 
-    cluster, groups = _two_speeds(2.0, chunk=32, attention=400, layers=2, buckets=(32, 64),
-                                  image_tokens=16, image_slots=(2, 3), image_s=4.0)
-    rng = np.random.default_rng(6)
-    batches = []
+    rng = np.random.default_rng(seed)
+    out = []
     for _ in range(2):
         text = np.concatenate([rng.integers(10, 16, 2), rng.integers(2, 10, 8)])
         images = rng.integers(0, 3, text.size)
@@ -674,8 +669,21 @@ def test_a_multimodal_per_batch_plan_runs_equal_to_one_device():
             tok = np.concatenate([tok[:1], np.full(16 * k, IMAGE_TOKEN, np.int32), tok[1:]])
             samples.append({"tokens": tok,
                             "images": rng.normal(size=(k, 16, 16, 3)).astype(np.float32)})
-        plan = plan_batch(text, groups, images=images, bound=False)
-        batches.append((samples, plan))
+        out.append((samples, plan(text, images)))
+    return out
+
+
+@pytest.mark.slow
+def test_a_multimodal_per_batch_plan_runs_equal_to_one_device():
+    """llava-tiny samples with 0-3 images each (16 decoder tokens an image), planned on
+    two groups of different speeds with image slots sized per bucket: rows of the long
+    bucket over a context group of 2 (the encoder's patch attention left whole, the
+    decoder's a ring), every row's images padded to its bucket's slots. Losses and
+    weights over two steps equal one device training the samples one by one."""
+    cluster, groups = _two_speeds(2.0, chunk=32, attention=400, layers=2, buckets=(32, 64),
+                                  image_tokens=16, image_slots=(2, 3), image_s=4.0)
+    batches = multimodal_batches(
+        6, lambda text, images: plan_batch(text, groups, images=images, bound=False))
     rows = [(g.group, s.bucket, s.degree, r) for _, p in batches for g in p.groups
             for s in g.steps for r in s.rows]
     assert any(d == 2 for _, _, d, _ in rows)

@@ -690,7 +690,7 @@ def test_a_multimodal_pipeline_plan_with_the_encoder_in_the_first_stage_equals_o
     ring (the encoder's patch attention whole); every row's images padded to its
     bucket's slots. Losses and weights over two steps equal one device training the
     samples one by one."""
-    from hetshard.data import IMAGE_TOKEN
+    from test_data import multimodal_batches
 
     cluster = {"name": "two-types", "groups": [
         {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
@@ -699,19 +699,8 @@ def test_a_multimodal_pipeline_plan_with_the_encoder_in_the_first_stage_equals_o
                                                 image_bwd_s=4.0),
                             _stage(1, ways=2, lin=(0.5, 1.0))),
                       tokens=64, buckets=(32, 64), image_tokens=16, image_slots=(2, 3))
-    rng = np.random.default_rng(6)
-    batches = []
-    for _ in range(2):
-        text = np.concatenate([rng.integers(10, 16, 2), rng.integers(2, 10, 8)])
-        images = rng.integers(0, 3, text.size)
-        images[:2] = (3, 2)  # long samples, one with a full row's images
-        samples = []
-        for n, k in zip(text.tolist(), images.tolist(), strict=True):
-            tok = rng.integers(0, 256, n).astype(np.int32)
-            tok = np.concatenate([tok[:1], np.full(16 * k, IMAGE_TOKEN, np.int32), tok[1:]])
-            samples.append({"tokens": tok,
-                            "images": rng.normal(size=(k, 16, 16, 3)).astype(np.float32)})
-        batches.append((samples, plan_pipeline_batch(text, [pc], images=images)))
+    batches = multimodal_batches(
+        6, lambda text, images: plan_pipeline_batch(text, [pc], images=images))
     assert {s.bucket for _, p in batches for s in p.groups[0].steps} == {32, 64}
     _pipeline_plans_train_as_one_device(cluster, [pc], batches,
                                         [(0, "A100-80GB", "H100-80GB")], "llava-tiny")

@@ -496,12 +496,9 @@ class PipelineRunner:
                             grads[pi][s][leaves[j]] = x
         return grads
 
-    def _loss_home(self, pi: int) -> NamedSharding:
-        return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
-
     def loss_home(self, pi: int) -> NamedSharding:
         """Where pipeline ``pi``'s loss outputs are (its loss stage, replicated)."""
-        return self._loss_home(pi)
+        return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
 
     def _finite(self, grads, loss) -> tuple[bool, bool]:
         """Whether every gradient, and the combined loss, are finite (all processes
@@ -527,10 +524,10 @@ class PipelineRunner:
     def _combine_losses(self, losses):
         """The loss outputs summed over pipelines, on pipeline 0's loss stage (None in a
         process without it)."""
-        home, n = self._loss_home(0), len(self.loss_out_avals)
+        home, n = self.loss_home(0), len(self.loss_out_avals)
         total = list(losses[0]) if here(home) else None
         for pi in range(1, len(losses)):
-            src = self._loss_home(pi)
+            src = self.loss_home(pi)
             if not takes_part(src, home):
                 continue
             avals = self.program.outputs_for(self.loss_out_avals,
@@ -545,7 +542,7 @@ class PipelineRunner:
 
     def _loss_to(self, loss, mesh):
         """The combined loss replicated on ``mesh`` (None where this process lacks it)."""
-        home, dst = self._loss_home(0), NamedSharding(mesh, PartitionSpec())
+        home, dst = self.loss_home(0), NamedSharding(mesh, PartitionSpec())
         if not takes_part(home, dst):
             return None
         k = len(self.loss_out_avals)
