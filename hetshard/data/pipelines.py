@@ -30,12 +30,20 @@ Per batch this module decides:
 * **order**: the micro-batches' order, priced by the exact one-forward-one-backward
   walk (``hetshard.sim.schedule.time_varied``): every order for up to
   ``EXACT_ORDER`` micro-batches, else the best of four (as packed, heaviest first,
-  lightest first, alternating the stages they weigh on) improved by adjacent swaps.
+  lightest first, alternating the stages they weigh on), the chosen drafts then
+  improved by a pass of adjacent swaps.
+
+Multimodal batches: the vision encoder runs with each pipeline's first stage (every
+image slot of a row encoded, padding too), or on a vision stage of its own in front of
+the language model (``pipeline_costs(vision_devices=)``), which encodes a micro-batch's
+own images in passes of ``encoder_chunk`` a device; placement then decides each
+pipeline's vision stage's share of the images, and the deal weighs images too.
 
 The result is a ``BatchPlan`` (one ``GroupPlan`` per pipeline, its micro-batches in the
 order they run) with a lower bound: fractional placement of the samples over the
-pipelines where every stage does every sample's tokens and attention, no padding, no
-ring, no fill or drain (exact for one pipeline, OR-tools' GLOP for more).
+pipelines where every stage does every sample's tokens, attention and images, no
+padding, no ring, no fill or drain (exact for one pipeline, OR-tools' GLOP for more).
+``hetshard.data.run_pipeline_batch_plan`` runs it (``hetshard.runtime.mixed``).
 """
 
 from __future__ import annotations
@@ -161,7 +169,9 @@ class PipelineCost:
 
     @property
     def widest(self) -> int:
-        return max(s.ways for s in self.stages)
+        """The most data ways of a language-model stage (a vision stage's ways do not
+        split rows)."""
+        return max(s.ways for s in self.stages if s.layers)
 
 
 def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_context: int,
