@@ -20,6 +20,7 @@ from hetshard.data import (
     pack,
     packed_arrays,
     plan_batch,
+    planner,
 )
 from hetshard.data.packing import Packing
 from hetshard.data.planner import _compose, _group_plan, _lp_bound, _Pricer, _two_group_bound
@@ -160,6 +161,36 @@ def test_moving_samples_off_the_slowest_group_never_slows_a_plan():
         faster += moved.step_time_s < alone.step_time_s - 1e-9
         assert sorted(i for g in moved.groups for i in g.samples) == list(range(25))
     assert faster >= 10
+
+
+def test_a_part_empty_micro_step_moves_whole_to_a_group_with_room(monkeypatch):
+    """The slowest group's sparsest part-empty micro-step is offered whole to the groups
+    with room for its rows in a micro-step of that bucket: that group then runs one
+    micro-step less, which no move of single samples (priced without the coarse
+    micro-steps) finds. Against the search without that move, on replicas of a fast
+    type beside a slow one: a quarter of the batches faster, and faster in total."""
+    def groups():
+        out, start = [], 0
+        for name, n, token_s, attn in (("a/0", 4, 1.0, 0.01), ("a/1", 4, 1.0, 0.01),
+                                       ("b", 8, 2.5, 0.03)):
+            out.append(GroupCost(name=name, gpu=name[0], devices=tuple(range(start, start + n)),
+                                 chunk=8, token_s=token_s, attention_s=attn,
+                                 attention_fwd_share=0.3, layers=2, kv_bytes_per_token=0.0,
+                                 buckets=(8, 32)))
+            start += n
+        return tuple(out)
+
+    rng = np.random.default_rng(0)
+    batches = [np.minimum(rng.geometric(0.2, 160), 32) for _ in range(30)]
+    with_move = [plan_batch(b, groups(), bound=False) for b in batches]
+    monkeypatch.setattr(planner, "_sparsest_step", lambda *a: None)
+    without = [plan_batch(b, groups(), bound=False) for b in batches]
+    faster = sum(a.step_time_s < b.step_time_s - 1e-9
+                 for a, b in zip(with_move, without, strict=True))
+    assert faster >= len(batches) // 4, faster
+    assert sum(a.step_time_s for a in with_move) < sum(b.step_time_s for b in without)
+    for plan, lengths in zip(with_move, batches, strict=True):
+        assert sorted(i for g in plan.groups for i in g.samples) == list(range(lengths.size))
 
 
 def test_the_planner_gives_the_fast_group_more_work():

@@ -12,7 +12,8 @@ milliseconds:
   (Graham 1969) on machines of different speeds, each sample to the group where it
   finishes earliest, then re-run with each group's priced-to-estimated ratio until the
   priced step time stops improving; then a few moves of samples from the slowest group
-  to the one that finishes first, each kept where the priced step falls;
+  (its sparsest part-empty micro-step whole, to a group with room for those rows; or
+  samples, to the group that finishes first), each kept where the priced step falls;
 * **packing** per group into rows of the group's buckets (``hetshard.data.packing``);
 * **context parallelism per sequence**: a row of bucket ``B`` runs over ``B / chunk``
   devices (the K/V ring of ``hetshard.kernels.ring_attention``), so a long document
@@ -907,9 +908,10 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
 def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndarray,
                img: np.ndarray | None, moves: int):
     """Local search on a placement ``best`` = (step, parts, drafts): the slowest group
-    hands the group that finishes first its shortest samples, worth a half or a quarter
-    of the difference between them (priced on the receiver, no padding), or its
-    longest sample; a move is kept where the priced step falls. Micro-
+    hands its sparsest part-empty micro-step whole to a group with room for its rows
+    (``_sparsest_step``), or the group that finishes first its shortest samples, worth
+    a half or a quarter of the difference between them (priced on the receiver, no
+    padding), or its longest sample; a move is kept where the priced step falls. Micro-
     steps are coarse (a step of short rows is one row a device), so the placement's
     estimate misses by up to a micro-step a group; the priced plans do not."""
     worst, parts, seen = best
@@ -922,9 +924,15 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
             break
         order = mine[np.argsort(lengths[mine], kind="stable")]
         gain = np.cumsum(costs[j, order] / n[j])
-        tries = [order[:max(1, int(np.searchsorted(gain, f * (times[k] - times[j]))))]
-                 for f in (0.5, 0.25)] + [order[-1:]]
-        for moved in tries:
+        tries = [(order[:max(1, int(np.searchsorted(gain, f * (times[k] - times[j]))))], j)
+                 for f in (0.5, 0.25)] + [(order[-1:], j)]
+        sparse = _sparsest_step(seen[k], pricers[k].g.n)
+        if sparse is not None:  # first to the groups with room for its rows, then to j
+            moved, bucket, rows = sparse
+            room = [i for i in np.argsort(times).tolist() if i != k
+                    and _room(seen[i], pricers[i].g, bucket) >= rows]
+            tries[:0] = [(moved, i) for i in (room[:2] or [j])]
+        for moved, j in tries:
             if not np.isfinite(costs[j, moved]).all() or moved.size >= mine.size:
                 continue
             keep = np.setdiff1d(mine, moved, assume_unique=True)
@@ -941,6 +949,31 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
         else:
             break  # no move helps
     return worst, parts, tuple(seen)
+
+
+def _sparsest_step(draft: _Draft, devices: int):
+    """(samples, bucket, rows) of ``draft``'s part-empty micro-step with the fewest rows
+    a device slot (None if every micro-step is full): moved whole, the group runs one
+    micro-step less, and a group with room in a part-empty micro-step of that bucket
+    takes them almost for free. The sample moves cannot see this: they price samples,
+    not the coarse micro-steps they fill."""
+    p = draft.packing
+    if p is None:
+        return None
+    best, fill = None, 1.0
+    for bucket, d, idx, _ in draft.steps:
+        f = idx.size / (devices // d)
+        if f < fill:
+            best, fill = (idx, bucket), f
+    if best is None:
+        return None
+    idx, bucket = best
+    return p.samples[ranges(p.starts[idx], p.counts[idx])], bucket, idx.size
+
+
+def _room(draft: _Draft, g: GroupCost, bucket: int) -> int:
+    """Empty row slots in ``draft``'s micro-steps of ``bucket`` on ``g``."""
+    return sum(g.n // d - idx.size for b, d, idx, _ in draft.steps if b == bucket)
 
 
 def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
