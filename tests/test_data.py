@@ -95,13 +95,39 @@ def test_geometric_buckets():
 
 @pytest.mark.parametrize("lengths, field", [
     ([5, 0, 3], "lengths[1]"), ([5, -2], "lengths[1]"), ([5, 2.5], "lengths[1]"),
-    ([], "lengths"), ([5, 17], "lengths[1]")])
+    ([], "lengths"), ([5, 17], "lengths[1]"), ([5, "7"], "lengths[1]"),
+    ([5, True], "lengths[1]"), ([5, float("nan")], "lengths[1]"), ([5, 10 ** 30], "lengths[1]"),
+    ([[5, 2], [3]], "lengths")])
 def test_malformed_sample_lists_are_refused_naming_the_sample(lengths, field):
     with pytest.raises(SpecError) as e:
         plan_batch(lengths, _groups(), bound=False)
     assert e.value.field == field
     with pytest.raises(SpecError):
         pack(lengths, (8, 16))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(groups="g0"), "groups[0]"), (dict(groups=[1]), "groups[0]"), (dict(groups=()), "groups"),
+    (dict(rounds=0), "rounds"), (dict(moves=-1), "moves"), (dict(moves="3"), "moves"),
+    (dict(rounds=True), "rounds"), (dict(max_context=0), "max_context"),
+    (dict(images=[-1, 0]), "images[0]"), (dict(images=[0.5, 0]), "images[0]")])
+def test_bad_planner_arguments_are_refused_naming_the_field(kwargs, field):
+    args = {"groups": _groups(), "bound": False, **kwargs}
+    with pytest.raises(SpecError) as e:
+        plan_batch([4, 4], args.pop("groups"), **args)
+    assert e.value.field == field
+    with pytest.raises(SpecError, match="g0' twice") as e:  # a plan names its groups
+        plan_batch([4, 4], (_groups()[0], _groups()[0]))
+    assert e.value.field == "groups"
+    with pytest.raises(SpecError) as e:
+        lower_bound([], _groups())
+    assert e.value.field == "lengths"
+
+
+def test_packed_arrays_refuse_rows_naming_samples_not_in_the_list():
+    with pytest.raises(SpecError) as e:
+        packed_arrays([np.arange(3)], [Row(8, (0, 1), (3, 3))])
+    assert e.value.field == "rows[0].samples"
 
 
 def test_images_need_a_vision_encoder_and_one_count_per_sample():

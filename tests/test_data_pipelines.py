@@ -219,7 +219,21 @@ def test_bad_pipelines_and_methods_are_refused():
     with pytest.raises(SpecError, match="pipes"):
         plan_pipeline_batch([1, 2], [])
     with pytest.raises(SpecError, match="same buckets"):
-        plan_pipeline_batch([1, 2], [_pipe(), _pipe(buckets=(8,))])
+        plan_pipeline_batch([1, 2], [_pipe(), _pipe("q", buckets=(8,))])
+    for pipes, field in (("p", "pipes[0]"), ([_pipe(), 3], "pipes[1]"),
+                         ([_pipe(), _pipe()], "pipes")):
+        with pytest.raises(SpecError) as e:
+            plan_pipeline_batch([1, 2], pipes)
+        assert e.value.field == field
+        with pytest.raises(SpecError) as e:
+            pipeline_bound([1, 2], pipes)
+        assert e.value.field == field
+    with pytest.raises(SpecError) as e:
+        plan_pipeline_batch([1, 2], [_pipe()], rounds=0)
+    assert e.value.field == "rounds"
+    with pytest.raises(SpecError) as e:
+        pipeline_bound([], [_pipe()])
+    assert e.value.field == "lengths"
 
 
 # ---- costs from the simulator -------------------------------------------------------------
@@ -659,9 +673,19 @@ def test_bad_pipeline_plans_are_refused_before_anything_runs():
         run_pipeline_batch_plan(None, (None,), samples + samples[:1], plan, [pc], _outer_of())
     assert e.value.field == "plan"
     two = plan_pipeline_batch([3, 5, 8], [pc, dataclasses.replace(pc, name="q")])
-    with pytest.raises(SpecError) as e:
-        run_pipeline_batch_plan(None, (None,), samples, two, [pc, pc], _outer_of())
+    with pytest.raises(SpecError) as e:  # pipelines named as the plan's groups are not
+        run_pipeline_batch_plan(None, (None,), samples, two,
+                                [pc, dataclasses.replace(pc, name="r")], _outer_of())
     assert e.value.field == "plan.groups"
+    with pytest.raises(SpecError) as e:  # two pipelines of one name
+        run_pipeline_batch_plan(None, (None,), samples, two, [pc, pc], _outer_of())
+    assert e.value.field == "pipes"
+    with pytest.raises(SpecError) as e:  # not a BatchPlan
+        run_pipeline_batch_plan(None, (None,), samples, two.groups, [pc], _outer_of())
+    assert e.value.field == "plan"
+    with pytest.raises(SpecError) as e:  # not a Plan
+        run_pipeline_batch_plan(None, (None,), samples, plan, [pc], "p")
+    assert e.value.field == "outer"
     seeing = [{"tokens": s, "images": np.zeros((0, 4, 4, 3))} for s in samples]
     with pytest.raises(SpecError) as e:
         run_pipeline_batch_plan(None, (None,), seeing, plan, [pc], _outer_of())

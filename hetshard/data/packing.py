@@ -99,27 +99,49 @@ def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return base + np.arange(total, dtype=np.int64)
 
 
-def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
-    """``lengths`` as a 1-D int64 array of positive token counts.
+def check_lengths(lengths, where: str = "lengths", least: int = 1,
+                  unit: str = "tokens") -> np.ndarray:
+    """``lengths`` as a 1-D int64 array of whole counts of ``unit``, each at least
+    ``least`` (1: an empty sample cannot be trained on).
 
     Raises:
-      SpecError: naming the first bad entry.
+      SpecError: naming the first bad entry (not a whole number, a bool, too large for
+        int64, or below ``least``) or the shape.
     """
-    arr = np.asarray(lengths)
+    noun = f"a non-empty 1-D sequence of {unit[:-1]} counts, one per sample"
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError):  # ragged nesting
+        raise SpecError(where, type(lengths).__name__, noun) from None
     if arr.ndim != 1 or arr.size == 0:
-        raise SpecError(where, f"shape {arr.shape}", "a non-empty 1-D sequence of token "
-                        "counts, one per sample")
-    if not np.issubdtype(arr.dtype, np.integer):
-        bad = next((i for i, x in enumerate(arr.tolist())
-                    if isinstance(x, bool) or not float(x).is_integer()), None)
-        if bad is not None:
-            raise SpecError(f"{where}[{bad}]", arr.tolist()[bad], "a whole number of tokens")
-        arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 1)
+        raise SpecError(where, f"shape {arr.shape}", noun)
+    if not isinstance(lengths, np.ndarray):  # numpy turns a bool among ints into 0 or 1
+        i = next((i for i, x in enumerate(lengths) if isinstance(x, (bool, np.bool_))), None)
+        if i is not None:
+            raise SpecError(f"{where}[{i}]", lengths[i], f"a whole number of {unit}")
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        values = arr.tolist() if isinstance(lengths, np.ndarray) else list(lengths)
+        for i, x in enumerate(values):
+            if not _whole_count(x):
+                raise SpecError(f"{where}[{i}]", x, f"a whole number of {unit}")
+        arr = np.asarray(values, dtype=np.int64)
+    bad = np.flatnonzero(arr < least)
     if bad.size:
         raise SpecError(f"{where}[{int(bad[0])}]", int(arr[bad[0]]),
-                        "a positive token count (an empty sample cannot be trained on)")
+                        "a positive token count (an empty sample cannot be trained on)"
+                        if least == 1 else f"a whole number of {unit}, at least {least}")
     return arr.astype(np.int64)
+
+
+def _whole_count(x) -> bool:
+    """A whole number that fits int64 (not a bool)."""
+    if isinstance(x, np.generic) and not isinstance(x, np.bool_):
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    if isinstance(x, float) and not (np.isfinite(x) and x.is_integer()):
+        return False
+    return -2 ** 62 < x < 2 ** 62
 
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
@@ -197,7 +219,7 @@ def check_images(images, lengths: np.ndarray) -> np.ndarray:
     Raises:
       SpecError: naming the first bad entry or the count mismatch.
     """
-    arr = check_lengths(np.asarray(images) + 1, "images") - 1  # counts may be 0
+    arr = check_lengths(images, "images", least=0, unit="images")
     if arr.shape != lengths.shape:
         raise SpecError("images", f"{arr.size} counts", f"one per sample ({lengths.size})")
     return arr
@@ -415,6 +437,12 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
         raise SpecError("rows", f"buckets {sorted(widths)}", "rows of one bucket (one "
                         "array shape); call packed_arrays once per bucket")
     width = widths.pop()
+    for r, row in enumerate(rows):
+        bad = next((i for i in row.samples if isinstance(i, bool)
+                    or not isinstance(i, (int, np.integer)) or not 0 <= i < len(samples)), None)
+        if bad is not None or len(row.samples) != len(row.lengths):
+            raise SpecError(f"rows[{r}].samples", list(row.samples),
+                            f"indices of the {len(samples)} samples, one length each")
     shape = (len(rows), width)
     out = {"tokens": np.full(shape, pad_id, np.int32), "targets": np.zeros(shape, np.int32),
            "positions": np.zeros(shape, np.int32), "segment_ids": np.zeros(shape, np.int32),

@@ -83,6 +83,8 @@ from hetshard.data.planner import (
     _fill_steps,
     _image_slots,
     _lpt,
+    check_count,
+    check_groups,
 )
 from hetshard.errors import SpecError
 from hetshard.plan import Plan, data_ways
@@ -790,8 +792,8 @@ def _plan(lengths, images, pipes, cluster, cal, method, rounds, bound) -> BatchP
     t0 = time.perf_counter()
     if method not in METHODS:
         raise SpecError("method", method, f"one of {METHODS}")
-    if not pipes:
-        raise SpecError("pipes", [], "at least one PipelineCost")
+    pipes = check_groups(pipes, PipelineCost, "pipes", "pipeline_costs")
+    check_count("rounds", rounds, 1)
     if len({p.buckets for p in pipes}) > 1:
         raise SpecError("pipes", [p.buckets for p in pipes],
                         "pipelines of the same buckets (one pipeline_costs call)")
@@ -941,9 +943,15 @@ def pipeline_bound(lengths, pipes: Sequence[PipelineCost], images=None) -> float
     samples, split fractionally over the pipelines, take at most ``T - step_s`` of every
     stage of each pipeline (their tokens, attention and images only: no padding, no
     ring, no fill or drain). Exact for one pipeline; a linear program (OR-tools GLOP)
-    for more. ``lengths`` as :func:`plan_pipeline_batch` takes them."""
-    lengths = np.asarray(lengths)
-    img = None if images is None else np.asarray(images)
+    for more. ``lengths`` as :func:`plan_pipeline_batch` takes them.
+
+    Raises:
+      SpecError: lengths, images or pipelines as :func:`plan_pipeline_batch` refuses
+        them.
+    """
+    pipes = check_groups(pipes, PipelineCost, "pipes", "pipeline_costs")
+    lengths = check_lengths(lengths)
+    img = None if images is None else check_images(images, lengths)
     if img is not None:
         lengths = lengths + img * pipes[0].image_tokens
     return _bound(_costs(pipes, lengths, img), pipes)

@@ -783,6 +783,45 @@ def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.asarray(where, np.int64)
 
 
+def _whole(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_groups(groups, kind: type = GroupCost, field: str = "groups",
+                 made_by: str = "group_costs, choose_groups") -> tuple:
+    """``groups`` as a tuple of ``kind`` (``GroupCost``, or ``PipelineCost`` for
+    pipelines) with distinct names: a plan names its groups, and two of one name could
+    not be told apart when it runs.
+
+    Raises:
+      SpecError: none, an entry not a ``kind``, or a repeated name.
+    """
+    if isinstance(groups, kind):
+        groups = (groups,)
+    try:
+        out = tuple(groups)
+    except TypeError:
+        raise SpecError(field, type(groups).__name__,
+                        f"a sequence of {kind.__name__} ({made_by})") from None
+    if not out:
+        raise SpecError(field, [], f"at least one {kind.__name__}")
+    for k, g in enumerate(out):
+        if not isinstance(g, kind):
+            raise SpecError(f"{field}[{k}]", type(g).__name__,
+                            f"a {kind.__name__} ({made_by})")
+    names = [g.name for g in out]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise SpecError(field, names, f"distinct names ({twice!r} twice)")
+    return out
+
+
+def check_count(name: str, value, least: int) -> None:
+    """``value`` a whole number (not a bool) at least ``least``, else a SpecError."""
+    if not _whole(value) or value < least:
+        raise SpecError(name, value, f"a whole number, at least {least}")
+
+
 def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.ndarray:
     """How many of ``count`` equal items each group takes under a static plan: in
     proportion to its throughput at ``length`` tokens (largest remainders)."""
@@ -829,8 +868,12 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     t0 = time.perf_counter()
     if method not in METHODS:
         raise SpecError("method", method, f"one of {METHODS}")
-    if not groups:
-        raise SpecError("groups", [], "at least one GroupCost")
+    groups = check_groups(groups)
+    check_count("rounds", rounds, 1)
+    check_count("moves", moves, 0)
+    if max_context is not None and (not _whole(max_context) or max_context < 1):
+        raise SpecError("max_context", max_context, "a positive token count, or None (the "
+                        "groups' largest bucket)")
     lengths = check_lengths(lengths)
     img = None
     if images is not None:
@@ -840,7 +883,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
                             "a text-only batch: these groups price no vision encoder "
                             "(group_costs(vision=...))")
         lengths = lengths + img * groups[0].image_tokens
-    top = max_context or max(g.buckets[-1] for g in groups)
+    top = max_context if max_context is not None else max(g.buckets[-1] for g in groups)
     over = np.flatnonzero(lengths > top)
     if over.size:
         i = int(over[0])
@@ -1014,9 +1057,18 @@ def lower_bound(lengths, groups: Sequence[GroupCost], images=None) -> float:
     samples, split fractionally between groups, take at most T - step_s of every device
     of each group, counting each sample's tokens and attention only (no padding, no
     ring). A linear program: solved exactly by sorting for two groups, by OR-tools GLOP
-    for more."""
-    lengths = np.asarray(lengths)
-    costs = _sample_costs(groups, lengths, None if images is None else np.asarray(images))
+    for more. ``lengths`` count each sample's image tokens too (``images``: per sample,
+    the vision encoder's work).
+
+    Raises:
+      SpecError: lengths or images as ``plan_batch`` refuses them, or ``groups`` that
+        are not distinct GroupCosts.
+    """
+    groups = check_groups(groups)
+    lengths = check_lengths(lengths)
+    if images is not None:
+        images = check_images(images, lengths)
+    costs = _sample_costs(groups, lengths, images)
     if len(groups) == 1:
         g = groups[0]
         total = costs[0].sum()

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
-from hetshard.data.planner import BatchPlan, GroupCost, MicroStep
+from hetshard.data.planner import BatchPlan, GroupCost, MicroStep, check_groups
 from hetshard.errors import SpecError
 from hetshard.plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 
@@ -70,6 +70,8 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
       SpecError: a plan that does not place every sample exactly once, or names a group
         not in ``groups``; multimodal samples on groups priced without a vision encoder.
     """
+    groups = check_groups(groups)
+    _check_plan(plan, samples)
     by_name = {g.name: g for g in groups}
     placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
                     for i in r.samples)
@@ -123,6 +125,16 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                                  jax.device_put(part, jax.tree.leaves(total)[0].sharding))
     args[at] = first
     return step.apply_grads(total, *args)
+
+
+def _check_plan(plan, samples) -> None:
+    if not isinstance(plan, BatchPlan):
+        raise SpecError("plan", type(plan).__name__, "a BatchPlan (plan_batch, "
+                        "plan_pipeline_batch)")
+    if isinstance(samples, (str, bytes, Mapping)) or not hasattr(samples, "__getitem__") \
+            or not hasattr(samples, "__len__") or not len(samples):
+        raise SpecError("samples", type(samples).__name__, "a non-empty list of samples "
+                        "(token arrays, or mappings of tokens and images)")
 
 
 def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
@@ -181,6 +193,11 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
         pipelines without an encoder or with a vision stage of its own (priced, not
         run); stages whose data ways a bucket's rows do not fit.
     """
+    pipes = check_groups(pipes, PipelineCost, "pipes", "pipeline_costs")
+    _check_plan(plan, samples)
+    if not isinstance(outer, Plan):
+        raise SpecError("outer", type(outer).__name__, "the hetshard.Plan whose pipelines "
+                        "the pipes were priced on")
     placed = sorted(i for gp in plan.groups for st in gp.steps for r in st.rows
                     for i in r.samples)
     if placed != list(range(len(samples))):
