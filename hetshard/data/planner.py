@@ -66,6 +66,10 @@ from hetshard.data.packing import (
 from hetshard.errors import SpecError
 
 METHODS = ("pad", "fixed-cp", "identical", "hetshard")
+# Group packings the local search after placement may price a batch (``_rebalance``):
+# its last, failing round alone tried up to seven; on the Wikipedia batches of
+# experiments/data_aware.py ten cost no configuration any step time.
+SEARCH_PACKINGS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -956,9 +960,12 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
     a half or a quarter of the difference between them (priced on the receiver, no
     padding), or its longest sample; a move is kept where the priced step falls. Micro-
     steps are coarse (a step of short rows is one row a device), so the placement's
-    estimate misses by up to a micro-step a group; the priced plans do not."""
+    estimate misses by up to a micro-step a group; the priced plans do not. At most
+    ``SEARCH_PACKINGS`` group packings are priced (a packing of a thousand samples is
+    about a millisecond here), whatever ``moves``."""
     worst, parts, seen = best
     parts, seen = list(parts), list(seen)
+    budget = SEARCH_PACKINGS
     for _ in range(moves):
         times = np.array([d.time_s for d in seen])
         k, j = int(np.argmax(times)), int(np.argmin(times))
@@ -970,20 +977,24 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
         tries = [(order[:max(1, int(np.searchsorted(gain, f * (times[k] - times[j]))))], j)
                  for f in (0.5, 0.25)] + [(order[-1:], j)]
         sparse = _sparsest_step(seen[k], pricers[k].g.n)
-        if sparse is not None:  # first to the groups with room for its rows, then to j
+        if sparse is not None:  # first, to the fastest group with room for its rows (else j)
             moved, bucket, rows = sparse
-            room = [i for i in np.argsort(times).tolist() if i != k
-                    and _room(seen[i], pricers[i].g, bucket) >= rows]
-            tries[:0] = [(moved, i) for i in (room[:2] or [j])]
+            to = next((i for i in np.argsort(times).tolist() if i != k
+                       and _room(seen[i], pricers[i].g, bucket) >= rows), j)
+            tries.insert(0, (moved, to))
         for moved, j in tries:
+            if budget <= 0:
+                break
             if not np.isfinite(costs[j, moved]).all() or moved.size >= mine.size:
                 continue
             keep = np.setdiff1d(mine, moved, assume_unique=True)
             got = np.sort(np.concatenate([parts[j], moved]))
             dj = _draft(pricers[j], got, lengths, img, True)
+            budget -= 1
             if dj.time_s >= worst - 1e-12:
                 continue  # the receiver alone is as slow as the step was
             dk = _draft(pricers[k], keep, lengths, img, True)
+            budget -= 1
             step = max([dk.time_s, dj.time_s] + [d.time_s for i, d in enumerate(seen)
                                                  if i not in (k, j)])
             if step < worst - 1e-12:
