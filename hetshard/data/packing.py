@@ -133,15 +133,24 @@ def check_lengths(lengths, where: str = "lengths", least: int = 1,
     return arr.astype(np.int64)
 
 
+def whole(x) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_count(name: str, value, least: int) -> None:
+    """``value`` a whole number at least ``least``, else a SpecError naming ``name``."""
+    if not whole(value) or value < least:
+        raise SpecError(name, value, f"a whole number, at least {least}")
+
+
 def _whole_count(x) -> bool:
-    """A whole number that fits int64 (not a bool)."""
+    """A whole number (an integer, or a float with no fraction) that fits int64."""
     if isinstance(x, np.generic) and not isinstance(x, np.bool_):
         x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    if isinstance(x, float) and not (np.isfinite(x) and x.is_integer()):
-        return False
-    return -2 ** 62 < x < 2 ** 62
+    if isinstance(x, float):
+        return bool(np.isfinite(x)) and x.is_integer() and -2 ** 62 < x < 2 ** 62
+    return whole(x) and -2 ** 62 < x < 2 ** 62
 
 
 def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
@@ -438,8 +447,8 @@ def packed_arrays(samples: Sequence, rows: Sequence[Row], *, pad_id: int = 0,
                         "array shape); call packed_arrays once per bucket")
     width = widths.pop()
     for r, row in enumerate(rows):
-        bad = next((i for i in row.samples if isinstance(i, bool)
-                    or not isinstance(i, (int, np.integer)) or not 0 <= i < len(samples)), None)
+        bad = next((i for i in row.samples if not whole(i) or not 0 <= i < len(samples)),
+                   None)
         if bad is not None or len(row.samples) != len(row.lengths):
             raise SpecError(f"rows[{r}].samples", list(row.samples),
                             f"indices of the {len(samples)} samples, one length each")

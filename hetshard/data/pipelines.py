@@ -68,6 +68,7 @@ from hetshard.data.packing import (
     best_fit,
     best_fit_images,
     check_buckets,
+    check_count,
     check_fits,
     check_images,
     check_lengths,
@@ -83,7 +84,6 @@ from hetshard.data.planner import (
     _fill_steps,
     _image_slots,
     _lpt,
-    check_count,
     check_groups,
 )
 from hetshard.errors import SpecError

@@ -56,12 +56,14 @@ from hetshard.data.packing import (
     Row,
     best_fit,
     best_fit_images,
+    check_count,
     check_fits,
     check_images,
     check_lengths,
     geometric_buckets,
     ranges,
     sequential,
+    whole,
 )
 from hetshard.errors import SpecError
 
@@ -787,10 +789,6 @@ def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.asarray(where, np.int64)
 
 
-def _whole(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check_groups(groups, kind: type = GroupCost, field: str = "groups",
                  made_by: str = "group_costs, choose_groups") -> tuple:
     """``groups`` as a tuple of ``kind`` (``GroupCost``, or ``PipelineCost`` for
@@ -818,12 +816,6 @@ def check_groups(groups, kind: type = GroupCost, field: str = "groups",
     if twice is not None:
         raise SpecError(field, names, f"distinct names ({twice!r} twice)")
     return out
-
-
-def check_count(name: str, value, least: int) -> None:
-    """``value`` a whole number (not a bool) at least ``least``, else a SpecError."""
-    if not _whole(value) or value < least:
-        raise SpecError(name, value, f"a whole number, at least {least}")
 
 
 def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.ndarray:
@@ -875,7 +867,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     groups = check_groups(groups)
     check_count("rounds", rounds, 1)
     check_count("moves", moves, 0)
-    if max_context is not None and (not _whole(max_context) or max_context < 1):
+    if max_context is not None and (not whole(max_context) or max_context < 1):
         raise SpecError("max_context", max_context, "a positive token count, or None (the "
                         "groups' largest bucket)")
     lengths = check_lengths(lengths)
@@ -982,23 +974,23 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
             to = next((i for i in np.argsort(times).tolist() if i != k
                        and _room(seen[i], pricers[i].g, bucket) >= rows), j)
             tries.insert(0, (moved, to))
-        for moved, j in tries:
+        for moved, to in tries:
             if budget <= 0:
                 break
-            if not np.isfinite(costs[j, moved]).all() or moved.size >= mine.size:
+            if not np.isfinite(costs[to, moved]).all() or moved.size >= mine.size:
                 continue
             keep = np.setdiff1d(mine, moved, assume_unique=True)
-            got = np.sort(np.concatenate([parts[j], moved]))
-            dj = _draft(pricers[j], got, lengths, img, True)
+            got = np.sort(np.concatenate([parts[to], moved]))
+            dj = _draft(pricers[to], got, lengths, img, True)
             budget -= 1
             if dj.time_s >= worst - 1e-12:
                 continue  # the receiver alone is as slow as the step was
             dk = _draft(pricers[k], keep, lengths, img, True)
             budget -= 1
             step = max([dk.time_s, dj.time_s] + [d.time_s for i, d in enumerate(seen)
-                                                 if i not in (k, j)])
+                                                 if i not in (k, to)])
             if step < worst - 1e-12:
-                worst, parts[k], parts[j], seen[k], seen[j] = step, keep, got, dk, dj
+                worst, parts[k], parts[to], seen[k], seen[to] = step, keep, got, dk, dj
                 break
         else:
             break  # no move helps
