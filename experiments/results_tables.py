@@ -272,11 +272,79 @@ def elastic(lines, d):
     lines.append("")
 
 
+def packed_step_gpu(lines, data):
+    if not data.get("measured"):
+        return
+    before = _load("packed_step_gpu_before.json") or {}
+    ref = _load("packed_step_gpu_reference.json") or {}
+    m = data["model"]
+    lines += ["## Per-batch pricing against a GPU", "",
+              f"`python experiments/packed_step_gpu.py --compare` on one {data['device_kind']} "
+              f"(jax {data['jax']}): a micro-step of one packed row under `hetshard.jit` "
+              f"(a LLaMA-style model, {m['layers']} layers of width {m['hidden']}, "
+              f"{m['dtype']} compute), measured (median of {data['repeats']}) against the "
+              f"per-batch planner's price of that row. `before`: the same run before the flash "
+              f"kernel multiplied in the inputs' dtype (`packed_step_gpu_before.json`). "
+              f"Attention per squared token: a full row's time less a row of Wikipedia "
+              f"documents' (squares near zero), over their squares.", ""]
+    old = {(r["bucket"], r["kind"]): r for r in before.get("rows", [])}
+    rows = []
+    for b in data["per_bucket"]:
+        mine = {r["kind"]: r for r in data["rows"] if r["bucket"] == b["bucket"]}
+        pb = next((x for x in before.get("per_bucket", []) if x["bucket"] == b["bucket"]), {})
+        one, wk = mine["one"], mine["wikipedia"]
+        was = old.get((b["bucket"], "one"), {}).get("measured_s")
+        rows.append([b["bucket"], f"{one['predicted_s'] * 1e3:,.0f}",
+                     f"{was * 1e3:,.0f}" if was else "-", f"{one['measured_s'] * 1e3:,.0f}",
+                     f"{wk['predicted_s'] * 1e3:,.0f}", f"{wk['measured_s'] * 1e3:,.0f}",
+                     f"{b['attention_s_per_square_predicted']:.2e}",
+                     f"{pb['attention_s_per_square_measured']:.2e}" if pb else "-",
+                     f"{b['attention_s_per_square_measured']:.2e}",
+                     f"{b['one_over_wikipedia_predicted']:.2f} / "
+                     f"{b['one_over_wikipedia_measured']:.2f}"])
+    lines += _table(["bucket", "one document: predicted ms", "measured before",
+                     "measured", "Wikipedia row: predicted ms", "measured",
+                     "attention s/square: predicted", "measured before", "measured",
+                     "one / Wikipedia: predicted / measured"], rows)
+    s = data["summary"]
+    lines += ["", f"All {len(data['rows'])} rows (1, 2, 4, 8 equal documents, Wikipedia "
+              f"documents, half a row plus Wikipedia documents): predicted / measured median "
+              f"{s['median_pred_over_measured']:.2f} (median error "
+              f"{s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%})"
+              + (f"; before the kernel change "
+                 f"{before['summary']['median_pred_over_measured']:.2f}" if before else "")
+              + "."]
+    cmp_ = data.get("compare")
+    if cmp_:
+        att = "; ".join(
+            f"S={a['seq']}: hetshard flash {a['tflops'].get('hetshard_flash', 0):.0f}"
+            + (f" (before {b['tflops'].get('hetshard_flash', 0):.0f})" if b else "")
+            + f", cuDNN `jax.nn.dot_product_attention` "
+              f"{a['tflops'].get('dot_product_attention', 0):.0f}, XLA reference "
+              f"{a['tflops'].get('reference', 0):.0f}"
+            for a, b in zip(cmp_["attention"], (before.get("compare") or {}).get(
+                "attention", [None] * len(cmp_["attention"])), strict=False))
+        a = cmp_["attention"][0]
+        lines += ["", f"Attention alone, forward + backward TFLOP/s ({a['heads']} heads of "
+                  f"{a['head_dim']}, bfloat16, causal): {att}."]
+        plain = ", ".join(f"{p['bucket']} {p['kind']} {p['measured_s'] * 1e3:.0f} ms"
+                          for p in cmp_["plain_jit"])
+        lines += ["", f"The same rows as one `jax.jit` without hetshard (the model's XLA "
+                  f"attention, scores materialised): {plain}."]
+    if ref.get("rows"):
+        r = ", ".join(f"{x['bucket']} {x['kind']} {x['measured_s'] * 1e3:.0f} ms"
+                      for x in ref["rows"] if x["kind"] in ("one", "wikipedia"))
+        lines += ["", f"`--attention reference` under hetshard.jit "
+                  f"(`packed_step_gpu_reference.json`): {r}."]
+    lines.append("")
+
+
 # The sections of docs/results.md in order: the JSON each reads, and how.
 SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
             ("long_context.json", long_context), ("data_aware.json", data_aware),
             ("data_aware_pipeline.json", data_aware_pipeline),
+            ("packed_step_gpu.json", packed_step_gpu),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("multihost_bench.json", multihost))
 
@@ -285,8 +353,8 @@ def main() -> int:
     lines = ["# Measured results", "",
              "Generated by `python experiments/results_tables.py` from "
              "`experiments/results/*.json`; each section names the script that wrote its "
-             "numbers. Everything ran on a 2-core CPU machine with fake devices: throughputs "
-             "are the simulator's.", ""]
+             "numbers. Everything ran on a 2-core CPU machine with fake devices (throughputs "
+             "are the simulator's) except the section that names its GPU.", ""]
     for name, section in SECTIONS:
         data = _load(name)
         if data is not None:  # a benchmark not run yet has no section

@@ -67,9 +67,16 @@ def _block_active(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool):
     return active
 
 
+def _dot(a, b):
+    """``a @ b`` in the operands' dtype, accumulated in float32: 16-bit operands run on
+    the tensor cores (FlashAttention-2 multiplies its probabilities and score gradients
+    in the inputs' dtype too); float32 operands are float32 products."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
                 *, scale, causal, has_seg, block_k, num_k_blocks):
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]
     qpos, qseg = qpos_ref[...], qseg_ref[...]
     bq, d = q.shape
 
@@ -79,16 +86,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_r
 
         def compute(carry):
             m, denom, acc = carry
-            k = k_ref[ks, :].astype(jnp.float32)
-            v = v_ref[ks, :].astype(jnp.float32)
-            s = jnp.dot(q, k.T) * scale
+            k, v = k_ref[ks, :], v_ref[ks, :]
+            s = _dot(q, k.T) * scale
             mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
             s = jnp.where(mask, s, MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             return (m_new, alpha * denom + p.sum(axis=1),
-                    alpha[:, None] * acc + jnp.dot(p, v))
+                    alpha[:, None] * acc + _dot(p.astype(v.dtype), v))
 
         return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
                             compute, lambda c: c, carry)
@@ -103,8 +109,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_r
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
                kseg_ref, dq_ref, *, scale, causal, has_seg, block_k, num_k_blocks):
-    q = q_ref[...].astype(jnp.float32)
-    do = do_ref[...].astype(jnp.float32)
+    q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     qpos, qseg = qpos_ref[...], qseg_ref[...]
 
@@ -113,12 +118,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_r
         kpos, kseg = kpos_ref[ks], kseg_ref[ks]
 
         def compute(dq):
-            k = k_ref[ks, :].astype(jnp.float32)
-            v = v_ref[ks, :].astype(jnp.float32)
+            k, v = k_ref[ks, :], v_ref[ks, :]
             mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
-            p = jnp.where(mask, jnp.exp(jnp.dot(q, k.T) * scale - lse[:, None]), 0.0)
-            ds = p * (jnp.dot(do, v.T) - delta[:, None])
-            return dq + jnp.dot(ds, k) * scale
+            p = jnp.where(mask, jnp.exp(_dot(q, k.T) * scale - lse[:, None]), 0.0)
+            ds = p * (_dot(do, v.T) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k) * scale
 
         return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
                             compute, lambda x: x, dq)
@@ -129,8 +133,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_r
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
                 kseg_ref, dk_ref, dv_ref, *, scale, causal, has_seg, block_q, num_q_blocks):
-    k = k_ref[...].astype(jnp.float32)
-    v = v_ref[...].astype(jnp.float32)
+    k, v = k_ref[...], v_ref[...]
     kpos, kseg = kpos_ref[...], kseg_ref[...]
 
     def body(i, carry):
@@ -139,13 +142,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
 
         def compute(carry):
             dk, dv = carry
-            q = q_ref[qs, :].astype(jnp.float32)
-            do = do_ref[qs, :].astype(jnp.float32)
+            q, do = q_ref[qs, :], do_ref[qs, :]
             lse, delta = lse_ref[qs], delta_ref[qs]
             mask = _block_mask(qpos, kpos, qseg, kseg, causal, has_seg)
-            p = jnp.where(mask, jnp.exp(jnp.dot(q, k.T) * scale - lse[:, None]), 0.0)
-            ds = p * (jnp.dot(do, v.T) - delta[:, None])
-            return dk + jnp.dot(ds.T, q) * scale, dv + jnp.dot(p.T, do)
+            p = jnp.where(mask, jnp.exp(_dot(q, k.T) * scale - lse[:, None]), 0.0)
+            ds = p * (_dot(do, v.T) - delta[:, None])
+            return (dk + _dot(ds.T.astype(q.dtype), q) * scale,
+                    dv + _dot(p.T.astype(do.dtype), do))
 
         return jax.lax.cond(_block_active(qpos, kpos, qseg, kseg, causal, has_seg),
                             compute, lambda c: c, carry)
