@@ -217,10 +217,48 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
 
 
 def _signature(args) -> str:
+    """What the step's programs are cached by: the arguments' structure (NNX objects by
+    their state) and each leaf's shape and dtype. Objects of one structure and shapes
+    share it."""
     leaves, tree = jax.tree.flatten(jax.tree.map(
         lambda x: (tuple(np.shape(x)), str(jnp.result_type(x))) if hasattr(x, "shape")
         else x, nnx.state(args) if any(is_graph(a) for a in args) else args))
     return f"{tree}|{leaves}"
+
+
+class _Signatures:
+    """:func:`_signature`, fast for arguments seen before. Reading an NNX object's state
+    walks its graph (about 40 us a node: some 10 ms for a small model's and optimizer's,
+    on every call of a step, every micro-step of a per-batch plan), while flattening the
+    objects as pytrees (what NNX modules are) takes a few hundredths of that. So the
+    signature is remembered under the pytree structure and leaf shapes: the same objects
+    again, unchanged in structure and shapes, find it there; anything else (new objects,
+    a graph object that is no pytree, an unhashable leaf) computes it."""
+
+    def __init__(self, size: int = 64):
+        self._seen: dict = {}
+        self._size = size
+
+    def __call__(self, args) -> str:
+        leaves, tree = jax.tree.flatten(args)
+        sig = []
+        for x in leaves:
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                sig.append((x.shape, x.dtype))
+            elif is_graph(x):
+                return _signature(args)
+            else:
+                sig.append(x)
+        try:
+            key = (tree, tuple(sig))
+            got = self._seen.get(key)
+        except TypeError:  # an unhashable leaf
+            return _signature(args)
+        if got is None:
+            if len(self._seen) >= self._size:  # keys hold their objects: keep a few
+                self._seen.clear()
+            got = self._seen[key] = _signature(args)
+        return got
 
 
 class HetshardJit:
@@ -242,6 +280,7 @@ class HetshardJit:
         self._programs: dict = {}
         self._captures: dict = {}
         self._apply: dict = {}
+        self._signature = _Signatures()
         self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
         if self.elastic:
             self._fit_devices()
@@ -356,7 +395,7 @@ class HetshardJit:
         if self.global_batch is not None and size != self.global_batch:
             raise SpecError("batch", f"leading dimension {size}",
                             f"global_batch={self.global_batch}", where="hetshard.jit")
-        sig = _signature(args)
+        sig = self._signature(args)
         entry = self._compiled.get(sig)
         if entry is None:
             with _tracing(self.fn, batch, "hetshard.jit"):
@@ -406,7 +445,9 @@ class HetshardJit:
 
     def program_for(self, *args) -> Program:
         """The traced step for arguments of these shapes (cached by their signature)."""
-        sig = _signature(args)
+        return self._program(args, self._signature(args))
+
+    def _program(self, args, sig: str) -> Program:
         got = self._programs.get(sig)
         if got is None:
             pos, batch, _ = self._split_args(args)
@@ -438,9 +479,10 @@ class HetshardJit:
             raise PlanNotExecutableError("grads_under takes a plan of one pipeline of one "
                                          f"stage, not {[len(p.stages) for p in plan.pipelines]}")
         with no_ambient_mesh():
-            program = self.program_for(*args)
+            sig = self._signature(args)
+            program = self._program(args, sig)
             _, batch, others = self._split_args(args)
-            key = (_signature(args), plan.what_runs())
+            key = (sig, plan.what_runs())
             got = self._captures.get(key)
             if got is None:
                 n = program.layering(2, plan.split_blocks).num_layers
@@ -467,14 +509,14 @@ class HetshardJit:
         (skipped, with the step's ``nan_policy``, when they are not finite); returns the
         step's output."""
         with no_ambient_mesh():
-            program = self.program_for(*args)
+            sig = self._signature(args)
+            program = self._program(args, sig)
             _, batch, others = self._split_args(args)
             leaf = jax.tree.leaves(value_and_grads)[0]
             home = NamedSharding(leaf.sharding.mesh, PartitionSpec()) \
                 if isinstance(leaf.sharding, NamedSharding) else leaf.sharding
             provided = jax.device_put(value_and_grads, home)
             state = jax.device_put(step_state(program, others), home)
-            sig = _signature(args)
             if sig not in self._apply:
                 self._apply[sig] = jax.jit(providing(program))
             out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
@@ -498,8 +540,9 @@ class HetshardJit:
         with no_ambient_mesh():
             runners, batches = [], []
             for plan, args in passes:
-                program = self.program_for(*args)
-                key = (_signature(args), plan.what_runs())
+                sig = self._signature(args)
+                program = self._program(args, sig)
+                key = (sig, plan.what_runs())
                 runner = self._passes.get(key)
                 if runner is None:
                     if self._bound is None:

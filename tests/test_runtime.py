@@ -457,3 +457,42 @@ def test_context_parallel_stage_matches_single_device_training(fix, chunks):
 def _fresh_state():
     model = models.build(MODEL, rngs=0)
     return (model, nnx.Optimizer(model, _tx("sgd"), wrt=nnx.Param))
+
+
+def test_argument_signatures_are_remembered_for_the_same_objects_and_follow_their_shapes(
+        monkeypatch):
+    """A step's programs are cached by its arguments' signature. For the same objects
+    again the signature is found without walking their NNX graph (the walk is most of a
+    micro-step's Python time); it is the signature that walk gives, and it changes when
+    a leaf's shape or dtype does, or for objects that are not pytrees."""
+    import importlib
+    hjit = importlib.import_module("hetshard.jit")  # the module; hetshard.jit is the function
+
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = {"tokens": np.zeros((2, 8), np.int32)}
+    sigs = hjit._Signatures()
+    first = sigs((model, opt, batch))
+    assert first == hjit._signature((model, opt, batch))
+
+    walks = []
+    state = nnx.state
+    monkeypatch.setattr(hjit.nnx, "state", lambda *a, **k: walks.append(1) or state(*a, **k))
+    assert sigs((model, opt, batch)) == first and not walks  # remembered: no walk
+    wider = {"tokens": np.zeros((2, 16), np.int32)}
+    assert sigs((model, opt, wider)) == hjit._signature((model, opt, wider)) != first
+    assert sigs((model, opt, {"tokens": np.zeros((2, 8), np.float32)})) != first
+
+    # a leaf of the same objects reshaped in place: a new signature, not the old one
+    kernel = model.layers[0].attn.q_proj.kernel
+    kernel.set_value(np.zeros((kernel.shape[0], kernel.shape[1] + 1), np.float32))
+    assert sigs((model, opt, batch)) != first
+    assert sigs((model, opt, batch)) == hjit._signature((model, opt, batch))
+
+    class Opaque(nnx.Module, pytree=False):  # a graph node that is no pytree
+        def __init__(self):
+            self.w = nnx.Param(np.ones((3,), np.float32))
+    o = Opaque()
+    before = sigs((o, batch))
+    o.w.set_value(np.ones((4,), np.float32))
+    assert sigs((o, batch)) != before
