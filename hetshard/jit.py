@@ -29,6 +29,7 @@ import functools
 import os
 import sys
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +282,9 @@ class HetshardJit:
         self._captures: dict = {}
         self._apply: dict = {}
         self._signature = _Signatures()
+        # grads_under: the state as last placed on a device set, with weak references to
+        # the arrays it was placed from (reused while the objects hold those arrays)
+        self._placed: dict = {}
         self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
         if self.elastic:
             self._fit_devices()
@@ -499,8 +503,29 @@ class HetshardJit:
                                in_shardings=(s_shard, b_shard)), s_shard, b_shard)
                 self._captures[key] = got
             f, s_shard, b_shard = got
-            return f(jax.device_put(step_state(program, others), s_shard),
+            return f(self._state_on(program, others, s_shard),
                      jax.device_put(batch, b_shard))
+
+    def _state_on(self, program: Program, others, shardings):
+        """The step's state (``step_state``) placed on ``shardings``: placed once and
+        reused while the objects hold the same arrays (a step's micro-steps on one group
+        read one copy: neither the NNX graph walk nor the transfer again); one placement
+        kept a device set (the group's copy of the state), replaced when the arrays or
+        the layout change, dropped when the step's update is applied (``apply_grads``)."""
+        leaves = jax.tree.leaves(others)
+        mine = jax.tree.leaves(shardings)
+        if not mine or not all(isinstance(x, jax.Array) for x in leaves):
+            # (numpy leaves can change in place: placed every call)
+            return jax.device_put(step_state(program, others), shardings)
+        where = tuple(d.id for d in mine[0].mesh.devices.flat)
+        hit = self._placed.get(where)
+        if hit is not None and hit[1] is shardings and len(hit[0]) == len(leaves) and all(
+                r() is x for r, x in zip(hit[0], leaves, strict=True)):
+            return hit[2]
+        self._placed.pop(where, None)  # the old copy goes before the new one is made
+        placed = jax.device_put(step_state(program, others), shardings)
+        self._placed[where] = (tuple(weakref.ref(x) for x in leaves), shardings, placed)
+        return placed
 
     def apply_grads(self, value_and_grads, *args):
         """Runs the step on ``args`` with ``hetshard.value_and_grad`` returning
@@ -508,6 +533,7 @@ class HetshardJit:
         micro-steps) instead of computing them: the update is applied to the NNX objects
         (skipped, with the step's ``nan_policy``, when they are not finite); returns the
         step's output."""
+        self._placed.clear()  # the step's micro-steps are done: their copies go
         with no_ambient_mesh():
             sig = self._signature(args)
             program = self._program(args, sig)

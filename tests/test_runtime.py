@@ -496,3 +496,51 @@ def test_argument_signatures_are_remembered_for_the_same_objects_and_follow_thei
     before = sigs((o, batch))
     o.w.set_value(np.ones((4,), np.float32))
     assert sigs((o, batch)) != before
+
+
+def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
+    """``grads_under`` places the step's state on the micro-step's devices once and
+    reuses it while the objects hold the same arrays (a step's micro-steps on one group
+    read one copy); after the update (``apply_grads``) the new arrays are placed again,
+    and the values and gradients stay those of a fresh placement."""
+    import importlib
+
+    from hetshard.data import group_costs, pack, packed_arrays
+    from hetshard.data.runner import micro_step_plan
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+    hjit = importlib.import_module("hetshard.jit")
+
+    cluster = Cluster.from_dict({"name": "one", "groups": [
+        {"name": "g", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2}]})
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(0, 256, n).astype(np.int32) for n in (30, 20, 12)]
+    batch = {k: jax.numpy.asarray(v) for k, v in packed_arrays(
+        samples, pack([30, 20, 12], (32,)), target_tokens=59).items()}
+    group, = group_costs(step.profile(model, opt, batch), cluster, max_context=64,
+                         buckets=(32, 64))
+    plan = micro_step_plan(step, (model, opt, batch), group, 32, 1)
+
+    walks = []
+    state_of = hjit.step_state
+    monkeypatch.setattr(hjit, "step_state",
+                        lambda *a: walks.append(1) or state_of(*a))
+    first = step.grads_under(plan, model, opt, batch)
+    assert walks  # compiled and placed
+    walks.clear()
+    again = step.grads_under(plan, model, opt, batch)
+    assert not walks  # the second micro-step read the placed copy
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    step.apply_grads(first, model, opt, batch)
+    walks.clear()
+    after = step.grads_under(plan, model, opt, batch)
+    assert walks  # new arrays: placed again
+    step._placed.clear()
+    fresh = step.grads_under(plan, model, opt, batch)
+    assert float(after[0]) < float(first[0])  # the update is what the step reads
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
