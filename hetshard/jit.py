@@ -227,6 +227,13 @@ def _signature(args) -> str:
     return f"{tree}|{leaves}"
 
 
+def _same_arrays(refs, objects) -> bool:
+    """Whether ``objects`` hold exactly the arrays ``refs`` (weak references) name."""
+    leaves = jax.tree.leaves(objects)
+    return len(refs) == len(leaves) and all(
+        r() is x for r, x in zip(refs, leaves, strict=True))
+
+
 class _Signatures:
     """:func:`_signature`, fast for arguments seen before. Reading an NNX object's state
     walks its graph (about 40 us a node: some 10 ms for a small model's and optimizer's,
@@ -517,10 +524,9 @@ class HetshardJit:
         if not mine or not all(isinstance(x, jax.Array) for x in leaves):
             # (numpy leaves can change in place: placed every call)
             return jax.device_put(step_state(program, others), shardings)
-        where = tuple(d.id for d in mine[0].mesh.devices.flat)
+        where = tuple(sorted(d.id for d in mine[0].mesh.devices.flat))
         hit = self._placed.get(where)
-        if hit is not None and hit[1] is shardings and len(hit[0]) == len(leaves) and all(
-                r() is x for r, x in zip(hit[0], leaves, strict=True)):
+        if hit is not None and hit[1] is shardings and _same_arrays(hit[0], others):
             return hit[2]
         self._placed.pop(where, None)  # the old copy goes before the new one is made
         placed = jax.device_put(step_state(program, others), shardings)
@@ -533,7 +539,7 @@ class HetshardJit:
         micro-steps) instead of computing them: the update is applied to the NNX objects
         (skipped, with the step's ``nan_policy``, when they are not finite); returns the
         step's output."""
-        self._placed.clear()  # the step's micro-steps are done: their copies go
+        placed, self._placed = self._placed, {}  # the step's micro-steps are done
         with no_ambient_mesh():
             sig = self._signature(args)
             program = self._program(args, sig)
@@ -541,8 +547,19 @@ class HetshardJit:
             leaf = jax.tree.leaves(value_and_grads)[0]
             home = NamedSharding(leaf.sharding.mesh, PartitionSpec()) \
                 if isinstance(leaf.sharding, NamedSharding) else leaf.sharding
-            provided = jax.device_put(value_and_grads, home)
-            state = jax.device_put(step_state(program, others), home)
+            # Gradients already on the home devices keep their layout (sharded as the
+            # state a micro-step held); the state is the copy the micro-steps on these
+            # devices read, where they read the arrays the objects hold now.
+            ids = {d.id for d in home.device_set}
+
+            def keep(x):
+                sh = getattr(x, "sharding", None)
+                return sh if isinstance(sh, NamedSharding) and \
+                    {d.id for d in sh.device_set} == ids else home
+            provided = jax.device_put(value_and_grads, jax.tree.map(keep, value_and_grads))
+            hit = placed.get(tuple(sorted(ids)))
+            state = hit[2] if hit is not None and _same_arrays(hit[0], others) else \
+                jax.device_put(step_state(program, others), home)
             if sig not in self._apply:
                 self._apply[sig] = jax.jit(providing(program))
             out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)

@@ -623,9 +623,14 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
                   for n in ("fast", "slow"))
     assert fast > slow
 
-    step, _ = _run_equals_one_device(cluster, groups, batches)
+    step, (model, opt) = _run_equals_one_device(cluster, groups, batches)
     shapes = {s for _, p in batches for s in p.shapes}
     assert len(step._captures) == len(shapes) <= 4
+    # The state stays sharded over a group's devices (FSDP, as group_costs prices it),
+    # the optimizer's moments too: no device holds a whole weight.
+    from flax import nnx
+    weights = [x for x in jax.tree.leaves(nnx.state((model, opt))) if x.size >= 1024]
+    assert weights and all(x.addressable_shards[0].data.size < x.size for x in weights)
 
 
 def _variable_length_batches(groups, seed, steps=2, vocab=256):

@@ -2,14 +2,18 @@
 
 Each micro-step of a :class:`~hetshard.data.planner.BatchPlan` is a set of rows of one
 bucket on one group: it runs on that group's devices as a one-stage plan whose mesh is
-``data = devices / degree`` by ``context = degree`` (rows split over data, each row's
+``fsdp = devices / degree`` by ``context = degree`` (rows split over fsdp, each row's
 sequence over context, attention a ring, ``hetshard.kernels.ring_attention``), computing
 the value and gradients of the step's ``hetshard.value_and_grad`` loss
-(``HetshardJit.grads_under``). The rows' loss weights are normalised by the batch's
+(``HetshardJit.grads_under``). The state (weights and optimizer moments) is sharded over
+the fsdp axis (ZeRO-3, as ``group_costs`` prices a group), replicated over the context
+axis: a row over the whole group (``degree == devices``) holds whole weights on every
+device. The rows' loss weights are normalised by the batch's
 target count (``packed_arrays(target_tokens=)``), so the micro-steps' values and
 gradients *sum* to the whole batch's token-mean loss and gradient. Each group sums its
-own micro-steps on its devices; the groups' sums are added once and applied once
-(``HetshardJit.apply_grads``). A (group, bucket) pair compiles once: a run
+own micro-steps on its devices, in the layout its first micro-step left them; the
+groups' sums are added once and applied once (``HetshardJit.apply_grads``, on the state
+as the first group's micro-steps held it). A (group, bucket) pair compiles once: a run
 compiles at most as many programs as the groups have buckets.
 
 Multimodal samples (mappings of ``tokens`` and ``images``) run the same way, a row of
@@ -27,7 +31,6 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
@@ -46,14 +49,14 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
     rows = group.n // degree
     program = step.program_for(*args)
     layers = program.layering(2, False).num_layers
-    axes = (("data", rows),) + ((("context", degree),) if degree > 1 else ())
+    axes = (("fsdp", rows),) + ((("context", degree),) if degree > 1 else ())
     gpu = cluster.gpu_of(group.devices[0]).name
     remat = group.remat_of(bucket) or "none"
     return Plan(program.name, cluster, rows, bucket, (
         Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes, remat=remat),),
                  rows, 1, 1),),
         attention=attention, context=Context(degree) if degree > 1 else Context(),
-        fingerprint=program.model_fingerprint)
+        fsdp=rows > 1, fingerprint=program.model_fingerprint)
 
 
 def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
@@ -110,21 +113,21 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
             p = micro_step_plan(step, args, group, ms.bucket, ms.degree, attention)
             got = step.grads_under(p, *args)
             mine = sums.get(group.name)
-            if mine is None:  # on the group's devices, replicated
-                here = NamedSharding(jax.tree.leaves(got)[0].sharding.mesh, PartitionSpec())
-                sums[group.name] = jax.device_put(got, here)
-            else:
-                here = jax.tree.leaves(mine)[0].sharding
-                sums[group.name] = jax.tree.map(jnp.add, mine, jax.device_put(got, here))
+            # on the group's devices, in the layout its first micro-step left them
+            # (sharded over the group as its state is)
+            sums[group.name] = got if mine is None else jax.tree.map(
+                jnp.add, mine, jax.device_put(got, _layout(mine)))
     total = None
     for part in sums.values():
-        if total is None:
-            total = part
-        else:
-            total = jax.tree.map(jnp.add, total,
-                                 jax.device_put(part, jax.tree.leaves(total)[0].sharding))
+        total = part if total is None else jax.tree.map(
+            jnp.add, total, jax.device_put(part, _layout(total)))
     args[at] = first
     return step.apply_grads(total, *args)
+
+
+def _layout(tree):
+    """Each leaf's sharding (what a sum of trees of this structure is moved to)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def _check_plan(plan, samples) -> None:
