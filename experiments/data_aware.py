@@ -221,8 +221,7 @@ def scaled_attention(cluster, dtypes, scale: float):
     if not scale > 0:
         raise SystemExit(f"--attention-scale {scale}: a positive number")
     per = []
-    for gpu in {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in
-                range(cluster.num_devices)}.values():
+    for gpu in {g.gpu.name: g.gpu for g in cluster.groups}.values():
         dtype = dtypes.get(gpu.name, "bfloat16")
         rate = attention_rate(gpu, dtype, DEFAULT.for_type(gpu.name))
         per.append((gpu.name, dataclasses.replace(

@@ -192,20 +192,13 @@ def measure(args, backend: str) -> int:
             predicted = float(pricer.rows(Packing.of(rows))[0])
             plan = micro_step_plan(step, (model, opt, batch), group, bucket, 1,
                                    args.attention)
-            t0 = time.perf_counter()
-            jax.block_until_ready(step.grads_under(plan, model, opt, batch))
-            first_s = time.perf_counter() - t0
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(step.grads_under(plan, model, opt, batch))
-                times.append(time.perf_counter() - t0)
-            measured = statistics.median(times)
+            measured, fastest, first_s = _timed(step.grads_under, plan, model, opt, batch,
+                                                repeats=args.repeats)
             row = {"bucket": bucket, "kind": kind, "documents": len(lengths),
                    "tokens": int(sum(lengths)),
                    "squares": int(sum(n * n for n in lengths)),
                    "remat": group.remat_of(bucket), "predicted_s": predicted,
-                   "measured_s": measured, "measured_min_s": min(times),
+                   "measured_s": measured, "measured_min_s": fastest,
                    "first_call_s": first_s, "ratio": predicted / measured}
             rows_out.append(row)
             print(f"{bucket:>6} {kind:<15} docs {len(lengths):>3}  predicted "
@@ -244,15 +237,19 @@ def measure(args, backend: str) -> int:
     return 0
 
 
-def _timed(fn, *args, repeats: int) -> float:
+def _timed(fn, *args, repeats: int) -> tuple[float, float, float]:
+    """(median, fastest, first call) seconds of ``fn(*args)``: the first call (compiling)
+    apart, then ``repeats`` timed calls."""
     import jax
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), min(times), first
 
 
 def compare(args, backend: str) -> None:
@@ -285,7 +282,7 @@ def compare(args, backend: str) -> None:
             samples = [rng.integers(0, config.vocab, n).astype(np.int32) for n in lengths]
             batch = {k: jnp.asarray(v) for k, v in packed_arrays(
                 samples, pack(lengths, (bucket,)), target_tokens=sum(lengths)).items()}
-            t = _timed(grad, model, batch, repeats=args.repeats)
+            t = _timed(grad, model, batch, repeats=args.repeats)[0]
             plain.append({"bucket": bucket, "kind": kind, "measured_s": t})
             print(f"plain jax.jit {bucket:>6} {kind:<10} {t * 1e3:8.2f} ms", flush=True)
     del model, grad
@@ -303,7 +300,7 @@ def compare(args, backend: str) -> None:
             g = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(
                 fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
             try:
-                row[f"{name}_s"] = _timed(g, q, q, q, repeats=args.repeats)
+                row[f"{name}_s"] = _timed(g, q, q, q, repeats=args.repeats)[0]
             except Exception as e:  # noqa: BLE001 - an implementation this GPU lacks
                 row[f"{name}_s"], row[f"{name}_error"] = None, f"{type(e).__name__}: {e}"[:300]
         # flops of causal attention forward + backward (2 + 5 matmuls, half the pairs)
