@@ -10,7 +10,9 @@ set by its options, so the plans are deterministic) and without intra-op shardin
 ``--compare`` reports every setting whose plan (``Plan.what_runs``: everything but the
 solver's wall time) differs, ignoring what only the plan schema changed: ``version``,
 ``grad_sync`` (schema <= 10 stored it; since 11 it is derived from the pipelines) and
-``grad_sync_overlap`` (schema 11; every plan here overlaps). Exits 1 on a difference.
+``grad_sync_overlap`` (schema 11; every plan here overlaps) and a false
+``context.shard_state`` (schema 12; the state replicated over context, as every plan
+before it). Exits 1 on a difference.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def snapshot() -> dict:
 
 def _plain(x):
     if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items() if k not in SCHEMA_ONLY}
+        return {k: _plain(v) for k, v in x.items() if k not in SCHEMA_ONLY
+                and not (k == "shard_state" and v is False)}
     if isinstance(x, list):
         return [_plain(v) for v in x]
     return x

@@ -45,7 +45,7 @@ from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
 from hetshard.ir.program import Program, batch_of, batch_positions, check_batch, path_string
-from hetshard.layout import batch_sharding, stage_mesh, state_shardings
+from hetshard.layout import batch_sharding, leaf_spec, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
 from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
@@ -225,6 +225,19 @@ def _signature(args) -> str:
         lambda x: (tuple(np.shape(x)), str(jnp.result_type(x))) if hasattr(x, "shape")
         else x, nnx.state(args) if any(is_graph(a) for a in args) else args))
     return f"{tree}|{leaves}"
+
+
+
+def _laid_as_state(fn, plan: Plan, mesh, state, batch):
+    """Per output leaf of ``fn(state, batch)`` (a value and gradients), the layout
+    ``leaf_spec`` gives a state leaf of its path and shape under ``plan``: each gradient
+    as its parameter, a scalar value replicated."""
+    specs = {name: tuple(e) for name, e in plan.pipelines[0].stages[0].shardings}
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(
+            path_string(p), x.shape, specs, mesh,
+            over_context=plan.context.shard_state)),
+        jax.eval_shape(fn, state, batch))
 
 
 def _same_arrays(refs, objects) -> bool:
@@ -506,8 +519,12 @@ class HetshardJit:
                 mesh = stage_mesh(plan, self._bound.devices)
                 s_shard = state_shardings(step_state(program, others), plan, mesh)
                 b_shard = batch_sharding(batch, plan, mesh)
-                got = (jax.jit(rewriting(capturing(program), plan, mesh),
-                               in_shardings=(s_shard, b_shard)), s_shard, b_shard)
+                fn = rewriting(capturing(program), plan, mesh)
+                # Gradients laid out as their parameters (reduce-scattered): left to
+                # XLA, some come back whole on every device (all-reduced).
+                out = _laid_as_state(fn, plan, mesh, step_state(program, others), batch)
+                got = (jax.jit(fn, in_shardings=(s_shard, b_shard), out_shardings=out),
+                       s_shard, b_shard)
                 self._captures[key] = got
             f, s_shard, b_shard = got
             return f(self._state_on(program, others, s_shard),

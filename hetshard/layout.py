@@ -9,7 +9,8 @@ the checkpoint restore all ask here.
   ``tensor``.
 * State leaves (:func:`leaf_spec`): the plan's per-parameter spec when it names one
   (optimizer moments follow their parameter), otherwise the largest dimension divisible
-  by the ``fsdp`` axis under FSDP, otherwise replicated. With the plan's distributed
+  by the ``fsdp`` axis under FSDP (by ``fsdp x context`` where the plan's
+  ``context.shard_state`` says so), otherwise replicated. With the plan's distributed
   optimizer (ZeRO-1) every state leaf that is not an ``nnx.Param`` (the optimizer's
   moments, its step count) is further split over ``data`` along its largest dimension
   the spec leaves free and ``data`` divides: each data way keeps and updates one shard,
@@ -80,10 +81,11 @@ def spec(entries) -> PartitionSpec:
 
 
 def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
-              shard_data: bool = False) -> PartitionSpec:
+              shard_data: bool = False, over_context: bool = False) -> PartitionSpec:
     """The PartitionSpec of one state leaf (see the module docstring); ``shard_data``:
-    a leaf of the optimizer's state under the distributed optimizer."""
-    base = _base_spec(path, shape, specs, mesh)
+    a leaf of the optimizer's state under the distributed optimizer; ``over_context``:
+    FSDP's split spans the ``context`` axis too (``Context.shard_state``)."""
+    base = _base_spec(path, shape, specs, mesh, over_context)
     data = mesh.shape.get("data", 1)
     if not shard_data or data == 1 or not shape:
         return base
@@ -95,7 +97,8 @@ def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
     return spec(entries)
 
 
-def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> PartitionSpec:
+def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
+               over_context: bool = False) -> PartitionSpec:
     best = None
     for name, entries in specs.items():
         if (path == name or path.endswith("/" + name)) and len(entries) == len(shape):
@@ -104,12 +107,15 @@ def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh) -> Partiti
     if best is not None:
         return spec(a if a is None or shape[i] % mesh.shape[a] == 0 else None
                     for i, a in enumerate(best[1]))
-    fsdp = mesh.shape.get("fsdp", 1)
-    if fsdp > 1 and shape:
+    axes = tuple(a for a in ("fsdp", "context") if mesh.shape.get(a, 1) > 1
+                 and (a == "fsdp" or over_context))
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    if ways > 1 and shape:
+        entry = axes if len(axes) > 1 else axes[0]
         dims = sorted(range(len(shape)), key=lambda d: -shape[d])
         for d in dims:
-            if shape[d] % fsdp == 0:
-                return spec("fsdp" if i == d else None for i in range(len(shape)))
+            if shape[d] % ways == 0:
+                return spec(entry if i == d else None for i in range(len(shape)))
     return PartitionSpec()
 
 
@@ -122,7 +128,8 @@ def state_shardings(tree, plan: Plan, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(
         lambda p, x: NamedSharding(mesh, leaf_spec(
             path_string(p), np.shape(x), specs, mesh,
-            shard_data=params is not None and path_string(p) not in params)),
+            shard_data=params is not None and path_string(p) not in params,
+            over_context=plan.context.shard_state)),
         tree)
 
 

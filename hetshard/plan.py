@@ -27,7 +27,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -38,8 +38,9 @@ SCHEMA_VERSION = 11
 # (before, activation layouts were ``Stage.shardings`` entries named "activation:<layer>";
 # they load into ``activations``), 11 ``Plan.grad_sync_overlap`` (before, ``grad_sync``
 # entries, derived from the pipelines, each with an ``overlap`` flag: they load as the
-# flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+# flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored), 12
+# ``Context.shard_state`` (absent: the state is replicated over the context axis).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
@@ -134,6 +135,11 @@ class Context:
     degree: int = 1
     chunk_lengths: tuple[int, ...] = ()
     zigzag: bool = True
+    # The state (weights, optimizer moments) sharded over the context axis too: the
+    # sharding FSDP gives a leaf spans ``fsdp x context`` (ZeRO-3 over every device of
+    # the stage but its tensor ranks, as Megatron-LM's distributed optimizer spans its
+    # data and context groups); else replicated over ``context``.
+    shard_state: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,6 +515,8 @@ def validate(plan: Plan) -> None:
                  "grad_sync_overlap"):
         if not isinstance(getattr(plan, name), bool):
             raise SpecError(name, getattr(plan, name), "true or false")
+    if not isinstance(plan.context.shard_state, bool):
+        raise SpecError("context.shard_state", plan.context.shard_state, "true or false")
     shares = sum(p.batch_share for p in plan.pipelines)
     if shares != plan.global_batch:
         raise SpecError("pipelines[*].batch_share", shares,

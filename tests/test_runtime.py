@@ -544,3 +544,56 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
     assert float(after[0]) < float(first[0])  # the update is what the step reads
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
+    """A micro-step whose one row spans a group's four devices as a context ring shards
+    the state over all four (``Context.shard_state``: ZeRO-3 over ``fsdp x context``,
+    as ``group_costs`` prices and memory-checks it), laid out as a micro-step of four
+    one-device rows lays it out; its value and gradients equal that micro-step's on the
+    same row (three empty rows beside it)."""
+    import importlib
+
+    from hetshard.data import Row, group_costs, packed_arrays
+    from hetshard.data.runner import micro_step_plan
+    from hetshard.layout import mesh_of, state_shardings
+    from models.losses import packed_text_loss
+    from models.steps import train_step
+
+    cluster = Cluster.from_dict({"name": "one", "groups": [
+        {"name": "g", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]})
+    model = models.build("llama-tiny", rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = hetshard.jit(train_step(packed_text_loss), cluster=cluster, quiet=True)
+    rng = np.random.default_rng(1)
+    samples = [rng.integers(0, 256, n).astype(np.int32) for n in (40, 20)]
+    row = Row(64, (0, 1), (40, 20))
+
+    def batch(rows):
+        return {k: jax.numpy.asarray(v) for k, v in packed_arrays(
+            samples, rows, target_tokens=58).items()}
+
+    ring, flat = batch([row]), batch([row] + [Row(64, (), ())] * 3)
+    group, = group_costs(step.profile(model, opt, flat), cluster, max_context=64,
+                         buckets=(64,))
+    over = micro_step_plan(step, (model, opt, ring), group, 64, 4)
+    rows = micro_step_plan(step, (model, opt, flat), group, 64, 1)
+    assert over.context.shard_state and over.pipelines[0].stages[0].mesh_shape == (
+        ("fsdp", 1), ("context", 4))
+    # the layout the state is placed in: a quarter of every large leaf on each device
+    hjit = importlib.import_module("hetshard.jit")  # (the name is shadowed by the function)
+    program = step.program_for(model, opt, ring)
+    tree = hjit.step_state(program, (model, opt))
+    mesh = mesh_of(over.pipelines[0].stages[0], step.cluster.bind().devices)
+    laid = jax.tree.leaves(state_shardings(tree, over, mesh))
+    big = [(x, s) for x, s in zip(jax.tree.leaves(tree), laid, strict=True) if x.size >= 1024]
+    assert big and all(np.prod(s.shard_shape(x.shape)) * 4 == x.size for x, s in big)
+
+    got = step.grads_under(over, model, opt, ring)
+    want = step.grads_under(rows, model, opt, flat)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+        if a.size >= 1024:  # a quarter a device, where the four-row micro-step has it
+            assert a.addressable_shards[0].data.size * 4 == a.size
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)

@@ -552,7 +552,15 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 11
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 12
+    # Schema 11 (no context.shard_state: the state replicated over context) reads so.
+    old = zero1.to_dict()
+    del old["context"]["shard_state"]
+    old["version"] = 11
+    path.write_text(json.dumps(old))
+    assert Plan.load(path) == zero1 and not Plan.load(path).context.shard_state
+    with pytest.raises(SpecError, match="context.shard_state=1.*true or false"):
+        dataclasses.replace(plan, context=Context(shard_state=1))
     # Schema 8 (no gpu_dtypes: every stage computes in the plan's dtype) reads unchanged.
     old = zero1.to_dict()
     del old["gpu_dtypes"]
@@ -768,3 +776,27 @@ def test_plan_cluster_is_a_typed_cluster_written_as_its_spec(prof):
     # Devices beyond the cluster's are refused (the cluster's device count is read).
     with pytest.raises(SpecError, match="devices"):
         dataclasses.replace(plan, cluster=Cluster.load("dgx-h100-x8").shrunk(4))
+
+
+def test_state_sharded_over_context_is_priced_a_share_a_device():
+    """``Context.shard_state``: llama-7b's one row over eight A100s as a context ring
+    (no data ways) holds an eighth of the weights and AdamW moments a device, and fits,
+    where the state replicated over the ring (112 GB a device) does not; the stage's
+    static memory is exactly the replicated one's over the ring's size; the gradients
+    are then reduce-scattered over the ring and each layer's weights gathered from it,
+    which the replicated state does not pay."""
+    profile = profile_model("llama-7b", seq_len=4096)
+    cluster = Cluster.from_dict({"name": "a100", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}]})
+    stage = Stage(0, profile.num_layers, tuple(range(8)), "A100-80GB", (("context", 8),),
+                  remat="full")
+    whole = Plan("llama-7b", cluster, 1, 32768, (Pipeline((stage,), 1, 1, 1),),
+                 context=Context(8))
+    shared = dataclasses.replace(whole, context=Context(8, shard_state=True))
+    a, b = simulate(whole, profile, cluster), simulate(shared, profile, cluster)
+    assert not a.fits and b.fits
+    ((ca,),), ((cb,),) = a.stage_costs, b.stage_costs
+    assert cb.memory_static_bytes == pytest.approx(ca.memory_static_bytes / 8)
+    assert ca.memory_static_bytes > 100e9
+    assert cb.fwd_s > ca.fwd_s and b.step_time_s > a.step_time_s  # gathers, sync
+    assert cb.optimizer_s == pytest.approx(ca.optimizer_s / 8)

@@ -390,11 +390,14 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                attention: str = "flash", cal: Calibration,
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None,
-               tp_overlap: bool = False, dtype: str | None = None) -> StageCost:
+               tp_overlap: bool = False, dtype: str | None = None,
+               shard_context: bool = False) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
-    matmuls' and attention's compute dtype (None: the program's, ``Plan.gpu_dtypes``)."""
+    matmuls' and attention's compute dtype (None: the program's, ``Plan.gpu_dtypes``);
+    ``shard_context``: the state is sharded over the ``cp`` context ranks too
+    (``Context.shard_state``: FSDP over ``dp x cp``, ``dp_topo`` then those devices')."""
     if remat not in REMATS:
         raise SpecError("remat", remat, f"one of {REMATS}")
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -410,6 +413,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     peak_attn = attention_rate(gpu, dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
     shard = tp * cp
+    # The ways FSDP splits the state over (gathered for each layer's use).
+    gathered = (dp if fsdp else 1) * (cp if shard_context else 1)
     fwd = bwd = recompute = weight = carry = cast_s = 0.0
     att_f = att_b = att_mem = 0.0
     model_flops = hw_flops = 0.0
@@ -517,13 +522,14 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             updates.append(update)
         else:
             updates.append(None)
-        if fsdp and dp > 1 and dp_topo is not None:
+        if gathered > 1 and dp_topo is not None:
             # Each layer's parameters are gathered behind the layer before's compute; what
             # is hidden still slows that compute (the transfer's kernels take SMs and
             # memory bandwidth), as a collective matmul's transfers do. One ring per
-            # tensor and context rank, all at once, sharing each node's network card.
+            # tensor rank (and context rank, where the state is not split over them),
+            # all at once, sharing each node's network card.
             ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name,
-                                 tp * cp)
+                                 tp if shard_context else tp * cp)
             t_f = max(t_f, ag) + e.overlap_interference * min(t_f, ag)
             t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
         if mode == "full":
@@ -598,11 +604,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     # the last layer's is the loss's seed).
     cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
                  if end < profile.num_layers else 0.0)
-    shard_dp = dp if fsdp else 1
-    opt_dp = dp if (fsdp or shard_optimizer) else 1
+    shard_dp = gathered
+    opt_dp = max(gathered, dp if shard_optimizer else 1)
     static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
               param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
-              (static_copy / shard_dp if fsdp else static_copy))
+              static_copy / shard_dp)
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     if updates and all(u is not None for u in updates):
         optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)

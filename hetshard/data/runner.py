@@ -6,9 +6,10 @@ bucket on one group: it runs on that group's devices as a one-stage plan whose m
 sequence over context, attention a ring, ``hetshard.kernels.ring_attention``), computing
 the value and gradients of the step's ``hetshard.value_and_grad`` loss
 (``HetshardJit.grads_under``). The state (weights and optimizer moments) is sharded over
-the fsdp axis (ZeRO-3, as ``group_costs`` prices a group), replicated over the context
-axis: a row over the whole group (``degree == devices``) holds whole weights on every
-device. The rows' loss weights are normalised by the batch's
+every device of the group, ``fsdp x context`` (ZeRO-3 over the group, as ``group_costs``
+prices and memory-checks it; ``Context.shard_state``): a row over the whole group holds
+a ``1 / devices`` share of each weight on each device, as a micro-step of one-device
+rows does, and both lay a leaf out alike. The rows' loss weights are normalised by the batch's
 target count (``packed_arrays(target_tokens=)``), so the micro-steps' values and
 gradients *sum* to the whole batch's token-mean loss and gradient. Each group sums its
 own micro-steps on its devices, in the layout its first micro-step left them; the
@@ -55,7 +56,8 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
     return Plan(program.name, cluster, rows, bucket, (
         Pipeline((Stage(0, layers, tuple(group.devices), gpu, axes, remat=remat),),
                  rows, 1, 1),),
-        attention=attention, context=Context(degree) if degree > 1 else Context(),
+        attention=attention,
+        context=Context(degree, shard_state=True) if degree > 1 else Context(),
         fsdp=rows > 1, fingerprint=program.model_fingerprint)
 
 

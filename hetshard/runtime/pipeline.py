@@ -228,7 +228,8 @@ class PipelineRunner:
         params = set(self.grad_index)
         shardings = {i: NamedSharding(mesh, leaf_spec(
             self.paths[i], self.state_avals[i].shape, specs, mesh,
-            shard_data=zero1 and i not in params)) for i in local}
+            shard_data=zero1 and i not in params,
+            over_context=self.plan.context.shard_state)) for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
         # Sequence parallelism inside the stage (as the simulator prices its memory); a

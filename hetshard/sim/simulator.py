@@ -121,14 +121,14 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             dtype = priced_dtype(plan, profile, st)
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
                    mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
-                   plan.context_chunks(st))
+                   plan.context_chunks(st), plan.context.shard_state)
             if cache is not None and key in cache:
                 costs.append(cache[key])
                 continue
             cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                plan.attention, profile, cluster, cal,
                                plan.distributed_optimizer, plan.tp_overlap, dtype,
-                               plan.context_chunks(st))
+                               plan.context_chunks(st), plan.context.shard_state)
             if cache is not None:
                 cache[key] = cost
             costs.append(cost)
@@ -145,8 +145,8 @@ def priced_dtype(plan: Plan, profile: ModelProfile, st) -> str:
 def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                        profile: ModelProfile, cluster: Cluster, cal: Calibration,
                        shard_optimizer: bool = False, tp_overlap: bool = False,
-                       dtype: str | None = None, chunks: tuple[int, ...] = ()
-                       ) -> dict[str, StageCost]:
+                       dtype: str | None = None, chunks: tuple[int, ...] = (),
+                       shard_context: bool = False) -> dict[str, StageCost]:
     """Per GPU type of stage ``st`` with uneven context ``chunks`` (``Plan.context_chunks``): what
     its devices spend on layers ``[start, end)``, as the runtime runs them: the layers
     around attention keep the sequence's even split, attention takes each device's chunk
@@ -159,7 +159,7 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
     Without ``chunks``: the stage's pacing type alone (``layers_cost``)."""
     if not chunks:
         cost = layers_cost(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                           shard_optimizer, tp_overlap, dtype)
+                           shard_optimizer, tp_overlap, dtype, shard_context=shard_context)
         return {_slowest(cluster, st.devices).name: cost}
     tp, cp = st.axis("tensor"), st.axis("context")
     equal = sum(chunks) / cp
@@ -191,24 +191,27 @@ def _scaled(c: StageCost, f: float, pad: float) -> StageCost:
 def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
                 shard_optimizer: bool = False, tp_overlap: bool = False,
-                dtype: str | None = None, chunks: tuple[int, ...] = ()) -> StageCost:
+                dtype: str | None = None, chunks: tuple[int, ...] = (),
+                shard_context: bool = False) -> StageCost:
     """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
     the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``);
     ``dtype``: the stage's compute dtype (``Plan.stage_dtype``; None: the program's);
     ``chunks``: uneven context chunks (``Plan.context_chunks``), the stage then paced by the
-    GPU type that takes longest with its share (``typed_layers_costs``)."""
+    GPU type that takes longest with its share (``typed_layers_costs``); ``shard_context``:
+    the state sharded over the context ranks too (``Context.shard_state``)."""
     if chunks:
         return max(typed_layers_costs(st, start, end, mbs, fsdp, attention, profile,
                                       cluster, cal, shard_optimizer, tp_overlap, dtype,
-                                      chunks).values(),
+                                      chunks, shard_context).values(),
                    key=lambda c: c.fwd_s + c.bwd_s)
     return _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                   shard_optimizer, tp_overlap, dtype, _slowest(cluster, st.devices))
+                   shard_optimizer, tp_overlap, dtype, _slowest(cluster, st.devices),
+                   shard_context)
 
 
 def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_optimizer,
-            tp_overlap, dtype, gpu) -> StageCost:
+            tp_overlap, dtype, gpu, shard_context: bool = False) -> StageCost:
     """``layers_cost`` with the stage's work priced on GPU type ``gpu``."""
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = data_ways(st)
@@ -219,8 +222,12 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
         if tp > 1 else None
     cp_topo = _slowest_group(cluster, [devs[i:i + tp * cp:tp] for i in range(
         0, len(devs), tp * cp)]) if cp > 1 else None
-    dp_topo = topology(cluster, devs[::tp * cp]) if dp > 1 else None
+    shard_context = shard_context and cp > 1
+    # the devices FSDP gathers a weight from: one a data way, or a (data, context) pair
+    dp_topo = topology(cluster, devs[::tp] if shard_context else devs[::tp * cp]) \
+        if dp > 1 or shard_context else None
     return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
+                      shard_context=shard_context,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
@@ -473,14 +480,15 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             if partners:
                 devices, holders, overlap = partners
                 topo = topology(cluster, devices)
-                fsdp = plan.fsdp or st.axis("fsdp") > 1
+                fsdp = plan.fsdp or st.axis("fsdp") > 1 or _context_sharded(plan, st)
                 # ZeRO-1 shards over the stage's own data ways (none: nothing to shard).
                 zero1 = plan.distributed_optimizer and not fsdp and st.axis("data") > 1
                 kind = "reduce_scatter" if (fsdp or zero1) else "all_reduce"
                 slowest = _slowest(cluster, devices).name
                 # One ring per tensor (and context) rank, all at once, sharing each node's
                 # network card.
-                rings = st.axis("tensor") * st.axis("context")
+                rings = st.axis("tensor") * (1 if _context_sharded(plan, st)
+                                             else st.axis("context"))
                 t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest, rings)
                 t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
                                            slowest, rings) if zero1 else 0.0
@@ -573,12 +581,19 @@ def _sync_partners(plan: Plan, pi: int, stage):
                 holders.append((qi, qs))
                 if qi != pi:
                     devices += list(other.devices)
-    if dp <= 1 and len(holders) == 1:
+    sharded = _context_sharded(plan, stage)
+    if dp <= 1 and len(holders) == 1 and not sharded:
         return None
-    overlap = plan.grad_sync_overlap
-    tp_cp = stage.axis("tensor") * stage.axis("context")
-    # One representative device per replica: the collective runs tp*cp-way in parallel.
-    return devices[::tp_cp], holders, overlap
+    # One representative device per replica: the collective runs tp*cp-way in parallel
+    # (tp-way where the context ranks shard the state: ``Context.shard_state``).
+    every = stage.axis("tensor") * (1 if sharded else stage.axis("context"))
+    return devices[::every], holders, plan.grad_sync_overlap
+
+
+def _context_sharded(plan: Plan, stage) -> bool:
+    """The stage's state is sharded over its context ranks (their gradients are
+    reduce-scattered among them)."""
+    return plan.context.shard_state and stage.axis("context") > 1
 
 
 def annotate(plan: Plan, result: SimResult, upper_bound: float = 0.0) -> Plan:
