@@ -525,13 +525,13 @@ def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_paddin
 # ---- running a pipeline's per-batch plan ---------------------------------------------------
 
 def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
-                                        model_name="llama-tiny"):
+                                        model_name="llama-tiny", axis="data"):
     """Train ``model_name`` (llama-tiny, or llava-tiny on multimodal samples) on
     ``batches`` ((samples, BatchPlan) pairs) with
     ``run_pipeline_batch_plan`` on an outer plan of ``pipelines`` ((first device, GPU)
-    of each two-stage pipeline, two data ways a stage); assert its losses and weights
-    equal one device training the samples one by one. Returns the step and the outer
-    plan."""
+    of each two-stage pipeline, two ``axis`` ways a stage: ``data``, or ``fsdp``);
+    assert its losses and weights equal one device training the samples one by one.
+    Returns the step, the outer plan and the trained model."""
     import optax
     from flax import nnx
     from test_data import _one_by_one
@@ -562,8 +562,8 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
     program = step.program_for(model, opt, example)
     n = program.layering(2, False).num_layers
     outer = Plan(program.name, step.cluster, 4 * len(pipelines), top, tuple(Pipeline((
-        Stage(0, n // 2, (o, o + 1), gpu, (("data", 2),)),
-        Stage(n // 2, n, (o + 2, o + 3), second or gpu, (("data", 2),))), 4, 1, 2)
+        Stage(0, n // 2, (o, o + 1), gpu, ((axis, 2),)),
+        Stage(n // 2, n, (o + 2, o + 3), second or gpu, ((axis, 2),))), 4, 1, 2)
         for o, gpu, second in pipelines), fingerprint=program.model_fingerprint)
     got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, pipes, outer))
            for s, p in batches]
@@ -571,7 +571,7 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
     for a, b in zip(jax.tree.leaves(_params(model)), jax.tree.leaves(want_params),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-    return step, outer
+    return step, outer, model
 
 
 def _params(model):
@@ -607,13 +607,43 @@ def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
                       tokens=32, buckets=(16, 32))
     batches = _batches([pc], 11, 2, 9)
     assert all({s.bucket for s in p.groups[0].steps} == {16, 32} for _, p in batches)
-    step, outer = _pipeline_plans_train_as_one_device(
+    step, outer, _ = _pipeline_plans_train_as_one_device(
         cluster, [pc], batches, [(0, "A100-80GB", "H100-80GB")])
     ring = pass_plan(outer, pc, 32, 3).pipelines[0].stages[0]
     assert ring.mesh_shape == (("data", 1), ("context", 2))
     passes = {(s.bucket, sum(1 for t in p.groups[0].steps if t.bucket == s.bucket))
               for _, p in batches for s in p.groups[0].steps}
     assert len(step._passes) == len(passes)
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_fsdp_stages_keeps_its_state_sharded_in_every_pass():
+    """The two-stage pipeline above with each stage's two ways sharding its state
+    (``fsdp``, as ``pipeline_costs`` prices it): the 16-token pass splits rows over
+    ``fsdp``, the 32-token pass runs its row over both ways as a ring with the state
+    still split over them (``Context.shard_state``). Losses and weights over two steps
+    equal one device's, and no device holds a whole weight afterwards (with the passes'
+    old ``data`` axis each did)."""
+    from flax import nnx
+
+    from hetshard.data import pass_plan
+
+    cluster = {"name": "two-types", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 2}]}
+    pc = PipelineCost("p", (_stage(0, ways=2, lin=(2.0, 4.0), att=(0.01, 0.02)),
+                            _stage(1, ways=2, lin=(1.0, 2.0), att=(0.02, 0.04))),
+                      tokens=32, buckets=(16, 32))
+    batches = _batches([pc], 11, 2, 9)
+    _, outer, model = _pipeline_plans_train_as_one_device(
+        cluster, [pc], batches, [(0, "A100-80GB", "H100-80GB")], axis="fsdp")
+    rows, ring = pass_plan(outer, pc, 16, 1), pass_plan(outer, pc, 32, 1)
+    assert rows.pipelines[0].stages[0].mesh_shape == (("fsdp", 2),)
+    assert not rows.context.shard_state
+    assert ring.pipelines[0].stages[0].mesh_shape == (("fsdp", 1), ("context", 2))
+    assert ring.context.shard_state
+    weights = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.size >= 1024]
+    assert weights and all(x.addressable_shards[0].data.size < x.size for x in weights)
 
 
 @pytest.mark.slow

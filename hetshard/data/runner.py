@@ -149,7 +149,11 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
     stages, layers,
     devices and remat; each stage's data ways split a micro-batch's rows, or, with
     fewer rows than ways, each row over ``ways / rows`` of them as a context axis (the
-    ring).
+    ring). Stages that shard their state over their ways (an ``fsdp`` axis, as
+    ``pipeline_costs`` prices them) keep it sharded over all of them: the rows'
+    axis stays ``fsdp`` and, where every stage is such a stage, the state spans the
+    context axis too (``Context.shard_state``); a stage of ``data`` ways keeps whole
+    weights on each.
 
     Raises:
       SpecError: rows that a stage's data ways do not divide, or ways that the rows do
@@ -157,7 +161,9 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
     """
     rows = pipe.rows(bucket)
     stages = []
-    for j, st in enumerate(outer.pipelines[pipeline].stages):
+    outer_stages = outer.pipelines[pipeline].stages
+    sharded = all(st.axis("fsdp") > 1 for st in outer_stages)
+    for j, st in enumerate(outer_stages):
         ways = data_ways(st)
         if (rows >= ways and rows % ways) or (rows < ways and ways % rows):
             raise SpecError(f"outer.pipelines[{pipeline}].stages[{j}]", f"{ways} data ways",
@@ -165,13 +171,16 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
                             f"{bucket}-token micro-batch")
         data, context = min(rows, ways), max(1, ways // rows)
         other = [(a, n) for a, n in st.mesh_shape if a not in ("data", "fsdp", "context")]
-        shape = (("data", data),) + ((("context", context),) if context > 1 else ()) + \
+        name = "fsdp" if st.axis("fsdp") > 1 else "data"
+        shape = ((name, data),) + ((("context", context),) if context > 1 else ()) + \
             tuple(other)
         stages.append(dataclasses.replace(st, mesh_shape=shape, activations=()))
-    first = min(rows, data_ways(outer.pipelines[pipeline].stages[0]))
+    first = min(rows, data_ways(outer_stages[0]))
     pipeline = Pipeline(tuple(stages), rows * micro_batches, rows // first, micro_batches)
+    ring = any(st.axis("context") > 1 for st in stages)
     return dataclasses.replace(outer, global_batch=rows * micro_batches, seq_len=bucket,
-                               pipelines=(pipeline,), context=Context(),
+                               pipelines=(pipeline,),
+                               context=Context(shard_state=sharded and ring),
                                predicted=Predicted())
 
 
