@@ -56,10 +56,12 @@ def _stages_of(cluster, parts):
     return out
 
 
-def _costs(profile, cluster, pipes, splits, max_context, encoders, vision, slots=None):
+def _costs(profile, cluster, pipes, splits, max_context, encoders, vision, slots=None,
+           every_slot=False):
     mm = {} if encoders is None else dict(
         vision=vision, image_tokens=IMAGE_TOKENS, images_per_row=slots,
-        vision_devices=[e for _, e in _stages_of(cluster, encoders)] if encoders else None)
+        vision_devices=[e for _, e in _stages_of(cluster, encoders)] if encoders else None,
+        encoder_slots=every_slot)
     return pipeline_costs(profile, cluster, _plan(cluster, pipes, splits),
                           max_context=max_context, **mm)
 
@@ -78,14 +80,16 @@ def _plan(cluster, pipes, splits) -> Plan:
 
 
 def balanced_split(profile, cluster, stages, max_context: int, square_per_token: float,
-                   images_per_token: float = 0.0, encoders=None, vision=None):
+                   images_per_token: float = 0.0, encoders=None, vision=None,
+                   every_slot=False):
     """Layers per stage where a micro-batch of the data's mix (its squared document
     lengths and images per token) takes the least time on the slowest stage."""
     layers = profile.num_layers
     best = None
     for k in range(1, layers):
         split = (k, layers - k)
-        pc = _costs(profile, cluster, [stages], [split], max_context, encoders, vision)[0]
+        pc = _costs(profile, cluster, [stages], [split], max_context, encoders, vision,
+                    every_slot=every_slot)[0]
         worst = max((s.token_fwd_s + s.token_bwd_s + (s.attention_fwd_s + s.attention_bwd_s)
                      * square_per_token + (s.image_fwd_s + s.image_bwd_s) * images_per_token)
                     / s.ways for s in pc.stages if s.layers)
@@ -96,7 +100,10 @@ def balanced_split(profile, cluster, stages, max_context: int, square_per_token:
 
 # name -> cluster, pipelines (stages as (group, first node, nodes)), max contexts,
 # and for the MLLM mixture the vision encoder's place: [] with each pipeline's first
-# stage, else a vision stage of its own per pipeline (group, first node, nodes).
+# stage, else a vision stage of its own per pipeline (group, first node, nodes); a fifth
+# entry True: that vision stage encodes every image slot of its rows (what
+# run_pipeline_batch_plan runs), else only the micro-batch's images in passes (compacted,
+# priced only).
 CONFIGS = {
     "a100-x64 2-stage": ("a100-x64", [[("a100", 0, 4), ("a100", 4, 4)]], (32768, 131072),
                          None),
@@ -117,6 +124,12 @@ CONFIGS = {
         "h100-a100-x64", [[("h100", 0, 4), ("a100", 0, 4)]], (32768,), []),
     "MLLM h100-a100-x64 A100 vision stage + 2-stage": (
         "h100-a100-x64", [[("h100", 0, 4), ("a100", 2, 2)]], (32768,), [("a100", 0, 2)]),
+    "MLLM a100-v100-x64 V100 vision stage, every slot": (
+        "a100-v100-x64", [[("a100", 0, 4), ("v100", 2, 2)]], (32768,), [("v100", 0, 2)],
+        True),
+    "MLLM h100-a100-x64 A100 vision stage, every slot": (
+        "h100-a100-x64", [[("h100", 0, 4), ("a100", 2, 2)]], (32768,), [("a100", 0, 2)],
+        True),
 }
 
 
@@ -140,7 +153,8 @@ def main() -> int:
     except FileNotFoundError:
         pass
     rows = []
-    for name, (cname, parts, contexts, encoders) in CONFIGS.items():
+    for name, (cname, parts, contexts, encoders, *every) in CONFIGS.items():
+        every_slot = bool(every and every[0])
         cluster = CLUSTERS[cname]()
         mllm = encoders is not None
         for max_context in contexts:
@@ -154,15 +168,17 @@ def main() -> int:
             sq = float(((text + IMAGE_TOKENS * pics) ** 2).sum() / total)
             pipes = [_stages_of(cluster, p) for p in parts]
             splits = [balanced_split(profile, cluster, s, max_context, sq,
-                                     float(pics.sum() / total), encoders, vision)
+                                     float(pics.sum() / total), encoders, vision,
+                                     every_slot)
                       for s in pipes]
-            costs = _costs(profile, cluster, pipes, splits, max_context, encoders, vision)
+            costs = _costs(profile, cluster, pipes, splits, max_context, encoders, vision,
+                           every_slot=every_slot)
             slots = None
             if mllm:
                 slots = image_slots_from([b for b, _ in calib], [i for _, i in calib], costs,
                                          cluster)
                 costs = _costs(profile, cluster, pipes, splits, max_context, encoders,
-                               vision, slots)
+                               vision, slots, every_slot)
             rng = np.random.default_rng(0)
             per = {m: {"times": [], "tokens": 0, "planning": [], "planning_runs": [],
                        "gaps": [], "shapes": set(), "encoder": set()} for m in METHODS}
@@ -182,7 +198,8 @@ def main() -> int:
                     p["gaps"].append(r.gap)
                     p["shapes"] |= set(r.shapes)
                     for pc, g in zip(costs, r.groups, strict=True):
-                        if pc.encoder_stage is not None:  # the vision stage's passes
+                        if pc.encoder_stage is not None and not pc.encoder_slots:
+                            # the compacted vision stage's passes
                             one = pc.stages[pc.encoder_stage].ways * pc.encoder_chunk
                             p["encoder"] |= {encoder_batch(int(images[[
                                 i for row in s.rows for i in row.samples]].sum()), one,
@@ -194,7 +211,7 @@ def main() -> int:
                                    "layers": [s.start, s.end],
                                    "encoder": s.image_fwd_s > 0} for s in pc.stages]
                                  for pc in costs],
-                   "images_per_row": slots,
+                   "images_per_row": slots, "encoder_every_slot": every_slot,
                    "micro_batch_tokens": costs[0].tokens, "buckets": list(costs[0].buckets),
                    "methods": {}}
             for m, p in per.items():

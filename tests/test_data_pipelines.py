@@ -474,10 +474,19 @@ def test_a_vision_stage_of_its_own_is_priced_in_front_of_the_language_model(with
     images = rng.integers(0, 9, 200)
     lengths = np.maximum(1, np.minimum(rng.lognormal(6.0, 1.4, 200).astype(int),
                                        32768 - 256 * images))
+    times = []
     for pc in (own, inside):
         plan = plan_pipeline_batch(lengths, [pc], images=images, cluster=cluster)
         assert plan.groups[0].images == int(images.sum())
         assert plan.step_time_s >= plan.bound_s
+        times.append(plan.step_time_s)
+    # Encoding every slot of the rows (what runs) costs more than the compacted batch.
+    slots = pipeline_costs(profile, cluster, _outer(cluster, 24), max_context=32768,
+                           vision=vit, image_tokens=256, vision_devices=[enc],
+                           encoder_slots=True)[0]
+    assert slots.encoder_slots and slots.stages[0].image_fwd_s == own.stages[0].image_fwd_s
+    assert plan_pipeline_batch(lengths, [slots], images=images,
+                               cluster=cluster).step_time_s > times[0]
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -490,7 +499,9 @@ def test_a_vision_stage_of_its_own_is_priced_in_front_of_the_language_model(with
     ({"vision": True, "image_tokens": 256, "vision_devices": [(15, 16)]}, "vision_devices"),
     ({"vision": True, "image_tokens": 256, "images_per_row": {4096: 99}},
      "images_per_row[4096]"),
-    ({"vision": True, "image_tokens": 256, "encoder_chunk": 0}, "encoder_chunk")])
+    ({"vision": True, "image_tokens": 256, "encoder_chunk": 0}, "encoder_chunk"),
+    ({"vision": True, "image_tokens": 256, "encoder_slots": True}, "encoder_slots"),
+    ({"vision": True, "image_tokens": 256, "encoder_slots": 1}, "encoder_slots")])
 def test_bad_vision_settings_are_refused(with_encoders, kwargs, field):
     profile, vit, cluster = with_encoders
     if kwargs.get("vision") is True:
@@ -525,11 +536,12 @@ def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_paddin
 # ---- running a pipeline's per-batch plan ---------------------------------------------------
 
 def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
-                                        model_name="llama-tiny", axis="data"):
+                                        model_name="llama-tiny", axis="data", cut=None):
     """Train ``model_name`` (llama-tiny, or llava-tiny on multimodal samples) on
     ``batches`` ((samples, BatchPlan) pairs) with
     ``run_pipeline_batch_plan`` on an outer plan of ``pipelines`` ((first device, GPU)
-    of each two-stage pipeline, two ``axis`` ways a stage: ``data``, or ``fsdp``);
+    of each two-stage pipeline, two ``axis`` ways a stage: ``data``, or ``fsdp``; the
+    stages cut at layer ``cut``, default half the program's);
     assert its losses and weights equal one device training the samples one by one.
     Returns the step, the outer plan and the trained model."""
     import optax
@@ -561,9 +573,10 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
         [len(x["tokens"] if seeing else x) for x in first], (top,)), **extra).items()}
     program = step.program_for(model, opt, example)
     n = program.layering(2, False).num_layers
+    cut = n // 2 if cut is None else cut
     outer = Plan(program.name, step.cluster, 4 * len(pipelines), top, tuple(Pipeline((
-        Stage(0, n // 2, (o, o + 1), gpu, ((axis, 2),)),
-        Stage(n // 2, n, (o + 2, o + 3), second or gpu, ((axis, 2),))), 4, 1, 2)
+        Stage(0, cut, (o, o + 1), gpu, ((axis, 2),)),
+        Stage(cut, n, (o + 2, o + 3), second or gpu, ((axis, 2),))), 4, 1, 2)
         for o, gpu, second in pipelines), fingerprint=program.model_fingerprint)
     got = [float(run_pipeline_batch_plan(step, (model, opt, None), s, p, pipes, outer))
            for s, p in batches]
@@ -720,6 +733,17 @@ def test_bad_pipeline_plans_are_refused_before_anything_runs():
     with pytest.raises(SpecError) as e:
         run_pipeline_batch_plan(None, (None,), seeing, plan, [pc], _outer_of())
     assert e.value.field == "samples"
+    # a vision stage of its own: its compacted encoder batch is priced, not run; the
+    # slots it runs need the outer pipeline's first stage on its devices
+    compact = _seeing()
+    both = plan_pipeline_batch([3, 5, 8], [compact], images=[0, 0, 0])
+    with pytest.raises(SpecError) as e:
+        run_pipeline_batch_plan(None, (None,), seeing, both, [compact], _outer_of((2, 2, 2)))
+    assert e.value.field == "samples" and "encoder_slots" in str(e.value)
+    slots = dataclasses.replace(compact, encoder_slots=True)
+    with pytest.raises(SpecError) as e:  # (0, 1) are not the vision stage's (10, 11)
+        run_pipeline_batch_plan(None, (None,), seeing, both, [slots], _outer_of((2, 2, 2)))
+    assert e.value.field == "outer.pipelines[0]"
 
 
 def test_rows_that_a_stages_ways_cannot_split_are_refused(mixed):
@@ -758,3 +782,37 @@ def test_a_multimodal_pipeline_plan_with_the_encoder_in_the_first_stage_equals_o
     assert {s.bucket for _, p in batches for s in p.groups[0].steps} == {32, 64}
     _pipeline_plans_train_as_one_device(cluster, [pc], batches,
                                         [(0, "A100-80GB", "H100-80GB")], "llava-tiny")
+
+
+@pytest.mark.slow
+def test_a_vision_stage_of_its_own_runs_equal_to_one_device():
+    """DistTrain's disaggregated encoder, run: llava-tiny with its vision encoder and
+    projector (the program's first five layers) on a vision stage of two A100s of its
+    own, the language model on two H100s behind it, priced with the vision stage
+    encoding every image slot of its rows (``encoder_slots``). 32-token rows (two image
+    slots) a way each, a 64-token row (three slots) over both ways. Losses and weights
+    over two steps equal one device training the samples one by one; the vision stage's
+    price follows its micro-batch's slots, not its images."""
+    from test_data import multimodal_batches
+
+    cluster = {"name": "two-types", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
+        {"name": "h", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 2}]}
+    vis = StageRate(gpu="A100-80GB", devices=(0, 1), start=0, end=0, ways=2,
+                    token_fwd_s=0.0, token_bwd_s=0.0, attention_fwd_s=0.0,
+                    attention_bwd_s=0.0, kv_bytes_per_token=0.0, send_bytes_per_token=0.0,
+                    step_s=0.0, image_fwd_s=2.0, image_bwd_s=4.0)
+    lm = dataclasses.replace(_stage(1, ways=2, lin=(0.5, 1.0)), devices=(2, 3))
+    pc = PipelineCost("p", (vis, lm), tokens=64, buckets=(32, 64), image_tokens=16,
+                      image_slots=(2, 3), encoder_slots=True)
+    assert pc.encoder_stage == 0
+    st = _Stages(pc, None, DEFAULT)
+    sq = np.array([1.0, 1.0])
+    for pics in ([0.0, 0.0], [2.0, 1.0]):  # two rows of two slots, a row a way
+        assert st.times(32, sq, np.array(pics))[0, :2] == pytest.approx([4.0, 8.0])
+    batches = multimodal_batches(
+        7, lambda text, images: plan_pipeline_batch(text, [pc], images=images))
+    assert {s.bucket for _, p in batches for s in p.groups[0].steps} == {32, 64}
+    _pipeline_plans_train_as_one_device(cluster, [pc], batches,
+                                        [(0, "A100-80GB", "H100-80GB")], "llava-tiny",
+                                        cut=5)

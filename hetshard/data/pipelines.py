@@ -142,6 +142,10 @@ class PipelineCost:
     image_tokens: int = 0
     image_slots: tuple[int, ...] = ()
     encoder_chunk: int = 4  # a vision stage's images a way per encoder pass
+    # A vision stage encodes every image slot of its micro-batch's rows (padding too), as
+    # a step whose encoder takes each row's images runs it (run_pipeline_batch_plan),
+    # instead of only the micro-batch's own images in passes of encoder_chunk.
+    encoder_slots: bool = False
 
     def images_of(self, bucket: int) -> int:
         """Image slots a row of ``bucket`` holds (0 without a vision encoder); every slot
@@ -182,7 +186,8 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
                    memory_margin: float = 0.9, vision: ModelProfile | None = None,
                    image_tokens: int = 0, images_per_row: Mapping[int, int] | None = None,
                    vision_devices: Sequence[Sequence[int]] | None = None,
-                   encoder_chunk: int = 4) -> tuple[PipelineCost, ...]:
+                   encoder_chunk: int = 4,
+                   encoder_slots: bool = False) -> tuple[PipelineCost, ...]:
     """One :class:`PipelineCost` per pipeline of ``plan`` (an outer plan over ``profile``'s
     layers on ``cluster``), each stage priced by the simulator's own stage cost
     (``hetshard.sim.simulator.layers_cost``: its mesh, remat, dtype) at the profile's
@@ -199,7 +204,12 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
     pipeline, of one GPU type, outside the plan's), on a vision stage of its own in
     front of the language model (DistTrain's disaggregation): it encodes a
     micro-batch's images in passes of ``encoder_chunk`` images a way (one compiled
-    shape), and sends each image's encoding to the first stage.
+    shape), and sends each image's encoding to the first stage. That encoder batch is
+    compacted (DistTrain's): priced, not run. With ``encoder_slots`` the vision stage
+    encodes every image slot of its micro-batch's rows, padding too (a row's images
+    split over its ways as the language model's stages split rows): what
+    :func:`hetshard.data.run_pipeline_batch_plan` runs, the program's encoder taking
+    each row's images.
 
     Raises:
       SpecError: ``max_context`` not a power of two at least the profile's length,
@@ -209,7 +219,8 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
         one-backward schedule keeps in flight (within ``memory_margin``); ``vision``
         without ``image_tokens``, ``images_per_row`` or ``vision_devices`` without
         ``vision``, ``vision_devices`` not one list of free devices of one GPU type a
-        pipeline, ``encoder_chunk`` not a whole number at least 1.
+        pipeline, ``encoder_chunk`` not a whole number at least 1, ``encoder_slots``
+        not a bool or without ``vision_devices``.
     """
     seq = profile.seq_len
     if max_context < seq or max_context & (max_context - 1):
@@ -245,6 +256,9 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
     if isinstance(encoder_chunk, bool) or not isinstance(encoder_chunk, (int, np.integer)) \
             or encoder_chunk < 1:
         raise SpecError("encoder_chunk", encoder_chunk, "a whole number of images, at least 1")
+    if not isinstance(encoder_slots, bool) or (encoder_slots and vision_devices is None):
+        raise SpecError("encoder_slots", encoder_slots,
+                        "true or false; true only with a vision stage (vision_devices=)")
     slots = _image_slots(tuple(buckets), int(image_tokens), images_per_row)
     encoders = _vision_devices(vision_devices, plan, cluster)
     for p in plan.pipelines:  # a micro-batch's rows split over the ways, or rows over them
@@ -259,8 +273,20 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
     for pi, pipe in enumerate(plan.pipelines):
         stages = []
         if encoders:
+            ways = len(encoders[pi])
+            chunk = encoder_chunk
+            if encoder_slots:  # a way's share of a micro-batch's slots, at once
+                bad = [b for b in buckets if (tokens // b) % ways and ways % (tokens // b)]
+                if bad:
+                    raise SpecError("vision_devices", list(encoders[pi]),
+                                    f"devices whose count divides, or is divided by, the "
+                                    f"rows of a micro-batch of buckets {bad}")
+                chunk = max(-(-(tokens // b) // ways) * n if tokens // b >= ways else n
+                            for b, n in zip(buckets, slots or [b // int(image_tokens)
+                                                               for b in buckets],
+                                            strict=True))
             stages.append(_vision_stage(vision, encoders[pi], plan, cluster, cal,
-                                        len(pipe.stages) + 1, encoder_chunk,
+                                        len(pipe.stages) + 1, chunk,
                                         image_tokens, memory_margin,
                                         profile.layers[0].boundary_bytes_per_sample / seq))
         n = len(pipe.stages)
@@ -307,7 +333,7 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
                 image_fwd_s=image[0], image_bwd_s=image[1]))
         out.append(PipelineCost(f"pipeline{pi}", tuple(stages), tokens, tuple(buckets),
                                 int(image_tokens) if vision is not None else 0, slots,
-                                int(encoder_chunk)))
+                                int(encoder_chunk), encoder_slots))
     return tuple(out)
 
 
@@ -456,8 +482,14 @@ class _Stages:
             r, slots = self.pc.rows(bucket), self.pc.images_of(bucket)
             stages = []
             for s, w in enumerate(self.ways):
-                if not self.pc.stages[s].layers:
+                if not self.pc.stages[s].layers and not self.pc.encoder_slots:
                     stages.append(("vision", 0.0, 0.0, w, 0.0))
+                elif not self.pc.stages[s].layers:
+                    # every slot of the rows, a way's rows' (or its share of a row's)
+                    per = -(-r // w) * slots if r >= w else (
+                        slots // (w // r) if slots % (w // r) == 0 else slots)
+                    f, b = self.img[s] * per
+                    stages.append(("slots", f, b, w, 0.0))
                 elif r >= w:
                     per = r // w if r % w == 0 else -(-r // w)
                     f, b = (self.lin[s] * bucket + self.img[s] * slots) * per
@@ -479,7 +511,9 @@ class _Stages:
         row, and its send to the next stage. An encoder running with a stage's layers
         encodes every image slot of a row, padding too (the row's compiled shape); a
         vision stage of its own encodes the micro-batch's images in passes of
-        ``encoder_chunk`` a way (``encoder_batch``) and sends their encodings on."""
+        ``encoder_chunk`` a way (``encoder_batch``) and sends their encodings on, or,
+        with ``encoder_slots``, every image slot of its rows, a way its rows' (or its
+        share of a row's, on a ring) and sends all their encodings on."""
         r, stages, sends = self._parts(bucket)
         sq = squares.tolist()
         out = np.empty((len(stages), 3))
@@ -491,6 +525,9 @@ class _Stages:
                 f, b = self.img[s] * encoder_batch(n, k, self.pc.encoder_chunk) / k
                 if s + 1 < len(stages):
                     out[s, 2] = self.encodings(s, n)
+            elif kind == "slots":  # the same whatever the micro-batch holds
+                if s + 1 < len(stages):
+                    out[s, 2] = self.encodings(s, r * self.pc.images_of(bucket))
             elif kind == "rows":
                 most = max(sum(sq[i:i + k]) for i in range(0, len(sq), k)) if sq else 0.0
                 f, b = f + af * most, b + ab * most

@@ -189,7 +189,10 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
                             batch_argnum: int = -1):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
     rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
-    samples with the encoder in the first stage) on ``samples`` (1-D token arrays, or
+    samples, the encoder in the first stage or, for pipes priced with a vision stage of
+    its own encoding every slot (``pipeline_costs(vision_devices=, encoder_slots=True)``),
+    the outer pipeline's first stage on those devices holding the program's encoder
+    layers: DistTrain's disaggregated encoder) on ``samples`` (1-D token arrays, or
     mappings ``{"tokens", "images"}`` as ``packed_arrays`` takes them, each row's images
     padded to its bucket's slots) as
     ``plan`` (``hetshard.data.plan_pipeline_batch`` on ``pipes``, one a pipeline of
@@ -204,8 +207,9 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
     Raises:
       SpecError: a plan that does not place every sample exactly once, or whose groups
         are not ``pipes`` and ``outer``'s pipelines one to one; multimodal samples on
-        pipelines without an encoder or with a vision stage of its own (priced, not
-        run); stages whose data ways a bucket's rows do not fit.
+        pipelines without an encoder or with a vision stage encoding a compacted batch
+        (priced, not run); an outer pipeline whose first stage is not the vision
+        stage's devices; stages whose data ways a bucket's rows do not fit.
     """
     pipes = check_groups(pipes, PipelineCost, "pipes", "pipeline_costs")
     _check_plan(plan, samples)
@@ -223,11 +227,26 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
                         f"one plan a pipeline, {names}, on an outer plan of as many "
                         f"pipelines ({len(outer.pipelines)})")
     multimodal = bool(samples) and isinstance(samples[0], Mapping)
-    if multimodal and any(not p.image_tokens or p.encoder_stage is not None for p in pipes):
+    if multimodal and any(not p.image_tokens or (p.encoder_stage is not None
+                                                 and not p.encoder_slots) for p in pipes):
         raise SpecError("samples", "multimodal samples",
                         "text samples, or pipelines priced with the vision encoder in "
-                        "their first stage (pipeline_costs(vision=) without "
-                        "vision_devices: a vision stage of its own is priced, not run)")
+                        "their first stage (pipeline_costs(vision=)) or on a vision stage "
+                        "of its own encoding every slot (vision_devices=, "
+                        "encoder_slots=True; the compacted encoder batch is priced, not "
+                        "run)")
+    for pi, pipe in enumerate(pipes):
+        if pipe.encoder_stage is None:
+            continue
+        first = outer.pipelines[pi].stages[0]
+        if len(outer.pipelines[pi].stages) != len(pipe.stages) or \
+                first.devices != pipe.stages[0].devices:
+            raise SpecError(f"outer.pipelines[{pi}]",
+                            [st.devices for st in outer.pipelines[pi].stages],
+                            f"a first stage on the vision stage's devices "
+                            f"{list(pipe.stages[0].devices)} holding the program's "
+                            f"encoder layers, then the {len(pipe.stages) - 1} language-"
+                            f"model stages the pipeline was priced with")
     targets = target_count(samples)
     args = list(args)
     at = batch_argnum % len(args)
