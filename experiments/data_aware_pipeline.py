@@ -35,7 +35,7 @@ import time
 import numpy as np
 from data_aware import CLUSTERS, IMAGE_TOKENS, LENGTHS, TOKENS_PER_GPU, draw
 
-from hetshard.data import METHODS, image_slots_from, pipeline_costs, plan_pipeline_batch
+from hetshard.data import METHODS, choose_image_slots, pipeline_costs, plan_pipeline_batch
 from hetshard.data.pipelines import encoder_batch
 from hetshard.plan import Pipeline, Plan, Stage
 from models import profile as profile_model
@@ -56,14 +56,18 @@ def _stages_of(cluster, parts):
     return out
 
 
-def _costs(profile, cluster, pipes, splits, max_context, encoders, vision, slots=None,
-           every_slot=False):
-    mm = {} if encoders is None else dict(
-        vision=vision, image_tokens=IMAGE_TOKENS, images_per_row=slots,
+def _multimodal(cluster, encoders, vision, every_slot=False) -> dict:
+    """pipeline_costs' multimodal arguments (none for a text model)."""
+    return {} if encoders is None else dict(
+        vision=vision, image_tokens=IMAGE_TOKENS,
         vision_devices=[e for _, e in _stages_of(cluster, encoders)] if encoders else None,
         encoder_slots=every_slot)
+
+
+def _costs(profile, cluster, pipes, splits, max_context, encoders, vision, every_slot=False):
     return pipeline_costs(profile, cluster, _plan(cluster, pipes, splits),
-                          max_context=max_context, **mm)
+                          max_context=max_context,
+                          **_multimodal(cluster, encoders, vision, every_slot))
 
 
 def _plan(cluster, pipes, splits) -> Plan:
@@ -174,11 +178,12 @@ def main() -> int:
             costs = _costs(profile, cluster, pipes, splits, max_context, encoders, vision,
                            every_slot=every_slot)
             slots = None
-            if mllm:
-                slots = image_slots_from([b for b, _ in calib], [i for _, i in calib], costs,
-                                         cluster)
-                costs = _costs(profile, cluster, pipes, splits, max_context, encoders,
-                               vision, slots, every_slot)
+            if mllm:  # the image slots a row holds, chosen on the calibration batches
+                costs = choose_image_slots(
+                    profile, cluster, _plan(cluster, pipes, splits),
+                    [b for b, _ in calib], [i for _, i in calib], max_context=max_context,
+                    **_multimodal(cluster, encoders, vision, every_slot))
+                slots = {b: costs[0].images_of(b) for b in costs[0].buckets}
             rng = np.random.default_rng(0)
             per = {m: {"times": [], "tokens": 0, "planning": [], "planning_runs": [],
                        "gaps": [], "shapes": set(), "encoder": set()} for m in METHODS}

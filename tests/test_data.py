@@ -340,6 +340,39 @@ def test_multimodal_packing_keeps_every_sample_once_and_each_row_within_its_imag
     assert [r.samples for r in rows] == [(0, 1)]
 
 
+def test_multimodal_best_fit_is_plain_best_fit_decreasing_with_image_room():
+    """pack keeps rows whose image slots are full apart from those with room (searched
+    only by image-less samples); it must give the rows of the one-list rule: each sample,
+    longest first, into the open row with the least token room that takes its tokens and
+    has room for its images (the lower row first among equal rooms), else a new row of
+    the smallest bucket holding both. Drawn where images bind, so most rows fill their
+    slots first."""
+    def one_at_a_time(lengths, images, buckets, caps):
+        rows = []  # [bucket, room, image room, samples]
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            n, k = lengths[i], images[i]
+            fits = [r for r in rows if r[1] >= n and r[2] >= k]
+            if fits:
+                row = min(fits, key=lambda r: r[1])  # min keeps the first of equal rooms
+            else:
+                b = min(b for b in buckets if b >= n and caps[b] >= k)
+                row = [b, b, caps[b], []]
+                rows.append(row)
+            row[1] -= n
+            row[2] -= k
+            row[3].append(i)
+        return [(b, tuple(ss)) for b, _, _, ss in rows]
+
+    rng = np.random.default_rng(11)
+    caps = {16: 1, 32: 2, 64: 4}
+    for _ in range(200):
+        images = rng.choice([0, 0, 1, 1, 2, 3, 4], rng.integers(1, 80))
+        lengths = np.minimum(64, rng.choice([1, 2, 3, 5, 8, 13], images.size) + 4 * images)
+        got = [(r.bucket, r.samples) for r in pack(lengths, (16, 32, 64), images=images,
+                                                   images_per_row=caps)]
+        assert got == one_at_a_time(lengths.tolist(), images.tolist(), (16, 32, 64), caps)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(images=[7], images_per_row={16: 2, 64: 6}), "images[0]"),  # 7 > every cap
     (dict(images=[1], images_per_row={16: 2}), "images_per_row"),  # 64 missing

@@ -533,6 +533,57 @@ def test_image_slots_sized_from_the_data_hold_its_samples_and_encode_less_paddin
     assert t_sized < t_full
 
 
+def test_image_slots_chosen_on_the_data_price_it_no_slower_and_hold_every_sample(
+        with_encoders):
+    """A vision stage of its own encoding every slot of its rows (what runs): the
+    data-sized slots are a row's most images rounded up, so most rows encode padding;
+    choose_image_slots tries them halved and keeps what prices the calibration batches
+    fastest, never fewer than one sample's most images."""
+    from hetshard.data import choose_image_slots
+    profile, vit, cluster = with_encoders
+    enc = tuple(cluster.group_device_ids("enc"))[:2]  # the encoder the bottleneck
+    plan = _outer(cluster, 24)
+    mm = dict(vision=vit, image_tokens=256, vision_devices=[enc], encoder_slots=True,
+              tokens=131072)
+    rng = np.random.default_rng(3)
+
+    def draw():
+        images = rng.integers(0, 9, 300)
+        text = (rng.pareto(1.0, 300) * 300).astype(np.int64) + 1  # heavy-tailed
+        return np.maximum(1, np.minimum(text, 32768 - 256 * images)), images
+
+    calib = [draw() for _ in range(2)]
+    lengths, images = [b for b, _ in calib], [i for _, i in calib]
+    chosen = choose_image_slots(profile, cluster, plan, lengths, images,
+                                max_context=32768, **mm)
+    sized = pipeline_costs(profile, cluster, plan, max_context=32768, **mm,
+                           images_per_row=image_slots_from(
+                               lengths, images, pipeline_costs(profile, cluster, plan,
+                                                               max_context=32768, **mm)))
+
+    def priced(pipes, batches):
+        return sum(plan_pipeline_batch(b, pipes, images=i).step_time_s for b, i in batches)
+
+    assert priced(chosen, calib) < priced(sized, calib)  # halved slots win here
+    most = max(int(i.max()) for i in images)
+    for b in chosen[0].buckets:
+        n = chosen[0].images_of(b)
+        assert n <= sized[0].images_of(b) and (n & (n - 1)) == 0
+        assert n >= min(most, b // 256)
+    fresh = [draw() for _ in range(2)]  # any sample like these still fits
+    assert priced(chosen, fresh) < priced(sized, fresh)
+    for kwargs, field in (({**mm, "images_per_row": {32768: 8}}, "images_per_row"),
+                          ({"image_tokens": 256}, "vision")):
+        with pytest.raises(SpecError) as e:
+            choose_image_slots(profile, cluster, plan, lengths, images, max_context=32768,
+                               **kwargs)
+        assert e.value.field == field
+    with pytest.raises(SpecError) as e:
+        choose_image_slots(profile, cluster, plan, lengths, images[:1], max_context=32768,
+                           **mm)
+    assert e.value.field == "images"
+
+
 # ---- running a pipeline's per-batch plan ---------------------------------------------------
 
 def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,

@@ -14,6 +14,7 @@ from hetshard.data.packing import (
 from hetshard.data.pipelines import (
     PipelineCost,
     StageRate,
+    choose_image_slots,
     identical_pipelines,
     image_slots_from,
     pipeline_bound,
@@ -42,6 +43,6 @@ from hetshard.data.runner import (
 __all__ = ["IMAGE_TOKEN", "METHODS", "BatchPlan", "GroupCost", "GroupPlan", "MicroStep", "Row",
            "choose_groups", "geometric_buckets", "group_costs", "identical", "lower_bound", "pack",
            "micro_step_plan", "packed_arrays", "plan_batch", "run_batch_plan", "target_count",
-           "PipelineCost", "StageRate", "identical_pipelines", "image_slots_from", "pipeline_bound",
-           "pipeline_costs",
+           "PipelineCost", "StageRate", "choose_image_slots", "identical_pipelines",
+           "image_slots_from", "pipeline_bound", "pipeline_costs",
            "plan_pipeline_batch", "pass_plan", "run_pipeline_batch_plan"]

@@ -307,7 +307,13 @@ def best_fit_images(lengths: np.ndarray, images: np.ndarray, buckets: tuple[int,
     img_room: list[int] = []
     bits = max(1, lengths.size.bit_length())
     shift, mask = 1 << bits, (1 << bits) - 1
-    rooms: list[int] = []  # room * shift + row, increasing (see best_fit)
+    # Open rows as room * shift + row, increasing (see best_fit): those with image room
+    # in ``rooms``, those whose image slots are full (text only) in ``full``. Where images
+    # bind, most open rows are full of images: a sample with images searches only
+    # ``rooms``, one without takes the better of the two lists' first fits (the same
+    # row one list searched in order would give).
+    rooms: list[int] = []
+    full: list[int] = []
     find, insort = bisect.bisect_left, bisect.insort
     order = np.argsort(-lengths, kind="stable")
     row_of = np.empty(lengths.size, np.int64)
@@ -315,11 +321,17 @@ def best_fit_images(lengths: np.ndarray, images: np.ndarray, buckets: tuple[int,
                                    strict=True)):
         need = n * shift
         at = find(rooms, need)
+        source = rooms
         if k:
-            while at < len(rooms) and img_room[rooms[at] & mask] < k:
+            end = len(rooms)
+            while at < end and img_room[rooms[at] & mask] < k:
                 at += 1
-        if at < len(rooms):
-            key = rooms.pop(at) - need
+        else:
+            at_full = find(full, need)
+            if at_full < len(full) and (at == len(rooms) or full[at_full] < rooms[at]):
+                source, at = full, at_full
+        if at < len(source):
+            key = source.pop(at) - need
             r = key & mask
         else:
             r = len(widths)
@@ -332,7 +344,7 @@ def best_fit_images(lengths: np.ndarray, images: np.ndarray, buckets: tuple[int,
         img_room[r] -= k
         row_of[j] = r
         if key >= shift:
-            insort(rooms, key)
+            insort(rooms if img_room[r] else full, key)
     taken = order[np.argsort(row_of, kind="stable")]
     names = taken if ids is None else np.asarray(ids)[taken]
     return Packing(np.asarray(widths, np.int64),

@@ -975,6 +975,95 @@ def image_slots_from(batches: Sequence, images: Sequence, pipes: Sequence[Pipeli
     return out
 
 
+def choose_image_slots(profile: ModelProfile, cluster: Cluster, plan: Plan,
+                       batches: Sequence, images: Sequence, *, max_context: int,
+                       cal: Calibration = DEFAULT, **costs) -> tuple[PipelineCost, ...]:
+    """The pipelines of ``plan`` (``pipeline_costs(profile, cluster, plan, max_context=,
+    cal=, **costs)``, a vision encoder among ``costs``) with the image slots a row of
+    each bucket holds chosen from a sample of the run's data: :func:`image_slots_from`'s
+    sizing, then every bucket's slots halved together, again and again, down to the most
+    images one sample of ``batches`` had (rounded up to a power of two: any sample like
+    these still fits the bucket holding its tokens), then, from the fastest of those,
+    one bucket's slots at a time halved or doubled (within that floor and the data's
+    sizing) while that prices faster. Candidates are priced by their plans of
+    ``batches`` (``images``: per batch, images per sample), summed step time; the
+    fastest wins (the larger slots on a tie). Every slot is encoded, padding too: fewer
+    slots encode less padding, but pack images less densely (more rows). A candidate
+    whose stages do not hold it is skipped.
+
+    Raises:
+      SpecError: no batches, not one image list a batch, ``images_per_row`` among
+        ``costs`` (it is what is chosen), no vision encoder, or what
+        :func:`pipeline_costs` refuses.
+    """
+    if not len(batches):
+        raise SpecError("batches", [], "at least one batch of sample lengths")
+    if images is None or len(images) != len(batches):
+        raise SpecError("images", None if images is None else f"{len(images)} batches",
+                        f"one image count list per batch ({len(batches)})")
+    if "images_per_row" in costs:
+        raise SpecError("images_per_row", costs["images_per_row"],
+                        "not given: choose_image_slots chooses it (pipeline_costs takes it)")
+    if costs.get("vision") is None:
+        raise SpecError("vision", None, "a vision encoder's profile: image slots are "
+                        "chosen for multimodal pipelines")
+
+    def build(slots):
+        return pipeline_costs(profile, cluster, plan, max_context=max_context, cal=cal,
+                              images_per_row=slots, **costs)
+
+    def price(pipes) -> float:
+        return sum(plan_pipeline_batch(b, pipes, images=i, cluster=cluster, cal=cal,
+                                       bound=False).step_time_s
+                   for b, i in zip(batches, images, strict=True))
+
+    sized = image_slots_from(batches, images, build(None), cluster, cal)
+    one = max((int(np.max(i)) for i in images if len(i)), default=0)
+    floor = {b: min(n, 1 << (min(one, n) - 1).bit_length()) if min(one, n) else 0
+             for b, n in sized.items()}
+    tried: dict[tuple, float] = {}
+    best, best_t, error = None, np.inf, None
+
+    def trial(slots: dict) -> float:
+        nonlocal best, best_t, error
+        key = tuple(slots[b] for b in sorted(slots))
+        if key not in tried:
+            try:
+                pipes = build(slots)
+            except SpecError as e:  # its stages do not hold these slots' micro-batches
+                error, tried[key] = error or e, np.inf
+            else:
+                tried[key] = t = price(pipes)
+                if t < best_t:
+                    best, best_t = pipes, t
+        return tried[key]
+
+    # every bucket halved together, down to the floor; then from the fastest, one
+    # bucket at a time halved or doubled (within the floor and the data's sizing)
+    # while that prices faster
+    slots, at, at_t = dict(sized), dict(sized), trial(sized)
+    while True:
+        smaller = {b: max(floor[b], n // 2) for b, n in slots.items()}
+        if smaller == slots:
+            break
+        slots = smaller
+        if trial(slots) < at_t:
+            at, at_t = dict(slots), trial(slots)
+    moved = True
+    while moved:
+        moved = False
+        for b in sorted(at, reverse=True):
+            for n in (at[b] // 2, at[b] * 2):
+                if floor[b] <= n <= sized[b] and n != at[b]:
+                    cand = {**at, b: n}
+                    if trial(cand) < at_t:
+                        at, at_t, moved = cand, trial(cand), True
+                        break
+    if best is None:
+        raise error
+    return best
+
+
 def pipeline_bound(lengths, pipes: Sequence[PipelineCost], images=None) -> float:
     """No placement, packing, composition or order beats this: the least T such that the
     samples, split fractionally over the pipelines, take at most ``T - step_s`` of every
