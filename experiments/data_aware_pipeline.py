@@ -177,20 +177,24 @@ def main() -> int:
                       for s in pipes]
             costs = _costs(profile, cluster, pipes, splits, max_context, encoders, vision,
                            every_slot=every_slot)
-            slots = None
-            if mllm:  # the image slots a row holds, chosen on the calibration batches
-                costs = choose_image_slots(
+            slots, costs_of = None, dict.fromkeys(METHODS, costs)
+            if mllm:  # the image slots a row holds, chosen for each method on the
+                # calibration batches
+                costs_of = {m: choose_image_slots(
                     profile, cluster, _plan(cluster, pipes, splits),
                     [b for b, _ in calib], [i for _, i in calib], max_context=max_context,
-                    **_multimodal(cluster, encoders, vision, every_slot))
-                slots = {b: costs[0].images_of(b) for b in costs[0].buckets}
+                    method=m, **_multimodal(cluster, encoders, vision, every_slot))
+                    for m in METHODS}
+                costs = costs_of["hetshard"]
+                slots = {m: {b: c[0].images_of(b) for b in c[0].buckets}
+                         for m, c in costs_of.items()}
             rng = np.random.default_rng(0)
             per = {m: {"times": [], "tokens": 0, "planning": [], "planning_runs": [],
                        "gaps": [], "shapes": set(), "encoder": set()} for m in METHODS}
             for _ in range(args.batches):
                 batch, images = draw(lengths, rng, cluster, max_context, mllm)
                 for m in METHODS:
-                    planned = functools.partial(plan_pipeline_batch, batch, costs,
+                    planned = functools.partial(plan_pipeline_batch, batch, costs_of[m],
                                                 images=images, cluster=cluster, method=m)
                     r = planned(bound=m == "hetshard")
                     runs = [r.planning_s] + [planned(bound=False).planning_s
@@ -202,7 +206,7 @@ def main() -> int:
                     p["planning_runs"].append(max(runs))
                     p["gaps"].append(r.gap)
                     p["shapes"] |= set(r.shapes)
-                    for pc, g in zip(costs, r.groups, strict=True):
+                    for pc, g in zip(costs_of[m], r.groups, strict=True):
                         if pc.encoder_stage is not None and not pc.encoder_slots:
                             # the compacted vision stage's passes
                             one = pc.stages[pc.encoder_stage].ways * pc.encoder_chunk

@@ -977,7 +977,8 @@ def image_slots_from(batches: Sequence, images: Sequence, pipes: Sequence[Pipeli
 
 def choose_image_slots(profile: ModelProfile, cluster: Cluster, plan: Plan,
                        batches: Sequence, images: Sequence, *, max_context: int,
-                       cal: Calibration = DEFAULT, **costs) -> tuple[PipelineCost, ...]:
+                       cal: Calibration = DEFAULT, method: str = "hetshard",
+                       **costs) -> tuple[PipelineCost, ...]:
     """The pipelines of ``plan`` (``pipeline_costs(profile, cluster, plan, max_context=,
     cal=, **costs)``, a vision encoder among ``costs``) with the image slots a row of
     each bucket holds chosen from a sample of the run's data: :func:`image_slots_from`'s
@@ -989,13 +990,17 @@ def choose_image_slots(profile: ModelProfile, cluster: Cluster, plan: Plan,
     ``batches`` (``images``: per batch, images per sample), summed step time; the
     fastest wins (the larger slots on a tie). Every slot is encoded, padding too: fewer
     slots encode less padding, but pack images less densely (more rows). A candidate
-    whose stages do not hold it is skipped.
+    whose stages do not hold it is skipped. ``method``: whose plans price the
+    candidates (a baseline of ``plan_pipeline_batch`` gets slots tuned for it).
 
     Raises:
-      SpecError: no batches, not one image list a batch, ``images_per_row`` among
+      SpecError: an unknown method, no batches, not one image list a batch,
+        ``images_per_row`` among
         ``costs`` (it is what is chosen), no vision encoder, or what
         :func:`pipeline_costs` refuses.
     """
+    if method not in METHODS:
+        raise SpecError("method", method, f"one of {METHODS}")
     if not len(batches):
         raise SpecError("batches", [], "at least one batch of sample lengths")
     if images is None or len(images) != len(batches):
@@ -1014,7 +1019,7 @@ def choose_image_slots(profile: ModelProfile, cluster: Cluster, plan: Plan,
 
     def price(pipes) -> float:
         return sum(plan_pipeline_batch(b, pipes, images=i, cluster=cluster, cal=cal,
-                                       bound=False).step_time_s
+                                       method=method, bound=False).step_time_s
                    for b, i in zip(batches, images, strict=True))
 
     sized = image_slots_from(batches, images, build(None), cluster, cal)
