@@ -49,18 +49,22 @@ from hetshard.layout import batch_sharding, leaf_spec, stage_mesh, state_shardin
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
 from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
-    NAN_POLICIES,
     Executable,
-    Guard,
-    NonFiniteLossError,
     PlanNotExecutableError,
     capturing,
     compile_plan,
-    find_loss,
     providing,
     rewriting,
+    settled,
     step_state,
     update_objects,
+)
+from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
+    NAN_POLICIES,
+    Carry,
+    Guard,
+    NonFiniteLossError,
+    find_loss,
 )
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
@@ -306,6 +310,9 @@ class HetshardJit:
         # the arrays it was placed from (reused while the objects hold those arrays)
         self._placed: dict = {}
         self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
+        # the non-finite policy's flag of steps made of micro-steps or passes (on the
+        # devices that decide it: apply_grads's home, run_passes' first loss stage)
+        self._carry = Carry()
         if self.elastic:
             self._fit_devices()
         self.program: Program | None = None
@@ -405,10 +412,23 @@ class HetshardJit:
 
     # ---- execution -------------------------------------------------------------------
     def __call__(self, *args):
+        """One step, dispatched: returns as soon as the devices have its work (the
+        output's arrays are not waited for), as ``jax.jit`` does. What earlier steps'
+        non-finite values made of them is said here, once they have finished
+        (``nan_policy``; :meth:`wait`)."""
+        self.guard.poll()
         # hetshard's programs run on their own submeshes, outside a caller's jax.set_mesh.
         with no_ambient_mesh():
             entry, others, batch = self._prepare(args)
             return entry.run(others, batch)
+
+    def wait(self) -> None:
+        """Waits until every dispatched step has finished and says what their non-finite
+        values made of them: a warning per non-finite step under ``nan_policy="skip"`` or
+        ``"apply"``, ``NonFiniteLossError`` under ``"raise"`` (which the next call of the
+        step would otherwise raise). A training loop needs none of this: each call says
+        it for the steps finished by then, without waiting."""
+        self.guard.poll(block=True)
 
     def _prepare(self, args):
         """(compiled entry, non-batch arguments, batch) for ``args``: planned and
@@ -556,6 +576,7 @@ class HetshardJit:
         micro-steps) instead of computing them: the update is applied to the NNX objects
         (skipped, with the step's ``nan_policy``, when they are not finite); returns the
         step's output."""
+        self.guard.poll()
         placed, self._placed = self._placed, {}  # the step's micro-steps are done
         with no_ambient_mesh():
             sig = self._signature(args)
@@ -578,9 +599,17 @@ class HetshardJit:
             state = hit[2] if hit is not None and _same_arrays(hit[0], others) else \
                 jax.device_put(step_state(program, others), home)
             if sig not in self._apply:
-                self._apply[sig] = jax.jit(providing(program))
-            out, new_state = self._apply[sig](state, jax.device_put(batch, home), provided)
-            return self.guard.settle(program, out, new_state, provided, others, state)
+                self._apply[sig] = jax.jit(settled(program, self.guard, self._carry,
+                                                   providing(program)))
+            # (the carry follows the home devices: async, and free where it is already)
+            halted = jax.device_put(self._carry.halted, home)
+            out, new_state, halted, _, report = self._apply[sig](
+                state, jax.device_put(batch, home), provided, halted, {})
+            self._carry.take(halted, {})
+            self.guard.record(report, self._carry)
+            if new_state is not None:
+                update_objects(others, new_state)
+            return out
 
     def run_passes(self, passes, order):
         """One step made of pipeline passes of different batch shapes, walked as one
@@ -597,6 +626,7 @@ class HetshardJit:
         if not passes:
             raise SpecError("passes", [], "at least one (plan, args) pass",
                             where="run_passes")
+        self.guard.poll()
         with no_ambient_mesh():
             runners, batches = [], []
             for plan, args in passes:
@@ -607,18 +637,16 @@ class HetshardJit:
                 if runner is None:
                     if self._bound is None:
                         self._bound = self.cluster.bind()
-                    runner = PipelineRunner(plan, self._bound.devices, program)
+                    runner = PipelineRunner(plan, self._bound.devices, program, self.guard)
                     self._passes[key] = runner
                 runners.append(runner)
                 batches.append(self._split_args(args)[1])
             _, _, others = self._split_args(passes[0][1])
             lead = runners[0]
-
-            def may_apply(out, finite, loss) -> bool:
-                return self.guard.may_apply(finite, loss)
-            out, new_state = mixed_step(runners, batches, order, lead.state_of(others),
-                                        may_apply)
-            if new_state is not None and lead.program.kind == "nnx":
+            lead.carry = self._carry  # the step's flag, whichever runner decides
+            out, new_state = mixed_step(runners, batches, order, lead.state_of(others))
+            self.guard.record(lead.report, self._carry)
+            if lead.program.kind == "nnx":
                 update_objects(others, new_state)
             return out
 

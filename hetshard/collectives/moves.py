@@ -7,7 +7,11 @@ device of either mesh calls it, in the same order as its peers (the runtime walk
 global schedule in every process); a process without source devices passes ``None``
 for ``xs`` and one without destination devices gets ``None`` back.
 
-* Both meshes in this process: ``jax.device_put``.
+* Both meshes in this process: :func:`put`, ``jax.device_put`` where JAX moves the
+  shards device to device, else shard by shard (:func:`reshard`): JAX (0.10) copies an
+  array whose destination shards are no source shard (two halves to four quarters)
+  through the host, waiting for the value, which stalled every pipeline step at its
+  first such transfer.
 * Across processes, congruent layouts (same mesh shape, axis names and spec, as for
   equal stages): the two meshes are stacked into one with a leading ``hop`` axis and
   the value and a cached zero buffer on the receiver viewed as one global array,
@@ -72,6 +76,119 @@ def replicated(x, mesh: Mesh) -> jax.Array:
                           NamedSharding(mesh, PartitionSpec()))
 
 
+def _box(index, shape) -> tuple:
+    """A shard's index (slices) as ((start, stop), ...) per dimension."""
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True))
+
+
+@functools.cache
+def _direct(src, dst, shape: tuple) -> bool:
+    """Whether ``jax.device_put`` moves an array of ``shape`` from ``src`` to ``dst``
+    device to device: every destination shard is a source shard (or the source is one
+    device); else JAX reads the value on the host."""
+    if len(src.device_set) == 1:
+        return True
+    have = {_box(i, shape) for i in src.devices_indices_map(shape).values()}
+    return all(_box(i, shape) in have for i in dst.devices_indices_map(shape).values())
+
+
+def put(xs, shardings):
+    """``jax.device_put(xs, shardings)`` (pytrees, one sharding a leaf or one for all)
+    that never waits for a value on the host: leaves JAX would copy through the host
+    are moved shard by shard (:func:`reshard`)."""
+    leaves, tree = jax.tree.flatten(xs)
+    dsts = jax.tree.leaves(shardings) if not isinstance(shardings, jax.sharding.Sharding) \
+        else [shardings] * len(leaves)
+    if len(dsts) != len(leaves):  # (a prefix tree of shardings: JAX's own broadcasting)
+        dsts = jax.tree.leaves(jax.tree.map(lambda s, x: s, shardings, xs,
+                                            is_leaf=lambda s: isinstance(
+                                                s, jax.sharding.Sharding)))
+    slow = [k for k, (x, d) in enumerate(zip(leaves, dsts, strict=True))
+            if isinstance(x, jax.Array) and x.is_fully_addressable
+            and not _direct(x.sharding, d, tuple(x.shape))]
+    if not slow:
+        return jax.device_put(xs, shardings)
+    fast = [k for k in range(len(leaves)) if k not in set(slow)]
+    out = list(leaves)
+    if fast:
+        for k, y in zip(fast, jax.device_put([leaves[k] for k in fast],
+                                             [dsts[k] for k in fast]), strict=True):
+            out[k] = y
+    for k in slow:
+        out[k] = reshard(leaves[k], dsts[k])
+    return jax.tree.unflatten(tree, out)
+
+
+def reshard(x: jax.Array, dst) -> jax.Array:
+    """``x`` laid out by ``dst`` (any devices), shard by shard on the devices: each
+    destination shard gathered from the source shards that overlap it (sliced where
+    they are, copied device to device, put together on the destination device). Every
+    step is an asynchronous dispatch: nothing waits for ``x``."""
+    shape = tuple(x.shape)
+    plan = _pieces(x.sharding, dst, shape)
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    shards = []
+    for device, box, parts in plan:
+        pieces = []
+        for src_device, local, offset in parts:
+            piece = by_device[src_device]
+            if local is not None:
+                piece = piece[local]
+            pieces.append((jax.device_put(piece, device), offset))
+        if len(pieces) == 1 and pieces[0][1] is None:
+            shards.append(pieces[0][0])
+        else:
+            shards.append(_assemble(tuple(b - a for a, b in box), x.dtype,
+                                    tuple(o for _, o in pieces))(*(p for p, _ in pieces)))
+    return jax.make_array_from_single_device_arrays(shape, dst, shards)
+
+
+@functools.cache
+def _pieces(src, dst, shape: tuple) -> list:
+    """Per addressable destination device: (device, its box, [(source device, slice of
+    that device's shard or None for all of it, offset in the destination shard or None
+    when the piece is all of it)]), one source copy a distinct overlapping box."""
+    srcs: dict = {}
+    for device, index in src.devices_indices_map(shape).items():
+        if device.process_index == jax.process_index():
+            srcs.setdefault(_box(index, shape), device)
+    out = []
+    for device, index in dst.devices_indices_map(shape).items():
+        if device.process_index != jax.process_index():
+            continue
+        box = _box(index, shape)
+        parts = []
+        for sbox, sdev in srcs.items():
+            lo = [max(a[0], b[0]) for a, b in zip(box, sbox, strict=True)]
+            hi = [min(a[1], b[1]) for a, b in zip(box, sbox, strict=True)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+                continue
+            whole_src = all((l_, h) == b for l_, h, b in zip(lo, hi, sbox, strict=True))
+            local = None if whole_src else tuple(
+                slice(l_ - b[0], h - b[0]) for l_, h, b in zip(lo, hi, sbox, strict=True))
+            whole_dst = all((l_, h) == b for l_, h, b in zip(lo, hi, box, strict=True))
+            offset = None if whole_dst else tuple(
+                l_ - b[0] for l_, b in zip(lo, box, strict=True))
+            parts.append((sdev, local, offset))
+            if whole_dst:
+                parts = [parts[-1]]
+                break
+        out.append((device, box, parts))
+    return out
+
+
+@functools.cache
+def _assemble(shape: tuple, dtype, offsets: tuple):
+    """A jitted function putting pieces at ``offsets`` into a ``shape`` array."""
+    def fn(*pieces):
+        out = jax.numpy.zeros(shape, dtype)
+        for p, off in zip(pieces, offsets, strict=True):
+            out = jax.lax.dynamic_update_slice(out, p, off if off is not None
+                                               else (0,) * len(shape))
+        return out
+    return jax.jit(fn)
+
+
 def same_layout(a: NamedSharding, b: NamedSharding) -> bool:
     """Congruent shardings on disjoint devices: one shard per device maps to one."""
     if not (isinstance(a, NamedSharding) and isinstance(b, NamedSharding)):
@@ -108,7 +225,7 @@ def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[Nam
     if me not in src_procs | dst_procs:
         raise ValueError("transfer called by a process holding neither mesh")
     if src_procs | dst_procs == {me}:
-        return jax.device_put(list(xs), list(dsts))
+        return put(list(xs), list(dsts))
     scalars = [j for j, a in enumerate(avals) if not len(a.shape)]
     if scalars:  # carried as shape (1,)
         avals = [jax.ShapeDtypeStruct((1,), a.dtype) if j in scalars else a

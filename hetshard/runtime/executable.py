@@ -34,25 +34,26 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import replicated
-from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.program import Program, path_string
+from hetshard.errors import HetshardError
+from hetshard.ir.program import Program
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.plan import Plan
 from hetshard.rewrite import swap_attention
 from hetshard.rewrite.spmd import constrain_layers
 from hetshard.runtime import stage_fns
+from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
+    NAN_POLICIES,
+    Carry,
+    Guard,
+    NonFiniteLossError,
+    find_loss,
+)
 from hetshard.runtime.pipeline import PipelineRunner
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
-
-NAN_POLICIES = ("skip", "apply", "raise")
 
 
 class PlanNotExecutableError(HetshardError, ValueError):
     """The plan cannot run this step (the message says why and what would)."""
-
-
-class NonFiniteLossError(HetshardError, FloatingPointError):
-    """The step's loss or gradients are not finite (``nan_policy="raise"``)."""
 
 
 class Executable(Protocol):
@@ -62,7 +63,8 @@ class Executable(Protocol):
     program: Program
 
     def run(self, others: tuple, batch) -> Any:
-        """One step: the output; the NNX objects among ``others`` updated."""
+        """One step, dispatched: the output (device arrays, not waited for); the NNX
+        objects among ``others`` updated."""
 
     def state_shardings(self):
         """Per state leaf (as the program flattens the state), where the step keeps it."""
@@ -72,78 +74,6 @@ class Executable(Protocol):
 
     def stage_times(self) -> dict | None:
         """(pipeline, stage) -> seconds busy in the last timed step, or None."""
-
-
-class Guard:
-    """What a step does with its loss and gradients once computed: checks them in-graph
-    (:meth:`health`), then applies the update, skips it or raises (``nan_policy``); a
-    loss-scaled step whose gradients overflow under a finite loss is skipped and its
-    scale lowered. ``loss_output``: where the step's output holds its loss."""
-
-    def __init__(self, nan_policy: str = "skip", loss_output: str | int | None = None):
-        if nan_policy not in NAN_POLICIES:
-            raise SpecError("nan_policy", nan_policy, f"one of {NAN_POLICIES}")
-        if loss_output is not None and (isinstance(loss_output, bool) or not isinstance(
-                loss_output, (str, int))):
-            raise SpecError("loss_output", loss_output,
-                            "a path in the step's output (str) or a tuple position (int)",
-                            where="hetshard.jit")
-        self.nan_policy, self.loss_output = nan_policy, loss_output
-        self.warned_vg = False  # the plain-nnx.value_and_grad warning, given once
-        self.warned: set[str] = set()  # the planner's restrictions, each said once
-
-    def health(self, program: Program, out, new_state, finite, value):
-        """(whether the step's loss and gradients are finite, its loss) in-graph: the
-        loss and gradients ``hetshard.value_and_grad`` computed (``finite``, ``value``),
-        the output at ``loss_output`` and, for a step without ``hetshard.value_and_grad``,
-        the state it returns (a non-finite gradient shows there)."""
-        ok = jnp.asarray(True) if finite is None else finite
-        found = find_loss(out, self.loss_output)
-        if found is not None:
-            ok = ok & all_finite(found)
-        if finite is None:
-            ok = ok & all_finite(new_state if program.kind == "nnx"
-                                 else _state_in_output(program, out))
-        loss = value if value is not None else found
-        return ok, (jnp.float32(jnp.nan) if loss is None else _scalar(loss))
-
-    def may_apply(self, finite, loss) -> bool:
-        """True when the step's update may be applied (``nan_policy``)."""
-        if bool(finite):
-            return True
-        what = (f"non-finite loss {float(loss)}" if not np.isfinite(float(loss))
-                else f"non-finite gradients (loss {float(loss)})" if not np.isnan(float(loss))
-                else "non-finite loss or gradients")
-        if self.nan_policy == "raise":
-            raise NonFiniteLossError(f"the step's {what} (nan_policy='raise')")
-        if self.nan_policy == "skip":
-            warnings.warn(f"{what}: the step was not applied (nan_policy='skip')",
-                          stacklevel=5)
-            return False
-        warnings.warn(f"{what} (applied: nan_policy='apply')", stacklevel=5)
-        return True
-
-    def finish(self, program: Program, out, new_state, ok, loss, others, state,
-               loss_scale: DynamicLossScale | None = None):
-        """The step's output once its update was computed: the NNX objects among
-        ``others`` updated to ``new_state``, unless ``ok`` is false (``nan_policy``; a
-        loss-scaled step's overflow lowers the scale), when a pytree step's output
-        carries the ``state`` it was given."""
-        if _overflowed(loss_scale, ok, loss) or not self.may_apply(ok, loss):
-            return _withheld(program, out, jax.tree.leaves(state))
-        if new_state is not None:
-            update_objects(others, new_state)
-        return out
-
-    def settle(self, program: Program, out, new_state, provided, others, state,
-               loss_scale: DynamicLossScale | None = None):
-        """:meth:`finish` for an update run on ``provided`` value and gradients (checked
-        here: they were computed elsewhere)."""
-        value, grads = provided
-        value = value[0] if program.call.has_aux else value
-        ok, loss = self.health(program, out, new_state, _all_finite_jit((value, grads)),
-                               value)
-        return self.finish(program, out, new_state, ok, loss, others, state, loss_scale)
 
 
 def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
@@ -196,15 +126,21 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
 
 @dataclasses.dataclass
 class SpmdStep:
-    """A single-pipeline, single-stage plan: one jitted SPMD step."""
+    """A single-pipeline, single-stage plan: one jitted SPMD step, the non-finite policy
+    and loss scale decided inside it (``hetshard.runtime.guard``)."""
 
     plan: Plan
     program: Program
-    step: Any  # (state, batch, loss scale) -> (output, new NNX state, used_vg, (ok, loss))
+    step: Any  # (state, batch, halted, scale state) -> (out, new state, halted, scale, report)
     shardings: Any  # state
     batch_shardings: Any
     guard: Guard
-    loss_scale: DynamicLossScale | None  # float16 stages (Plan.loss_scaled)
+    carry: Carry
+    used_vg: list  # [whether the step's differentiation was seen], set when traced
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        return self.carry.loss_scale
 
     @classmethod
     def compile(cls, plan: Plan, devices, program: Program, others, batch,
@@ -217,28 +153,36 @@ class SpmdStep:
                 "whose optimizer state cannot be told from the parameters; pass NNX "
                 "objects (nnx.Optimizer) or a plan with distributed_optimizer false")
         s_shard = state_shardings(step_state(program, others), plan, mesh)
+        rep = NamedSharding(mesh, PartitionSpec())
+        carry = Carry(loss_scale=_loss_scale(plan)).place(rep)
+        used_vg: list = []
 
-        def pure(state, batch, *scale):  # the loss scale: loss-scaled plans only
-            with entered(used=False, finite=None, value=None,
-                         loss_scale=scale[0] if scale else None) as ctx:
+        def pure(state, batch, halted, scale_state):
+            scale = scale_state["scale"] if carry.loss_scale is not None else None
+            old = jax.tree.leaves(state)
+            with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
                 out, objs = call_step(program, state, batch)
-                used = jnp.asarray(bool(ctx.used))
+                used_vg[:] = [bool(ctx.used)]  # known when traced: no value to read later
                 finite, value = ctx.finite, ctx.value
             new = None
             if program.kind == "nnx":
                 new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
-            return out, new, used, guard.health(program, out, new, finite, value)
-        scaled = (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()
-        jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, *scaled))
-        return cls(plan, program, jitted, s_shard, b_shard, guard, _loss_scale(plan))
+            ok, loss = guard.health(program, out, new, finite, value)
+            return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
+                                 carry.loss_scale)
+        jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
+                                                                       rep))
+        return cls(plan, program, jitted, s_shard, b_shard, guard, carry, used_vg)
 
     def run(self, others, batch):
         program = self.program
         batch = jax.device_put(batch, self.batch_shardings)
         state = jax.device_put(step_state(program, others), self.shardings)
-        scale = (np.float32(self.loss_scale.scale),) if self.loss_scale else ()
-        out, new_state, used_vg, (ok, loss) = self.step(state, batch, *scale)
-        if program.kind == "nnx" and not bool(used_vg) and not self.guard.warned_vg \
+        out, new_state, halted, scale_state, report = self.step(state, batch,
+                                                                *self.carry.values())
+        self.carry.take(halted, scale_state)
+        self.guard.record(report, self.carry)
+        if program.kind == "nnx" and not self.used_vg[0] and not self.guard.warned_vg \
                 and program.changes_parameters:  # (an evaluation step differentiates none)
             self.guard.warned_vg = True
             warnings.warn("the step's differentiation was not seen by hetshard (a transform "
@@ -246,8 +190,9 @@ class SpmdStep:
                           "in another module that imported it by name): hetshard restricts "
                           "itself to single-stage plans for it (call nnx.value_and_grad "
                           "or hetshard.value_and_grad in the step)", stacklevel=4)
-        return self.guard.finish(program, out, new_state, ok, loss, others, state,
-                                 self.loss_scale)
+        if new_state is not None:  # (a refused update's new state is the old one)
+            update_objects(others, new_state)
+        return out
 
     def state_shardings(self):
         return self.shardings
@@ -278,11 +223,15 @@ class SharesStep:
     plan: Plan
     program: Program
     shares: list[_Share]
-    apply: Any  # jitted (state, batch, provided) -> (output, new NNX state)
+    apply: Any  # jitted (state, reads, provided, halted, scale) -> guarded (see SpmdStep)
     guard: Guard
-    loss_scale: DynamicLossScale | None
+    carry: Carry
     timing: tuple = (False, {})  # (on, injected delays per (pipeline, 0))
     clock: dict | None = None
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        return self.carry.loss_scale
 
     @classmethod
     def compile(cls, plan: Plan, devices, program: Program, others, batch,
@@ -303,20 +252,26 @@ class SharesStep:
             shares.append(_Share(p.batch_share, mesh, s_shard, b_shard, cap))
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
-        return cls(plan, program, shares, jax.jit(providing_whole(program)), guard,
-                   _loss_scale(plan))
+        carry = Carry(loss_scale=_loss_scale(plan)).place(
+            NamedSharding(shares[0].mesh, PartitionSpec()))
+        return cls(plan, program, shares, jax.jit(settled(program, guard, carry,
+                                                          providing_whole(program))),
+                   guard, carry)
 
     def run(self, others, batch):
         program = self.program
         state = step_state(program, others)
         start, results, states = 0, [], []
-        scale = (np.float32(self.loss_scale.scale),) if self.loss_scale else ()
+        halted, scale_state = self.carry.values()
         timed, delays = self.timing
         clock = {}
         for pi, share in enumerate(self.shares):
             part = jax.tree.map(lambda x, a=start, n=share.size: x[a:a + n], batch)
             st = jax.device_put(state, share.shardings)
             bt = jax.device_put(part, share.batch_shardings)
+            # (the loss scale, kept on the first share's devices, copied to each)
+            scale = (jax.device_put(scale_state["scale"], NamedSharding(
+                share.mesh, PartitionSpec())),) if self.loss_scale else ()
             t0 = time.perf_counter()
             results.append(share.capture(st, bt, *scale))  # asynchronous on each submesh
             if timed:  # time_stages: each pipeline to its results, plus an injected delay
@@ -354,9 +309,13 @@ class SharesStep:
         combined = (jax.tree.unflatten(tree, values), grads)
         reads = [replicated(leaf, self.shares[0].mesh) for i, leaf in
                  enumerate(jax.tree.leaves(batch)) if i in set(program.update_batch_reads)]
-        out, new_state = self.apply(states[0], reads, combined)
-        return self.guard.settle(program, out, new_state, combined, others, state,
-                                 self.loss_scale)
+        out, new_state, halted, scale_state, report = self.apply(
+            states[0], reads, combined, halted, scale_state)
+        self.carry.take(halted, scale_state)
+        self.guard.record(report, self.carry)
+        if new_state is not None:
+            update_objects(others, new_state)
+        return out
 
     def state_shardings(self):
         return self.shares[0].shardings
@@ -379,11 +338,10 @@ class PipelineStep:
 
     def run(self, others, batch):
         runner = self.runner
-
-        def may_apply(out, finite, loss) -> bool:
-            return self.guard.may_apply(finite, loss)
-        out, new_state = runner.step(runner.state_of(others), batch, may_apply)
-        if new_state is not None and self.program.kind == "nnx":
+        out, new_state = runner.step(runner.state_of(others), batch)
+        if runner.report is not None:
+            self.guard.record(runner.report, runner.carry)
+        if self.program.kind == "nnx":
             update_objects(others, new_state)
         return out
 
@@ -473,6 +431,24 @@ def providing_whole(program: Program):
     return whole
 
 
+def settled(program: Program, guard: Guard, carry: Carry, apply):
+    """``apply`` (``(state, ..., provided) -> (output, new NNX state or None)``, the step
+    run on value and gradients computed elsewhere) with its ``provided`` value and
+    gradients checked and the update kept only where the guard applies it:
+    ``(state, ..., provided, halted, scale state) -> (output, new state, halted, scale
+    state, report)``, all in-graph."""
+    def fn(state, *rest):
+        *args, provided, halted, scale_state = rest
+        old = jax.tree.leaves(state)
+        out, new = apply(state, *args, provided)
+        value, grads = provided
+        value = value[0] if program.call.has_aux else value
+        ok, loss = guard.health(program, out, new, all_finite((value, grads)), value)
+        return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
+                             carry.loss_scale)
+    return fn
+
+
 def update_objects(others, new_state) -> None:
     """The NNX objects among the step's arguments ``others`` updated to ``new_state``
     (the state of the tuple ``others``); the other arguments (arrays, an RNG key) are
@@ -498,69 +474,5 @@ def call_step(program: Program, state, batch):
     return out, program.without_batch(objs)
 
 
-# ---- the loss among the outputs -----------------------------------------------------------
-
-_all_finite_jit = jax.jit(all_finite)
-
-
-def _scalar(x) -> jax.Array:
-    """A loss output as one float32 number (the mean of a non-scalar one)."""
-    return jnp.mean(jnp.asarray(x, jnp.float32))
-
-
-def find_loss(out, key: str | int | None = None, where: str = "hetshard.jit"):
-    """The step's loss among its outputs: the leaf at ``key`` (a path such as ``"loss"``
-    or ``"metrics/loss"``, or a position in a tuple output); by default the one leaf named
-    ``loss``, else a scalar output or the first leaf of a tuple output. None: by default,
-    when no output is the loss.
-
-    Raises:
-      SpecError: ``key`` names no output leaf (the message lists the paths there are).
-    """
-    flat = jax.tree_util.tree_flatten_with_path(out)[0]
-    if key is not None:
-        for path, x in flat:
-            if path_string(path) == str(key):
-                return x
-        raise SpecError("loss_output", key, f"a path of the step's output among "
-                        f"{[path_string(p) for p, _ in flat]}", where=where)
-    named = [x for path, x in flat
-             if path and str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower()
-             == "loss"]
-    if named:
-        return named[0] if len(named) == 1 else None
-    if flat and not any(hasattr(k, "key") or hasattr(k, "name") for p, _ in flat for k in p):
-        x = flat[0][1]
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and not np.ndim(x):
-            return x
-    return None
-
-
-def _state_in_output(program: Program, out) -> list:
-    """The leaves of a pytree step's output that are its new state."""
-    _, mapping = program.state_outputs()
-    leaves = jax.tree.leaves(out)
-    return [leaves[m] for m in mapping if m is not None]
-
-
-def _withheld(program: Program, out, old_state_leaves):
-    """A pytree step's output with the state it returns put back to what it was given
-    (the update refused); an NNX step's output as it is."""
-    if program.kind == "nnx":
-        return out
-    tree, mapping = program.state_outputs()
-    leaves = jax.tree.leaves(out)
-    for i, m in enumerate(mapping):
-        if m is not None:
-            leaves[m] = old_state_leaves[i]
-    return jax.tree.unflatten(tree, leaves)
-
-
 def _loss_scale(plan: Plan) -> DynamicLossScale | None:
     return DynamicLossScale() if plan.loss_scaled else None
-
-
-def _overflowed(scale: DynamicLossScale | None, finite, loss) -> bool:
-    """True when a loss-scaled step's gradients overflowed under a finite loss: the step
-    is skipped and the scale lowered (``DynamicLossScale.overflowed``)."""
-    return scale is not None and scale.overflowed(bool(finite), bool(np.isfinite(float(loss))))

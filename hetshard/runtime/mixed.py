@@ -68,7 +68,7 @@ def _moved(x, sharding):
 
 
 def mixed_step(runners: Sequence[PipelineRunner], batches: Sequence,
-               order: Sequence[tuple[int, int]], state, may_apply):
+               order: Sequence[tuple[int, int]], state):
     """One step of ``runners``' passes (one runner a shape and pipeline; ``batches[k]``
     the batch of pass ``k``, its micro-batches in its plan's order), micro-batch
     ``order[g] = (pass, micro-batch)`` entering its pipeline ``g``-th. Passes on the
@@ -99,15 +99,13 @@ def mixed_step(runners: Sequence[PipelineRunner], batches: Sequence,
                               state))
     if len(leads) > 1:
         summed = _across(leads, summed)
-    decided: list = []
-
-    def once(out, finite, loss) -> bool:  # every pipeline applies what the first decides
-        if not decided:
-            decided.append(bool(may_apply(out, finite, loss)))
-        return decided[0]
-
-    results = [lead.finish([g], [loss], 1.0, jax.tree.leaves(batches[ks[0]]), leaves, once)
-               for lead, (g, loss), ks in zip(leads, summed, groups, strict=True)]
+    # Every pipeline applies what the first decides (on the device, the verdict sent to
+    # the others' stages): their sums are equal, their carries need not be.
+    results = []
+    for lead, (g, loss), ks in zip(leads, summed, groups, strict=True):
+        results.append(lead.finish([g], [loss], [[1.0] * len(lead.runs[0])],
+                                   jax.tree.leaves(batches[ks[0]]), leaves,
+                                   verdict=leads[0].verdict if results else None))
     for lead in leads[1:]:  # its copy equals the first's: the caller holds the first's
         lead.published = leads[0].published
     return results[0]

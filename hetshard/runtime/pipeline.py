@@ -46,7 +46,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -69,6 +68,7 @@ from hetshard.rewrite.pipeline import StageSplitError, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
 from hetshard.runtime.exchange import evaluate
+from hetshard.runtime.guard import Carry, Guard, scalar
 from hetshard.runtime.ownership import PipelineSetupError, ownership
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.walk import PipelineWalk, samples_per_micro_batch
@@ -100,7 +100,7 @@ class PipelineRunner:
     """Runs a step under ``plan`` (see the module docstring); ``program`` is the step with
     its arguments (``hetshard.ir.program.Program``)."""
 
-    def __init__(self, plan: Plan, devices, program: Program):
+    def __init__(self, plan: Plan, devices, program: Program, guard: Guard | None = None):
         if program.call is None:
             raise PipelineSetupError("pipeline plans need a step that calls "
                                      "a loss call (or plan with max_stages=1)")
@@ -133,12 +133,23 @@ class PipelineRunner:
                            for split in self.splits]
         self.views = None  # per (pipeline, stage): leaf -> array
         self.published: list | None = None
-        # float16 stages: the loss scale (None: gradients unscaled)
-        self.loss_scale = DynamicLossScale() if plan.loss_scaled else None
+        # The non-finite policy, decided on the device on pipeline 0's loss stage (where
+        # the carry lives: the loss scale of float16 plans, raise's flag); the last
+        # step's report (``Guard.record``) and verdict (what every stage applied on).
+        self.guard = guard if guard is not None else Guard()
+        self.carry = Carry(loss_scale=DynamicLossScale() if plan.loss_scaled else None)
+        self.report: dict | None = None
+        self.verdict: list | None = None
+        self._decide = jax.jit(self._decision)
         # Per (pipeline, stage), seconds busy in the last step when timed (``timing``),
         # and injected delays per task (a straggler stand-in on fake devices).
         self.clock: dict | None = None
         self.delays: dict = {}
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        """float16 stages: the loss scale (None: gradients unscaled)."""
+        return self.carry.loss_scale
 
     def state_of(self, others):
         """The step's non-batch arguments as flat state (what ``step`` takes)."""
@@ -267,8 +278,8 @@ class PipelineRunner:
 
         reads = self.program.update_batch_reads
 
-        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, inv_scale, published=(),
-               batch_vals=()):
+        def fn(owned_vals, shared_vals, grad_vals, loss_leaves, scale, published=(),
+               batch_vals=(), apply_flag=True):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
             for i, v in zip(owned, owned_vals, strict=True):
                 leaves[i] = v
@@ -277,7 +288,8 @@ class PipelineRunner:
             grads = [jnp.zeros(self.state_avals[i].shape, self.state_avals[i].dtype)
                      for i in self.grad_index]
             for i, g in zip(owned_params, grad_vals, strict=True):
-                grads[grad_pos[i]] = g * jnp.asarray(inv_scale, g.dtype)  # loss scale
+                grads[grad_pos[i]] = g * (1 / jnp.asarray(scale, jnp.float32)).astype(
+                    g.dtype)  # the loss scale
             # The whole batch's leaves the step reads besides its loss call; zeros for
             # the others (nothing reads them).
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
@@ -299,8 +311,11 @@ class PipelineRunner:
                 new = flat[n_out:]
             # The state keeps its layout across steps (under ZeRO-1 the update runs on
             # each data way's optimizer shard and the parameters are all-gathered).
-            keep = [jax.lax.with_sharding_constraint(new[i], run.shardings[i])
-                    for i in owned + shared]
+            # A step the guard refuses keeps the old values (decided on the device).
+            olds = [*owned_vals, *shared_vals]
+            keep = [jax.lax.with_sharding_constraint(jnp.where(apply_flag, new[i], old),
+                                                     run.shardings[i])
+                    for i, old in zip(owned + shared, olds, strict=True)]
             return out, keep[:len(owned)], keep[len(owned):]
         run.owned_params = owned_params
         return fn
@@ -337,16 +352,16 @@ class PipelineRunner:
         return published
 
     # ---- one step --------------------------------------------------------------------
-    def step(self, state, batch, may_apply) -> object:
+    def step(self, state, batch) -> object:
         """One step on every process (each runs the tasks of its own stages and joins
-        the transfers that touch them); returns (the step's output, the new state or
-        None when ``may_apply(output, finite, loss)`` refused the update: ``finite`` says
-        whether the loss and every gradient are finite, on every process)."""
+        the transfers that touch them), dispatched without waiting for the devices;
+        returns (the step's output, the new state: the old values where the guard
+        refused the update, decided on the device; ``report``: what it decided)."""
         leaves = self.prepare(state)
         batch_leaves = jax.tree.leaves(batch)
         grads, losses = [], []
         start = 0
-        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        scales = self._scales()
         pieces = []
         for p in self.plan.pipelines:
             mbs = samples_per_micro_batch(p)
@@ -358,11 +373,11 @@ class PipelineRunner:
         for pi, p in enumerate(self.plan.pipelines):
             rows = weights[:p.num_micro_batches]
             weights = weights[p.num_micro_batches:]
-            g, loss = PipelineWalk(self, pi, batch_leaves, start, scale, rows).run()
+            g, loss = PipelineWalk(self, pi, batch_leaves, start, scales[pi], rows).run()
             grads.append(g)
             losses.append(loss)
             start += p.batch_share
-        return self.finish(grads, losses, scale, batch_leaves, leaves, may_apply)
+        return self.finish(grads, losses, scales, batch_leaves, leaves)
 
     def prepare(self, state) -> list:
         """The state's leaves, put on the stages (again only where they changed since
@@ -375,16 +390,20 @@ class PipelineRunner:
             self._distribute(leaves)
         return leaves
 
-    def finish(self, grads, losses, scale: float, batch_leaves, leaves, may_apply):
+    def finish(self, grads, losses, scales, batch_leaves, leaves, verdict=None):
         """The rest of a step once its pipelines have walked: ``grads`` (per pipeline,
         per stage, leaf -> gradient) summed over pipelines, ``losses`` combined, the
-        update applied (see :meth:`step`)."""
+        update applied where the guard keeps it (see :meth:`step`); ``scales``: per
+        pipeline and stage, the loss scale its backward passes were seeded with.
+        ``verdict``: another runner's (``self.verdict``) to apply on instead of deciding
+        here (the passes of one step, ``hetshard.runtime.mixed``)."""
         grads = self._sync(grads)
         loss = self._combine_losses(losses)
+        flags = self._verdict(grads, loss, verdict)
         new_views, out = [], None
         for pi, stages in enumerate(self.runs):
             row = []
-            traded = self._trade(pi, stages, grads, loss, scale, batch_leaves)
+            traded = self._trade(pi, stages, grads, loss, scales[pi], batch_leaves)
             for si, run in enumerate(stages):
                 lv = self._loss_to(loss, run.mesh)
                 if not run.here:
@@ -394,8 +413,9 @@ class PipelineRunner:
                 o, owned, shared = run.apply([view[i] for i in run.owned],
                                              [view[i] for i in self.shared],
                                              [grads[pi][si][i] for i in run.owned_params], lv,
-                                             1.0 / scale, self._to(traded, run.mesh),
-                                             batch_vals=self._batch_on(batch_leaves, run.mesh))
+                                             scales[pi][si], self._to(traded, run.mesh),
+                                             batch_vals=self._batch_on(batch_leaves, run.mesh),
+                                             apply_flag=flags[pi][si])
                 if out is None:
                     out = o
                 new = dict(view)
@@ -403,12 +423,6 @@ class PipelineRunner:
                 new.update(zip(self.shared, shared, strict=True))
                 row.append(new)
             new_views.append(row)
-        grads_ok, loss_ok = self._finite(grads, loss)
-        if self.loss_scale is not None and self.loss_scale.overflowed(grads_ok, loss_ok):
-            return self.full_output(out, leaves), None  # skipped, at a smaller scale
-        if not may_apply(out, grads_ok and loss_ok, self._loss_value(loss)):
-            # The update is refused: a pytree step's output carries the state it had.
-            return self.full_output(out, leaves), None
         # Read copies (tied weights, frozen leaves held elsewhere) follow their owners.
         for pi, stages in enumerate(self.runs):
             for si, run in enumerate(stages):
@@ -433,7 +447,7 @@ class PipelineRunner:
                 jax.tree.unflatten(self.state_tree, self.published))
 
 
-    def _trade(self, pi: int, stages, grads, loss, scale, batch_leaves) -> list:
+    def _trade(self, pi: int, stages, grads, loss, scales, batch_leaves) -> list:
         """The small values pipeline ``pi``'s stages trade in the update, in round order
         (``hetshard.runtime.exchange``; one process holds every stage)."""
         ex = self.exchanges[pi]
@@ -450,7 +464,7 @@ class PipelineRunner:
                 vals = run.rounds[r]([view[i] for i in run.owned],
                                      [view[i] for i in self.shared],
                                      [grads[pi][si][i] for i in run.owned_params],
-                                     self._loss_to(loss, run.mesh), 1.0 / scale,
+                                     self._loss_to(loss, run.mesh), scales[si],
                                      self._to(values, run.mesh),
                                      batch_vals=self._batch_on(batch_leaves, run.mesh))
                 got.update(zip(mine, vals, strict=True))
@@ -501,26 +515,88 @@ class PipelineRunner:
         """Where pipeline ``pi``'s loss outputs are (its loss stage, replicated)."""
         return NamedSharding(self.runs[pi][self.loss_stage[pi]].mesh, PartitionSpec())
 
-    def _finite(self, grads, loss) -> tuple[bool, bool]:
-        """Whether every gradient, and the combined loss, are finite (all processes
-        agree: each checks the stages it runs)."""
-        flags = [_all_finite(list(grads[pi][si].values()))
-                 for pi, stages in enumerate(self.runs) for si, run in enumerate(stages)
-                 if run.here and grads[pi][si]]
-        ok = np.asarray([all(bool(f) for f in flags),
-                         loss is None or bool(_all_finite(loss[:1]))])
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            ok = np.all(multihost_utils.process_allgather(ok), axis=0)
-        return bool(ok[0]), bool(ok[1])
+    # ---- the guard, on the device -------------------------------------------------
+    def _scales(self) -> list:
+        """Per pipeline and stage, the loss scale on the stage's devices (1.0 for plans
+        that scale nothing): the carry's, on pipeline 0's loss stage, sent to each."""
+        if self.loss_scale is None:
+            return [[1.0] * len(stages) for stages in self.runs]
+        home = self.loss_home(0)
+        if not isinstance(self.loss_scale.state["scale"], jax.Array):  # the first step
+            self.loss_scale.state = jax.device_put(self.loss_scale.state, home)
+        scale = self.loss_scale.state["scale"]
+        aval = jax.ShapeDtypeStruct((), jnp.float32)
+        out = []
+        for stages in self.runs:
+            row = []
+            for run in stages:
+                dst = NamedSharding(run.mesh, PartitionSpec())
+                got = transfer([scale] if here(home) else None, [aval], [home], [dst]) \
+                    if takes_part(home, dst) else None
+                row.append(None if got is None else got[0])
+            out.append(row)
+        return out
 
-    def _loss_value(self, loss) -> float:
-        """The combined loss as one number (NaN in a process without it)."""
-        if loss is None:
-            return float("nan")
-        x = loss[0]
-        x = x.addressable_data(0) if isinstance(x, jax.Array) else x  # replicated
-        return float(np.mean(np.asarray(x, np.float32)))
+    def _decision(self, flags, loss, halted, scale_state):
+        ok = functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+        value = jnp.float32(jnp.nan) if loss is None else scalar(loss)
+        apply, halted, scale_state, report = self.guard.decide(
+            ok, value, halted, scale_state, self.loss_scale)
+        return apply, halted, scale_state, report
+
+    def _verdict(self, grads, loss, given=None) -> list:
+        """Per pipeline and stage, whether the step's update is kept, on the stage's
+        devices (None where this process runs no part of it): every stage's gradients
+        checked where they are, the flags and the loss brought to pipeline 0's loss
+        stage, decided there (``Guard.decide``: the loss scale advanced, raise's flag
+        carried) and the answer sent to every stage. Nothing is read on the host; the
+        report is queued (``report``). ``given``: another runner's verdict, applied."""
+        home = self.loss_home(0)
+        flag_aval = jax.ShapeDtypeStruct((), jnp.bool_)
+        if given is None:
+            flags = []
+            for pi, stages in enumerate(self.runs):
+                for si, run in enumerate(stages):
+                    if not grads[pi][si]:
+                        continue
+                    src = NamedSharding(run.mesh, PartitionSpec())
+                    if not takes_part(src, home):
+                        continue
+                    mine = [jax.device_put(_all_finite(list(grads[pi][si].values())), src)] \
+                        if run.here else None
+                    got = transfer(mine, [flag_aval], [src], [home])
+                    if got is not None:
+                        flags.append(got[0])
+            if here(home):
+                # (the carry is already there but for a step's first pass or a carry
+                # handed over from another runner: HetshardJit.run_passes)
+                carried = jax.device_put(self.carry.values(), home)
+                apply, halted, scale_state, report = self._decide(
+                    flags, None if loss is None else loss[0], *carried)
+                self.carry.take(halted, scale_state)
+                given = (home, [report["applied"], report["ok"], report["overflow"],
+                                report["loss"], *([report["scale"]] if "scale" in report
+                                                  else [])])
+            else:
+                given = (home, None)
+        src, bundle = given
+        self.verdict = given
+        avals = [flag_aval, flag_aval, flag_aval, jax.ShapeDtypeStruct((), jnp.float32)]
+        if self.loss_scale is not None:
+            avals.append(jax.ShapeDtypeStruct((), jnp.float32))
+        out, self.report = [], None
+        for stages in self.runs:
+            row = []
+            for run in stages:
+                dst = NamedSharding(run.mesh, PartitionSpec())
+                got = transfer(bundle if here(src) else None, avals, [src] * len(avals),
+                               [dst] * len(avals)) if takes_part(src, dst) else None
+                row.append(None if got is None else got[0])
+                if got is not None and self.report is None:
+                    keys = ["applied", "ok", "overflow", "loss", "scale"]
+                    self.report = dict(zip(keys, got, strict=False))
+            out.append(row)
+        return out
 
     def _combine_losses(self, losses):
         """The loss outputs summed over pipelines, on pipeline 0's loss stage (None in a

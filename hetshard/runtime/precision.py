@@ -18,9 +18,9 @@ and ``S`` halved; after ``growth_interval`` finite steps in a row ``S`` doubles.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,33 +37,61 @@ def stage_autocast(plan: Plan, stage) -> tuple[np.dtype, np.dtype] | None:
     return np.dtype(jnp.dtype(plan.dtype)), np.dtype(jnp.dtype(dt))
 
 
-@dataclasses.dataclass
 class DynamicLossScale:
-    """The loss scale ``S`` and its schedule (see the module docstring)."""
+    """The loss scale ``S`` and its schedule (see the module docstring). Its ``state``
+    (the scale, the finite steps in a row, the overflows so far) lives on the device and
+    is advanced inside the compiled step (:meth:`next`), so no step reads it on the
+    host; ``scale``, ``good_steps`` and ``overflows`` read it (waiting for the step that
+    computed it), for inspection."""
 
-    scale: float = 2.0 ** 15
-    growth_interval: int = 2000
-    factor: float = 2.0
-    min_scale: float = 1.0
-    good_steps: int = 0
-    overflows: int = 0
+    def __init__(self, scale: float = 2.0 ** 15, growth_interval: int = 2000,
+                 factor: float = 2.0, min_scale: float = 1.0):
+        self.growth_interval, self.factor, self.min_scale = growth_interval, factor, min_scale
+        self.state = {"scale": np.float32(scale), "good": np.int32(0),
+                      "overflows": np.int32(0)}
+
+    @property
+    def scale(self) -> float:
+        return float(np.asarray(self.state["scale"]))
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        old = self.state["scale"]
+        new = np.float32(value)
+        self.state = {**self.state, "scale": jax.device_put(new, old.sharding)
+                      if isinstance(old, jax.Array) else new}
+
+    @property
+    def good_steps(self) -> int:
+        return int(np.asarray(self.state["good"]))
+
+    @property
+    def overflows(self) -> int:
+        return int(np.asarray(self.state["overflows"]))
+
+    def next(self, state: dict, grads_finite, loss_finite):
+        """In-graph: (the state after a step, whether the step's gradients overflowed
+        under a finite loss and it is to be skipped, ``S`` halved). After
+        ``growth_interval`` finite steps in a row ``S`` doubles. A non-finite loss, or an
+        overflow at the smallest scale, is not the scale's doing: no overflow, and the
+        caller's non-finite policy decides."""
+        scale, good = state["scale"], state["good"]
+        grads_finite, loss_finite = jnp.asarray(grads_finite), jnp.asarray(loss_finite)
+        overflow = ~grads_finite & loss_finite & (scale / self.factor >= self.min_scale)
+        good = jnp.where(grads_finite, good + 1, 0).astype(jnp.int32)
+        grow = good >= self.growth_interval
+        scale = jnp.where(overflow, scale / self.factor,
+                          jnp.where(grow, scale * self.factor, scale)).astype(jnp.float32)
+        good = jnp.where(grow, 0, good).astype(jnp.int32)
+        overflows = (state["overflows"] + overflow.astype(jnp.int32)).astype(jnp.int32)
+        return {"scale": scale, "good": good, "overflows": overflows}, overflow
 
     def overflowed(self, grads_finite: bool, loss_finite: bool) -> bool:
-        """Updates ``S`` after a step; True when the step's gradients overflowed under a
-        finite loss and it is to be skipped (``S`` halved). A non-finite loss, or an
-        overflow at the smallest scale, is not the scale's doing: False, and the
-        caller's non-finite policy decides."""
-        if grads_finite:
-            self.good_steps += 1
-            if self.good_steps >= self.growth_interval:
-                self.scale *= self.factor
-                self.good_steps = 0
-            return False
-        self.good_steps = 0
-        if not loss_finite or self.scale / self.factor < self.min_scale:
-            return False
-        self.scale /= self.factor
-        self.overflows += 1
-        log.info("hetshard: float16 gradients overflowed; step skipped, loss scale now %g",
-                 self.scale)
-        return True
+        """:meth:`next` run now on the host's values: advances ``state``, True when the
+        step is to be skipped (a convenience for inspection and tests; compiled steps call
+        :meth:`next`)."""
+        self.state, overflow = self.next(self.state, grads_finite, loss_finite)
+        if bool(overflow):
+            log.info("hetshard: float16 gradients overflowed; step skipped, loss scale "
+                     "now %g", self.scale)
+        return bool(overflow)

@@ -37,18 +37,20 @@ def samples_per_micro_batch(pipeline) -> int:
 class PipelineWalk:
     """Pipeline ``pi`` of ``runner`` (a ``PipelineRunner``) through one step on
     ``batch_leaves[start:start + batch share]``; the loss's cotangent is seeded with
-    ``scale`` times the micro-batch's weight (``weights[mb][0]``; gradients come back
-    scaled).
+    the loss scale times the micro-batch's weight (``weights[mb][0]``; gradients come
+    back scaled); ``scale``: a number, or per stage the scale on its devices (a device
+    scalar: the loss scale is never read on the host).
     :meth:`run` returns (per stage, parameter leaf -> its gradient, None where another
     process holds it; the loss outputs on the loss stage)."""
 
-    def __init__(self, runner, pi: int, batch_leaves, start: int, scale: float,
-                 weights):
+    def __init__(self, runner, pi: int, batch_leaves, start: int, scale, weights):
         pipeline = runner.plan.pipelines[pi]
         self.runner, self.pi, self.pipeline = runner, pi, pipeline
         self.runs = runner.runs[pi]
         self.stages = runner.splits[pi].stages
-        self.batch_leaves, self.start, self.scale = batch_leaves, start, scale
+        self.batch_leaves, self.start = batch_leaves, start
+        self.scales = list(scale) if isinstance(scale, (list, tuple)) else \
+            [scale] * len(self.runs)
         self.n, self.m = len(self.runs), pipeline.num_micro_batches
         self.mbs = samples_per_micro_batch(pipeline)
         # Per micro-batch, each loss output's weight (``Program.piece_weights`` over the
@@ -176,7 +178,7 @@ class PipelineWalk:
             for j in st.diff_sends:
                 parts = cts.pop(st.sends[j], [])
                 incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-            seeds = [float(self.mb_weights[mb][0]) * self.scale if st.outputs.get(j) == 0
+            seeds = [float(self.mb_weights[mb][0]) * self.scales[s] if st.outputs.get(j) == 0
                      else None for j in st.diff_sends]
             if self.zbh1 and not st.diff_recvs:
                 # ZB-H1 on a stage with no input cotangent to send (the first): its whole

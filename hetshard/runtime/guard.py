@@ -1,0 +1,262 @@
+"""What a step does with a non-finite loss or gradients, decided on the device.
+
+A step never reads a device value on the host (DESIGN.md, runtime principles): the
+``nan_policy`` and the dynamic loss scale are applied inside the compiled programs, as
+``optax.apply_if_finite`` does it. Each step computes, next to its update:
+
+* ``ok``: its loss and every gradient are finite;
+* ``overflow``: a loss-scaled step's gradients overflowed under a finite loss (the scale
+  is halved and the step skipped; ``hetshard.runtime.precision``);
+* ``apply``: whether its update is kept; every state leaf is ``where(apply, new, old)``,
+  so a refused step leaves the state bit-identical.
+
+What the host says about it (a warning, ``NonFiniteLossError``, the loss scale's log
+line) comes later, without waiting: each step's small report (``ok``, ``overflow``, the
+loss) is queued, and :meth:`Guard.poll` reads the reports of the steps that have
+finished (``jax.Array.is_ready``) at the start of the next call of the step, in order.
+:meth:`Guard.poll` with ``block=True`` (``HetshardJit.wait``) waits for them all.
+
+``nan_policy="raise"``: a non-finite step, and every step dispatched after it, keep the
+state as it was before it (a flag carried from step to step on the device,
+``halted``); ``NonFiniteLossError`` is raised by the first call of the step (or of
+``HetshardJit.wait``) made after the non-finite step finished. The error resets the
+flag: a caller who catches it trains on from the state before the bad step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetshard.autodiff import all_finite
+from hetshard.errors import HetshardError, SpecError
+from hetshard.ir.program import Program, path_string
+from hetshard.runtime.precision import DynamicLossScale, log
+
+NAN_POLICIES = ("skip", "apply", "raise")
+
+
+class NonFiniteLossError(HetshardError, FloatingPointError):
+    """The step's loss or gradients are not finite (``nan_policy="raise"``)."""
+
+
+@dataclasses.dataclass
+class Carry:
+    """What a compiled step hands to the next on the device: ``halted`` (a non-finite
+    step under ``nan_policy="raise"`` not yet reported) and, for a loss-scaled plan, the
+    loss scale's state (``DynamicLossScale.state``). Host (numpy) values until the first
+    step places them."""
+
+    halted: Any = dataclasses.field(default_factory=lambda: np.bool_(False))
+    loss_scale: DynamicLossScale | None = None
+
+    def values(self) -> tuple:
+        """(halted, loss-scale state or {}) as the compiled step takes them."""
+        return self.halted, ({} if self.loss_scale is None else self.loss_scale.state)
+
+    def take(self, halted, scale_state) -> None:
+        """Keeps what a step returned, for the next."""
+        self.halted = halted
+        if self.loss_scale is not None:
+            self.loss_scale.state = scale_state
+
+    def reset(self) -> None:
+        """Clears ``halted`` (after its error was raised), where it is kept."""
+        old = self.halted
+        self.halted = jax.device_put(np.bool_(False), old.sharding) \
+            if isinstance(old, jax.Array) else np.bool_(False)
+
+    def place(self, sharding) -> Carry:
+        """Puts the host values on the devices of ``sharding`` (where the step that
+        decides keeps them: the step then sees the same types every call)."""
+        self.halted = jax.device_put(self.halted, sharding)
+        if self.loss_scale is not None:
+            self.loss_scale.state = jax.device_put(self.loss_scale.state, sharding)
+        return self
+
+
+def _select(apply, new, old_leaves: list):
+    leaves, tree = jax.tree.flatten(new)
+    return jax.tree.unflatten(tree, [jnp.where(apply, n, o) for n, o in
+                                     zip(leaves, old_leaves, strict=True)])
+
+
+class Guard:
+    """A step's non-finite policy (see the module docstring): in-graph checks
+    (:meth:`health`), the decision (:meth:`decide`), and the reports read later
+    (:meth:`record`, :meth:`poll`). ``loss_output``: where the step's output holds its
+    loss."""
+
+    def __init__(self, nan_policy: str = "skip", loss_output: str | int | None = None):
+        if nan_policy not in NAN_POLICIES:
+            raise SpecError("nan_policy", nan_policy, f"one of {NAN_POLICIES}")
+        if loss_output is not None and (isinstance(loss_output, bool) or not isinstance(
+                loss_output, (str, int))):
+            raise SpecError("loss_output", loss_output,
+                            "a path in the step's output (str) or a tuple position (int)",
+                            where="hetshard.jit")
+        self.nan_policy, self.loss_output = nan_policy, loss_output
+        self.warned_vg = False  # the plain-nnx.value_and_grad warning, given once
+        self.warned: set[str] = set()  # the planner's restrictions, each said once
+        self.pending: collections.deque = collections.deque()  # (report, carry) in order
+
+    # ---- in the compiled step ------------------------------------------------------
+    def health(self, program: Program, out, new_state, finite, value):
+        """(whether the step's loss and gradients are finite, its loss) in-graph: the
+        loss and gradients ``hetshard.value_and_grad`` computed (``finite``, ``value``),
+        the output at ``loss_output`` and, for a step without ``hetshard.value_and_grad``,
+        the state it returns (a non-finite gradient shows there)."""
+        ok = jnp.asarray(True) if finite is None else finite
+        found = find_loss(out, self.loss_output)
+        if found is not None:
+            ok = ok & all_finite(found)
+        if finite is None:
+            ok = ok & all_finite(new_state if program.kind == "nnx"
+                                 else state_in_output(program, out))
+        loss = value if value is not None else found
+        return ok, (jnp.float32(jnp.nan) if loss is None else scalar(loss))
+
+    def decide(self, ok, loss, halted, scale_state, loss_scale: DynamicLossScale | None):
+        """In-graph: ``(apply, halted, scale_state, report)`` for a step whose loss and
+        gradients are finite iff ``ok`` and whose loss is ``loss`` (a float32 scalar)."""
+        loss_ok = jnp.isfinite(loss)
+        overflow = jnp.asarray(False)
+        if loss_scale is not None:
+            scale_state, overflow = loss_scale.next(scale_state, ok, loss_ok)
+        bad = ~ok & ~overflow  # the policy's to answer
+        if self.nan_policy == "apply":
+            apply = ~overflow
+        elif self.nan_policy == "skip":
+            apply = ok
+        else:
+            apply = ok & ~halted
+            halted = halted | bad
+        report = {"ok": ok, "overflow": overflow, "loss": loss, "applied": apply}
+        if loss_scale is not None:
+            report["scale"] = scale_state["scale"]
+        return apply, halted, scale_state, report
+
+    def guarded(self, program: Program, out, new_state, old_leaves: list, ok, loss,
+                halted, scale_state, loss_scale):
+        """In-graph: the step's output and new NNX state with the update kept only where
+        :meth:`decide` applies it (every state leaf ``where(apply, new, old)``; a pytree
+        step's returned state likewise); ``old_leaves``: the state's leaves as the step
+        was given them, read before it ran (NNX updates its variables in place);
+        ``(out, new_state, halted, scale_state, report)``."""
+        apply, halted, scale_state, report = self.decide(ok, loss, halted, scale_state,
+                                                         loss_scale)
+        if program.kind == "nnx":
+            if new_state is not None:
+                new_state = _select(apply, new_state, old_leaves)
+        else:
+            tree, mapping = program.state_outputs()
+            leaves = jax.tree.leaves(out)
+            for i, m in enumerate(mapping):
+                if m is not None:
+                    leaves[m] = jnp.where(apply, leaves[m], old_leaves[i])
+            out = jax.tree.unflatten(tree, leaves)
+        return out, new_state, halted, scale_state, report
+
+    # ---- on the host, later --------------------------------------------------------
+    def record(self, report: dict, carry: Carry) -> None:
+        """Queues a dispatched step's report (device arrays) for :meth:`poll`."""
+        self.pending.append((report, carry))
+
+    def poll(self, block: bool = False, stacklevel: int = 3) -> None:
+        """Says what the finished steps' reports hold, oldest first, without waiting for
+        a step still running (``block``: waits for every dispatched step). Raises
+        ``NonFiniteLossError`` for a non-finite step under ``nan_policy="raise"``."""
+        while self.pending:
+            report, carry = self.pending[0]
+            if not block and not all(_ready(x) for x in report.values()):
+                return
+            self.pending.popleft()
+            got = {k: _host(x) for k, x in report.items()}
+            if got["overflow"]:
+                log.info("hetshard: float16 gradients overflowed; step skipped, loss "
+                         "scale now %g", float(got["scale"]))
+                continue
+            if got["ok"]:
+                continue
+            what = _what(float(got["loss"]))
+            if self.nan_policy == "raise":
+                held = 0
+                while self.pending and self.pending[0][1] is carry:
+                    later, _ = self.pending.popleft()
+                    held += not bool(_host(later["applied"]))
+                carry.reset()
+                raise NonFiniteLossError(
+                    f"the step's {what} (nan_policy='raise'): neither that step nor the "
+                    f"{held} dispatched after it changed the state, which is as it was "
+                    f"before it")
+            if self.nan_policy == "skip":
+                warnings.warn(f"{what}: the step was not applied (nan_policy='skip')",
+                              stacklevel=stacklevel)
+            else:
+                warnings.warn(f"{what} (applied: nan_policy='apply')",
+                              stacklevel=stacklevel)
+
+
+def _ready(x) -> bool:
+    return x.is_ready() if isinstance(x, jax.Array) else True
+
+
+def _host(x):
+    """A (replicated) scalar read on the host: the first local copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _what(loss: float) -> str:
+    if not np.isfinite(loss):
+        return f"non-finite loss {loss}"
+    return f"non-finite gradients (loss {loss})"
+
+
+# ---- the loss among the outputs -----------------------------------------------------------
+
+def scalar(x) -> jax.Array:
+    """A loss output as one float32 number (the mean of a non-scalar one)."""
+    return jnp.mean(jnp.asarray(x, jnp.float32))
+
+
+def find_loss(out, key: str | int | None = None, where: str = "hetshard.jit"):
+    """The step's loss among its outputs: the leaf at ``key`` (a path such as ``"loss"``
+    or ``"metrics/loss"``, or a position in a tuple output); by default the one leaf named
+    ``loss``, else a scalar output or the first leaf of a tuple output. None: by default,
+    when no output is the loss.
+
+    Raises:
+      SpecError: ``key`` names no output leaf (the message lists the paths there are).
+    """
+    flat = jax.tree_util.tree_flatten_with_path(out)[0]
+    if key is not None:
+        for path, x in flat:
+            if path_string(path) == str(key):
+                return x
+        raise SpecError("loss_output", key, f"a path of the step's output among "
+                        f"{[path_string(p) for p, _ in flat]}", where=where)
+    named = [x for path, x in flat
+             if path and str(getattr(path[-1], "key", getattr(path[-1], "name", ""))).lower()
+             == "loss"]
+    if named:
+        return named[0] if len(named) == 1 else None
+    if flat and not any(hasattr(k, "key") or hasattr(k, "name") for p, _ in flat for k in p):
+        x = flat[0][1]
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and not np.ndim(x):
+            return x
+    return None
+
+
+def state_in_output(program: Program, out) -> list:
+    """The leaves of a pytree step's output that are its new state."""
+    _, mapping = program.state_outputs()
+    leaves = jax.tree.leaves(out)
+    return [leaves[m] for m in mapping if m is not None]
