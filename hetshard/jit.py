@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hetshard import __version__, cache
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
+from hetshard.collectives import put
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
@@ -548,7 +549,7 @@ class HetshardJit:
                 self._captures[key] = got
             f, s_shard, b_shard = got
             return f(self._state_on(program, others, s_shard),
-                     jax.device_put(batch, b_shard))
+                     put(batch, b_shard))
 
     def _state_on(self, program: Program, others, shardings):
         """The step's state (``step_state``) placed on ``shardings``: placed once and
@@ -560,13 +561,13 @@ class HetshardJit:
         mine = jax.tree.leaves(shardings)
         if not mine or not all(isinstance(x, jax.Array) for x in leaves):
             # (numpy leaves can change in place: placed every call)
-            return jax.device_put(step_state(program, others), shardings)
+            return put(step_state(program, others), shardings)
         where = tuple(sorted(d.id for d in mine[0].mesh.devices.flat))
         hit = self._placed.get(where)
         if hit is not None and hit[1] is shardings and _same_arrays(hit[0], others):
             return hit[2]
         self._placed.pop(where, None)  # the old copy goes before the new one is made
-        placed = jax.device_put(step_state(program, others), shardings)
+        placed = put(step_state(program, others), shardings)
         self._placed[where] = (tuple(weakref.ref(x) for x in leaves), shardings, placed)
         return placed
 
@@ -594,17 +595,17 @@ class HetshardJit:
                 sh = getattr(x, "sharding", None)
                 return sh if isinstance(sh, NamedSharding) and \
                     {d.id for d in sh.device_set} == ids else home
-            provided = jax.device_put(value_and_grads, jax.tree.map(keep, value_and_grads))
+            provided = put(value_and_grads, jax.tree.map(keep, value_and_grads))
             hit = placed.get(tuple(sorted(ids)))
             state = hit[2] if hit is not None and _same_arrays(hit[0], others) else \
-                jax.device_put(step_state(program, others), home)
+                put(step_state(program, others), home)
             if sig not in self._apply:
                 self._apply[sig] = jax.jit(settled(program, self.guard, self._carry,
                                                    providing(program)))
             # (the carry follows the home devices: async, and free where it is already)
             halted = jax.device_put(self._carry.halted, home)
             out, new_state, halted, _, report = self._apply[sig](
-                state, jax.device_put(batch, home), provided, halted, {})
+                state, put(batch, home), provided, halted, {})
             self._carry.take(halted, {})
             self.guard.record(report, self._carry)
             if new_state is not None:

@@ -5,11 +5,12 @@ from hetshard.collectives.moves import (
     empty,
     here,
     processes,
+    put,
     replicated,
     takes_part,
     transfer,
 )
 from hetshard.collectives.sync import congruent, sum_across, sum_across_collective
 
-__all__ = ["congruent", "empty", "here", "processes", "replicated", "sum_across",
+__all__ = ["congruent", "empty", "here", "processes", "put", "replicated", "sum_across",
            "sum_across_collective", "takes_part", "transfer"]

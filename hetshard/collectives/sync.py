@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from hetshard.collectives.moves import processes, same_layout, stacked, transfer
+from hetshard.collectives.moves import processes, put, same_layout, stacked, transfer
 
 AXIS = "pipelines"
 
@@ -77,7 +77,7 @@ def sum_across_collective(copies: Sequence[Sequence[jax.Array] | None], sharding
         if c is None:
             flat.append(None)
             continue
-        c = [x if x.sharding == s else jax.device_put(x, s)
+        c = [x if x.sharding == s else put(x, s)
              for x, s in zip(c, shardings[i], strict=True)]
         flat.append([x.reshape(1) if not len(avals[j].shape) else x for j, x in enumerate(c)])
     together = []

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from hetshard.collectives import put
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
 from hetshard.data.planner import BatchPlan, GroupCost, MicroStep, check_groups
@@ -118,11 +119,11 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
             # on the group's devices, in the layout its first micro-step left them
             # (sharded over the group as its state is)
             sums[group.name] = got if mine is None else jax.tree.map(
-                jnp.add, mine, jax.device_put(got, _layout(mine)))
+                jnp.add, mine, put(got, _layout(mine)))
     total = None
     for part in sums.values():
         total = part if total is None else jax.tree.map(
-            jnp.add, total, jax.device_put(part, _layout(total)))
+            jnp.add, total, put(part, _layout(total)))
     args[at] = first
     return step.apply_grads(total, *args)
 

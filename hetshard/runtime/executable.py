@@ -33,14 +33,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.autodiff import all_finite, entered, is_graph
-from hetshard.collectives import replicated
+from hetshard.collectives import put, replicated
 from hetshard.errors import HetshardError
 from hetshard.ir.program import Program
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
 from hetshard.plan import Plan
 from hetshard.rewrite import swap_attention
 from hetshard.rewrite.spmd import constrain_layers
-from hetshard.runtime import stage_fns
 from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
     NAN_POLICIES,
     Carry,
@@ -118,7 +117,8 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
                       f"so the step differs from one device's (the planner, unpinned, "
                       f"keeps such a step to one single-stage pipeline)", stacklevel=3)
     if multi_stage:
-        return PipelineStep(plan, program, PipelineRunner(plan, devices, program), guard)
+        return PipelineStep(plan, program, PipelineRunner(plan, devices, program, guard),
+                            guard)
     if len(plan.pipelines) == 1:
         return SpmdStep.compile(plan, devices, program, others, batch, guard)
     return SharesStep.compile(plan, devices, program, others, batch, guard)
@@ -176,8 +176,8 @@ class SpmdStep:
 
     def run(self, others, batch):
         program = self.program
-        batch = jax.device_put(batch, self.batch_shardings)
-        state = jax.device_put(step_state(program, others), self.shardings)
+        batch = put(batch, self.batch_shardings)
+        state = put(step_state(program, others), self.shardings)
         out, new_state, halted, scale_state, report = self.step(state, batch,
                                                                 *self.carry.values())
         self.carry.take(halted, scale_state)
@@ -254,9 +254,8 @@ class SharesStep:
         # step hands every pipeline a copy of the updated state.
         carry = Carry(loss_scale=_loss_scale(plan)).place(
             NamedSharding(shares[0].mesh, PartitionSpec()))
-        return cls(plan, program, shares, jax.jit(settled(program, guard, carry,
-                                                          providing_whole(program))),
-                   guard, carry)
+        apply = combining(program, settled(program, guard, carry, providing_whole(program)))
+        return cls(plan, program, shares, jax.jit(apply), guard, carry)
 
     def run(self, others, batch):
         program = self.program
@@ -267,8 +266,8 @@ class SharesStep:
         clock = {}
         for pi, share in enumerate(self.shares):
             part = jax.tree.map(lambda x, a=start, n=share.size: x[a:a + n], batch)
-            st = jax.device_put(state, share.shardings)
-            bt = jax.device_put(part, share.batch_shardings)
+            st = put(state, share.shardings)
+            bt = put(part, share.batch_shardings)
             # (the loss scale, kept on the first share's devices, copied to each)
             scale = (jax.device_put(scale_state["scale"], NamedSharding(
                 share.mesh, PartitionSpec())),) if self.loss_scale else ()
@@ -287,30 +286,16 @@ class SharesStep:
         # its count; an integer output that does not sum is the first share's; a
         # per-sample output's pieces are concatenated in the batch's order).
         home = NamedSharding(self.shares[0].mesh, PartitionSpec())
-        summed, per_sample = program.summed_outputs, program.per_sample_outputs
         bounds = np.cumsum([0] + [s.size for s in self.shares])
         weights = program.piece_weights(jax.tree.leaves(batch),
                                         list(zip(bounds[:-1], bounds[1:], strict=True)))
-        values = grads = tree = None
-        for res, w in zip(results, weights, strict=True):
-            value, g = jax.device_put(res, home)
-            leaves, tree = jax.tree.flatten(value)
-            leaves = [x if (summed and summed[k]) or k in per_sample else
-                      (x * float(w[k]) if jnp.issubdtype(x.dtype, jnp.inexact) else
-                       (x if values is None else jnp.zeros_like(x)))
-                      for k, x in enumerate(leaves)]
-            g = jax.tree.map(lambda a, w=float(w[0]): a * w, g)
-            if values is None:
-                values, grads = leaves, g
-                continue
-            values = [stage_fns.joined([a, x], per_sample[k], home) if k in per_sample
-                      else a + x for k, (a, x) in enumerate(zip(values, leaves, strict=True))]
-            grads = jax.tree.map(jnp.add, grads, g)
-        combined = (jax.tree.unflatten(tree, values), grads)
         reads = [replicated(leaf, self.shares[0].mesh) for i, leaf in
                  enumerate(jax.tree.leaves(batch)) if i in set(program.update_batch_reads)]
+        # One program on the first pipeline's devices combines the shares and applies
+        # the update: a few dispatches a step, not one a gradient leaf.
         out, new_state, halted, scale_state, report = self.apply(
-            states[0], reads, combined, halted, scale_state)
+            states[0], reads, put(results, home), np.asarray(weights, np.float32), halted,
+            scale_state)
         self.carry.take(halted, scale_state)
         self.guard.record(report, self.carry)
         if new_state is not None:
@@ -429,6 +414,37 @@ def providing_whole(program: Program):
             leaves[i] = x
         return apply(state, jax.tree.unflatten(program.batch_tree, leaves), provided)
     return whole
+
+
+def combining(program: Program, apply):
+    """``apply`` (:func:`settled`) given the pipelines' values and gradients of their
+    batch shares, ``results``, combined first, in the same program: the global batch's
+    (``weights[share, output]``, ``Program.piece_weights``: a loss output that sums
+    over the samples adds its pieces, and a summed loss's gradients; a mean's and a
+    masked mean's pieces weigh their shares of the samples or the count; an integer
+    output that does not sum is the first share's; a per-sample output's pieces are
+    concatenated in the batch's order)."""
+    summed, per_sample = program.summed_outputs, program.per_sample_outputs
+
+    def fn(state, reads, results, weights, halted, scale_state):
+        values = grads = tree = None
+        for j, (value, g) in enumerate(results):
+            leaves, tree = jax.tree.flatten(value)
+            leaves = [x if (summed and summed[k]) or k in per_sample else
+                      (x * weights[j, k].astype(x.dtype)
+                       if jnp.issubdtype(x.dtype, jnp.inexact) else
+                       (x if values is None else jnp.zeros_like(x)))
+                      for k, x in enumerate(leaves)]
+            g = jax.tree.map(lambda a, j=j: a * weights[j, 0].astype(a.dtype), g)
+            if values is None:
+                values, grads = leaves, g
+                continue
+            values = [jnp.concatenate([a, x], per_sample[k]) if k in per_sample else a + x
+                      for k, (a, x) in enumerate(zip(values, leaves, strict=True))]
+            grads = jax.tree.map(jnp.add, grads, g)
+        combined = (jax.tree.unflatten(tree, values), grads)
+        return apply(state, reads, combined, halted, scale_state)
+    return fn
 
 
 def settled(program: Program, guard: Guard, carry: Carry, apply):

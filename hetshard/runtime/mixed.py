@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import jax
 
-from hetshard.collectives import here, takes_part, transfer
+from hetshard.collectives import here, put, takes_part, transfer
 from hetshard.runtime import stage_fns
 from hetshard.runtime.ownership import PipelineSetupError
 from hetshard.runtime.pipeline import PipelineRunner
@@ -64,7 +64,7 @@ def check_passes(runners: Sequence[PipelineRunner]) -> None:
 
 
 def _moved(x, sharding):
-    return x if x.sharding == sharding else jax.device_put(x, sharding)
+    return x if x.sharding == sharding else put(x, sharding)
 
 
 def mixed_step(runners: Sequence[PipelineRunner], batches: Sequence,

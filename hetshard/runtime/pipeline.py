@@ -54,6 +54,7 @@ from hetshard.collectives import (
     congruent,
     empty,
     here,
+    put,
     replicated,
     sum_across,
     sum_across_collective,
@@ -100,7 +101,7 @@ class PipelineRunner:
     """Runs a step under ``plan`` (see the module docstring); ``program`` is the step with
     its arguments (``hetshard.ir.program.Program``)."""
 
-    def __init__(self, plan: Plan, devices, program: Program, guard: Guard | None = None):
+    def __init__(self, plan: Plan, devices, program: Program, guard: Guard):
         if program.call is None:
             raise PipelineSetupError("pipeline plans need a step that calls "
                                      "a loss call (or plan with max_stages=1)")
@@ -136,7 +137,7 @@ class PipelineRunner:
         # The non-finite policy, decided on the device on pipeline 0's loss stage (where
         # the carry lives: the loss scale of float16 plans, raise's flag); the last
         # step's report (``Guard.record``) and verdict (what every stage applied on).
-        self.guard = guard if guard is not None else Guard()
+        self.guard = guard
         self.carry = Carry(loss_scale=DynamicLossScale() if plan.loss_scaled else None)
         self.report: dict | None = None
         self.verdict: list | None = None
@@ -325,7 +326,7 @@ class PipelineRunner:
         self.views = []
         for stages in self.runs:
             self.views.append([
-                {i: jax.device_put(leaves[i], run.shardings[i]) for i in run.local}
+                {i: put(leaves[i], run.shardings[i]) for i in run.local}
                 if run.here else None for run in stages])
 
     def _publish(self, views) -> list:
@@ -479,7 +480,7 @@ class PipelineRunner:
     @staticmethod
     def _to(values, mesh) -> list:
         home = NamedSharding(mesh, PartitionSpec())
-        return [jax.device_put(v, home) for v in values]
+        return [put(v, home) for v in values]
 
     def _sync(self, grads):
         """Sums each parameter's gradient over the pipelines (module docstring, 3)."""

@@ -90,12 +90,15 @@ def _signature(*args) -> tuple:
 
 
 def _seeded(program, incoming, seeds) -> list:
-    """The sends' cotangents: what later stages sent back plus the loss's seed."""
+    """The sends' cotangents: what later stages sent back plus the loss's seed.
+    ``seeds``: (per send, the loss's weight or None; the loss scale, a device scalar
+    under loss scaling: multiplied in here, not by a program of its own)."""
+    weights, scale = seeds
     cts = []
-    for j, ct, seed in zip(program.diff_sends, incoming, seeds, strict=True):
+    for j, ct, seed in zip(program.diff_sends, incoming, weights, strict=True):
         aval = program.sends[j].aval
         base = jnp.zeros(aval.shape, aval.dtype) if seed is None else \
-            jnp.full(aval.shape, seed, aval.dtype)
+            jnp.full(aval.shape, seed * scale, aval.dtype)
         cts.append(base if ct is None else base + ct.astype(aval.dtype))
     return cts
 
@@ -136,9 +139,20 @@ def add(a, b):
 
 
 @jax.jit
-def _weighted(acc, x, w):  # (w traced: a masked mean's weights change every step)
-    x = x * jnp.asarray(w, x.dtype)
-    return x if acc is None else acc + x
+def _weighted_sum(xs, ws):  # (ws traced: a masked mean's weights change every step)
+    acc = None
+    for x, w in zip(xs, ws, strict=True):
+        x = x * jnp.asarray(w, x.dtype)
+        acc = x if acc is None else acc + x
+    return acc
+
+
+@jax.jit
+def _sum(xs):
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
+    return acc
 
 
 @functools.lru_cache(maxsize=64)
@@ -152,9 +166,10 @@ def joined(parts, axis: int, sharding):
     return _joiner(axis, sharding)(*parts)
 
 
-def accumulate(acc, x, w, summed: bool = False):
-    """``acc + w * x`` (a loss output over micro-batches); an integer output is added
-    when it is a sum over the samples (``summed``: a count), else the last piece's."""
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x if acc is None or not summed else add(acc, x)
-    return _weighted(acc, x, w)
+def weighted_sum(xs, ws, summed: bool = False):
+    """``sum_i ws[i] * xs[i]`` in order (a loss output over micro-batches), one program
+    for all of them; an integer output is added when it is a sum over the samples
+    (``summed``: a count), else the last piece's."""
+    if not jnp.issubdtype(xs[0].dtype, jnp.inexact):
+        return _sum(xs) if summed and len(xs) > 1 else xs[-1]
+    return _weighted_sum(list(xs), [float(w) for w in ws])

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard.collectives import here, takes_part, transfer
+from hetshard.collectives import here, put, takes_part, transfer
 from hetshard.layout import activation_sharding
 from hetshard.runtime import stage_fns
 from hetshard.sim.schedule import schedule_walk
@@ -77,7 +77,9 @@ class PipelineWalk:
         self.vjps: dict = {}  # (stage, micro-batch) -> the forward's vjp
         self.pending: dict = {}  # ZB-H1: (stage, micro-batch) -> what its W pass reads
         self.acc: list = [None] * self.n  # per stage: parameter gradients so far
-        self.loss_acc: dict = {}  # loss output position -> weighted sum so far
+        # loss output position -> its pieces (micro-batch -> value), summed weighted at
+        # the end (one program, not one a micro-batch) or joined (per-sample outputs)
+        self.loss_acc: dict = {}
 
     def run(self):
         task = {"F": self.forward, "B": self.backward, "W": self.weights}
@@ -142,7 +144,7 @@ class PipelineWalk:
             return
         lo, mbs, leaves = self.start + mb * self.mbs, self.mbs, self.batch_leaves
         view = self.runner.views[self.pi][s]
-        batch = [jax.device_put(np.asarray(leaves[i][lo:lo + mbs])
+        batch = [put(np.asarray(leaves[i][lo:lo + mbs])
                                 if isinstance(leaves[i], np.ndarray) else leaves[i][lo:lo + mbs],
                                 activation_sharding((mbs, *np.shape(leaves[i])[1:]), run.mesh,
                                                     mbs, self.seq_len))
@@ -161,13 +163,8 @@ class PipelineWalk:
         for j, (v, x) in enumerate(zip(st.sends, outs, strict=True)):
             if unread.get(v):
                 values[v] = x
-            if j in st.outputs and st.outputs[j] in self.runner.per_sample:
-                self.loss_acc.setdefault(st.outputs[j], {})[mb] = x  # joined after
-            elif j in st.outputs:
-                pos = st.outputs[j]
-                summed = bool(self.summed and self.summed[pos])
-                self.loss_acc[pos] = stage_fns.accumulate(
-                    self.loss_acc.get(pos), x, float(self.mb_weights[mb][pos]), summed)
+            if j in st.outputs:
+                self.loss_acc.setdefault(st.outputs[j], {})[mb] = x
 
     def backward(self, s: int, mb: int) -> None:
         run, st = self.runs[s], self.runs[s].program
@@ -178,8 +175,8 @@ class PipelineWalk:
             for j in st.diff_sends:
                 parts = cts.pop(st.sends[j], [])
                 incoming.append(functools.reduce(jnp.add, parts) if parts else None)
-            seeds = [float(self.mb_weights[mb][0]) * self.scales[s] if st.outputs.get(j) == 0
-                     else None for j in st.diff_sends]
+            seeds = ([float(self.mb_weights[mb][0]) if st.outputs.get(j) == 0 else None
+                      for j in st.diff_sends], self.scales[s])
             if self.zbh1 and not st.diff_recvs:
                 # ZB-H1 on a stage with no input cotangent to send (the first): its whole
                 # backward runs as W, as the simulator times it, so nothing computed in B
@@ -246,6 +243,12 @@ class PipelineWalk:
         avals = runner.program.outputs_for(runner.loss_out_avals, self.pipeline.batch_share)
         loss_stage = runner.loss_stage[self.pi]
         outputs = [self.loss_acc.get(k) for k in range(len(avals))]
+        for k, pieces in enumerate(outputs):
+            if pieces is not None and k not in runner.per_sample:
+                mbs = sorted(pieces)
+                outputs[k] = stage_fns.weighted_sum(
+                    [pieces[mb] for mb in mbs], [self.mb_weights[mb][k] for mb in mbs],
+                    bool(self.summed and self.summed[k]))
         home = NamedSharding(runs[loss_stage].mesh, PartitionSpec())
         for st in self.stages:
             for k in set(st.outputs.values()) & set(runner.per_sample):

@@ -1,0 +1,213 @@
+"""A step loop that never waits (issue 47): every execution path returns once its work is
+dispatched, and the non-finite policy and the loss scale are decided on the device.
+
+``jax.transfer_guard`` does not see ``bool()`` of a CPU array, so waiting is caught by
+what it does: each step here is fed a batch that a slow program is still computing when
+the step is called. A step that reads any value computed from its batch on the host
+(its loss, its gradients' finiteness) cannot return before that batch exists; one that
+only dispatches returns while it is still being computed.
+"""
+
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import user_models
+from flax import nnx
+
+import hetshard
+from hetshard.cluster import Cluster
+from hetshard.jit import NonFiniteLossError
+from hetshard.plan import Pipeline, Plan, Stage
+
+CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
+H, V = "H100-80GB", "V100-32GB"
+
+
+@jax.jit
+def _spin(x, m, n):
+    """``x`` once ``n`` products of ``m`` are done (a value only the device knows)."""
+    s = jnp.sum(jax.lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a), m))
+    return jax.tree.map(lambda v: jnp.where(jnp.isnan(s), v + 1, v), x)
+
+
+_ROUNDS: list = []
+
+
+def _late(x):
+    """``x`` as the output of a program that is still running (about two seconds) when
+    this returns, on device 3 (an A100 the plans here leave idle: the program holds no
+    device the steps run on, and the step's own work on the batch's device stays well
+    under the 32 computations a device queues before dispatch waits)."""
+    spare = jax.devices()[3]
+    x = jax.device_put(x, spare)
+    m = jax.device_put(jnp.ones((256, 256), jnp.float32) / 256, spare)
+    if not _ROUNDS:  # calibrated once on this machine
+        jax.block_until_ready(_spin(x, m, 10))
+        t = time.perf_counter()
+        jax.block_until_ready(_spin(x, m, 200))
+        _ROUNDS.append(max(200, int(200 * 2.0 / max(time.perf_counter() - t, 1e-3))))
+    return _spin(x, m, _ROUNDS[0])
+
+
+def _pending(tree) -> bool:
+    return not all(x.is_ready() for x in jax.tree.leaves(tree))
+
+
+def _plans(program):
+    """Global batch 8 on the tiny LM, one plan a path: one SPMD stage on the V100s,
+    batch shares (H100s 4 | V100s 4), a two-stage pipeline (H100s | V100s, 2
+    micro-batches)."""
+    n = program.layering(2).num_layers
+    cluster = Cluster.load(CLUSTER).to_dict()
+
+    def plan(*pipes):
+        return Plan(program.name, cluster, 8, program.seq_len, pipes, dtype=program.dtype,
+                    attention="reference")
+    v100s = Stage(0, n, (4, 5, 6, 7), V, (("data", 4),))
+    return {
+        "spmd": plan(Pipeline((v100s,), 8, 2, 1)),
+        "shares": plan(Pipeline((Stage(0, n, (0, 1), H, (("data", 2),)),), 4, 2, 1),
+                       Pipeline((v100s,), 4, 1, 1)),
+        "pipeline": plan(Pipeline((Stage(0, n // 2, (0, 1), H, (("data", 2),)),
+                                   Stage(n // 2, n, (4, 5, 6, 7), V, (("data", 4),))),
+                                  8, 2, 2)),
+    }
+
+
+def _tiny():
+    """The tiny LM's step, its loss NaN for a batch whose ``poison`` flags a sample
+    (per sample: the plans may cut the batch), and a clean batch."""
+    model = user_models.make_transformer()[1][0]
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batch = user_models._text_batches(np.random.default_rng(0))[0]
+    batch = {**batch, "poison": jnp.zeros((8,), jnp.int32)}
+
+    def loss(m, b):
+        ce = optax.softmax_cross_entropy_with_integer_labels(m(b["tokens"]), b["targets"])
+        return jnp.mean(ce.mean(axis=1) * jnp.where(b["poison"] > 0, jnp.nan, 1.0))
+    return user_models.nnx_step(loss), model, opt, batch
+
+
+def _poisoned(batch):
+    return {**batch, "poison": jnp.ones((8,), jnp.int32)}
+
+
+def _params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+@pytest.mark.parametrize("path", ["spmd", "shares", "pipeline"])
+def test_a_step_returns_before_its_batch_exists(path):
+    step, model, opt, batch = _tiny()
+    plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+    jax.block_until_ready(jitted(model, opt, batch))  # compiled
+    first, second = _late(batch), _late(batch)
+    loss1 = jitted(model, opt, first)
+    loss2 = jitted(model, opt, second)  # nor for the step before it
+    assert _pending(second) and _pending(loss2)
+    # ... and trains as nnx.jit does (the last loss reads the late steps' updates)
+    got = [float(loss1), float(loss2), float(jitted(model, opt, batch))]
+    reference = user_models.make_transformer()[1][0]
+    ref_opt = nnx.Optimizer(reference, optax.adamw(1e-3), wrt=nnx.Param)
+    ref = nnx.jit(step)
+    expect = [float(ref(reference, ref_opt, batch)) for _ in range(4)]
+    np.testing.assert_allclose(got, expect[1:], rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["spmd", pytest.param("pipeline", marks=pytest.mark.slow)])
+def test_a_loss_scaled_step_returns_before_its_batch_exists_and_halves_on_overflow(layout):
+    import models
+    from models import data, losses
+    bf16 = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64,dtype=bfloat16"
+    n = 6
+    stages = {"spmd": (Stage(0, n, (4, 5, 6, 7), V, (("data", 4),)),),
+              "pipeline": (Stage(0, 3, (1,), H, (("data", 1),)),
+                           Stage(3, n, (4,), V, (("data", 1),)))}[layout]
+    plan = Plan(bf16, Cluster.load(CLUSTER).to_dict(), 8, 64,
+                (Pipeline(stages, 8, 2 if layout == "spmd" else 1,
+                          1 if layout == "spmd" else 8),),
+                attention="reference", gpu_dtypes=((V, "float16"),))
+    model = models.build(bf16, rngs=0)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @hetshard.jit(cluster=CLUSTER, plan=plan, nan_policy="raise", quiet=True)
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(losses.text_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    batch = data.text_batch(np.random.default_rng(0), 8, 64, 256)
+    jax.block_until_ready(step(model, opt, batch))
+    entry = next(iter(step._compiled.values()))
+    scaler = entry.loss_scale if hasattr(entry, "loss_scale") else entry.runner.loss_scale
+    before = _params(model)
+    scaler.scale = 2.0 ** 40  # overflows float16 in the backward pass
+    late = _late({k: jnp.asarray(v) for k, v in batch.items()})
+    step(model, opt, late)
+    assert _pending(late)
+    step.wait()  # an overflow is no error, even under "raise"
+    assert scaler.overflows == 1 and scaler.scale == 2.0 ** 39
+    for a, b in zip(_params(model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["skip", "apply", "raise"])
+@pytest.mark.parametrize("path", ["spmd", "shares", "pipeline"])
+def test_a_nan_step_is_decided_on_the_device(policy, path):
+    step, model, opt, batch = _tiny()
+    plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True, nan_policy=policy)
+    jax.block_until_ready(jitted(model, opt, batch))  # compiled, applied
+    before = _params(model)
+    # Two non-finite steps, both dispatched before either has its batch (so neither has
+    # finished, and nothing is said, before wait()).
+    late = [_late(_poisoned(batch)) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jitted(model, opt, late[0])
+        jitted(model, opt, late[1])
+        assert _pending(late)  # neither step read its loss on the host
+        if policy == "raise":
+            with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan.*the 1 "
+                               r"dispatched after it"):
+                jitted.wait()
+        else:
+            jitted.wait()
+    said = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    after = _params(model)
+    if policy == "apply":
+        assert len(said) == 2 and all("applied: nan_policy='apply'" in s for s in said)
+        assert not all(np.isfinite(x).all() for x in after)
+        return
+    assert len(said) == (2 if policy == "skip" else 0), said
+    for a, b in zip(after, before, strict=True):  # bit-identical
+        np.testing.assert_array_equal(a, b)
+    jitted(model, opt, batch)  # a clean step applies (raise's error cleared its flag)
+    jitted.wait()
+    assert not any(np.array_equal(a, b) for a, b in zip(_params(model), before,
+                                                        strict=True))
+
+
+def test_micro_steps_and_passes_return_before_their_batch_exists():
+    """The per-batch runner's doors: ``grads_under``, ``apply_grads`` and
+    ``run_passes`` dispatch without waiting."""
+    step, model, opt, batch = _tiny()
+    plans = _plans(hetshard.Program(step, (model, opt, batch)))
+    jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
+    got = jitted.grads_under(plans["spmd"], model, opt, batch)
+    jax.block_until_ready(jitted.apply_grads(got, model, opt, batch))  # compiled
+    jax.block_until_ready(jitted.run_passes([(plans["pipeline"], (model, opt, batch))],
+                                            [(0, 0), (0, 1)]))
+    late = _late(batch)
+    got = jitted.grads_under(plans["spmd"], model, opt, late)
+    out = jitted.apply_grads(got, model, opt, late)
+    assert _pending(late) and _pending(out)
+    late = _late(batch)
+    out = jitted.run_passes([(plans["pipeline"], (model, opt, late))], [(0, 0), (0, 1)])
+    assert _pending(late) and _pending(out)
+    jitted.wait()
