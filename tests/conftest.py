@@ -15,3 +15,20 @@ def rng():
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+@pytest.fixture
+def device_only():
+    """A calibration whose host dispatches for free: for tests of the device side of the
+    simulator (the built-in one prices the host's dispatch, which binds tiny models)."""
+    from hetshard.cost.calibration import Calibration, Efficiency
+    return Calibration(default=Efficiency(host_task_s=1e-12), source="device only")
+
+
+@pytest.fixture
+def device_only_file(tmp_path):
+    """:func:`device_only` as a calibration file (``--calibration``)."""
+    import json
+    path = tmp_path / "device_only.json"
+    path.write_text(json.dumps({"version": 2, "default": {"host_task_s": 1e-12}}))
+    return str(path)

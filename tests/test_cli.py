@@ -63,7 +63,7 @@ def test_python_m_entry_point():
     assert json.loads(out)
 
 
-def test_piped_tables_are_whole_and_small_numbers_keep_their_units(capsys):
+def test_piped_tables_are_whole_and_small_numbers_keep_their_units(capsys, device_only_file):
     # Piped (not a terminal): a table row is one line, not cut at 80 columns or mid-word.
     out = subprocess.run([sys.executable, "-m", "hetshard", "clusters"], capture_output=True,
                          text=True, check=True).stdout
@@ -73,9 +73,11 @@ def test_piped_tables_are_whole_and_small_numbers_keep_their_units(capsys):
     assert main(["models", "gpt-1.3b"]) == 0
     text = capsys.readouterr().out
     assert "params: 1.32B" in text and "layers = 24" in text and "{" not in text
-    # A tiny model's times and memory are in units that show them (not 0.00 ms, 0.00 GB).
+    # A tiny model's times and memory are in units that show them (not 0.00 ms, 0.00 GB;
+    # the device's microseconds: the host's dispatch, milliseconds, left out).
     assert main(["simulate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8",
-                 "--global-batch", "8", "--fix", "dp=4,pp=2"]) == 0
+                 "--global-batch", "8", "--fix", "dp=4,pp=2",
+                 "--calibration", device_only_file]) == 0
     text = capsys.readouterr().out
     assert "fwd us" in text and "mem MB" in text and " us, " in text and " MB, fits" in text
     rows = [line for line in text.splitlines() if "A100-80GB" in line]

@@ -228,6 +228,7 @@ def test_nan_loss_is_reported_and_not_applied():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step(model, opt, data.text_batch(np.random.default_rng(0), 8, 16, 256))
+        step.wait()  # (said once the step has finished: the call does not wait)
     assert any("not applied" in str(w.message) for w in caught)
     after = nnx.state(model, nnx.Param)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):

@@ -324,19 +324,20 @@ def test_trace_lanes_do_not_overlap_with_gradient_sync(prof):
     _slices_nest_per_thread(chrome_trace(r, plan))
 
 
-def test_slow_gpus_pace_a_uniform_plan(prof):
+def test_slow_gpus_pace_a_uniform_plan(prof, device_only):
     c = Cluster.load("h100-a100-v100-x8")
     plan = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
                         fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
     # Stage 0 mixes H100s and A100s (devices 0-3): one SPMD program runs at the A100's pace.
     assert plan.pipelines[0].stages[0].gpu == "A100-80GB+H100-80GB"
-    r = simulate(plan, prof, c)
+    r = simulate(plan, prof, c, device_only)
     s0, s1 = r.stage_costs[0]
     assert s1.fwd_s > 1.5 * s0.fwd_s  # stage 1 sits on V100s (devices 4-7)
     h100 = dataclasses.replace(c, groups=(dataclasses.replace(c.groups[0], nodes=4),))
     fast = simulate(dataclasses.replace(plan, pipelines=(dataclasses.replace(
         plan.pipelines[0], stages=plan.pipelines[0].stages[:1] + (dataclasses.replace(
-            plan.pipelines[0].stages[1], devices=(4, 5, 6, 7)),)),)), prof, h100)
+            plan.pipelines[0].stages[1], devices=(4, 5, 6, 7)),)),)), prof, h100,
+        device_only)
     assert fast.step_time_s < r.step_time_s
 
 
@@ -359,14 +360,14 @@ def test_stages_price_their_own_share_of_the_micro_batch(prof):
     assert sends[0].start_s == pytest.approx(first[0].end_s + hop)
 
 
-def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof):
+def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof, device_only):
     c = Cluster.load("h100-a100-v100-x8")
     base = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
                         fix=parse_fix("dp=4,tp=1,pp=2,mbs=2"))
     zero1 = uniform_plan(SPEC, prof, c, global_batch=16, seq_len=32,
                          fix=parse_fix("dp=4,tp=1,pp=2,mbs=2,zero1=true"))
     assert zero1.distributed_optimizer and not base.distributed_optimizer
-    a, b = simulate(base, prof, c), simulate(zero1, prof, c)
+    a, b = simulate(base, prof, c, device_only), simulate(zero1, prof, c, device_only)
     st_all = base.pipelines[0].stages
     for s, (ca, cb) in enumerate(zip(a.stage_costs[0], b.stage_costs[0], strict=True)):
         # Three quarters of the optimizer state leave every device; the update is 1/4.
@@ -440,13 +441,14 @@ def test_simulate_cli_json(capsys, tmp_path):
     assert "dp*tp*pp*cp=3" in capsys.readouterr().err
 
 
-def test_simulate_interleaved_fix(capsys):
+def test_simulate_interleaved_fix(capsys, device_only_file):
     # 8 blocks on 2 submeshes x 2 virtual stages, 8 micro-batches: a smaller bubble
-    # (a model big enough for compute, not transfer latency, to fill the step).
+    # (a model big enough for compute, not transfer latency, to fill the step; the host's
+    # dispatch, which twice the tasks lengthen, left out: device_only_file).
     def run(fix):
         assert main(["simulate", "--model", "gpt:layers=8,hidden=2048,heads=16,vocab=1024,seq=1024",
                      "--cluster", "dgx-a100-80gb-x8", "--global-batch", "32", "--seq-len",
-                     "1024", "--fix", fix,
+                     "1024", "--fix", fix, "--calibration", device_only_file,
                      "--json", "-"]) == 0
         return json.loads(capsys.readouterr().out)
     plain, inter = run("dp=4,tp=1,pp=2,mbs=1"), run("dp=4,tp=1,pp=2,mbs=1,vpp=2")
@@ -702,7 +704,7 @@ def test_schema_9_activation_layouts_load_into_their_own_field():
         Plan.from_dict(old)
 
 
-def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof):
+def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof, device_only):
     """Plan schema 11: ``grad_sync`` follows the pipelines (a replaced plan never keeps a
     stale one) and is not stored; a schema 10 file's per-entry ``overlap`` flags load as
     ``grad_sync_overlap``, a schema 11 file naming ``grad_sync`` is refused; the
@@ -750,7 +752,7 @@ def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof):
         dataclasses.replace(plan, grad_sync_overlap="no")
     # Read by the simulator: without overlap every stage's sum waits for its last
     # backward to end, not start.
-    on, off = simulate(plan, prof, c), simulate(late, prof, c)
+    on, off = simulate(plan, prof, c, device_only), simulate(late, prof, c, device_only)
     assert off.step_time_s > on.step_time_s
 
 

@@ -72,6 +72,15 @@ class Efficiency:
     # back-to-back kernels. NVIDIA's CUDA Graphs blog (Gray 2019) measured a 2.9 us kernel
     # at 3.8 us per launch when queued on a stream (3.4 us from a graph): ~1 us.
     kernel_launch_s: float = 1e-6
+    # The host's time to dispatch one task of a step (a stage's forward or backward of a
+    # micro-batch with its transfers, a stage's update, a single-stage step): a step
+    # cannot run faster than its busiest host dispatches it (``hetshard.sim.simulator``,
+    # ``host_time_s``). Measured by experiments/runtime_overhead.py (``host_per_task``:
+    # a two-stage pipeline of a model with almost no work, 8 micro-batches) on the CPU
+    # backend: 2.8 ms a task under ZB-H1, 3.9 ms under 1F1B; on CPU a cheap program runs
+    # inside its dispatch, so this is an upper bound there, and the GPU figure is still
+    # to be measured with the same script (a calibration file can replace it).
+    host_task_s: float = 3e-3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -8,6 +8,9 @@ A task starts when its worker is free and its input has arrived: F(s, i) needs
 F(s-1, i) plus the activation's point-to-point transfer; B(s, i) needs
 B(s+1, i) plus the cotangent's transfer, and F(s, i). Transfers are delays on
 the link between the two stages (links are not modelled as contended).
+The host dispatches every task of a step (``host_time_s``: each stage's forwards and
+backwards, its update; a single-stage pipeline's step is one program) ahead of the
+devices, one host a node; the step takes at least its busiest host's time.
 After its last backward, a stage synchronises gradients with the stages that
 hold the same layers (``plan.grad_sync``), then runs the optimizer update; with
 ``overlap``, synchronisation starts as the last backward starts, as DDP-style
@@ -521,6 +524,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 tasks.append(Task(pi, reader, "send", -1, opt_done[owner],
                                   opt_done[owner] + t, reader % p))
             step_end = max(step_end, opt_done[owner] + t)
+    # The devices cannot run faster than the host dispatches their tasks.
+    step_end = max(step_end, host_time_s(plan, cluster, cal))
     n_dev = plan.num_devices
     model_flops = profile.flops_per_sample() * plan.global_batch
     tokens = plan.global_batch * plan.seq_len
@@ -539,6 +544,35 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         peak_memory_bytes=float(max(mem.values())),
         memory_per_device={d: float(v) for d, v in mem.items()}, busy_per_device=busy,
         fits=bool(fits), tasks=tuple(tasks), stage_costs=tuple(tuple(c) for c in costs))
+
+
+def dispatched_tasks(pipe) -> int:
+    """The tasks the host dispatches for one pipeline's step, as the runtime runs it: a
+    single-stage pipeline's step is one program; a stage of a multi-stage pipeline runs
+    a forward and a backward per micro-batch (and ZB-H1's weight pass) and one update."""
+    if len(pipe.stages) == 1:
+        return 1
+    per = 3 if pipe.schedule == "zbh1" else 2
+    return len(pipe.stages) * (per * pipe.num_micro_batches + 1)
+
+
+def host_time_s(plan: Plan, cluster: Cluster, cal: Calibration = DEFAULT) -> float:
+    """The busiest host's time to dispatch a step of ``plan``: one host a node, each
+    dispatching the tasks of the stages with a device there (a stage across nodes: on
+    each), at ``Efficiency.host_task_s`` of the stage's GPU type a task; several
+    single-stage pipelines add one program combining them."""
+    busy: dict = {}
+    for pipe in plan.pipelines:
+        per_stage = dispatched_tasks(pipe) / len(pipe.stages)
+        for st in pipe.stages:
+            cost = per_stage * cal.for_type(st.gpu).host_task_s
+            for node in {(cluster.slot(d).group, cluster.slot(d).node) for d in st.devices}:
+                busy[node] = busy.get(node, 0.0) + cost
+    if len(plan.pipelines) > 1 and all(len(p.stages) == 1 for p in plan.pipelines):
+        first = plan.pipelines[0].stages[0]
+        node = (cluster.slot(first.devices[0]).group, cluster.slot(first.devices[0]).node)
+        busy[node] = busy.get(node, 0.0) + cal.for_type(first.gpu).host_task_s
+    return max(busy.values(), default=0.0)
 
 
 def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cluster,
