@@ -149,13 +149,34 @@ def attention(lines, data):
 
 def runtime(lines, data):
     lines += ["## Runtime overhead", "",
-              f"`python experiments/runtime_overhead.py` ({data['devices']} fake devices, "
-              f"{data['model']}): median step {data['hetshard_median_step_s']:.3f} s vs "
-              f"{data['jax_median_step_s']:.3f} s for a hand-written `jax.jit` (ratio "
-              f"{data['step_time_ratio']:.2f}, target {data['targets']['step_time_ratio']}); "
-              f"first call {data['hetshard_first_call_s']:.2f} s vs "
-              f"{data['jax_first_call_s']:.2f} s (ratio {data['compile_time_ratio']:.2f}, "
-              f"target {data['targets']['compile_time_ratio']}).", ""]
+              f"`python experiments/runtime_overhead.py` ({data['model']}, batch "
+              f"{data['batch']} x {data['seq']}, {data['steps']} steps back to back, best of "
+              f"{data['rounds']}; {data['backend']} backend, JAX {data['jax']}). "
+              "Dispatch/finish: when the loop's last call returned over when every output "
+              "was ready. Steps ahead: steps still running when the last call returned. "
+              "Host: one call's host time with the devices idle. Targets: dispatch/finish "
+              f"within {data['targets']['dispatch_over_finish_gap']} of the reference's, "
+              f"step <= {data['targets']['step_ratio']}x.", ""]
+    rows = []
+    for r in data["single_stage"] + [data["pipeline"]]:
+        ref = "nnx_jit" if "nnx_jit" in r else "hand_written"
+        what = (f"single stage, {r['devices']} device(s) vs nnx.jit" if ref == "nnx_jit"
+                else f"2-stage pipeline, {r['micro_batches']} micro-batches vs hand-written")
+        h, o = r["hetshard"], r[ref]
+        rows.append([what, f"{h['dispatch_over_finish']:.2f} / {o['dispatch_over_finish']:.2f}",
+                     f"{h['step_s'] * 1e3:.0f} / {o['step_s'] * 1e3:.0f}",
+                     f"{r['step_ratio']:.3f}",
+                     f"{h['steps_ahead']:.1f} / {o['steps_ahead']:.1f}",
+                     f"{h['host_s'] * 1e3:.1f} / {o['host_s'] * 1e3:.1f}"])
+    lines += _table(["path", "dispatch/finish (hetshard / ref)", "step ms", "step ratio",
+                     "steps ahead", "host ms"], rows)
+    per = data.get("host_per_task", {})
+    if per:
+        lines += ["", "Host time per dispatched task, a model with almost no work (2 stages, "
+                  "8 micro-batches): " + ", ".join(
+                      f"{k} {v['host_task_s'] * 1e3:.1f} ms ({v['tasks']} tasks, "
+                      f"{v['host_s'] * 1e3:.0f} ms a step)" for k, v in per.items()) + "."]
+    lines.append("")
 
 
 def multihost(lines, data):

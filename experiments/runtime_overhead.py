@@ -29,6 +29,7 @@ For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds
 Targets (issue 47): dispatch/finish within 0.1 of the reference's; step <= 1.05x.
 
 Usage: python experiments/runtime_overhead.py [--steps 20] [--rounds 3] [--quick]
+       [--host-only]
 Writes experiments/results/runtime_overhead.json.
 """
 
@@ -341,9 +342,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 rounds of 6 steps (a check)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="only the host time per task (host_per_task), printed")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.rounds = 6, 2
+    if args.host_only:
+        print(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
+                          "host_per_task": host_per_task(args.rounds)}, indent=2))
+        return 0
     data = batches()
     out = {"model": f"residual MLP LM, {LAYERS} layers of width {DIM}, vocab {VOCAB}",
            "batch": BATCH, "seq": SEQ, "backend": jax.default_backend(),

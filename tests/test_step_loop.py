@@ -211,3 +211,76 @@ def test_micro_steps_and_passes_return_before_their_batch_exists():
     out = jitted.run_passes([(plans["pipeline"], (model, opt, late))], [(0, 0), (0, 1)])
     assert _pending(late) and _pending(out)
     jitted.wait()
+
+
+# ---- the host's time, priced ------------------------------------------------------------
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs, d, layers=4):
+        self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(layers)])
+        self.out = nnx.Linear(d, 10, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return self.out(x)
+
+
+def _mlp_step(model, optimizer, batch):
+    def loss(m, b):
+        return optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"]).mean()
+    value, grads = nnx.value_and_grad(loss)(model, batch)
+    optimizer.update(model, grads)
+    return value
+
+
+def _mlp_plan(d, batch, cluster, calibration):
+    def make():
+        model = _MLP(nnx.Rngs(0), d)
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    model, opt = nnx.eval_shape(make)
+    data = {"x": jax.ShapeDtypeStruct((batch, d), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+    return hetshard.plan(_mlp_step, model, opt, data, cluster=cluster,
+                         calibration=calibration, time_limit_s=10)
+
+
+def test_a_tiny_model_gets_no_deep_pipeline_once_the_host_is_priced(device_only):
+    from hetshard.sim.simulator import dispatched_tasks, host_time_s
+    free = _mlp_plan(64, 256, "dgx-h100-x8", device_only)  # the host for free
+    priced = _mlp_plan(64, 256, "dgx-h100-x8", None)
+    tasks = [sum(dispatched_tasks(p) for p in plan.pipelines) for plan in (free, priced)]
+    assert tasks[0] >= 20 and tasks[1] <= 2, tasks  # a pipeline before; one program now
+    assert priced.predicted.step_time_s == pytest.approx(
+        host_time_s(priced, Cluster.load("dgx-h100-x8")))  # the host binds it
+    # A model the devices take far longer on than the host keeps its plan.
+    big = [_mlp_plan(8192, 8192, "dgx-h100-x8", cal) for cal in (device_only, None)]
+    assert big[0].what_runs() == big[1].what_runs()
+    assert big[1].predicted.step_time_s > 50 * host_time_s(big[1],
+                                                           Cluster.load("dgx-h100-x8"))
+
+
+@pytest.mark.parametrize("path", ["spmd", "pipeline"])
+def test_state_already_in_place_is_not_placed_again(path, monkeypatch):
+    """The second step hands the program the very arrays the first left in the objects
+    (no copy, no re-layout); a pipeline does not distribute its state again."""
+    step, model, opt, batch = _tiny()
+    plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+    jitted(model, opt, batch)
+    entry = next(iter(jitted._compiled.values()))
+    held = {id(x) for x in jax.tree.leaves(nnx.state((model, opt)))}
+    if path == "spmd":
+        seen = []
+        compiled = entry.step
+        monkeypatch.setattr(entry, "step", lambda state, *a: seen.append(
+            jax.tree.leaves(state)) or compiled(state, *a))
+        jitted(model, opt, batch)
+        assert {id(x) for x in seen[0]} == held
+    else:
+        runner = entry.runner
+        calls = []
+        monkeypatch.setattr(runner, "_distribute", lambda leaves: calls.append(1))
+        jitted(model, opt, batch)
+        assert not calls  # (each stage kept the copies it updated last step)
+    jitted.wait()
