@@ -170,6 +170,13 @@ def runtime(lines, data):
                      f"{h['host_s'] * 1e3:.1f} / {o['host_s'] * 1e3:.1f}"])
     lines += _table(["path", "dispatch/finish (hetshard / ref)", "step ms", "step ratio",
                      "steps ahead", "host ms"], rows)
+    lines += ["", "Single stage, the cost of the non-finite guard: step ratio of hetshard "
+              "under nan_policy='apply' (no old values kept) to plain nnx.jit, and of "
+              "hetshard's default to nnx.jit with optax.apply_if_finite (the same "
+              "protection): " + "; ".join(
+                  f"{r['devices']} device(s) {r['step_ratio_apply']:.3f} and "
+                  f"{r['step_ratio_same_protection']:.3f}" for r in data["single_stage"])
+              + "."]
     per = data.get("host_per_task", {})
     if per:
         lines += ["", "Host time per dispatched task, a model with almost no work (2 stages, "

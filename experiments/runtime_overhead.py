@@ -13,6 +13,9 @@ the same layout:
   cotangents moved with ``jax.device_put``, gradients accumulated, one jitted AdamW update
   a stage; no NaN checks).
 
+Single stage also runs hetshard under ``nan_policy="apply"`` (no old values kept) and
+``nnx.jit`` with ``optax.apply_if_finite`` (the protection hetshard's default gives).
+
 For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds:
 
 * ``dispatch_over_finish``: when the loop's last call returned over when every output
@@ -103,9 +106,14 @@ def train_step(model, optimizer, batch):
     return loss
 
 
-def fresh():
+def fresh(guarded: bool = False):
+    """The model and its AdamW (``guarded``: wrapped in ``optax.apply_if_finite``, the
+    protection hetshard's nan_policy="skip" gives, for nnx.jit)."""
     model = Model(nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    tx = optax.adamw(1e-3)
+    if guarded:
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=10 ** 9)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def batches(n=4):
@@ -166,25 +174,33 @@ def timed(call, steps: int, rounds: int) -> dict:
 
 
 def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
+    """hetshard.jit (nan_policy "skip", its default, and "apply", which keeps no old
+    values) against nnx.jit, plain and with optax.apply_if_finite (the protection
+    "skip" gives)."""
     mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
     rep, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-
-    model, opt = fresh()
-    program = hetshard.Program(train_step, (model, opt, data[0]))
-    step = hetshard.jit(train_step, cluster=cluster(n_devices),
-                        plan=plan_for(program, n_devices, False), quiet=True)
-    h = timed(lambda i: step(model, opt, data[i % len(data)]), steps, rounds)
-
-    model2, opt2 = fresh()
-    nnx.update((model2, opt2), jax.device_put(nnx.state((model2, opt2)), rep))
-    ref = nnx.jit(train_step)
-    # (the batch split over the devices in the call, as hetshard.jit does it: the same
-    # numpy batches go in, the same layout comes out)
-    r = timed(lambda i: ref(model2, opt2, jax.device_put(data[i % len(data)], rows)),
-              steps, rounds)
-    return {"devices": n_devices, "hetshard": h, "nnx_jit": r,
-            "step_ratio": h["step_s"] / r["step_s"],
-            "dispatch_over_finish_gap": h["dispatch_over_finish"] - r["dispatch_over_finish"]}
+    out = {"devices": n_devices}
+    for name, policy in (("hetshard", "skip"), ("hetshard_apply", "apply")):
+        model, opt = fresh()
+        program = hetshard.Program(train_step, (model, opt, data[0]))
+        step = hetshard.jit(train_step, cluster=cluster(n_devices), nan_policy=policy,
+                            plan=plan_for(program, n_devices, False), quiet=True)
+        out[name] = timed(lambda i, s=step, m=model, o=opt: s(m, o, data[i % len(data)]),
+                          steps, rounds)
+    for name, guarded in (("nnx_jit", False), ("nnx_jit_apply_if_finite", True)):
+        model2, opt2 = fresh(guarded)
+        nnx.update((model2, opt2), jax.device_put(nnx.state((model2, opt2)), rep))
+        ref = nnx.jit(train_step)
+        # (the batch split over the devices in the call, as hetshard.jit does it: the
+        # same numpy batches go in, the same layout comes out)
+        out[name] = timed(lambda i, r=ref, m=model2, o=opt2: r(
+            m, o, jax.device_put(data[i % len(data)], rows)), steps, rounds)
+    h, r = out["hetshard"], out["nnx_jit"]
+    out.update(step_ratio=h["step_s"] / r["step_s"],
+               dispatch_over_finish_gap=h["dispatch_over_finish"] - r["dispatch_over_finish"],
+               step_ratio_same_protection=h["step_s"] / out["nnx_jit_apply_if_finite"]["step_s"],
+               step_ratio_apply=out["hetshard_apply"]["step_s"] / r["step_s"])
+    return out
 
 
 class HandPipeline:

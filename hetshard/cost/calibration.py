@@ -77,9 +77,10 @@ class Efficiency:
     # cannot run faster than its busiest host dispatches it (``hetshard.sim.simulator``,
     # ``host_time_s``). Measured by experiments/runtime_overhead.py (``host_per_task``:
     # a two-stage pipeline of a model with almost no work, 8 micro-batches) on the CPU
-    # backend: 2.8 ms a task under ZB-H1, 3.9 ms under 1F1B; on CPU a cheap program runs
-    # inside its dispatch, so this is an upper bound there, and the GPU figure is still
-    # to be measured with the same script (a calibration file can replace it).
+    # backend: 2.8-4.1 ms a task under ZB-H1, 3.9-4.5 ms under 1F1B over two runs; on CPU
+    # a cheap program runs inside its dispatch, so this is an upper bound there, and the
+    # GPU figure is still to be measured with the same script (a calibration file can
+    # replace it).
     host_task_s: float = 3e-3
 
     def __post_init__(self):
