@@ -194,13 +194,17 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
         just before it that share its leading size when it is a plain array itself
         (``step(model, optimizer, x, y)``).
       plan: a Plan or a plan JSON path; skips planning (and pins the shapes).
-      nan_policy: what a step with a non-finite loss or gradient does: "skip" (default:
-        a warning, and the update is not applied: NNX state is left as it was, a pytree
-        step's returned state is the state it was given), "apply" (a warning) or "raise"
-        (``NonFiniteLossError``). The loss and gradients ``hetshard.value_and_grad``
-        computed are checked whatever the step returns; so is the output at
-        ``loss_output``; a step without ``hetshard.value_and_grad`` has its new state
-        checked too.
+      nan_policy: what a step with a non-finite loss or gradient does, decided on the
+        device (the call never waits for it): "skip" (default: the update is not
+        applied, NNX state is left bit-identical, a pytree step's returned state is the
+        state it was given; a warning), "apply" (a warning) or "raise" (the state is
+        kept as before that step, and as before it through every step dispatched after
+        it; ``NonFiniteLossError`` from the first call of the step, or of
+        :meth:`HetshardJit.wait`, after that step has finished). Warnings likewise come
+        from the first call after the step finished. The loss and gradients
+        ``hetshard.value_and_grad`` computed are checked whatever the step returns; so
+        is the output at ``loss_output``; a step without ``hetshard.value_and_grad`` has
+        its new state checked too.
       loss_output: where the loss is in the step's output: a path such as ``"loss"`` or
         ``"metrics/loss"``, or a position in a tuple output. Default: the one output
         named ``loss``, else a scalar output or the first leaf of a tuple output.

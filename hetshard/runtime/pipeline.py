@@ -27,8 +27,10 @@ What one step does (``PipelineRunner.step``):
    ``hetshard.runtime.exchange``). Shared leaves are kept on every stage and updated
    identically everywhere.
 
-Dispatch is asynchronous: the host enqueues every task of the step in schedule order
-and only the caller's loss check waits for the result.
+Dispatch is asynchronous and nothing waits: the host enqueues every task of the step in
+schedule order; every stage's gradients are checked where they are and the non-finite
+policy decided on pipeline 0's loss stage (``hetshard.runtime.guard``), its verdict sent
+to every stage, each of which keeps its old values where the update is refused.
 
 Across ``jax.distributed`` processes every process walks the same schedule: it runs the
 tasks of the stages on its devices (a stage whose mesh spans processes runs on each of
