@@ -655,7 +655,10 @@ def test_a_smaller_time_limit_never_gives_a_better_plan(monkeypatch):
                                  options=PlannerOptions(time_limit_s=limit))
             got.append((p.predicted.tokens_per_s, p.solver.status))
         rates = [r for r, _ in got]
-        assert all(b >= a for a, b in zip(rates, rates[1:], strict=False)), (name, got)
+        # (equal plans found by different paths can differ in the last bit of a float
+        # sum: the search itself counts a plan better only by 1e-9 of the step)
+        assert all(b >= a * (1 - 1e-12) for a, b in zip(rates, rates[1:], strict=False)), \
+            (name, got)
         assert got[0][1] == "time_limit" and got[-1][1] == "searched"
         assert rates[-1] > rates[0]  # the limits did cut something that mattered
 

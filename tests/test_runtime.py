@@ -276,14 +276,16 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
     jaxpr = str(entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
-                               jax.device_put(batches[0], entry.batch_shardings)).jaxpr)
+                               jax.device_put(batches[0], entry.batch_shardings),
+                               *entry.carry.values()).jaxpr)
     # gpt-tiny has 2 layers: forward, dQ and dK/dV kernels each.
     assert jaxpr.count("pallas_call") == kernels
     # XLA cannot split a Pallas call: each runs inside a shard_map on its device's
     # samples. Left to the partitioner, every device gathered the whole batch's q, k, v
     # (and cotangents) and computed attention for all of it.
     hlo = entry.step.lower(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
-                         jax.device_put(batches[0], entry.batch_shardings)).compile().as_text()
+                         jax.device_put(batches[0], entry.batch_shardings),
+                         *entry.carry.values()).compile().as_text()
     assert jaxpr.count("shard_map") == (4 if kernels else 0)  # per layer: fwd, bwd
     assert " all-gather(" not in hlo and " all-gather-start(" not in hlo
 
@@ -306,7 +308,8 @@ def test_single_stage_plan_runs_its_remat_per_layer(remat, layers, checkpoints):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     entry = next(iter(step._compiled.values()))
     jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
-                           jax.device_put(batches[0], entry.batch_shardings)).jaxpr
+                           jax.device_put(batches[0], entry.batch_shardings),
+                           *entry.carry.values()).jaxpr
 
     def count(jaxpr):
         n = 0
@@ -325,7 +328,8 @@ def test_spmd_rewrite_pins_layer_boundaries_to_the_plans_layout():
     _, _, step, batches, (model, opt) = _run(plan, steps=1)
     entry = next(iter(step._compiled.values()))
     jaxpr = entry.step.trace(jax.device_put(nnx.state((model, opt)), entry.state_shardings()),
-                           jax.device_put(batches[0], entry.batch_shardings)).jaxpr
+                           jax.device_put(batches[0], entry.batch_shardings),
+                           *entry.carry.values()).jaxpr
     batch_split = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"
                    and tuple(e.params["sharding"].spec)[:1] in (("data",), (("data",),))
                    and len(e.invars[0].aval.shape) == 3]
@@ -449,7 +453,7 @@ def test_context_parallel_stage_matches_single_device_training(fix, chunks):
     jitted, s_shard, b_shard = entry.step, entry.state_shardings(), entry.batch_shardings
     assert tuple(b_shard["tokens"].spec)[1] == "context"  # the batch's sequence is split
     hlo = jitted.lower(jax.device_put(nnx.state(_fresh_state()), s_shard),
-                       jax.device_put(batches[0], b_shard)).as_text()
+                       jax.device_put(batches[0], b_shard), *entry.carry.values()).as_text()
     assert "collective_permute" in hlo or "collective-permute" in hlo  # the ring
     if chunks:  # the ring's token positions: 4 devices x the longest chunk (padded)
         assert f"tensor<8x{4 * max(chunks)}xi32>" in hlo
