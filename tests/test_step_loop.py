@@ -284,3 +284,43 @@ def test_state_already_in_place_is_not_placed_again(path, monkeypatch):
         jitted(model, opt, batch)
         assert not calls  # (each stage kept the copies it updated last step)
     jitted.wait()
+
+
+def test_host_time_counts_each_nodes_tasks(device_only):
+    """One host a node dispatches the tasks of its stages: a single-stage step is one
+    program; a pipeline stage 2 (ZB-H1: 3) a micro-batch and one update; the step takes
+    the busiest host's time when that is longer than the devices'."""
+    import dataclasses
+
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.sim import simulate
+    from hetshard.sim.simulator import dispatched_tasks, host_time_s
+    from models import profile as profile_model
+    spec = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
+    c = Cluster.from_dict({"name": "two-by-two", "groups": [  # nodes of 4
+        {"name": "a", "gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 4},
+        {"name": "v", "gpu": "V100-32GB", "nodes": 2, "gpus_per_node": 4}]})
+    a, v = "A100-80GB", "V100-32GB"
+    task = DEFAULT.default.host_task_s
+    one = Plan(spec, c.to_dict(), 64, 32, (Pipeline(
+        (Stage(0, 6, tuple(range(8)), a, (("data", 8),)),), 64, 8, 1),))
+    assert dispatched_tasks(one.pipelines[0]) == 1
+    assert host_time_s(one, c) == pytest.approx(task)  # each node: the one program
+    pipe = Pipeline((Stage(0, 3, (0, 1, 2, 3), a, (("data", 4),)),
+                     Stage(3, 6, (8, 9, 10, 11), v, (("data", 4),))), 64, 2, 8)
+    two = Plan(spec, c.to_dict(), 64, 32, (pipe,))
+    assert dispatched_tasks(pipe) == 2 * (2 * 8 + 1)
+    assert host_time_s(two, c) == pytest.approx((2 * 8 + 1) * task)  # a node a stage
+    same_node = dataclasses.replace(pipe, stages=(
+        dataclasses.replace(pipe.stages[0], devices=(0, 1), mesh_shape=(("data", 2),)),
+        dataclasses.replace(pipe.stages[1], devices=(2, 3), mesh_shape=(("data", 2),),
+                            gpu=a)), micro_batch_size=4)
+    both = Plan(spec, c.to_dict(), 64, 32, (same_node,))
+    assert host_time_s(both, c) == pytest.approx(2 * (2 * 8 + 1) * task)
+    zb = dataclasses.replace(two, pipelines=(dataclasses.replace(pipe, schedule="zbh1"),))
+    assert host_time_s(zb, c) == pytest.approx((3 * 8 + 1) * task)
+    prof = profile_model(spec, 32, "float32")
+    priced, free = simulate(two, prof, c), simulate(two, prof, c, device_only)
+    assert free.step_time_s < host_time_s(two, c)  # so small a model: host-bound
+    assert priced.step_time_s == pytest.approx(host_time_s(two, c))
+    assert priced.device_time_s == pytest.approx(free.step_time_s)
