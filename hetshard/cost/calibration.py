@@ -77,7 +77,7 @@ class Efficiency:
     # cannot run faster than its busiest host dispatches it (``hetshard.sim.simulator``,
     # ``host_time_s``). Measured by experiments/runtime_overhead.py (``host_per_task``:
     # a two-stage pipeline of a model with almost no work, 8 micro-batches) on the CPU
-    # backend: 2.8-4.1 ms a task under ZB-H1, 3.9-4.5 ms under 1F1B over two runs; on CPU
+    # backend: 2.8-4.9 ms a task under ZB-H1, 3.9-5.5 ms under 1F1B over three runs; on CPU
     # a cheap program runs inside its dispatch, so this is an upper bound there, and the
     # GPU figure is still to be measured with the same script (a calibration file can
     # replace it).
