@@ -43,15 +43,21 @@ def _late(x):
     this returns, on device 3 (an A100 the plans here leave idle: the program holds no
     device the steps run on, and the step's own work on the batch's device stays well
     under the 32 computations a device queues before dispatch waits)."""
-    spare = jax.devices()[3]
-    x = jax.device_put(x, spare)
-    m = jax.device_put(jnp.ones((256, 256), jnp.float32) / 256, spare)
+    x = _spare(x)
+    m = _spare(jnp.ones((256, 256), jnp.float32) / 256)
     if not _ROUNDS:  # calibrated once on this machine
         jax.block_until_ready(_spin(x, m, 10))
         t = time.perf_counter()
         jax.block_until_ready(_spin(x, m, 200))
         _ROUNDS.append(max(200, int(200 * 2.0 / max(time.perf_counter() - t, 1e-3))))
     return _spin(x, m, _ROUNDS[0])
+
+
+def _spare(x):
+    """``x`` on the device :func:`_late` computes on. Steps are warmed up on a batch there:
+    their first call on a batch from a new device compiles its slicing for that device, and
+    compiling (seconds on a loaded machine) is no wait for the batch but would outlast it."""
+    return jax.device_put(x, jax.devices()[3])
 
 
 def _pending(tree) -> bool:
@@ -106,7 +112,7 @@ def test_a_step_returns_before_its_batch_exists(path):
     step, model, opt, batch = _tiny()
     plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
     jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
-    jax.block_until_ready(jitted(model, opt, batch))  # compiled
+    jax.block_until_ready(jitted(model, opt, _spare(batch)))  # compiled
     first, second = _late(batch), _late(batch)
     loss1 = jitted(model, opt, first)
     loss2 = jitted(model, opt, second)  # nor for the step before it
@@ -142,7 +148,7 @@ def test_a_loss_scaled_step_returns_before_its_batch_exists_and_halves_on_overfl
         optimizer.update(model, grads)
         return loss
     batch = data.text_batch(np.random.default_rng(0), 8, 64, 256)
-    jax.block_until_ready(step(model, opt, batch))
+    jax.block_until_ready(step(model, opt, _spare({k: jnp.asarray(v) for k, v in batch.items()})))
     entry = next(iter(step._compiled.values()))
     scaler = entry.loss_scale if hasattr(entry, "loss_scale") else entry.runner.loss_scale
     before = _params(model)
@@ -162,7 +168,7 @@ def test_a_nan_step_is_decided_on_the_device(policy, path):
     step, model, opt, batch = _tiny()
     plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
     jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True, nan_policy=policy)
-    jax.block_until_ready(jitted(model, opt, batch))  # compiled, applied
+    jax.block_until_ready(jitted(model, opt, _spare(batch)))  # compiled, applied
     before = _params(model)
     # Two non-finite steps, both dispatched before either has its batch (so neither has
     # finished, and nothing is said, before wait()).
@@ -199,9 +205,9 @@ def test_micro_steps_and_passes_return_before_their_batch_exists():
     step, model, opt, batch = _tiny()
     plans = _plans(hetshard.Program(step, (model, opt, batch)))
     jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    got = jitted.grads_under(plans["spmd"], model, opt, batch)
-    jax.block_until_ready(jitted.apply_grads(got, model, opt, batch))  # compiled
-    jax.block_until_ready(jitted.run_passes([(plans["pipeline"], (model, opt, batch))],
+    got = jitted.grads_under(plans["spmd"], model, opt, _spare(batch))
+    jax.block_until_ready(jitted.apply_grads(got, model, opt, _spare(batch)))  # compiled
+    jax.block_until_ready(jitted.run_passes([(plans["pipeline"], (model, opt, _spare(batch)))],
                                             [(0, 0), (0, 1)]))
     late = _late(batch)
     got = jitted.grads_under(plans["spmd"], model, opt, late)
