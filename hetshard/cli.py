@@ -21,7 +21,12 @@ import sys
 from collections.abc import Sequence
 
 from hetshard.errors import HetshardError
+from hetshard.kernels.select import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from hetshard.plan import DTYPES
+
+_ATTENTION_HELP = ("attention implementation: auto (per GPU type and pattern the fastest "
+                   "that computes it: cuDNN, hetshard's flash kernel, XLA), or one of them "
+                   "for every stage")
 
 
 def _emit_json(obj, dest: str) -> None:
@@ -421,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "schedule=1f1b|gpipe")
     sp.add_argument("--dtype", default=None, choices=DTYPES,
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
-    sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+    sp.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLEMENTATIONS),
+                    help=_ATTENTION_HELP)
     gpu_dtypes_flag(sp, "with --fix: ")
     sp.add_argument("--calibration", action="append", default=None,
                     help=CALIBRATION_HELP)
@@ -448,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default=None, choices=DTYPES,
                         help="zoo models: compute dtype (default bfloat16); a factory "
                              "gets it as its dtype argument")
-        sp.add_argument("--attention", default="flash", choices=["flash", "reference"])
+        sp.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLEMENTATIONS),
+                    help=_ATTENTION_HELP)
         sp.add_argument("--split-blocks", default="auto", choices=["auto", "yes", "no"],
                         help="stage boundaries inside blocks (attention | MLP): auto "
                              "refines the best whole-block plan with them (clusters of up "

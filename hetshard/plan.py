@@ -27,7 +27,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -39,8 +39,10 @@ SCHEMA_VERSION = 12
 # they load into ``activations``), 11 ``Plan.grad_sync_overlap`` (before, ``grad_sync``
 # entries, derived from the pipelines, each with an ``overlap`` flag: they load as the
 # flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored), 12
-# ``Context.shard_state`` (absent: the state is replicated over the context axis).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+# ``Context.shard_state`` (absent: the state is replicated over the context axis), 13
+# ``attention`` "auto" and "cudnn", "auto" the default (absent before 13: "flash", the
+# default those plans ran).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
@@ -180,7 +182,10 @@ class Plan:
     # sharded over its data axis; gradients are reduce-scattered, each data way updates
     # its shard, and the updated parameters are all-gathered.
     distributed_optimizer: bool = False
-    attention: str = "flash"  # "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory)
+    # The attention implementation (``hetshard.kernels.select``): "auto" (per stage's
+    # devices and call, the fastest that computes it: cuDNN, the flash kernel, XLA),
+    # "cudnn", "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory).
+    attention: str = "auto"
     # Layers are block halves (attention, MLP): stage boundaries may fall inside a block,
     # and every layer index (stages, grad_sync, remat_layers) counts halves.
     split_blocks: bool = False
@@ -246,6 +251,8 @@ class Plan:
             # Older versions read unchanged: the fields they lack take their defaults
             # (one virtual stage, no distributed optimizer, ...); before 10, activation
             # layouts move out of ``shardings``.
+            if d["version"] < 13 and "attention" not in d:
+                d = {**d, "attention": "flash"}
             if d["version"] < 10:
                 d = _split_activations(d)
             if d["version"] < 11:
@@ -499,6 +506,22 @@ def _check_types(plan: Plan) -> None:
                                 f"{where}.activations, since plan schema 10)")
 
 
+def _check_attention(plan: Plan) -> None:
+    """An explicit implementation must run on every stage's GPU type in its dtype."""
+    from hetshard.kernels.select import IMPLEMENTATIONS, check_types
+    if plan.attention not in IMPLEMENTATIONS:
+        raise SpecError("attention", plan.attention, f"one of {IMPLEMENTATIONS}")
+    if plan.cluster is None or plan.attention == "auto":
+        return
+    types = {g.gpu.name: g.gpu for g in plan.cluster.groups}
+    for p in plan.pipelines:
+        for st in p.stages:
+            for name in st.gpu.split("+"):
+                if name in types:
+                    check_types(plan.attention, [types[name]],
+                                {name: plan.stage_dtype(st)})
+
+
 def _cluster_devices(cluster: Cluster | None) -> int | None:
     """The device count of a plan's cluster (None where the plan names none)."""
     return None if cluster is None else cluster.num_devices
@@ -509,8 +532,7 @@ def validate(plan: Plan) -> None:
     if not plan.pipelines:
         raise SpecError("pipelines", [], "at least one pipeline")
     _check_types(plan)
-    if plan.attention not in ("flash", "reference"):
-        raise SpecError("attention", plan.attention, "flash or reference")
+    _check_attention(plan)
     for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap",
                  "grad_sync_overlap"):
         if not isinstance(getattr(plan, name), bool):

@@ -554,7 +554,7 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 12
+    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 13
     # Schema 11 (no context.shard_state: the state replicated over context) reads so.
     old = zero1.to_dict()
     del old["context"]["shard_state"]

@@ -19,6 +19,7 @@ is taken from it, for the CUDA context, the allocator and fragmentation.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from hetshard.errors import SpecError, UnknownNameError, check_positive
 
@@ -28,6 +29,15 @@ def _share(field: str, value, where: str = ""):
     if value is not None and (isinstance(value, bool) or
                               not isinstance(value, (int, float)) or not 0 < value <= 1):
         raise SpecError(field, value, "a share of the peak in (0, 1]", where=where)
+    return value
+
+
+def _capability(field: str, value, where: str = ""):
+    """``value`` if None or a CUDA compute capability "major.minor"; else a SpecError."""
+    if value is not None and not (isinstance(value, str) and
+                                  re.fullmatch(r"[1-9][0-9]?\.[0-9]", value)):
+        raise SpecError(field, value, 'a CUDA compute capability "major.minor", e.g. "9.0"',
+                        where=where)
     return value
 
 
@@ -69,6 +79,11 @@ class DeviceType:
     # included), fitted per architecture on documented measured runs
     # (experiments/cost_model_accuracy.py); None: the cost model's default 0.75.
     matmul_eff: float | None = None
+    # CUDA compute capability ("9.0"), from NVIDIA's CUDA GPUs table; None for other
+    # vendors. It says which attention implementations run on the type
+    # (``hetshard.kernels.select``): cuDNN's fused attention needs 8.0 or later, the
+    # Pallas kernel's Triton lowering 7.0 (bfloat16 products 8.0).
+    compute_capability: str | None = None
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
@@ -85,6 +100,16 @@ class DeviceType:
             check_positive("attention_tflops", self.attention_tflops, where=where)
         _share("matmul_eff", self.matmul_eff, where)
         _whole("sms", self.sms, where)
+        if self.compute_capability is not None:
+            _capability("compute_capability", self.compute_capability, where)
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """``compute_capability`` as (major, minor), None when not given."""
+        if self.compute_capability is None:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
 
     @property
     def memory_bytes(self) -> int:
@@ -136,40 +161,47 @@ _TYPES = [
                device_kinds=("Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "Tesla V100-16GB"),
                source="NVIDIA Tesla V100 datasheet (SXM2): 125 TFLOPS tensor, 15.7 FP32, "
                       "900 GB/s HBM2, NVLink 300 GB/s bidirectional",
-               memory_mib=16160, sms=80),
+               memory_mib=16160, sms=80,
+               compute_capability="7.0"),
     DeviceType("V100-32GB", None, 125.0, 15.7, 32, 900, 150, 50,
                device_kinds=("Tesla V100-SXM2-32GB", "Tesla V100-PCIE-32GB",
                              "Tesla V100-32GB", "Tesla V100S-PCIE-32GB"),
                source="NVIDIA Tesla V100 datasheet (SXM2 32GB)",
-               memory_mib=32510, sms=80),
+               memory_mib=32510, sms=80,
+               compute_capability="7.0"),
     DeviceType("P100-16GB", None, 21.2, 10.6, 16, 732, 80, 12.5,
                device_kinds=("Tesla P100-SXM2-16GB", "Tesla P100-PCIE-16GB"),
                source="NVIDIA Tesla P100 datasheet (SXM2): 21.2 FP16, 10.6 FP32, 732 GB/s, "
                       "NVLink 160 GB/s bidirectional",
-               memory_mib=16280, sms=56),
+               memory_mib=16280, sms=56,
+               compute_capability="6.0"),
     DeviceType("A100-40GB", 312.0, 312.0, 19.5, 40, 1555, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
                source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 156 TF32 dense, 19.5 "
                       "FP32, 1555 GB/s, NVLink3 600 GB/s bidirectional",
                memory_mib=40960, tf32_tflops=156.0, attention_tflops=_FA2_A100, sms=108,
-               matmul_eff=_AMPERE_GEMM),
+               matmul_eff=_AMPERE_GEMM,
+               compute_capability="8.0"),
     DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
                source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e, 156 TF32 dense",
                memory_mib=81920, tf32_tflops=156.0, attention_tflops=_FA2_A100, sms=108,
-               matmul_eff=_AMPERE_GEMM),
+               matmul_eff=_AMPERE_GEMM,
+               compute_capability="8.0"),
     DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
                device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
                source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 494.7 TF32 "
                       "dense, 67 FP32, 3.35 TB/s, NVLink4 900 GB/s bidirectional",
                memory_mib=81559, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM),
+               matmul_eff=_HOPPER_GEMM,
+               compute_capability="9.0"),
     DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
                device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
                source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 494.7 TF32 dense, "
                       "141 GB, 4.8 TB/s",
                memory_mib=143771, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM),
+               matmul_eff=_HOPPER_GEMM,
+               compute_capability="9.0"),
     DeviceType("GH200-96GB", 989.0, 989.0, 67.0, 96, 4000, 450, 100,
                device_kinds=("NVIDIA GH200 96GB HBM3", "NVIDIA GH200"),
                source="NVIDIA GH200 Grace Hopper datasheet: H100 GPU with 96 GB HBM3 at "
@@ -177,58 +209,68 @@ _TYPES = [
                       "bidirectional; 4 per node with 4x 200 Gb/s Slingshot (CSCS Alps); "
                       "memory as Sailor's cluster config gives it (102625181696 bytes)",
                memory_mib=97872, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM),
+               matmul_eff=_HOPPER_GEMM,
+               compute_capability="9.0"),
     DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
                device_kinds=("NVIDIA B200",),
                source="NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 sparse (2.25 dense), "
                       "2.2 PFLOPS TF32 sparse (1.1 dense), 75 TFLOPS FP32, 180 GB HBM3e at "
                       "7.7 TB/s, NVLink5 1.8 TB/s bidir.",
-               memory_mib=183359, tf32_tflops=1100.0, sms=148),
+               memory_mib=183359, tf32_tflops=1100.0, sms=148,
+               compute_capability="10.0"),
     DeviceType("L4", 121.0, 121.0, 30.3, 24, 300, _PCIE4, 12.5,
                device_kinds=("NVIDIA L4",),
                source="NVIDIA L4 datasheet: 242 TFLOPS BF16 with sparsity (121 dense), "
                       "120 TF32 with sparsity (60 dense), 30.3 FP32, 24 GB GDDR6 300 GB/s, "
                       "PCIe Gen4 x16",
-               memory_mib=23034, tf32_tflops=60.0, sms=58),
+               memory_mib=23034, tf32_tflops=60.0, sms=58,
+               compute_capability="8.9"),
     DeviceType("T4", None, 65.0, 8.1, 16, 320, _PCIE3, 6.25,
                device_kinds=("Tesla T4",),
                source="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed, 8.1 FP32, 320 GB/s, "
                       "PCIe Gen3 x16; network as AWS g4dn.12xlarge (50 Gb/s)",
-               memory_mib=15360, sms=40),
+               memory_mib=15360, sms=40,
+               compute_capability="7.5"),
     DeviceType("A10", 125.0, 125.0, 31.2, 24, 600, _PCIE4, 12.5,
                device_kinds=("NVIDIA A10", "NVIDIA A10G"),
                source="NVIDIA A10 datasheet: 250 BF16 with sparsity (125 dense), 62.5 TF32 "
                       "dense, 31.2 FP32, 600 GB/s, PCIe Gen4",
-               memory_mib=23028, tf32_tflops=62.5, sms=72),
+               memory_mib=23028, tf32_tflops=62.5, sms=72,
+               compute_capability="8.6"),
     DeviceType("RTX-3090", 71.0, 71.0, 35.6, 24, 936, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3090",),
                source="NVIDIA Ampere GA102 whitepaper, Table 9: 71 TFLOPS FP16/BF16 tensor "
                       "with FP32 accumulate (dense), 35.6 TF32 tensor (dense), 35.6 FP32, "
                       "936 GB/s; 10 GbE network",
-               memory_mib=24576, tf32_tflops=35.6, sms=82),
+               memory_mib=24576, tf32_tflops=35.6, sms=82,
+               compute_capability="8.6"),
     DeviceType("RTX-3080Ti", 68.2, 68.2, 34.1, 12, 912, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 3080 Ti",),
                source="GA102 whitepaper rates scaled to the 3080 Ti (80 SMs, 1665 MHz boost): "
                       "68.2 TFLOPS tensor FP32-acc, 34.1 TF32 tensor and FP32, 912 GB/s GDDR6X",
-               memory_mib=12288, tf32_tflops=34.1, sms=80),
+               memory_mib=12288, tf32_tflops=34.1, sms=80,
+               compute_capability="8.6"),
     DeviceType("RTX-4090", 165.2, 165.2, 82.6, 24, 1008, _PCIE4, 1.25,
                device_kinds=("NVIDIA GeForce RTX 4090",),
                source="NVIDIA Ada AD102 whitepaper, Table 2: 165.2 TFLOPS FP16/BF16 tensor "
                       "with FP32 accumulate (dense), 82.6 TF32 tensor (dense), 82.6 FP32, "
                       "1008 GB/s",
-               memory_mib=24564, tf32_tflops=82.6, sms=128),
+               memory_mib=24564, tf32_tflops=82.6, sms=128,
+               compute_capability="8.9"),
     DeviceType("TITAN-RTX", None, 130.5, 16.3, 24, 672, _PCIE3, 1.25,
                device_kinds=("NVIDIA TITAN RTX",),
                source="NVIDIA Turing TU102 whitepaper, Appendix A (Titan RTX): 130.5 TFLOPS "
                       "FP16 tensor with FP32 accumulate (full rate on Titan), 16.3 FP32, "
                       "24 GB GDDR6 at 672 GB/s; no BF16 or TF32 units",
-               memory_mib=24576, sms=72),
+               memory_mib=24576, sms=72,
+               compute_capability="7.5"),
     DeviceType("RTX-2080Ti", None, 53.8, 13.4, 11, 616, _PCIE3, 1.25,
                device_kinds=("NVIDIA GeForce RTX 2080 Ti",),
                source="NVIDIA Turing TU102 whitepaper, Table 1 (RTX 2080 Ti, reference "
                       "clocks): 53.8 TFLOPS FP16 tensor with FP32 accumulate, 13.4 FP32, "
                       "11 GB GDDR6 at 616 GB/s",
-               memory_mib=11264, sms=68),
+               memory_mib=11264, sms=68,
+               compute_capability="7.5"),
     DeviceType("MI250X", 191.5, 191.5, 47.9, 64, 1638, 100, 100, vendor="amd",
                device_kinds=("AMD Instinct MI250X", "MI250X"),
                source="AMD Instinct MI250X datasheet: 383 TFLOPS BF16, 95.7 FP32 matrix, "
@@ -250,7 +292,8 @@ CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 
 _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops",
                   "attention_tflops", "memory_gb", "memory_mib", "memory_gbs",
-                  "intra_node_gbs", "inter_node_gbs", "vendor", "sms", "matmul_eff"}
+                  "intra_node_gbs", "inter_node_gbs", "vendor", "sms", "matmul_eff",
+                  "compute_capability"}
 
 
 class PrecisionWarning(UserWarning):
@@ -337,7 +380,9 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         inter_node_gbs=d.get("inter_node_gbs", 12.5), vendor=d.get("vendor", "custom"),
         source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"),
         attention_tflops=d.get("attention_tflops"), sms=_whole(f"{field}.sms", d.get("sms")),
-        matmul_eff=_share(f"{field}.matmul_eff", d.get("matmul_eff")))
+        matmul_eff=_share(f"{field}.matmul_eff", d.get("matmul_eff")),
+        compute_capability=_capability(f"{field}.compute_capability",
+                                       d.get("compute_capability")))
 
 
 def device_type_for_kind(kind: str) -> DeviceType:

@@ -68,9 +68,10 @@ from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import Topology, collective_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
+from hetshard.kernels.select import IMPLEMENTATIONS, Hardware, Pattern, choose
 
 REMATS = ("none", "selective", "full")
-ATTENTIONS = ("flash", "reference")
+ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ def _kernels(starts: np.ndarray, in_attention: np.ndarray, attention: str,
              flash_kernels: int) -> int:
     """Kernels a layer's phase launches: one per matmul and fused chain; the flash kernel
     replaces attention's equations by ``flash_kernels`` launches (its backward: dq, dkv)."""
-    if attention != "flash" or not in_attention.any():
+    if attention == "reference" or not in_attention.any():
         return int(starts.sum())
     return int(starts[~in_attention].sum()) + flash_kernels
 
@@ -357,18 +358,46 @@ class _MeasuredLayers:
 ATTENTION_GEMM_RATIO = 0.8
 
 
+# Measured attention rates, TFLOP/s forward + backward (bfloat16, causal, 16 heads of 128,
+# counted on the products a causal kernel computes), by implementation and CUDA major
+# version: this project's H200 run (experiments/packed_step_gpu.py, JAX 0.11.2,
+# experiments/results/packed_step_gpu.json "compare.attention"): at S=16384 cuDNN
+# (jax.nn.dot_product_attention) 541, hetshard's Pallas kernel (Triton) 76; at S=4096
+# 218 and 60 (one sample: launch-bound). The long-sequence rate is the sustained one.
+# Types without a measurement take the catalog's FlashAttention-2 rate for both kernels.
+ATTENTION_TFLOPS = {("cudnn", 9): 541.0, ("flash", 9): 76.0}
+
+
+def priced_attention(attention: str, gpu: DeviceType, dtype: str,
+                     causal: bool = True) -> str:
+    """The implementation a stage's attention runs (``auto``: ``hetshard.kernels.select``'s
+    choice for the GPU type and the stage's compute dtype; on CPU stand-ins the flash
+    kernel)."""
+    if attention != "auto":
+        return attention
+    if gpu.vendor == "cpu":
+        return "flash"
+    return choose(Hardware.of_type(gpu), Pattern(causal=causal, dtype=dtype))
+
+
 def attention_rate(gpu: DeviceType, dtype: str, e, attention: str = "flash") -> float:
-    """FLOP/s of attention's products (those the kernel computes): a calibration's
-    ``attention_eff`` of the peak where measured; for the flash kernel, else the catalog's
-    FlashAttention-2 rate (16-bit; scaled by the dtype's peak) or ``ATTENTION_GEMM_RATIO``
-    of the matmul rate; the reference runs XLA's matmuls at ``matmul_eff``."""
+    """FLOP/s of attention's products (those the kernel computes) under implementation
+    ``attention`` (resolved: ``priced_attention``): a calibration's ``attention_eff`` of
+    the peak where measured; for a kernel (flash, cuDNN), the measured
+    ``ATTENTION_TFLOPS`` for the GPU's architecture, else the catalog's FlashAttention-2
+    rate, else ``ATTENTION_GEMM_RATIO`` of the matmul rate (16-bit rates scaled by the
+    dtype's peak); the reference runs XLA's matmuls at ``matmul_eff``."""
     peak = gpu.peak_flops(dtype)
     if e.attention_eff is not None:
         return peak * e.attention_eff
-    if attention != "flash":
+    if attention == "reference":
         return peak * e.matmul(gpu)
+    half = gpu.peak_flops("bfloat16" if gpu.bf16_tflops is not None else "float16")
+    cap = gpu.capability
+    measured = ATTENTION_TFLOPS.get((attention, cap[0])) if cap else None
+    if measured is not None:
+        return measured * 1e12 * min(1.0, peak / half)
     if gpu.attention_tflops is not None:
-        half = gpu.peak_flops("bfloat16" if gpu.bf16_tflops is not None else "float16")
         return gpu.attention_tflops * 1e12 * min(1.0, peak / half)
     return peak * e.matmul(gpu) * ATTENTION_GEMM_RATIO
 
@@ -409,6 +438,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
     dtype = dtype or profile.dtype
+    attention = priced_attention(attention, gpu, dtype,
+                                 any(layer.attention_causal for layer in profile.layers))
+    fused = attention != "reference"  # a kernel: scores kept on chip, O(S) residuals
     peak = gpu.peak_flops(dtype) * e.matmul(gpu)
     peak_attn = attention_rate(gpu, dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
@@ -449,7 +481,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                       peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, gpu.sms))
         pb = np.where(layer.bwd_attention, peak_attn,
                       peak * _shape_eff(layer.bwd_dims, mbs, tp, cp, gpu.sms))
-        if attention == "flash":
+        if fused:
             # The flash kernel keeps the scores on chip (no HBM traffic for the traced
             # reference's [seq, seq] tensors) and, causal, computes only the unmasked
             # half of the products the reference traces.
@@ -551,7 +583,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                 mask = layer.fwd_recomputed
                 recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask],
                                        bw, e.fusion)
-            if attention == "flash":
+            if fused:
                 # The flash kernel's backward recomputes the attention scores from q, k
                 # and v (Dao 2023).
                 mask = layer.fwd_attention
@@ -575,7 +607,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         whole = res if attention == "reference" else (
             res - attn + (layer.flash_residual_bytes_per_sample
                           - layer.attention_input_residual_bytes_per_sample) * mbs / shard)
-        if attention == "flash" and mode != "full":
+        if fused and mode != "full":
             att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
         if mode == "none":
             kept = whole
@@ -598,7 +630,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         param_bytes += layer.param_bytes / tp
         if mode == "selective":
             hw_flops += float(layer.fwd_flops[1][layer.fwd_recomputed].sum()) * mbs
-        if mode != "full" and attention == "flash":
+        if mode != "full" and fused:
             hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;
     # the last layer's is the loss's seed).

@@ -42,7 +42,7 @@ from hetshard.plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 
 
 def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
-                    attention: str = "flash") -> Plan:
+                    attention: str = "auto") -> Plan:
     """The one-stage plan a micro-step of ``bucket`` rows at ``degree`` runs under on
     ``group``'s devices, under the remat the group prices such rows with
     (``GroupCost.remat_of``; ``step``: the ``hetshard.jit`` step, ``args`` its arguments
@@ -64,7 +64,7 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
 
 def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                    groups: Sequence[GroupCost], *, batch_argnum: int = -1,
-                   attention: str = "flash"):
+                   attention: str = "auto"):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
     rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
     samples) on ``samples`` (1-D token arrays, or mappings ``{"tokens", "images"}`` as

@@ -1,8 +1,11 @@
-"""Attention kernels: the pure-JAX reference, the Pallas flash kernel, ring attention."""
+"""Attention kernels: the pure-JAX reference, the Pallas flash kernel, cuDNN's fused
+attention, ring attention, and which of them runs a call (``select``)."""
 
+from hetshard.kernels.dot_product import dot_product_attention
 from hetshard.kernels.flash_attention import flash_attention, flash_attention_positions
 from hetshard.kernels.reference import attention_reference, check_attention_args
 from hetshard.kernels.ring_attention import context_parallel_attention, ring_attention
 
 __all__ = ["attention_reference", "check_attention_args", "context_parallel_attention",
-           "flash_attention", "flash_attention_positions", "ring_attention"]
+           "dot_product_attention", "flash_attention", "flash_attention_positions",
+           "ring_attention"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from hetshard.errors import SpecError
 from hetshard.ir.interpret import evaluate_jaxpr
+from hetshard.kernels.dot_product import dot_product_attention
 from hetshard.kernels.flash_attention import flash_attention
 from hetshard.kernels.reference import attention_reference
 from hetshard.kernels.ring_attention import (
@@ -37,10 +38,17 @@ from hetshard.kernels.ring_attention import (
     device_token_ids,
     ring_attention,
 )
+from hetshard.kernels.select import Hardware, Pattern, resolve
 from hetshard.layout import attention_layout
 from hetshard.meshes import laid_out
 
-IMPLEMENTATIONS = ("reference", "flash", "ring")
+IMPLEMENTATIONS = ("auto", "cudnn", "reference", "flash", "ring")
+
+
+def _hardware(mesh) -> Hardware:
+    """What runs the call: the stage mesh's devices, else the default backend's."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return Hardware.of_device(device)
 
 
 # ---- the Flax pattern ---------------------------------------------------------------
@@ -49,7 +57,7 @@ IMPLEMENTATIONS = ("reference", "flash", "ring")
 # ---- evaluation ---------------------------------------------------------------------
 
 def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=True,
-          sequence=None, **kernel):
+          sequence=None, resolved=False, **kernel):
     if name not in IMPLEMENTATIONS:
         raise SpecError("impl", name, f"one of {IMPLEMENTATIONS}", where="swap_attention")
     if name == "ring" and mesh is None:
@@ -57,11 +65,24 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
                         where="swap_attention")
 
     def run(q, k, v, seg, scale, causal):
+        if name in ("auto", "cudnn") and not resolved:
+            impl = resolve(name, _hardware(mesh), Pattern.of(q, k, seg, causal),
+                           where="swap_attention")
+            return _impl(impl, mesh=mesh, axis=axis, chunk_lengths=chunk_lengths,
+                         zigzag=zigzag, sequence=sequence, resolved=True,
+                         **kernel)(q, k, v, seg, scale, causal)
         if name != "ring" and mesh is not None and mesh.shape.get(axis, 1) > 1 and \
                 (sequence is None or q.shape[1] == sequence):
             # A stage with a context axis: its activations are split along the sequence.
             return _ring_on_mesh(mesh, axis, q, k, v, seg, scale, causal, zigzag, kernel,
                                  chunk_lengths)
+        if name == "cudnn":
+            if mesh is not None:
+                extra = (axis,) if mesh.shape.get(axis, 1) > 1 else ()
+                return _flash_on_mesh(mesh, q, k, v, seg, scale, causal, {}, extra,
+                                      attend=dot_product_attention)
+            return dot_product_attention(q, k, v, causal=causal, segment_ids=seg,
+                                         sm_scale=scale)
         if name == "flash" and mesh is not None and mesh.shape.get(axis, 1) > 1:
             # Attention over other lengths (a vision encoder's patches) is not split
             # along the sequence: its samples are split over the context axis too.
@@ -80,22 +101,22 @@ def _impl(name: str, *, mesh=None, axis="context", chunk_lengths=None, zigzag=Tr
     return run
 
 
-def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel, extra=()):
-    """The flash kernel on each device's samples and heads (``jax.shard_map``; samples
-    over the batch axes and ``extra``). XLA's partitioner cannot split a Pallas call:
-    left to it, every device of a stage would gather the whole micro-batch's q, k and v
-    and compute attention for all of it."""
+def _flash_on_mesh(mesh, q, k, v, seg, scale, causal, kernel, extra=(),
+                   attend=flash_attention):
+    """The flash kernel (or ``attend``, cuDNN's) on each device's samples and heads
+    (``jax.shard_map``; samples over the batch axes and ``extra``). XLA's partitioner
+    cannot split a Pallas call: left to it, every device of a stage would gather the
+    whole micro-batch's q, k and v and compute attention for all of it."""
     from jax.sharding import PartitionSpec as P
 
     batch, heads = attention_layout(mesh, q.shape, k.shape[2], extra)
     if batch is None and heads is None:
-        return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale,
-                               **kernel)
+        return attend(q, k, v, causal=causal, segment_ids=seg, sm_scale=scale, **kernel)
     spec = P(batch, None, heads, None)
 
     def body(q, k, v, *seg):
-        return flash_attention(q, k, v, causal=causal, segment_ids=seg[0] if seg else None,
-                               sm_scale=scale, **kernel)
+        return attend(q, k, v, causal=causal, segment_ids=seg[0] if seg else None,
+                      sm_scale=scale, **kernel)
     args, specs = (q, k, v), (spec,) * 3
     if seg is not None:
         args, specs = args + (seg,), specs + (P(batch, None),)
@@ -167,7 +188,9 @@ def attention_runner(impl: str = "flash", **options):
 
 
 def swap_attention(fn, impl: str = "flash", **options):
-    """``fn`` with its attention computed by ``impl`` ("reference", "flash" or "ring").
+    """``fn`` with its attention computed by ``impl``: "auto" (per call, the fastest
+    implementation that computes it on the devices that run it,
+    ``hetshard.kernels.select``), "cudnn", "flash", "reference" or "ring".
 
     ``options`` go to the implementation: kernel tile sizes and ``interpret`` for flash,
     and a ``mesh`` to run it on each device's samples and heads (``attention_layout``);

@@ -179,12 +179,13 @@ class StageSplit:
     _runners: dict = dataclasses.field(default_factory=dict)
 
     def runner(self, mesh=None, chunk_lengths=None) -> Callable:
-        """The attention implementation for a stage on ``mesh`` (None: ``run``): the flash
-        kernel runs per device there (``hetshard.rewrite.attention._flash_on_mesh``); on a
-        mesh with a ``context`` axis either runs as a ring over it (``_ring_on_mesh``), with
-        uneven ``chunk_lengths`` when given."""
+        """The attention implementation for a stage on ``mesh`` (None: ``run``): a kernel
+        (flash, cuDNN, or ``auto``'s choice for the mesh's devices) runs per device there
+        (``hetshard.rewrite.attention._flash_on_mesh``); on a mesh with a ``context`` axis
+        either runs as a ring over it (``_ring_on_mesh``), with uneven ``chunk_lengths``
+        when given."""
         context = mesh is not None and mesh.shape.get("context", 1) > 1
-        if mesh is None or (self.attention != "flash" and not context) or \
+        if mesh is None or (self.attention == "reference" and not context) or \
                 "mesh" in self.attention_options:
             return self.run
         key = (mesh, chunk_lengths)

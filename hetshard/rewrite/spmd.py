@@ -250,8 +250,8 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
     ``sequence_layouts``, with ``tp_overlap`` as collective matmuls; ``autocast``: the
     stage's matmul dtype where it differs from the program's (``eval_equations``)."""
     context = mesh.shape.get("context", 1) > 1
-    if attention == "flash" or context:
-        # the kernel per device (``_flash_on_mesh``), the ring over ``context``
+    if attention != "reference" or context:
+        # a kernel per device (``_flash_on_mesh``), the ring over ``context``
         options.setdefault("mesh", mesh)
     run = attention_runner(attention, **options)
     specs = {name: tuple(spec) for name, spec in stage.shardings}

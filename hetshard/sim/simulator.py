@@ -661,7 +661,7 @@ def predicted(result: SimResult, upper_bound_tokens_per_s: float = 0.0) -> Predi
 
 def upper_bound_tokens_per_s(profile: ModelProfile, cluster: Cluster,
                              cal: Calibration = DEFAULT, mbs: int = 8,
-                             attention: str = "flash", gpu_dtypes=()) -> float:
+                             attention: str = "auto", gpu_dtypes=()) -> float:
     """Every GPU computing the whole model on its own samples with no communication,
     no bubble and no memory limit: the cluster's aggregate attainable throughput, with
     the plans' ``attention`` (the reference one's materialised scores cost more than

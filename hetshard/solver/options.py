@@ -44,7 +44,9 @@ class PlannerOptions:
     partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
-    attention: str = "flash"
+    # The attention implementation plans use (``hetshard.kernels.select``): "auto" prices
+    # and runs, per GPU type, the fastest kernel that computes the program's attention.
+    attention: str = "auto"
     # Tensor-parallel stages as collective matmuls (``Plan.tp_overlap``; the runtime's
     # ``hetshard.collectives.matmul``), priced with their collectives overlapped (never
     # slower than without: what cannot hide is paid as the plain collective would be).
