@@ -86,34 +86,46 @@ _HETERO: dict[str, tuple[dict, str]] = {
                       "planner benchmark: 16 GPUs of 2 types, one DGX node of each"),
 }
 
+# Homogeneous 8-GPU nodes, any multiple of 8 GPUs up to 3072: (GPU, intra-node GB/s,
+# inter-node GB/s a node, fabric, description).
 _DGX = {
-    "dgx-a100-80gb": ("A100-80GB", 300, 200,
+    "dgx-a100-80gb": ("A100-80GB", 300, 200, "infiniband",
                       "DGX A100 80GB nodes: NVSwitch 600 GB/s bidir per GPU, 8x HDR 200 Gb/s "
-                      "(Narayanan et al. 2021; NVIDIA DGX A100 datasheet)"),
-    "dgx-h100": ("H100-80GB", 450, 400,
+                      "InfiniBand (Narayanan et al. 2021; NVIDIA DGX A100 datasheet)"),
+    "dgx-h100": ("H100-80GB", 450, 400, "infiniband",
                  "DGX H100 nodes: NVSwitch 900 GB/s bidir per GPU, 8x NDR 400 Gb/s "
-                 "(NVIDIA DGX H100 datasheet)"),
+                 "InfiniBand (NVIDIA DGX H100 datasheet)"),
+    "p5-h100": ("H100-80GB", 450, 400, "efa",
+                "AWS p5.48xlarge nodes: 8 H100, NVSwitch 900 GB/s bidir per GPU, 3200 Gb/s "
+                "EFA v2 (AWS EC2 P5 instance page)"),
+    "a3mega-h100": ("H100-80GB", 450, 200, "gcp-tcpxo",
+                    "GCP A3 Mega nodes: 8 H100, NVSwitch, 8x 200 Gb/s GPUDirect-TCPXO "
+                    "(Google Cloud A3 machine types; the fabric's measured 2-node profile)"),
 }
 DGX_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072)
 
 PRESETS: dict[str, str] = {name: desc for name, (_, desc) in _HETERO.items()}
-for _base, (_gpu, _intra, _inter, _desc) in _DGX.items():
+for _base, (_gpu, _intra, _inter, _fabric, _desc) in _DGX.items():
     for _n in DGX_SIZES:
         PRESETS[f"{_base}-x{_n}"] = f"{_n} GPUs; {_desc}"
 
 
 def preset_spec(name: str) -> dict:
     """The spec (a dict :meth:`hetshard.Cluster.from_dict` reads) of the preset ``name``
-    (see :data:`PRESETS`; any ``dgx-*-x{8k}`` up to 3072); ``hetshard.cluster.preset``
-    builds the cluster."""
+    (see :data:`PRESETS`; any ``dgx-*-x{8k}``, ``p5-h100-x{8k}`` or ``a3mega-h100-x{8k}``
+    up to 3072)."""
     if name in _HETERO:
         spec, _ = _HETERO[name]
         return {"name": name, **spec}
-    m = re.fullmatch(r"(dgx-[a-z0-9-]+)-x(\d+)", name)
+    m = re.fullmatch(r"([a-z0-9]+-[a-z0-9-]+)-x(\d+)", name)
     if m and m.group(1) in _DGX:
         n = int(m.group(2))
         if n % 8 or not 8 <= n <= 3072:
-            raise SpecError("cluster", name, "dgx-*-x{N} with N a multiple of 8 in 8..3072")
-        gpu, intra, inter, _ = _DGX[m.group(1)]
-        return {"name": name, "groups": [_g("dgx", gpu, n // 8, 8, intra, inter)]}
+            raise SpecError("cluster", name, f"{m.group(1)}-x{{N}} with N a multiple of 8 "
+                            f"in 8..3072")
+        gpu, intra, inter, fabric, _ = _DGX[m.group(1)]
+        group = _g("dgx", gpu, n // 8, 8, intra, inter)
+        if fabric != "infiniband":
+            group["fabric"] = fabric
+        return {"name": name, "groups": [group]}
     raise UnknownNameError("cluster", name, PRESETS)

@@ -28,16 +28,19 @@ from hetshard.cluster.catalog import (
     device_type_for_kind,
     device_type_from_dict,
 )
+from hetshard.cluster.fabric import DEFAULT_FABRIC, FABRICS, Fabric, fabric_from
 from hetshard.cluster.presets import PRESETS, preset_spec
 from hetshard.errors import SpecError, SpecParseError, UnknownNameError, check_positive
 from hetshard.fileio import parse_json, read_text, write_atomic
 
-_TOP_FIELDS = {"name": True, "groups": True, "inter_group_gbs": False}
+_TOP_FIELDS = {"name": True, "groups": True, "inter_group_gbs": False,
+               "inter_group_fabric": False}
 # The largest cluster a spec may describe: the planner's searches and simulations
 # stay within their time limit up to this size (docs/cluster-spec.md).
 MAX_DEVICES = 131_072
 _GROUP_FIELDS = {"name": True, "gpu": True, "nodes": True, "gpus_per_node": True,
-                 "intra_node_gbs": False, "inter_node_gbs": False, "processes": False}
+                 "intra_node_gbs": False, "inter_node_gbs": False, "processes": False,
+                 "fabric": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Group:
     intra_node_gbs: float
     inter_node_gbs: float
     processes: tuple[int, ...] | None = None
+    # The network between its nodes (``hetshard.cluster.fabric``): what share of
+    # ``inter_node_gbs`` a collective gets by size and node count.
+    fabric: Fabric = FABRICS[DEFAULT_FABRIC]
 
     @property
     def num_devices(self) -> int:
@@ -78,6 +84,7 @@ class Cluster:
     name: str
     groups: tuple[Group, ...]
     inter_group_gbs: float
+    inter_group_fabric: Fabric = FABRICS[DEFAULT_FABRIC]
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -184,7 +191,7 @@ class Cluster:
                             "or a Cluster")
         if source.lstrip().startswith("{"):
             return cls.from_json(source)
-        if source in PRESETS or re.fullmatch(r"dgx-[a-z0-9-]+-x\d+", source):
+        if source in PRESETS or re.fullmatch(r"(dgx|p5|a3mega)-[a-z0-9-]+-x\d+", source):
             return preset(source)
         if os.path.exists(source) or source.endswith((".json", ".toml")):
             return cls.from_file(source)
@@ -243,7 +250,10 @@ class Cluster:
                                          where=source)
         else:
             inter_group = min(g.inter_node_gbs for g in groups)
-        return cls(name=name, groups=tuple(groups), inter_group_gbs=float(inter_group))
+        fabric = fabric_from(data.get("inter_group_fabric", DEFAULT_FABRIC),
+                             "inter_group_fabric", source)
+        return cls(name=name, groups=tuple(groups), inter_group_gbs=float(inter_group),
+                   inter_group_fabric=fabric)
 
     @classmethod
     def from_jax_devices(cls, devices=None, *, name: str = "local") -> Cluster:
@@ -286,8 +296,13 @@ class Cluster:
                  "intra_node_gbs": g.intra_node_gbs, "inter_node_gbs": g.inter_node_gbs}
             if g.processes is not None:
                 d["processes"] = list(g.processes)
+            if g.fabric != FABRICS[DEFAULT_FABRIC]:
+                d["fabric"] = _fabric_value(g.fabric)
             groups.append(d)
-        return {"name": self.name, "groups": groups, "inter_group_gbs": self.inter_group_gbs}
+        out = {"name": self.name, "groups": groups, "inter_group_gbs": self.inter_group_gbs}
+        if self.inter_group_fabric != FABRICS[DEFAULT_FABRIC]:
+            out["inter_group_fabric"] = _fabric_value(self.inter_group_fabric)
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -296,6 +311,8 @@ class Cluster:
         d = self.to_dict()
         lines = [f"name = {_toml_value(d['name'])}",
                  f"inter_group_gbs = {_toml_value(d['inter_group_gbs'])}"]
+        if "inter_group_fabric" in d:
+            lines.append(f"inter_group_fabric = {_toml_value(d['inter_group_fabric'])}")
         for g in d["groups"]:
             lines += ["", "[[groups]]"] + [f"{k} = {_toml_value(v)}" for k, v in g.items()]
         return "\n".join(lines) + "\n"
@@ -359,7 +376,13 @@ def _group_from_dict(g: Any, path: str, source: str) -> Group:
             raise SpecError(f"{path}.processes", procs,
                             f"a list of {nodes} process indices >= 0, one per node", where=source)
         procs = tuple(procs)
-    return Group(name, gpu, nodes, gpn, float(intra), float(inter), procs)
+    fabric = fabric_from(g.get("fabric", DEFAULT_FABRIC), f"{path}.fabric", source)
+    return Group(name, gpu, nodes, gpn, float(intra), float(inter), procs, fabric)
+
+
+def _fabric_value(f: Fabric) -> str | dict:
+    """A fabric as a spec writes it: its name if built in, else its fields."""
+    return f.name if FABRICS.get(f.name) == f else f.to_dict()
 
 
 def _toml_value(v: Any) -> str:

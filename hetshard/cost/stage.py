@@ -438,8 +438,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
     e = cal.for_type(gpu.name)
     dtype = dtype or profile.dtype
-    attention = priced_attention(attention, gpu, dtype,
-                                 any(layer.attention_causal for layer in profile.layers))
+    # A context axis runs the ring, whose inner kernel is the flash kernel.
+    attention = "flash" if cp > 1 and attention in ("auto", "cudnn") else priced_attention(
+        attention, gpu, dtype, any(layer.attention_causal for layer in profile.layers))
     fused = attention != "reference"  # a kernel: scores kept on chip, O(S) residuals
     peak = gpu.peak_flops(dtype) * e.matmul(gpu)
     peak_attn = attention_rate(gpu, dtype, e, attention)

@@ -162,11 +162,12 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
     over the equal chunk: under the zigzag split (a piece from each end of the sequence)
     a rank's causal attention work is in proportion to its chunk. Every device holds
     the attention inputs and outputs of the longest chunk (the ring pads to it).
-    Without ``chunks``: the stage's pacing type alone (``layers_cost``)."""
+    Without ``chunks``: every type at equal chunks."""
     if not chunks:
-        cost = layers_cost(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                           shard_optimizer, tp_overlap, dtype, shard_context=shard_context)
-        return {_slowest(cluster, st.devices).name: cost}
+        return {t.name: _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
+                                shard_optimizer, tp_overlap, dtype, t, shard_context)
+                for t in {cluster.gpu_of(d).name: cluster.gpu_of(d)
+                          for d in st.devices}.values()}
     tp, cp = st.axis("tensor"), st.axis("context")
     equal = sum(chunks) / cp
     pad = max(chunks) / equal
@@ -211,9 +212,16 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                                       cluster, cal, shard_optimizer, tp_overlap, dtype,
                                       chunks, shard_context).values(),
                    key=lambda c: c.fwd_s + c.bwd_s)
-    return _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                   shard_optimizer, tp_overlap, dtype, _slowest(cluster, st.devices),
-                   shard_context)
+    types = {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in st.devices}
+    if len(types) == 1:
+        return _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
+                       shard_optimizer, tp_overlap, dtype, next(iter(types.values())),
+                       shard_context)
+    # A stage spanning types runs at the pace of the type that takes longest as priced
+    # (not the lowest peak: a type's attention kernel may be the slower one).
+    return max((_priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
+                        shard_optimizer, tp_overlap, dtype, t, shard_context)
+                for t in types.values()), key=lambda c: c.fwd_s + c.bwd_s)
 
 
 def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_optimizer,
@@ -499,12 +507,16 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
                                            slowest, rings) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
-                # with overlap, buckets start streaming when the last backward starts.
+                # with overlap, each layer's gradients stream once the last backward has
+                # produced them (``_streamed_sync``), on every holder.
                 ends = [stage_end[k] for k in holders]
                 starts = [last_b_start.get(k, 0.0) for k in holders]
-                sync_ready = max(max(starts) if overlap else max(ends), net_free[w],
-                                 tied_ready.get(s, 0.0))
-                sync_end = max(sync_ready + t_sync, stage_end[(pi, s)])
+                free = max(net_free[w], tied_ready.get(s, 0.0))
+                if overlap:
+                    sync_end = _streamed_sync(profile, st, starts, ends, free, t_sync)
+                else:
+                    sync_end = max(ends + [free]) + t_sync
+                sync_end = max(sync_end, stage_end[(pi, s)])
                 net_free[w] = sync_end
                 if trace:
                     tasks.append(Task(pi, s, "sync", -1, sync_end - t_sync, sync_end, w))
@@ -602,6 +614,29 @@ def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cl
             out.append((s, owner, p2p_time(total, cluster, st.devices,
                                            pipe.stages[owner].devices, cal)))
     return out
+
+
+def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float,
+                   t_sync: float) -> float:
+    """When a stage's overlapped gradient sync ends: its last backward produces the
+    layers' gradients last layer first, each holder's at its share of the backward's
+    compute (the layers' flops), and each layer's gradients (its share of the bytes,
+    ``t_sync`` in all) cross the network once every holder has them and the layers
+    after it have crossed (DDP-style buckets, one a layer). So only the backward that
+    runs after a bucket is ready hides it: the first layers' sync (the last gradients
+    produced, often the embedding's) is exposed after the backward ends."""
+    layers = profile.layers[stage.start:stage.end]
+    work = [max(layer.flops(1), 0.0) for layer in layers]
+    size = [max(layer.param_bytes, 0.0) for layer in layers]
+    total_work, total_size = sum(work), sum(size)
+    if total_size <= 0 or t_sync <= 0:
+        return max(ends + [free]) + t_sync
+    t, done = free, 0.0
+    for i in reversed(range(len(layers))):
+        done += work[i] / total_work if total_work > 0 else 1.0 / len(layers)
+        ready = max(a + (b - a) * min(done, 1.0) for a, b in zip(starts, ends, strict=True))
+        t = max(t, ready) + t_sync * size[i] / total_size
+    return t
 
 
 def _capacity(cluster: Cluster, device: int) -> float:
