@@ -6,8 +6,9 @@ all-reduce moves 2(n-1)/n * S per device, all-gather and reduce-scatter
 (n-1)/n * S, all-to-all (n-1)/n * S. A collective spanning several nodes is priced
 hierarchically (reduce-scatter inside each node, all-reduce across nodes on 1/g of the
 data, all-gather inside nodes, the two pipelined), which is what NCCL's tree/ring
-hybrids achieve on multi-NIC nodes. Inside a node, bandwidths are the link's (GB/s, one direction) scaled
-by the calibration's ``comm_eff``, and each ring step costs ``intra_latency_s``. Across
+hybrids achieve on multi-NIC nodes. Inside a node, bandwidths are the link's (GB/s, one
+direction) scaled by the calibration's ``comm_eff``, and each ring step costs
+``intra_latency_s``. Across
 nodes the network's :class:`~hetshard.cluster.fabric.Fabric` decides: the share of the
 line rate an all-reduce of that buffer size gets over that many nodes (or the cluster's
 measured collective profile), and one latency per algorithm step, with NCCL's choice of

@@ -30,8 +30,8 @@ import dataclasses
 import numpy as np
 
 from hetshard.errors import SpecError
+from hetshard.plan import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 PREFERENCE = ("cudnn", "flash", "reference")
 _SIXTEEN_BIT = ("bfloat16", "float16")
 
