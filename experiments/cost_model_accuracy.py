@@ -400,10 +400,11 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def summarize(rows, fit_rows=frozenset()):
+def summarize(rows, fit_rows=frozenset(), gpus_per_node: int = 8):
     for r in rows:
         r["error"] = r["predicted_step_s"] / r["measured_step_s"] - 1
         r["fitted"] = r["row"] in fit_rows
+        r["nodes"] = -(-int(r["gpus"]) // gpus_per_node)
     held = [r for r in rows if not r["fitted"]]
     err = np.abs([r["error"] for r in held])
     out = {"rows": len(rows), "rows_held_out": len(held), "fit_rows": sorted(fit_rows),
@@ -411,7 +412,13 @@ def summarize(rows, fit_rows=frozenset()):
            "max_abs_error": float(np.max(err)),
            "spearman": spearman([r["predicted_step_s"] for r in rows],
                                 [r["measured_step_s"] for r in rows]),
-           "too_fast_rows": sum(r["error"] < 0 for r in held)}
+           "too_fast_rows": sum(r["error"] < 0 for r in held),
+           # held-out rows by node count (issue 54): median signed and absolute error
+           "by_nodes": {str(n): {"rows": len(g), "median_error": float(np.median(
+               [r["error"] for r in g])), "median_abs_error": float(np.median(
+                   np.abs([r["error"] for r in g])))}
+               for n in sorted({r["nodes"] for r in held})
+               for g in [[r for r in held if r["nodes"] == n]]}}
     others = sorted({k for r in rows for k in r.get("others", {})})
     if others:
         out["others_median_abs_error"] = {
@@ -425,6 +432,8 @@ def print_set(name, summary, rows):
           f"{summary['mean_abs_error']:.1%}, max {summary['max_abs_error']:.1%}, Spearman "
           f"{summary['spearman']:.3f} over {summary['rows_held_out']} held-out rows"
           + (f" (fitted on {summary['fit_rows']})" if summary["fit_rows"] else ""))
+    print("   by nodes: " + ", ".join(f"{n}: {v['median_error']:+.1%} ({v['rows']})"
+                                     for n, v in summary["by_nodes"].items()))
     for k, v in summary.get("others_median_abs_error", {}).items():
         print(f"   {k} median |error| {v:.1%}")
     for r in rows:
@@ -508,7 +517,8 @@ def main() -> int:
     for name in SAILOR_SETS:
         if name in wanted:
             rows = sailor_evaluate(name)
-            sets[name] = {"summary": summarize(rows), "rows": rows,
+            sets[name] = {"summary": summarize(rows, gpus_per_node=4 if "gh200" in name
+                                               else 8), "rows": rows,
                           "calibration": "../shared/data/profiles/sailor-profiles.json"}
             print_set(name, sets[name]["summary"], rows)
     for name, table, cluster_of, fit_rows in (

@@ -75,6 +75,13 @@ def accuracy(lines, data):
     lines += _table(["set", "rows held out", "fit rows", "median abs. error",
                      "mean abs. error", "max abs. error", "Spearman", "others (median)"],
                     rows)
+    by_nodes = [[name, ", ".join(f"{n}: {v['median_error']:+.1%} ({v['rows']})"
+                                 for n, v in d["summary"]["by_nodes"].items())]
+                for name, d in data["sets"].items() if "by_nodes" in d["summary"]]
+    if by_nodes:
+        lines += ["", "Median signed error of the held-out rows by node count (rows), "
+                  "negative: priced too fast:", ""]
+        lines += _table(["set", "nodes: median error (rows)"], by_nodes)
     fits = data.get("fits", {})
     if fits:
         lines += ["", "The shipped constants, fitted again (per-architecture `matmul_eff`, "
@@ -367,6 +374,24 @@ def packed_step_gpu(lines, data):
     lines.append("")
 
 
+def gpu_bench(lines, data):
+    lines += ["## One GPU: hetshard.jit against a hand-written step, attention, price", ""]
+    if not data.get("measured"):
+        lines += ["`python experiments/gpu_bench.py` has not run on a GPU yet "
+                  f"({data.get('note', 'no GPU')}).", ""]
+        return
+    lines += [f"`python experiments/gpu_bench.py` on one {data['gpu']} (JAX {data['jax']}).",
+              ""]
+    t = data["train_step"]
+    lines += _table(["step", "ms", "tokens/s", "MFU"],
+                    [[k, f"{t[k]['step_s'] * 1e3:.1f}", f"{t[k]['tokens_per_s']:.0f}",
+                      f"{t[k]['mfu']:.1%}"] for k in ("handwritten", "nnx_jit", "hetshard")])
+    lines += ["", f"hetshard / hand-written step-time ratio "
+              f"{data['hetshard_vs_handwritten']:.3f}; own kernel / cuDNN "
+              f"{data.get('own_kernel_vs_cudnn')}; predicted / measured "
+              f"{data.get('predicted_vs_measured')}.", ""]
+
+
 def attention_scaled(lines, data):
     base = {(r["cluster"], r["model"], r["max_context"]): r
             for r in (_load("data_aware.json") or {}).get("rows", [])}
@@ -401,7 +426,7 @@ SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accura
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
             ("long_context.json", long_context), ("data_aware.json", data_aware),
             ("data_aware_pipeline.json", data_aware_pipeline),
-            ("packed_step_gpu.json", packed_step_gpu),
+            ("packed_step_gpu.json", packed_step_gpu), ("gpu_bench.json", gpu_bench),
             ("data_aware_attention_x0.25.json", attention_scaled),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("multihost_bench.json", multihost))

@@ -186,6 +186,11 @@ def test_plans_before_schema_13_read_as_the_flash_kernel_they_ran():
 def test_compute_capability_is_checked_in_inline_gpus():
     spec = {"name": "X", "bf16_tflops": 100, "memory_gb": 40, "memory_gbs": 1000}
     assert device_type_from_dict({**spec, "compute_capability": "8.6"}).capability == (8, 6)
+    # Without one, an inline GPU is taken to run every kernel (its devices decide).
+    inline = Hardware.of_type(device_type_from_dict(spec))
+    assert choose(inline, CAUSAL) == "cudnn" and refusal("flash", inline) is None
+    old = Hardware.of_type(device_type_from_dict({**spec, "compute_capability": "7.0"}))
+    assert choose(old, CAUSAL) == "reference"
     with pytest.raises(SpecError, match=r"gpu\.compute_capability.*major\.minor"):
         device_type_from_dict({**spec, "compute_capability": 9})
 

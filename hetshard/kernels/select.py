@@ -80,31 +80,41 @@ class Hardware:
         """A JAX device (what the runtime runs on)."""
         if device.platform == "cpu":
             return cls("cpu", None, "CPU")
+        kind = getattr(device, "device_kind", device.platform)
+        version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+        if device.platform == "rocm" or "rocm" in version.lower():
+            return cls("amd", None, kind)
         cc = getattr(device, "compute_capability", None)
         if device.platform in ("gpu", "cuda") and cc:
             major, minor = str(cc).split(".")[:2]
-            return cls("nvidia", (int(major), int(minor)), device.device_kind)
-        return cls(device.platform, None, getattr(device, "device_kind", device.platform))
+            return cls("nvidia", (int(major), int(minor)), kind)
+        # a platform hetshard knows no kernel for (TPU, ...): XLA's attention
+        return cls(device.platform, None, kind)
 
 
 def refusal(impl: str, hw: Hardware, pattern: Pattern | None = None) -> str | None:
     """Why ``impl`` cannot compute ``pattern`` on ``hw`` exactly; None when it can
-    (``pattern`` None: only what the hardware decides)."""
+    (``pattern`` None: only what the hardware decides). An inline GPU of a cluster spec
+    (vendor "custom") that gives no compute capability is taken to run every
+    implementation: the devices that run it decide at run time."""
     if impl not in IMPLEMENTATIONS:
         raise SpecError("attention", impl, f"one of {IMPLEMENTATIONS}")
     if impl in ("reference", "auto"):
         return None
+    cap = hw.capability
+    nvidia = hw.vendor == "nvidia" and cap is not None
+    unknown = hw.vendor == "custom" and cap is None  # an inline GPU without one
     if impl == "cudnn":
-        if hw.vendor != "nvidia" or hw.capability is None:
+        if not (nvidia or unknown):
             return f"cuDNN runs on NVIDIA GPUs only ({hw.name} is {hw.vendor})"
-        if hw.capability < (8, 0):
+        if nvidia and cap < (8, 0):
             return (f"cuDNN's fused flash attention needs compute capability 8.0+ "
-                    f"({hw.name} has {hw.capability[0]}.{hw.capability[1]})")
+                    f"({hw.name} has {cap[0]}.{cap[1]})")
         if pattern is None:
             return None
         if pattern.dtype not in _SIXTEEN_BIT:
             return f"cuDNN's fused attention takes bfloat16 or float16, not {pattern.dtype}"
-        most = 256 if hw.capability >= (9, 0) else 128
+        most = 256 if (cap or (9, 0)) >= (9, 0) else 128
         if pattern.head_dim % 8 or pattern.head_dim > most:
             return (f"cuDNN's fused attention needs a head dim that is a multiple of 8 up "
                     f"to {most} on {hw.name}, not {pattern.head_dim}")
@@ -114,16 +124,17 @@ def refusal(impl: str, hw: Hardware, pattern: Pattern | None = None) -> str | No
             return "jax.nn's causal mask aligns starts, not ends, when q and k differ in length"
         return None
     # flash
-    if hw.vendor == "cpu":
-        return None  # interpret mode
-    if hw.vendor != "nvidia" or hw.capability is None:
-        return f"the Pallas kernel lowers through Triton for NVIDIA GPUs ({hw.name} is {hw.vendor})"
-    if hw.capability < (7, 0):
+    if hw.vendor == "cpu" or unknown:
+        return None  # interpret mode; an unknown GPU: decided on its devices
+    if not nvidia:
+        return (f"the Pallas kernel lowers through Triton for NVIDIA GPUs ({hw.name} is "
+                f"{hw.vendor})")
+    if cap < (7, 0):
         return (f"the Pallas kernel's Triton lowering needs compute capability 7.0+ "
-                f"({hw.name} has {hw.capability[0]}.{hw.capability[1]})")
-    if pattern is not None and pattern.dtype == "bfloat16" and hw.capability < (8, 0):
+                f"({hw.name} has {cap[0]}.{cap[1]})")
+    if pattern is not None and pattern.dtype == "bfloat16" and cap < (8, 0):
         return (f"Triton has no bfloat16 tensor-core products before compute capability "
-                f"8.0 ({hw.name} has {hw.capability[0]}.{hw.capability[1]})")
+                f"8.0 ({hw.name} has {cap[0]}.{cap[1]})")
     return None
 
 
