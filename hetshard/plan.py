@@ -47,8 +47,6 @@ _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
-# ``Plan.attention``'s values (``hetshard.kernels.select`` decides what each runs).
-ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 REMATS = ("none", "selective", "full")
 DTYPES = ("bfloat16", "float16", "float32")  # compute dtypes the cost model prices
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from hetshard.errors import SpecError
-from hetshard.plan import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+
+# A plan's ``attention`` values (no JAX or NumPy import here: ``hetshard --help`` reads it).
+IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 
 PREFERENCE = ("cudnn", "flash", "reference")
 _SIXTEEN_BIT = ("bfloat16", "float16")
@@ -49,7 +49,7 @@ class Pattern:
     @classmethod
     def of(cls, q, k, segment_ids, causal: bool) -> Pattern:
         return cls(causal=bool(causal), segments=segment_ids is not None,
-                   dtype=np.dtype(q.dtype).name, head_dim=int(q.shape[-1]),
+                   dtype=getattr(q.dtype, "name", str(q.dtype)), head_dim=int(q.shape[-1]),
                    same_length=q.shape[1] == k.shape[1])
 
     def describe(self) -> str:

@@ -68,12 +68,16 @@ class SimResult:
     stage_costs: tuple[tuple[StageCost, ...], ...]
     # the devices' own time (step_time_s is the larger of it and the host's dispatch)
     device_time_s: float = 0.0
+    # The jax.distributed processes (a spec's ``processes``) holding none of the plan's
+    # devices: such a process could not read the step's outputs.
+    idle_processes: int = 0
 
     @property
-    def rank(self) -> tuple[bool, float, float]:
+    def rank(self) -> tuple[bool, float, int, float]:
         """How plans are ranked, best first: the ones that fit, then the faster, then
-        (between plans the host's dispatch paces alike) the faster on the devices."""
-        return (not self.fits, self.step_time_s, self.device_time_s)
+        (between plans the host's dispatch paces alike) those that leave no process of a
+        multi-process cluster idle, then the faster on the devices."""
+        return (not self.fits, self.step_time_s, self.idle_processes, self.device_time_s)
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -560,7 +564,22 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         peak_memory_bytes=float(max(mem.values())),
         memory_per_device={d: float(v) for d, v in mem.items()}, busy_per_device=busy,
         fits=bool(fits), tasks=tuple(tasks), stage_costs=tuple(tuple(c) for c in costs),
-        device_time_s=float(device_end))
+        device_time_s=float(device_end), idle_processes=_idle_processes(plan, cluster))
+
+
+def _idle_processes(plan: Plan, cluster: Cluster) -> int:
+    """How many of the processes a cluster spec names (its groups' ``processes``) hold
+    none of the plan's devices (0 without ``processes``)."""
+    named = {}
+    for g in cluster.groups:
+        if g.processes:
+            for i, d in enumerate(cluster.group_device_ids(g.name)):
+                named[d] = g.processes[i // g.gpus_per_node]
+    if not named:
+        return 0
+    used = {named[d] for p in plan.pipelines for st in p.stages for d in st.devices
+            if d in named}
+    return len(set(named.values()) - used)
 
 
 def dispatched_tasks(pipe) -> int:
