@@ -21,8 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from hetshard.errors import HetshardError
-from hetshard.kernels.select import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from hetshard.plan import DTYPES
+from hetshard.plan import ATTENTION_IMPLEMENTATIONS, DTYPES
 
 _ATTENTION_HELP = ("attention implementation: auto (per GPU type and pattern the fastest "
                    "that computes it: cuDNN, hetshard's flash kernel, XLA), or one of them "

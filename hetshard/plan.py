@@ -47,6 +47,9 @@ _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
+# ``Plan.attention``'s values, as ``hetshard.kernel_choice.IMPLEMENTATIONS`` (which decides
+# what each runs); here for what reads plans without JAX (``hetshard --help``).
+ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 REMATS = ("none", "selective", "full")
 DTYPES = ("bfloat16", "float16", "float32")  # compute dtypes the cost model prices
 
@@ -182,7 +185,7 @@ class Plan:
     # sharded over its data axis; gradients are reduce-scattered, each data way updates
     # its shard, and the updated parameters are all-gathered.
     distributed_optimizer: bool = False
-    # The attention implementation (``hetshard.kernels.select``): "auto" (per stage's
+    # The attention implementation (``hetshard.kernel_choice``): "auto" (per stage's
     # devices and call, the fastest that computes it: cuDNN, the flash kernel, XLA),
     # "cudnn", "flash" (Pallas kernel) or "reference" (XLA, O(S^2) memory).
     attention: str = "auto"
@@ -508,7 +511,7 @@ def _check_types(plan: Plan) -> None:
 
 def _check_attention(plan: Plan) -> None:
     """An explicit implementation must run on every stage's GPU type in its dtype."""
-    from hetshard.kernels.select import IMPLEMENTATIONS, check_types
+    from hetshard.kernel_choice import IMPLEMENTATIONS, check_types
     if plan.attention not in IMPLEMENTATIONS:
         raise SpecError("attention", plan.attention, f"one of {IMPLEMENTATIONS}")
     if plan.cluster is None or plan.attention == "auto":

@@ -15,8 +15,8 @@ from hetshard.cluster.catalog import CATALOG, device_type_from_dict
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.stage import attention_rate, priced_attention, stage_cost
 from hetshard.errors import SpecError
+from hetshard.kernel_choice import Hardware, Pattern, choose, refusal, resolve
 from hetshard.kernels import attention_reference, dot_product_attention
-from hetshard.kernels.select import Hardware, Pattern, choose, refusal, resolve
 from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.rewrite.attention import _flash_on_mesh, swap_attention
 
@@ -174,6 +174,12 @@ def test_a_plan_asking_for_an_implementation_a_stage_cannot_run_is_refused():
     _plan("cudnn", gpu="H100-80GB")
     with pytest.raises(SpecError, match="attention='fast'"):
         _plan("fast", gpu="H100-80GB")
+
+
+def test_the_plan_and_the_selection_name_the_same_implementations():
+    from hetshard import kernel_choice as select
+    from hetshard.plan import ATTENTION_IMPLEMENTATIONS
+    assert select.IMPLEMENTATIONS == ATTENTION_IMPLEMENTATIONS
 
 
 def test_plans_before_schema_13_read_as_the_flash_kernel_they_ran():

@@ -81,7 +81,7 @@ class DeviceType:
     matmul_eff: float | None = None
     # CUDA compute capability ("9.0"), from NVIDIA's CUDA GPUs table; None for other
     # vendors. It says which attention implementations run on the type
-    # (``hetshard.kernels.select``): cuDNN's fused attention needs 8.0 or later, the
+    # (``hetshard.kernel_choice``): cuDNN's fused attention needs 8.0 or later, the
     # Pallas kernel's Triton lowering 7.0 (bfloat16 products 8.0).
     compute_capability: str | None = None
 

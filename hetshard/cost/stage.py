@@ -68,7 +68,7 @@ from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import Topology, collective_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
-from hetshard.kernels.select import IMPLEMENTATIONS, Hardware, Pattern, choose
+from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
 
 REMATS = ("none", "selective", "full")
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
@@ -370,7 +370,7 @@ ATTENTION_TFLOPS = {("cudnn", 9): 541.0, ("flash", 9): 76.0}
 
 def priced_attention(attention: str, gpu: DeviceType, dtype: str,
                      causal: bool = True) -> str:
-    """The implementation a stage's attention runs (``auto``: ``hetshard.kernels.select``'s
+    """The implementation a stage's attention runs (``auto``: ``hetshard.kernel_choice``'s
     choice for the GPU type and the stage's compute dtype; on CPU stand-ins the flash
     kernel)."""
     if attention != "auto":

@@ -2,7 +2,7 @@
 
 Same layout and arguments as ``attention_reference`` ([batch, seq, heads, head_dim];
 grouped-query k and v). ``implementation="cudnn"`` is the GPU kernel
-(``hetshard.kernels.select`` says where it runs); ``"xla"`` is JAX's own XLA lowering of
+(``hetshard.kernel_choice`` says where it runs); ``"xla"`` is JAX's own XLA lowering of
 the same call, which the CPU tests use to check what this wrapper passes. Its
 backward is cuDNN's (``jax.nn.dot_product_attention``'s custom VJP).
 """
@@ -14,8 +14,8 @@ import math
 import jax
 
 from hetshard.errors import SpecError
+from hetshard.kernel_choice import Pattern
 from hetshard.kernels.reference import check_attention_args
-from hetshard.kernels.select import Pattern
 
 
 def dot_product_attention(q, k, v, *, causal: bool = False, segment_ids=None,

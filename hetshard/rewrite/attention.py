@@ -30,6 +30,7 @@ import numpy as np
 
 from hetshard.errors import SpecError
 from hetshard.ir.interpret import evaluate_jaxpr
+from hetshard.kernel_choice import Hardware, Pattern, resolve
 from hetshard.kernels.dot_product import dot_product_attention
 from hetshard.kernels.flash_attention import flash_attention
 from hetshard.kernels.reference import attention_reference
@@ -38,7 +39,6 @@ from hetshard.kernels.ring_attention import (
     device_token_ids,
     ring_attention,
 )
-from hetshard.kernels.select import Hardware, Pattern, resolve
 from hetshard.layout import attention_layout
 from hetshard.meshes import laid_out
 
@@ -190,7 +190,7 @@ def attention_runner(impl: str = "flash", **options):
 def swap_attention(fn, impl: str = "flash", **options):
     """``fn`` with its attention computed by ``impl``: "auto" (per call, the fastest
     implementation that computes it on the devices that run it,
-    ``hetshard.kernels.select``), "cudnn", "flash", "reference" or "ring".
+    ``hetshard.kernel_choice``), "cudnn", "flash", "reference" or "ring".
 
     ``options`` go to the implementation: kernel tile sizes and ``interpret`` for flash,
     and a ``mesh`` to run it on each device's samples and heads (``attention_layout``);

@@ -44,7 +44,7 @@ class PlannerOptions:
     partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
     layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
     exact_combos: int = 512  # exact micro-batch counts for every combination up to this
-    # The attention implementation plans use (``hetshard.kernels.select``): "auto" prices
+    # The attention implementation plans use (``hetshard.kernel_choice``): "auto" prices
     # and runs, per GPU type, the fastest kernel that computes the program's attention.
     attention: str = "auto"
     # Tensor-parallel stages as collective matmuls (``Plan.tp_overlap``; the runtime's

@@ -29,7 +29,8 @@ import dataclasses
 
 from hetshard.errors import SpecError
 
-# A plan's ``attention`` values (no JAX or NumPy import here: ``hetshard --help`` reads it).
+# A plan's ``attention`` values (``hetshard.plan.ATTENTION_IMPLEMENTATIONS`` holds the same;
+# this module imports no JAX and not the plan: the plan's checks import it).
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 
 PREFERENCE = ("cudnn", "flash", "reference")
