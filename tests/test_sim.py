@@ -802,3 +802,19 @@ def test_state_sharded_over_context_is_priced_a_share_a_device():
     assert ca.memory_static_bytes > 100e9
     assert cb.fwd_s > ca.fwd_s and b.step_time_s > a.step_time_s  # gathers, sync
     assert cb.optimizer_s == pytest.approx(ca.optimizer_s / 8)
+
+
+def test_lowering_one_stages_warm_up_keeps_the_warm_up_from_growing_along_the_pipeline():
+    """ZB-H1's fit lowers the warm-up of the stages short of memory; a later stage left
+    warming up more forwards than the one before it would deadlock (and is no valid
+    plan): it is lowered too (found on long_context.py's H100+A100 llama-70b row)."""
+    from hetshard.sim.schedule import monotone_warmup
+    assert monotone_warmup((2, 0, 0, 0, 2, 1, 0, 0)) == (2, 0, 0, 0, 1, 1, 0, 0)
+    assert monotone_warmup((3, 2, 1, 0)) == (3, 2, 1, 0)
+    assert monotone_warmup((0, 1, 2, 3)) == (0, 1, 2, 3)  # one more each: allowed
+    for extra in [(2, 0, 0, 0, 2, 1, 0, 0), (0, 3, 0, 5), (1, 1, 4, 0, 2)]:
+        got = monotone_warmup(extra)
+        p = len(got)
+        assert all(a <= b for a, b in zip(got, extra, strict=True))
+        forwards = [p - w - 1 + e for w, e in enumerate(got)]
+        assert all(x >= y for x, y in zip(forwards, forwards[1:], strict=False))

@@ -347,6 +347,16 @@ def capped_warmup(extra, m: int) -> tuple[int, ...]:
     return out if any(out) else ()
 
 
+def monotone_warmup(extra) -> tuple[int, ...]:
+    """``extra`` warm-up lowered where it would let a stage warm up more forwards than the
+    stage before it (``p - w - 1 + extra[w]`` must not grow along the pipeline: a
+    deadlock, and an invalid plan): each stage at most one more than the one before."""
+    out: list[int] = []
+    for e in extra:
+        out.append(int(e) if not out else min(int(e), out[-1] + 1))
+    return tuple(out)
+
+
 def time_varied(fwd_s, bwd_s, sends_s, schedule: str = "1f1b") -> float:
     """Finish time of one pipeline whose micro-batches differ (a per-batch plan's
     micro-batches of different buckets and documents): ``fwd_s[s][i]``/``bwd_s[s][i]``

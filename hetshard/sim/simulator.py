@@ -36,6 +36,7 @@ from hetshard.sim.schedule import (
     best_warmup,
     capped_warmup,
     inflight,
+    monotone_warmup,
     time_pipeline,
     warmup_rooms,
     worker_order,
@@ -338,7 +339,8 @@ def _fit_zero_bubble(plan: Plan, profile: ModelProfile, cluster: Cluster, cal: C
                     if extra[j] > 0 and over & set(st.devices):
                         extra[j] -= 1
                         lowered = True
-            pipes.append(dataclasses.replace(q, extra_warmup=tuple(extra)))
+            # Lowering one stage may leave the next warming up more than it: lowered too.
+            pipes.append(dataclasses.replace(q, extra_warmup=monotone_warmup(extra)))
         if not lowered:
             return None
         plan = dataclasses.replace(plan, pipelines=tuple(pipes))
