@@ -297,6 +297,7 @@ def attention_table(args, backend: str) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from hetshard.cost.profiler import _best_time
     from hetshard.kernels import attention_reference, dot_product_attention, flash_attention
 
     heads, dim = (4, 32) if args.tiny else (16, 128)
@@ -330,7 +331,7 @@ def attention_table(args, backend: str) -> list[dict]:
                 g = jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(
                     jnp.float32)), argnums=(0, 1, 2)))
                 try:
-                    t = _best(g, q, k, v)
+                    t = _best_time(g, q, k, v)
                 except Exception as e:  # noqa: BLE001 - what this GPU cannot run, recorded
                     row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
                     continue
@@ -364,17 +365,6 @@ def _wikipedia(tiny: bool) -> np.ndarray:
         got = got[got > 0]
         return np.maximum(1, got // 64) if tiny else got
     return np.array([16, 40, 90] if tiny else [300, 700, 1500], np.int64)
-
-
-def _best(fn, *a, reps: int = 5) -> float:
-    import jax
-    jax.block_until_ready(fn(*a))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 # ---- the price against the time --------------------------------------------------------------
