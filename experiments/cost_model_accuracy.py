@@ -28,10 +28,11 @@ Sets (each row a published configuration and its measured step time):
   8B FSDP 8 x TP 8 (local batch 12) and 70B FSDP 32 x TP 8 (local batch 16, full
   recomputation), with vanilla and asynchronous TP (hetshard's collective matmuls),
   bfloat16, seq 8192. The GPUs are H100 SXM with 96 GB HBM2e at 2.4 TB/s capped at 500 W
-  (torchtitan: "peak between SXM and NVL"): priced as an inline GPU at the midpoint
-  (912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline as shipped;
-  the catalog's Hopper ``matmul_eff`` was fitted on the 8-GPU FSDP row (H100_FIT_ROWS),
-  the other 5 are held out. Float8 rows are left out (hetshard prices no float8).
+  (torchtitan: "peak between SXM and NVL"): priced as the catalog's H100-96GB-500W (the
+  midpoint, 912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline as
+  shipped; that type's ``matmul_eff`` was fitted on the 8-GPU FSDP row (H100_FIT_ROWS),
+  the other 5 are held out (the 700 W Hopper types take the measured GEMM ceiling at
+  Ampere's training share instead: ``hetshard.cluster.catalog``). Float8 rows are left out (hetshard prices no float8).
 * ``torchtitan-a100`` (8): torchtitan's Llama 3 and Llama 2 on 64 A100 80GB
   (``docs/performance.md`` of Jun 2024): Llama 3 8B with per-op and per-layer (every
   second block) selective recomputation, 70B with full recomputation, local batch 1, seq
@@ -228,15 +229,9 @@ _LLAMA = {
               "seq=4096,pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false",
               4096, 8192, 1024, 28672),
 }
-# H100 SXM, 96 GB HBM2e at 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts): its dense
-# BF16 peak lies between the SXM's 989 and the NVL's 835 TFLOP/s (torchtitan's note):
-# the midpoint, and the catalog's FlashAttention-2 rate for the H100 scaled alike. 400 Gb/s
-# RDMA per GPU: 400 GB/s per 8-GPU host.
-GRAND_TETON_H100 = {"name": "H100-96GB-HBM2e-500W", "bf16_tflops": 912.0,
-                    "tf32_tflops": 456.0, "attention_tflops": 330.0 * 912 / 989,
-                    "memory_gb": 96, "memory_gbs": 2400, "intra_node_gbs": 450,
-                    "inter_node_gbs": 400, "sms": 132,
-                    "matmul_eff": CATALOG["H100-80GB"].matmul_eff}
+# torchtitan's Grand Teton hosts: H100 SXM with 96 GB HBM2e at 2.4 TB/s, capped at 500 W
+# (the catalog's H100-96GB-500W: its peak, attention rate and fitted matmul share).
+GRAND_TETON_H100 = "H100-96GB-500W"
 # row, model, gpus, fsdp, tp, local batch (per data rank), remat, tp_overlap, TPS/GPU
 TORCHTITAN_H100 = [
     ("8B FSDP8 compile", "8b", 8, 8, 1, 2, "op", False, 6667),
@@ -294,6 +289,17 @@ def _sp_copies_s(model, gpu, tp, cal, samples, remat):
     return copy * (4 + 4 + (4 if remat == "full" else 2))
 
 
+def _fa2(cal, gpu):
+    """``cal`` with attention at the GPU's published FlashAttention-2 rate (what
+    torchtitan's SDPA ran on these GPUs), where ``cal`` does not measure one: hetshard's
+    own kernels (the Pallas kernel's measured Hopper rate) are not what ran."""
+    e = cal.for_type(gpu.name)
+    if e.attention_eff is not None or gpu.attention_tflops is None:
+        return cal
+    return cal.with_type(gpu.name, dataclasses.replace(
+        e, attention_eff=gpu.attention_tflops / gpu.bf16_tflops))
+
+
 def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
     out = []
     for name, model, gpus, fsdp, tp, lbs, remat, overlap, tps in rows:
@@ -302,6 +308,7 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
         prof = _profile(spec, seq, "bfloat16")
         cluster = cluster_of(gpus)
         gpu = cluster.groups[0].gpu
+        cal = _fa2(cal, gpu)
         batch = lbs * fsdp
         mode = {"op": "selective", "layer": "full", "full": "full", "none": "none"}[remat]
         fix = Fix(dp=fsdp, tp=tp, fsdp=fsdp > 1, mbs=lbs, remat=mode, tp_overlap=overlap)
@@ -335,7 +342,7 @@ H100_FIT_ROWS = {"8B FSDP8 compile (8 GPUs)"}
 OVERLAP_FIT_ROWS = ("70B FSDP32 TP8 (256 GPUs)", "70B FSDP32 asyncTP8 (256 GPUs)")
 
 
-def fit_tp_overlap_interference(names=(GRAND_TETON_H100["name"],), rows=OVERLAP_FIT_ROWS):
+def fit_tp_overlap_interference(names=(GRAND_TETON_H100,), rows=OVERLAP_FIT_ROWS):
     """The ``tp_overlap_interference`` at which the predicted vanilla-over-asynchronous
     step ratio of ``rows`` (vanilla, asynchronous) equals the measured one (bisection: more
     interference, less gained), to 2 decimals."""
@@ -363,14 +370,15 @@ def torchtitan_h100_subset(cal, subset):
 # fitted: the GPU types, the set and its rows (the rest of every set held out).
 ARCH_FITS = {
     "Ampere (A100)": (("A100-80GB",), "megatron", FIT_ROWS),
-    "Hopper (H100, H200, GH200)": ((GRAND_TETON_H100["name"],), "torchtitan-h100",
-                                   H100_FIT_ROWS),
+    "Hopper at 500 W (H100-96GB-500W)": ((GRAND_TETON_H100,), "torchtitan-h100",
+                                         H100_FIT_ROWS),
 }
 
 
 def _grand_teton(gpus):
     return Cluster.load({"name": f"grand-teton-h100-x{gpus}", "groups": [
-        {"name": "h100", "gpu": GRAND_TETON_H100, "nodes": gpus // 8, "gpus_per_node": 8}]})
+        {"name": "h100", "gpu": GRAND_TETON_H100, "nodes": gpus // 8, "gpus_per_node": 8,
+         "intra_node_gbs": 450, "inter_node_gbs": 400}]})
 
 
 def _gpu_of(name):

@@ -46,6 +46,9 @@ class UnknownNameError(SpecError):
             lowered = {k.lower(): k for k in known}
             close = [lowered[k] for k in difflib.get_close_matches(
                 str(value).lower(), list(lowered), n=3, cutoff=0.5)]
+        # Names the value begins (an "H100" means one of the H100 types) come first.
+        begun = [k for k in known if k.lower().startswith(str(value).lower())]
+        close = (begun + [k for k in close if k not in begun])[:max(3, min(len(begun), 5))]
         self.suggestions = close
         hint = f"did you mean {', '.join(close)}? " if close else ""
         accepted = f"one of {len(known)} known names ({hint}known: {', '.join(known)})"

@@ -12,8 +12,10 @@ the checkpoint restore all ask here.
   by the ``fsdp`` axis under FSDP (by ``fsdp x context`` where the plan's
   ``context.shard_state`` says so), otherwise replicated. With the plan's distributed
   optimizer (ZeRO-1) every state leaf that is not an ``nnx.Param`` (the optimizer's
-  moments, its step count) is further split over ``data`` along its largest dimension
-  the spec leaves free and ``data`` divides: each data way keeps and updates one shard,
+  moments, its step count) is further split over ``data x context`` (the context ranks
+  hold the same parameters; ``data`` alone where the product does not divide, and
+  ``context`` already splitting the state leaves ``data``) along its largest dimension
+  the spec leaves free and the split divides: each rank keeps and updates one shard,
   XLA reduces the gradients into it and all-gathers the updated parameters.
 * Values with a batch dimension (:func:`batch_sharding`, :func:`activation_sharding`,
   :func:`boundary_layout`, :func:`attention_layout`): the batch over the batch axes where
@@ -86,15 +88,23 @@ def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
     a leaf of the optimizer's state under the distributed optimizer; ``over_context``:
     FSDP's split spans the ``context`` axis too (``Context.shard_state``)."""
     base = _base_spec(path, shape, specs, mesh, over_context)
-    data = mesh.shape.get("data", 1)
-    if not shard_data or data == 1 or not shape:
+    if not shard_data or not shape:
         return base
+    # The distributed optimizer's split: data x context (the context ranks hold the same
+    # parameters, as Megatron-LM's distributed optimizer shards over both), else data.
+    used = {a for e in base if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    axes = tuple(a for a in ("data", "context") if mesh.shape.get(a, 1) > 1 and a not in used)
     entries = list(base) + [None] * (len(shape) - len(base))
-    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % data == 0]
-    if not free:
-        return base
-    entries[max(free, key=lambda d: (shape[d], -d))] = "data"
-    return spec(entries)
+    for split in (axes, axes[:1]):
+        ways = int(np.prod([mesh.shape[a] for a in split])) if split else 1
+        if ways == 1:
+            continue
+        free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % ways == 0]
+        if free:
+            entries[max(free, key=lambda d: (shape[d], -d))] = \
+                split if len(split) > 1 else split[0]
+            return spec(entries)
+    return base
 
 
 def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,

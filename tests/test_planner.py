@@ -590,6 +590,8 @@ def test_model_that_fits_nowhere_names_the_tightest_stage():
 def test_bad_constraints_and_batches():
     with pytest.raises(SpecError, match="only tp, mbs, remat"):
         options_from_fix("dp=2", PlannerOptions())
+    with pytest.raises(SpecError, match="layers.*only tp, mbs, remat"):
+        options_from_fix("tp=2,layers=3,5", PlannerOptions())
     with pytest.raises(SpecError, match="contradictory"):
         options_from_fix("tp=2,tp=4", PlannerOptions())
     with pytest.raises(SpecError, match="heads"):

@@ -122,13 +122,16 @@ def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     assert json.loads(files[0].read_text())["plan"]["version"] == SCHEMA_VERSION
 
 
-@pytest.mark.parametrize("fix", ["dp=4,tp=2,pp=1,zero1=true", "dp=2,tp=2,pp=2,zero1=true"])
+@pytest.mark.parametrize("fix", ["dp=4,tp=2,pp=1,zero1=true", "dp=2,tp=2,pp=2,zero1=true",
+                                 "dp=2,cp=2,tp=2,pp=1,zero1=true"])
 def test_distributed_optimizer_shards_optimizer_state_and_matches_one_device(fix):
     # ZeRO-1 on one stage (SPMD) and on a 2-stage pipeline (MPMD): same training as one
-    # device, momentum buffers split over the data axis, parameters whole on every way.
+    # device, momentum buffers split over the data axis (data x context on a stage with a
+    # context axis, as the simulator prices it), parameters whole on every way.
     plan = _plan(fix, shardings=True)
     assert plan.distributed_optimizer
-    data_ways = plan.pipelines[0].stages[0].axis("data")
+    stage = plan.pipelines[0].stages[0]
+    data_ways = stage.axis("data") * stage.axis("context")
     rng = np.random.default_rng(0)
     batches = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
     want_losses, want_params = _reference(batches, 3, tx="momentum")
@@ -143,7 +146,8 @@ def test_distributed_optimizer_shards_optimizer_state_and_matches_one_device(fix
         shard = x.addressable_shards[0].data.size
         ratios.add(p.addressable_shards[0].data.size // shard)
         if any(n % data_ways == 0 for n in x.shape):
-            assert "data" in jax.tree.leaves(tuple(x.sharding.spec))
+            axes = set(jax.tree.leaves(tuple(x.sharding.spec)))
+            assert "data" in axes and ("context" in axes) == (stage.axis("context") > 1)
         assert "data" not in jax.tree.leaves(tuple(p.sharding.spec))
     assert data_ways in ratios  # each data way keeps 1/data of the buffers
 

@@ -38,7 +38,7 @@ from hetshard.sim.schedule import (
     worker_order,
 )
 from hetshard.sim.simulator import _slowest, annotate, layers_cost, worker_memory
-from hetshard.solver.uniform import parse_fix, stage_bounds, uniform_plan
+from hetshard.solver.uniform import parse_fix, spread, stage_bounds, uniform_plan
 from models import profile as profile_model
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
@@ -401,7 +401,10 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof, d
 @pytest.mark.parametrize("fix,match", [
     ("dp=3,tp=1,pp=1", "product equal"),
     ("dp=8,tp=1,pp=1,mbs=3", "multiple of dp"),
-    ("dp=1,tp=1,pp=8", "divisor of the model's 4 blocks"),
+    ("dp=1,tp=1,pp=8", "at most the model's 4 blocks"),
+    ("dp=4,tp=1,pp=2,layers=1,2", "summing to the model's 4 blocks.*sum to 3"),
+    ("dp=4,tp=1,pp=2,layers=1,1,2", "2 block counts, one per stage"),
+    ("dp=4,tp=1,pp=2,vpp=2,mbs=1,layers=2,2", "4 block counts.*pp\\*vpp"),
     ("dp=1,tp=8,pp=1", "divisor of the model's 4 heads"),
 ])
 def test_fix_that_does_not_divide_is_an_error(prof, fix, match):
@@ -413,7 +416,9 @@ def test_fix_that_does_not_divide_is_an_error(prof, fix, match):
 @pytest.mark.parametrize("text,match", [
     ("dp=2,depth=3", "depth"), ("dp=two", "positive integer"), ("dp=0", "positive integer"),
     ("dp=2,dp=4", "contradictory"), ("remat=some", "remat"), ("fsdp=perhaps", "true or false"),
-    ("schedule=zb", "schedule"), ("dp=2,zero1=true,fsdp=true", "zero1=True.*with fsdp")])
+    ("schedule=zb", "schedule"), ("dp=2,zero1=true,fsdp=true", "zero1=True.*with fsdp"),
+    ("layers=0,2", "layers='0'.*positive"), ("layers=2,x", "layers='x'.*N\\*k"),
+    ("layers=2*0", "positive"), ("pp=2,8", "key=value")])
 def test_parse_fix_errors(text, match):
     with pytest.raises(SpecError, match=match):
         parse_fix(text)
@@ -422,6 +427,38 @@ def test_parse_fix_errors(text, match):
 def test_stage_bounds_put_embed_first_and_head_last(prof):
     assert stage_bounds(prof, 2) == [(0, 3), (3, 6)]
     assert stage_bounds(prof, 4) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    # Uneven: a layer list, or pp that does not divide the blocks (the remainder to the
+    # stages farthest from the ends, which also hold the embedding and the head).
+    assert stage_bounds(prof, 2, (1, 3)) == [(0, 2), (2, 6)]
+    assert stage_bounds(prof, 3) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_spread_takes_blocks_from_the_first_and_last_stages():
+    assert spread(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B's pipeline
+    assert spread(10, 4) == (2, 3, 3, 2) and spread(11, 4) == (3, 3, 3, 2)
+    assert sum(spread(61, 7)) == 61 and max(spread(61, 7)) - min(spread(61, 7)) == 1
+    assert parse_fix("pp=16,layers=7,8*14,7").layers == spread(126, 16)
+
+
+def test_simulate_prices_an_uneven_pipeline_by_its_slowest_stage():
+    """A layer list sets each stage's blocks; the even list costs what plain pp costs,
+    and piling blocks on the last stage (with the head) is slower."""
+    spec8 = "gpt:layers=8,hidden=4096,heads=32,vocab=512,seq=2048"  # compute-bound
+    prof8 = profile_model(spec8, 2048)
+    c = Cluster.load("dgx-a100-80gb-x8")
+
+    def step(fix):
+        p = uniform_plan(spec8, prof8, c, global_batch=8, seq_len=2048,
+                         fix=parse_fix("dp=1,tp=2,mbs=1," + fix))
+        return simulate(p, prof8, c).step_time_s, p
+    even, p = step("pp=4")
+    assert [s.end - s.start for s in p.pipelines[0].stages][1:-1] == [2, 2]
+    _, p3 = step("pp=4,layers=1,3,3,1")
+    assert [(s.start, s.end) for s in p3.pipelines[0].stages][0][1] == 2  # embed + 1 block
+    same, _ = step("pp=4,layers=2,2,2,2")
+    assert same == pytest.approx(even)
+    heavy, _ = step("pp=4,layers=1,1,1,5")
+    assert heavy > even
 
 
 def test_simulate_cli_json(capsys, tmp_path):
@@ -458,7 +495,7 @@ def test_simulate_interleaved_fix(capsys, device_only_file):
     assert inter["bubble_fraction"] < plain["bubble_fraction"]
     for fix, match in (("dp=4,pp=2,mbs=4,vpp=2", "vpp=2.*the 1 micro-batches"),
                        ("dp=8,pp=1,vpp=2", "vpp=2.*pp > 1"),
-                       ("dp=2,pp=4,mbs=1,vpp=2", "pp\\*vpp=8.*4 blocks")):
+                       ("dp=2,pp=4,mbs=1,vpp=2", "pp\\*vpp=8.*at most.*4 blocks")):
         assert main(["simulate", "--model", SPEC, "--cluster", "dgx-a100-80gb-x8",
                      "--global-batch", "16", "--fix", fix]) == 2
         assert re.search(match, capsys.readouterr().err), fix
@@ -785,8 +822,9 @@ def test_state_sharded_over_context_is_priced_a_share_a_device():
     (no data ways) holds an eighth of the weights and AdamW moments a device, and fits,
     where the state replicated over the ring (112 GB a device) does not; the stage's
     static memory is exactly the replicated one's over the ring's size; the gradients
-    are then reduce-scattered over the ring and each layer's weights gathered from it,
-    which the replicated state does not pay."""
+    are then reduce-scattered over the ring and each layer's weights gathered from it.
+    The replicated state's gradients are partial sums over each rank's tokens too:
+    they are all-reduced over the ring (a CP-only plan still syncs its gradients)."""
     profile = profile_model("llama-7b", seq_len=4096)
     cluster = Cluster.from_dict({"name": "a100", "groups": [
         {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}]})
@@ -800,8 +838,13 @@ def test_state_sharded_over_context_is_priced_a_share_a_device():
     ((ca,),), ((cb,),) = a.stage_costs, b.stage_costs
     assert cb.memory_static_bytes == pytest.approx(ca.memory_static_bytes / 8)
     assert ca.memory_static_bytes > 100e9
-    assert cb.fwd_s > ca.fwd_s and b.step_time_s > a.step_time_s  # gathers, sync
+    assert cb.fwd_s > ca.fwd_s  # the per-layer gathers
     assert cb.optimizer_s == pytest.approx(ca.optimizer_s / 8)
+    sync = {name: [t for t in r.tasks if t.kind == "sync"] for name, r in (("a", a), ("b", b))}
+    assert len(sync["a"]) == len(sync["b"]) == 1
+    # An all-reduce moves twice a reduce-scatter's bytes.
+    (sa,), (sb,) = sync["a"], sync["b"]
+    assert sa.end_s - sa.start_s == pytest.approx(2 * (sb.end_s - sb.start_s), rel=0.05)
 
 
 def test_lowering_one_stages_warm_up_keeps_the_warm_up_from_growing_along_the_pipeline():

@@ -84,6 +84,10 @@ class DeviceType:
     # (``hetshard.kernel_choice``): cuDNN's fused attention needs 8.0 or later, the
     # Pallas kernel's Triton lowering 7.0 (bfloat16 products 8.0).
     compute_capability: str | None = None
+    # The measured large-GEMM ceiling, 16-bit TFLOP/s: the best rate of one bf16 matmul
+    # alone over a scan of large shapes (Bekman's "maximum achievable matmul FLOPS"),
+    # the rate of a GEMM kernel, not of a training step; None: not measured.
+    gemm_tflops: float | None = None
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
@@ -98,6 +102,8 @@ class DeviceType:
             check_positive("tf32_tflops", self.tf32_tflops, where=where)
         if self.attention_tflops is not None:
             check_positive("attention_tflops", self.attention_tflops, where=where)
+        if self.gemm_tflops is not None:
+            check_positive("gemm_tflops", self.gemm_tflops, where=where)
         _share("matmul_eff", self.matmul_eff, where)
         _whole("sms", self.sms, where)
         if self.compute_capability is not None:
@@ -147,14 +153,30 @@ _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0
 # FlashAttention-3, Fig. 5: FA2's causal forward at 8k), i.e. ~0.61 and ~0.33 of peak: a
 # Hopper runs FA2-class kernels (and the Triton-lowered Pallas kernel) far below its GEMMs.
 _FA2_A100, _FA2_HOPPER = 190.0, 330.0
-# Large GEMMs' sustained share of the 16-bit peak in training, fitted per architecture
-# (experiments/cost_model_accuracy.py, ``fit_matmul_eff``: the mean log error of the fit
-# rows zeroed; every other row of every set held out). Ampere: 3 of Megatron-LM's 14
-# DGX A100 rows (Narayanan et al. 2021: 1.7B, 18.4B, 145.6B) give 0.674. Hopper: the 8-GPU
-# FSDP Llama 3.1 8B row of torchtitan's H100 runs (500 W, peak priced at 912) gives 0.542;
-# the same share is taken for the 700 W SXM part, the H200 and the GH200 (no measured
-# row of their own). Without a fit a type uses the cost model's 0.75.
-_AMPERE_GEMM, _HOPPER_GEMM = 0.674, 0.54
+# Measured large-GEMM ceilings, bf16 TFLOP/s (S. Bekman, "Machine Learning Engineering",
+# compute/accelerator, "Maximum Achievable Matmul FLOPS comparison table", measured with
+# its mamf-finder.py): A100 SXM 267.9 (85.9% of 312, CUDA 12.1), A100 PCIe 256.4, H100 SXM
+# 792.1 (80.1% of 989, 700 W, CUDA 12.1), GH200 821.0 (83.0%, CUDA 12.5); the same page
+# gives 794.5 for H100/H200 SXM. An 8192^3 bf16 GEMM lands within a few percent of them.
+_MAMF = {"A100-SXM": 267.9, "A100-PCIe": 256.4, "H100-SXM": 792.1, "GH200": 821.0}
+# Large GEMMs' sustained share of the 16-bit peak in a training step (clocks under a
+# training's power draw, the kernels' mix, what the per-op model does not see), fitted
+# where documented runs exist (experiments/cost_model_accuracy.py, ``fit_matmul_eff``:
+# the mean log error of the fit rows zeroed; every other row of every set held out).
+# Ampere: 3 of Megatron-LM's 14 DGX A100 rows (Narayanan et al. 2021: 1.7B, 18.4B,
+# 145.6B) give 0.674, i.e. 0.785 of the A100's measured GEMM ceiling. Hopper at 500 W
+# (torchtitan's Grand Teton hosts): its 8-GPU FSDP Llama 3.1 8B row gives 0.542 of the
+# 912 TFLOP/s priced for that part. A 700 W Hopper without a fitted row of its own (H100
+# SXM, H200, GH200) runs its measured ceiling at Ampere's training share: 0.801 x 0.785 =
+# 0.629 of peak on an H100 SXM (0.54, the 500 W fit, had priced NeMo/MaxText H100 runs
+# 13-29% too slow). Without either a type uses the cost model's 0.75.
+_AMPERE_GEMM, _HOPPER_500W_GEMM = 0.674, 0.542
+_TRAINING_SHARE = _AMPERE_GEMM / (_MAMF["A100-SXM"] / 312.0)
+
+
+def _sustained(mamf: float, peak: float) -> float:
+    """A type's training share of its peak from its measured GEMM ceiling."""
+    return round(mamf / peak * _TRAINING_SHARE, 3)
 
 _TYPES = [
     DeviceType("V100-16GB", None, 125.0, 15.7, 16, 900, 150, 50,
@@ -180,27 +202,49 @@ _TYPES = [
                source="NVIDIA A100 datasheet: 312 TFLOPS BF16 dense, 156 TF32 dense, 19.5 "
                       "FP32, 1555 GB/s, NVLink3 600 GB/s bidirectional",
                memory_mib=40960, tf32_tflops=156.0, attention_tflops=_FA2_A100, sms=108,
-               matmul_eff=_AMPERE_GEMM,
+               matmul_eff=_AMPERE_GEMM, gemm_tflops=_MAMF["A100-SXM"],
                compute_capability="8.0"),
     DeviceType("A100-80GB", 312.0, 312.0, 19.5, 80, 2039, 300, 200,
                device_kinds=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
                source="NVIDIA A100 datasheet (SXM 80GB): 2039 GB/s HBM2e, 156 TF32 dense",
                memory_mib=81920, tf32_tflops=156.0, attention_tflops=_FA2_A100, sms=108,
-               matmul_eff=_AMPERE_GEMM,
+               matmul_eff=_AMPERE_GEMM, gemm_tflops=_MAMF["A100-SXM"],
                compute_capability="8.0"),
     DeviceType("H100-80GB", 989.0, 989.0, 67.0, 80, 3350, 450, 400,
-               device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100", "NVIDIA H100 PCIe"),
-               source="NVIDIA H100 datasheet (SXM5): 989 TFLOPS BF16 dense, 494.7 TF32 "
-                      "dense, 67 FP32, 3.35 TB/s, NVLink4 900 GB/s bidirectional",
+               device_kinds=("NVIDIA H100 80GB HBM3", "NVIDIA H100"),
+               source="NVIDIA H100 datasheet (SXM5, 700 W): 989 TFLOPS BF16 dense, 494.7 "
+                      "TF32 dense, 67 FP32, 3.35 TB/s, NVLink4 900 GB/s bidirectional",
                memory_mib=81559, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM,
+               matmul_eff=_sustained(_MAMF["H100-SXM"], 989.0), gemm_tflops=_MAMF["H100-SXM"],
                compute_capability="9.0"),
+    DeviceType("H100-96GB-500W", 912.0, 912.0, 62.0, 96, 2400, 450, 400,
+               source="H100 SXM with 96 GB HBM2e at 2.4 TB/s, capped at 500 W (Meta's Grand "
+                      "Teton hosts, torchtitan's published runs): dense BF16 priced at 912, "
+                      "between the 700 W SXM's 989 and the NVL's 835 (torchtitan's note), "
+                      "FP32 and TF32 scaled alike; 400 Gb/s RDMA per GPU",
+               tf32_tflops=456.0, attention_tflops=_FA2_HOPPER * 912 / 989,
+               sms=132, matmul_eff=_HOPPER_500W_GEMM, compute_capability="9.0"),
+    DeviceType("H100-PCIe", 756.0, 756.0, 51.0, 80, 2000, _PCIE5, 50,
+               device_kinds=("NVIDIA H100 PCIe",),
+               source="NVIDIA H100 datasheet (PCIe, 350 W): 1513 TFLOPS BF16 with sparsity "
+                      "(756 dense), 378 TF32 dense, 51 FP32, 80 GB HBM2e at 2 TB/s, 114 SMs, "
+                      "PCIe Gen5 x16 (NVLink bridges pair cards only); 400 Gb/s per node",
+               memory_mib=81559, tf32_tflops=378.0, attention_tflops=_FA2_HOPPER * 756 / 989,
+               sms=114, compute_capability="9.0"),
+    DeviceType("H100-NVL", 835.0, 835.0, 60.0, 94, 3900, _PCIE5, 50,
+               device_kinds=("NVIDIA H100 NVL",),
+               source="NVIDIA H100 NVL datasheet (400 W): 1671 TFLOPS BF16 with sparsity "
+                      "(835 dense), 835 TF32 with sparsity (417.5 dense), 60 FP32, 94 GB "
+                      "HBM3 at 3.9 TB/s, 132 SMs, PCIe Gen5 x16 (NVLink bridges pair cards "
+                      "only)",
+               memory_mib=95830, tf32_tflops=417.5, attention_tflops=_FA2_HOPPER * 835 / 989,
+               sms=132, compute_capability="9.0"),
     DeviceType("H200", 989.0, 989.0, 67.0, 141, 4800, 450, 400,
                device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
                source="NVIDIA H200 datasheet (SXM): 989 TFLOPS BF16 dense, 494.7 TF32 dense, "
                       "141 GB, 4.8 TB/s",
                memory_mib=143771, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM,
+               matmul_eff=_sustained(_MAMF["H100-SXM"], 989.0), gemm_tflops=_MAMF["H100-SXM"],
                compute_capability="9.0"),
     DeviceType("GH200-96GB", 989.0, 989.0, 67.0, 96, 4000, 450, 100,
                device_kinds=("NVIDIA GH200 96GB HBM3", "NVIDIA GH200"),
@@ -209,7 +253,7 @@ _TYPES = [
                       "bidirectional; 4 per node with 4x 200 Gb/s Slingshot (CSCS Alps); "
                       "memory as Sailor's cluster config gives it (102625181696 bytes)",
                memory_mib=97872, tf32_tflops=494.7, attention_tflops=_FA2_HOPPER, sms=132,
-               matmul_eff=_HOPPER_GEMM,
+               matmul_eff=_sustained(_MAMF["GH200"], 989.0), gemm_tflops=_MAMF["GH200"],
                compute_capability="9.0"),
     DeviceType("B200", 2250.0, 2250.0, 75.0, 180, 7700, 900, 400,
                device_kinds=("NVIDIA B200",),
@@ -293,7 +337,7 @@ CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops",
                   "attention_tflops", "memory_gb", "memory_mib", "memory_gbs",
                   "intra_node_gbs", "inter_node_gbs", "vendor", "sms", "matmul_eff",
-                  "compute_capability"}
+                  "compute_capability", "gemm_tflops"}
 
 
 class PrecisionWarning(UserWarning):
@@ -369,7 +413,7 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
     if not isinstance(d["name"], str) or not d["name"]:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
     for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "attention_tflops",
-              "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
+              "gemm_tflops", "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]
@@ -381,6 +425,7 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"),
         attention_tflops=d.get("attention_tflops"), sms=_whole(f"{field}.sms", d.get("sms")),
         matmul_eff=_share(f"{field}.matmul_eff", d.get("matmul_eff")),
+        gemm_tflops=d.get("gemm_tflops"),
         compute_capability=_capability(f"{field}.compute_capability",
                                        d.get("compute_capability")))
 

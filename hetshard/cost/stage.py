@@ -146,6 +146,22 @@ def matmul_shape_eff(dims: np.ndarray, sms: int | None) -> np.ndarray:
     return np.where(dims[..., 1] > 0, best, 1.0)
 
 
+def gemm_rate(gpu, m: int, n: int, k: int, dtype: str = "bfloat16") -> float:
+    """FLOP/s of one ``m x k @ k x n`` matmul run alone on ``gpu`` (a ``DeviceType``): its
+    measured large-GEMM ceiling (``gemm_tflops``; where not measured, the training share
+    ``matmul_eff`` of the peak, else MATMUL_EFF) times :func:`matmul_shape_eff`. A
+    training step prices its matmuls at ``matmul_eff`` of the peak instead (the clocks
+    and mix of a whole step, fitted per architecture: ``hetshard.cluster.catalog``)."""
+    from hetshard.cost.calibration import MATMUL_EFF
+    peak = gpu.peak_flops(dtype)
+    if gpu.gemm_tflops is not None and dtype in ("bfloat16", "bf16", "float16", "fp16"):
+        ceiling = min(gpu.gemm_tflops * 1e12, peak)
+    else:
+        ceiling = peak * (gpu.matmul_eff if gpu.matmul_eff is not None else MATMUL_EFF)
+    shape = matmul_shape_eff(np.array([[1.0, m, n, k]]), gpu.sms)[0]
+    return float(ceiling * shape)
+
+
 _PER_DIMS: dict[tuple, tuple] = {}
 
 
@@ -638,7 +654,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
                  if end < profile.num_layers else 0.0)
     shard_dp = gathered
-    opt_dp = max(gathered, dp if shard_optimizer else 1)
+    # The distributed optimizer shards the optimizer state over data x context (the
+    # context ranks hold the same parameters: Megatron-LM's distributed optimizer does
+    # the same; ``hetshard.layout.leaf_spec``).
+    opt_dp = max(gathered, dp * cp if shard_optimizer else 1)
     static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
               param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
               static_copy / shard_dp)

@@ -501,14 +501,14 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 devices, holders, overlap = partners
                 topo = topology(cluster, devices)
                 fsdp = plan.fsdp or st.axis("fsdp") > 1 or _context_sharded(plan, st)
-                # ZeRO-1 shards over the stage's own data ways (none: nothing to shard).
-                zero1 = plan.distributed_optimizer and not fsdp and st.axis("data") > 1
+                # ZeRO-1 shards over the stage's own data and context ways (none: nothing
+                # to shard).
+                zero1 = plan.distributed_optimizer and not fsdp and \
+                    st.axis("data") * st.axis("context") > 1
                 kind = "reduce_scatter" if (fsdp or zero1) else "all_reduce"
                 slowest = _slowest(cluster, devices).name
-                # One ring per tensor (and context) rank, all at once, sharing each node's
-                # network card.
-                rings = st.axis("tensor") * (1 if _context_sharded(plan, st)
-                                             else st.axis("context"))
+                # One ring per tensor rank, all at once, sharing each node's network card.
+                rings = st.axis("tensor")
                 t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest, rings)
                 t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
                                            slowest, rings) if zero1 else 0.0
@@ -676,13 +676,13 @@ def _sync_partners(plan: Plan, pi: int, stage):
                 holders.append((qi, qs))
                 if qi != pi:
                     devices += list(other.devices)
-    sharded = _context_sharded(plan, stage)
-    if dp <= 1 and len(holders) == 1 and not sharded:
+    if dp <= 1 and len(holders) == 1 and stage.axis("context") <= 1:
         return None
-    # One representative device per replica: the collective runs tp*cp-way in parallel
-    # (tp-way where the context ranks shard the state: ``Context.shard_state``).
-    every = stage.axis("tensor") * (1 if sharded else stage.axis("context"))
-    return devices[::every], holders, plan.grad_sync_overlap
+    # One device per data and context rank: each context rank's gradients are partial
+    # sums over its share of the tokens, summed (or, under ``Context.shard_state`` and
+    # the distributed optimizer, reduce-scattered) over data x context, as Megatron-LM's
+    # data-and-context group does; the collective runs tp-way in parallel.
+    return devices[::stage.axis("tensor")], holders, plan.grad_sync_overlap
 
 
 def _context_sharded(plan: Plan, stage) -> bool:

@@ -8,11 +8,18 @@ embedding joins the first stage and the head the last. A stage whose devices mix
 GPU types runs at the slowest type's pace (one SPMD program). With ``vpp = v > 1``
 the blocks are split into ``pp * v`` stages, stage ``j`` on submesh ``j mod pp``
 (Megatron-LM's interleaved schedule; micro-batches a multiple of ``pp``).
+
+``layers=7,8*14,7`` gives each of the ``pp * vpp`` stages its number of blocks (Llama 3
+405B's 126 blocks on 16 stages, one fewer on the first and the last, which also hold
+the embedding and the head). Without it, blocks that ``pp * vpp`` does not divide are
+spread one more to the stages farthest from the ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
@@ -20,7 +27,8 @@ from hetshard.errors import SpecError, check_positive
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
-            "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool}
+            "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool,
+            "layers": tuple}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -37,12 +45,17 @@ class Fix:
     vpp: int = 1  # virtual stages per pipeline submesh (interleaved schedule when > 1)
     zero1: bool = False  # the distributed optimizer: optimizer state sharded over dp
     tp_overlap: bool = False  # collective matmuls on tensor-parallel stages
+    layers: tuple[int, ...] = ()  # blocks per stage, pp * vpp of them (empty: as even as can be)
 
 
 def parse_fix(text: str) -> Fix:
     """Parses ``dp=8,tp=1,pp=1,fsdp=true,mbs=6,remat=none``."""
     kw: dict = {}
+    key = None
     for item in filter(None, (t.strip() for t in text.split(","))):
+        if "=" not in item and key == "layers":  # layers=7,8,8: the list goes on
+            kw["layers"] += _counts(item)
+            continue
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq:
@@ -60,6 +73,8 @@ def parse_fix(text: str) -> Fix:
                 raise SpecError(f"--fix {key}", value, "a positive integer") from None
             if kw[key] < 1:
                 raise SpecError(f"--fix {key}", value, "a positive integer")
+        elif kind is tuple:
+            kw[key] = _counts(value)
         elif kind is bool:
             if value.lower() not in _BOOL:
                 raise SpecError(f"--fix {key}", value, "true or false")
@@ -80,13 +95,50 @@ def parse_fix(text: str) -> Fix:
     return fix
 
 
-def stage_bounds(profile: ModelProfile, pp: int) -> list[tuple[int, int]]:
-    """Layer ranges of ``pp`` stages with equal numbers of blocks."""
+def _counts(text: str) -> tuple[int, ...]:
+    """``8`` or ``8*14`` (14 stages of 8 blocks) as a tuple of block counts."""
+    n, star, times = text.strip().partition("*")
+    try:
+        counts = (int(n),) * (int(times) if star else 1)
+    except ValueError:
+        raise SpecError("--fix layers", text, "block counts per stage, e.g. 7,8*14,7 "
+                        "(positive integers, N*k for k stages of N)") from None
+    if not counts or min(counts) < 1:
+        raise SpecError("--fix layers", text, "positive block counts (every stage holds at "
+                        "least one block; N*k with k >= 1)")
+    return counts
+
+
+def spread(blocks: int, stages: int, field: str = "--fix pp") -> tuple[int, ...]:
+    """``blocks`` over ``stages`` as evenly as can be: the remainder one more each to the
+    stages farthest from the pipeline's ends (the first and last also hold the embedding
+    and the head)."""
+    if stages > blocks:
+        raise SpecError(field, stages, f"at most the model's {blocks} blocks (a stage "
+                        f"holds at least one)")
+    counts = [blocks // stages] * stages
+    middle = sorted(range(stages), key=lambda s: (-min(s, stages - 1 - s), s))
+    for s in middle[:blocks % stages]:
+        counts[s] += 1
+    return tuple(counts)
+
+
+def stage_bounds(profile: ModelProfile, pp: int, counts: tuple[int, ...] = (),
+                 field: str = "--fix pp") -> list[tuple[int, int]]:
+    """Layer ranges of ``pp`` stages holding ``counts`` blocks each (default: as even as
+    can be, :func:`spread`)."""
     blocks = profile.block_indices()
-    if len(blocks) % pp:
-        raise SpecError("--fix pp", pp, f"a divisor of the model's {len(blocks)} blocks")
-    per = len(blocks) // pp
-    starts = [0] + [blocks[k * per] for k in range(1, pp)]
+    if not counts:
+        counts = spread(len(blocks), pp, field)
+    if len(counts) != pp:
+        raise SpecError("--fix layers", ",".join(map(str, counts)),
+                        f"{pp} block counts, one per stage ({field.split()[-1]})")
+    if sum(counts) != len(blocks):
+        raise SpecError("--fix layers", ",".join(map(str, counts)),
+                        f"block counts summing to the model's {len(blocks)} blocks "
+                        f"(they sum to {sum(counts)})")
+    firsts = np.cumsum((0,) + tuple(counts))[:-1]
+    starts = [0] + [blocks[int(k)] for k in firsts[1:]]
     # Non-block layers just before a stage's first block belong to that stage.
     for k in range(1, pp):
         j = starts[k]
@@ -121,12 +173,8 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                         f"1 unless pp > 1 and the {m} micro-batches (global batch / (dp*mbs)) "
                         f"are a multiple of pp={fix.pp} (interleaved schedules take "
                         f"micro-batches in groups of pp)")
-    try:
-        bounds = stage_bounds(profile, fix.pp * fix.vpp)
-    except SpecError:
-        blocks = len(profile.block_indices())
-        raise SpecError("--fix pp" if fix.vpp == 1 else "--fix pp*vpp", fix.pp * fix.vpp,
-                        f"a divisor of the model's {blocks} blocks") from None
+    bounds = stage_bounds(profile, fix.pp * fix.vpp, fix.layers,
+                          "--fix pp" if fix.vpp == 1 else "--fix pp*vpp")
     per_stage = fix.dp * fix.cp * fix.tp
     stages = []
     for s, (a, b) in enumerate(bounds):
