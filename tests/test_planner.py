@@ -894,3 +894,26 @@ def test_long_sequences_get_context_parallelism():
     short = make_plan(long_llama, cluster, global_batch=1, seq_len=2048, options=opts,
                       shardings=False, dtype="bfloat16")
     assert short.context.degree == 1  # below context_min_seq no ring is considered
+
+
+def test_where_no_plan_fits_the_planner_shards_the_state_inside_each_node():
+    """llama-7b on two nodes of 8 A100-40GB, one stage without tensor parallelism: no
+    plan fits with the parameters whole on every data way (ZeRO-1 at most). The planner
+    searches again with each stage's state sharded inside its node (hybrid sharding:
+    FSDP over a node's 8 GPUs, data parallelism across the 2 nodes) and finds one;
+    with ``state_sharding="none"`` there is none; a bad name names the field."""
+    from hetshard.solver.inter_op import plan as inter_plan
+    prof = models.profile("llama-7b", 2048)
+    c = Cluster.from_dict({"name": "two", "groups": [
+        {"name": "a", "gpu": "A100-40GB", "nodes": 2, "gpus_per_node": 8,
+         "inter_node_gbs": 12.5}]})
+    opts = PlannerOptions(max_stages=1, tp_options=(1,), cp_options=(1,), time_limit_s=30)
+    p = inter_plan("llama-7b", prof, c, global_batch=64, seq_len=2048, options=opts)
+    ((st,),) = [q.stages for q in p.pipelines]
+    assert dict(st.mesh_shape)["fsdp"] == 8 and dict(st.mesh_shape)["data"] == 2
+    assert simulate(p, prof, c).fits
+    with pytest.raises(NoFeasiblePlanError):
+        inter_plan("llama-7b", prof, c, global_batch=64, seq_len=2048,
+                   options=dataclasses.replace(opts, state_sharding="none"))
+    with pytest.raises(SpecError, match="state_sharding='some'"):
+        PlannerOptions(state_sharding="some")

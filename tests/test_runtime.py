@@ -87,6 +87,7 @@ def _plan(fix, shardings=False):
 @pytest.mark.parametrize("fix,shardings", [
     ("dp=8,tp=1,pp=1", False),             # data parallel
     ("dp=8,tp=1,pp=1,fsdp=true", False),   # FSDP (ZeRO-3 style parameter sharding)
+    ("dp=8,tp=1,pp=1,hsdp=4", False),      # hybrid: FSDP inside 2 groups of 4, DP across
     ("dp=2,tp=4,pp=1", True),              # tensor parallel, specs from the CP-SAT solver
     ("dp=2,tp=4,pp=1,tp_overlap=true", True),  # ... as collective matmuls
 ])
@@ -102,6 +103,12 @@ def test_single_stage_plans_match_single_device_training(fix, shardings):
     if shardings:  # the plan really split weights over the tensor axis
         kernel = step.plan.pipelines[0].stages[0].shardings
         assert any("tensor" in spec for _, spec in kernel)
+    if "hsdp" in fix:  # weights split over each group's fsdp ranks, whole across groups
+        axes = [set(jax.tree.leaves(tuple(x.sharding.spec))) for x in jax.tree.leaves(params)
+                if x.ndim == 2]
+        assert axes and all(a == {"fsdp"} for a in axes)
+        assert {x.addressable_shards[0].data.size * 4 == x.size
+                for x in jax.tree.leaves(params) if x.ndim == 2} == {True}
 
 
 def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):

@@ -402,6 +402,7 @@ def test_distributed_optimizer_shards_state_and_gathers_after_the_update(prof, d
     ("dp=3,tp=1,pp=1", "product equal"),
     ("dp=8,tp=1,pp=1,mbs=3", "multiple of dp"),
     ("dp=1,tp=1,pp=8", "at most the model's 4 blocks"),
+    ("dp=8,tp=1,pp=1,hsdp=3", "hsdp=3.*a divisor of dp=8"),
     ("dp=4,tp=1,pp=2,layers=1,2", "summing to the model's 4 blocks.*sum to 3"),
     ("dp=4,tp=1,pp=2,layers=1,1,2", "2 block counts, one per stage"),
     ("dp=4,tp=1,pp=2,vpp=2,mbs=1,layers=2,2", "4 block counts.*pp\\*vpp"),
@@ -418,7 +419,8 @@ def test_fix_that_does_not_divide_is_an_error(prof, fix, match):
     ("dp=2,dp=4", "contradictory"), ("remat=some", "remat"), ("fsdp=perhaps", "true or false"),
     ("schedule=zb", "schedule"), ("dp=2,zero1=true,fsdp=true", "zero1=True.*with fsdp"),
     ("layers=0,2", "layers='0'.*positive"), ("layers=2,x", "layers='x'.*N\\*k"),
-    ("layers=2*0", "positive"), ("pp=2,8", "key=value")])
+    ("layers=2*0", "positive"), ("pp=2,8", "key=value"),
+    ("dp=8,hsdp=4,fsdp=true", "hsdp=4.*no hsdp with fsdp=true"), ("hsdp=0", "positive")])
 def test_parse_fix_errors(text, match):
     with pytest.raises(SpecError, match=match):
         parse_fix(text)
@@ -861,3 +863,34 @@ def test_lowering_one_stages_warm_up_keeps_the_warm_up_from_growing_along_the_pi
         assert all(a <= b for a, b in zip(got, extra, strict=True))
         forwards = [p - w - 1 + e for w, e in enumerate(got)]
         assert all(x >= y for x, y in zip(forwards, forwards[1:], strict=False))
+
+
+def test_hybrid_sharding_gathers_inside_a_node_and_syncs_a_shard_across_nodes():
+    """``--fix hsdp=8`` on two 8-GPU nodes: FSDP inside each node, data parallelism
+    across. Its per-layer gathers stay on NVLink (the forward is the same on a 2 or a 200
+    GB/s network, where flat FSDP's gathers cross it); its gradient sync is a
+    reduce-scatter inside the node plus an all-reduce of each GPU's eighth across the
+    nodes, the only part on the slow link; each device holds an eighth of the state."""
+    prof = profile_model("llama-7b", seq_len=2048)
+
+    def run(fix, inter):
+        c = Cluster.from_dict({"name": "two", "groups": [{
+            "name": "a", "gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 8,
+            "inter_node_gbs": inter}]})
+        p = uniform_plan("llama-7b", prof, c, global_batch=64, seq_len=2048,
+                         fix=parse_fix(fix), attention="flash")
+        return simulate(p, prof, c), c
+    (hs, c), (hf, _) = run("dp=16,hsdp=8,mbs=2", 2), run("dp=16,hsdp=8,mbs=2", 200)
+    (fs, _), (ff, _) = run("dp=16,fsdp=true,mbs=2", 2), run("dp=16,fsdp=true,mbs=2", 200)
+    ((h,),), ((f,),) = hs.stage_costs, fs.stage_costs
+    assert h.fwd_s == pytest.approx(hf.stage_costs[0][0].fwd_s)
+    assert f.fwd_s > 5 * ff.stage_costs[0][0].fwd_s and f.fwd_s > 5 * h.fwd_s
+    (sync,) = [t for t in hs.tasks if t.kind == "sync"]
+    n = h.grad_sync_bytes
+    want = (collective_time("reduce_scatter", n, topology(c, range(8)), DEFAULT, "A100-80GB")
+            + collective_time("all_reduce", n / 8, topology(c, [0, 8]), DEFAULT,
+                              "A100-80GB", 8))
+    assert sync.end_s - sync.start_s == pytest.approx(want)
+    assert hs.step_time_s < 0.7 * fs.step_time_s
+    # the state: an eighth a device (flat FSDP's a sixteenth)
+    assert h.memory_static_bytes == pytest.approx(2 * f.memory_static_bytes)

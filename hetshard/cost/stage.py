@@ -436,13 +436,16 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None,
                tp_overlap: bool = False, dtype: str | None = None,
-               shard_context: bool = False) -> StageCost:
+               shard_context: bool = False, optimizer_ways: int | None = None) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
     matmuls' and attention's compute dtype (None: the program's, ``Plan.gpu_dtypes``);
     ``shard_context``: the state is sharded over the ``cp`` context ranks too
-    (``Context.shard_state``: FSDP over ``dp x cp``, ``dp_topo`` then those devices')."""
+    (``Context.shard_state``: FSDP over ``dp x cp``, ``dp_topo`` then those devices');
+    ``optimizer_ways``: the ways the optimizer state is split over, where not what
+    ``dp``, ``fsdp`` and ``shard_optimizer`` say (a hybrid-sharded stage: FSDP over
+    ``dp`` ranks inside each data group, the distributed optimizer across them)."""
     if remat not in REMATS:
         raise SpecError("remat", remat, f"one of {REMATS}")
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -657,7 +660,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     # The distributed optimizer shards the optimizer state over data x context (the
     # context ranks hold the same parameters: Megatron-LM's distributed optimizer does
     # the same; ``hetshard.layout.leaf_spec``).
-    opt_dp = max(gathered, dp * cp if shard_optimizer else 1)
+    opt_dp = optimizer_ways or max(gathered, dp * cp if shard_optimizer else 1)
     static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
               param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
               static_copy / shard_dp)

@@ -245,12 +245,57 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
     # the devices FSDP gathers a weight from: one a data way, or a (data, context) pair
     dp_topo = topology(cluster, devs[::tp] if shard_context else devs[::tp * cp]) \
         if dp > 1 or shard_context else None
+    opt_ways = None
+    if fsdp and is_hybrid(st):
+        # Hybrid sharding: each data group of ``fsdp`` ways gathers from its own ranks
+        # (the slowest group's links); the distributed optimizer also splits the
+        # optimizer state over the groups (``hetshard.layout.leaf_spec``).
+        f, step = st.axis("fsdp"), tp if shard_context else tp * cp
+        span = f * cp * tp
+        dp_topo = _slowest_group(cluster, [devs[i:i + span:step]
+                                           for i in range(0, len(devs), span)])
+        opt_ways = f * (cp if shard_context else 1) * \
+            (st.axis("data") if shard_optimizer else 1)
+        dp = f
     return stage_cost(profile, start, end, gpu, tp=tp, cp=cp, dp=dp, fsdp=fsdp,
-                      shard_context=shard_context,
+                      shard_context=shard_context, optimizer_ways=opt_ways,
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
                       dp_topo=dp_topo, tp_overlap=tp_overlap, dtype=dtype)
+
+
+def is_hybrid(st) -> bool:
+    """Whether stage ``st`` shards its state over an ``fsdp`` axis inside each of its
+    ``data`` groups (hybrid sharding: FSDP inside a group, data parallelism across)."""
+    return st.axis("fsdp") > 1 and st.axis("data") > 1
+
+
+def _hybrid_sync(st, cluster: Cluster, cal: Calibration, nbytes: float,
+                 sharded_context: bool) -> float:
+    """A hybrid-sharded stage's gradient sync (``is_hybrid``): a reduce-scatter inside
+    each data group over its fsdp ranks (on their links), then an all-reduce of each
+    rank's 1/fsdp shard across the groups (on the links between them), the groups' and
+    the shards' collectives running at once and sharing each node's network card."""
+    devs = list(st.devices)
+    d, f, cp, tp = (st.axis(a) for a in ("data", "fsdp", "context", "tensor"))
+
+    def at(di, fi, ci, ti):  # the stage's devices are data-major, then fsdp, context, tensor
+        return devs[((di * f + fi) * cp + ci) * tp + ti]
+    ctx = range(cp) if sharded_context else (0,)
+    # inside a data group: its fsdp (and, sharded, context) ranks
+    inner = _slowest_group(cluster, [[at(di, fi, ci, 0) for fi in range(f) for ci in ctx]
+                                     for di in range(d)])
+    # across the groups: one ring per shard (and, unsharded, over the context ranks too)
+    across = (0,) if sharded_context else range(cp)
+    outer = _slowest_group(cluster, [[at(di, fi, ci, 0) for di in range(d) for ci in across]
+                                     for fi in range(f)])
+    slowest = _slowest(cluster, devs).name
+    rs = collective_time("reduce_scatter", nbytes, inner, cal, slowest,
+                         tp * (1 if sharded_context else cp))
+    shards = f * len(ctx)
+    ar = collective_time("all_reduce", nbytes / shards, outer, cal, slowest, tp * shards)
+    return rs + ar
 
 
 def _slowest_group(cluster: Cluster, groups):
@@ -510,6 +555,9 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 # One ring per tensor rank, all at once, sharing each node's network card.
                 rings = st.axis("tensor")
                 t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest, rings)
+                if is_hybrid(st) and len(holders) == 1:
+                    t_sync = _hybrid_sync(st, cluster, cal, c.grad_sync_bytes,
+                                          _context_sharded(plan, st))
                 t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
                                            slowest, rings) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;

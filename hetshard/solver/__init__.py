@@ -37,7 +37,7 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
         return base
     fix = parse_fix(text)
     given = {item.split("=")[0].strip() for item in text.split(",") if "=" in item}
-    layout = given & {"dp", "pp", "cp", "fsdp", "layers"}
+    layout = given & {"dp", "pp", "cp", "fsdp", "layers", "hsdp"}
     if layout:
         raise SpecError(f"--fix {sorted(layout)[0]}", getattr(fix, sorted(layout)[0]),
                         "only tp, mbs, remat, schedule, vpp, zero1 and tp_overlap for "

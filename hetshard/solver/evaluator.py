@@ -23,7 +23,7 @@ from hetshard.sim.simulator import (
     warmup_short_of_memory,
 )
 from hetshard.solver.options import PlannerOptions, PlannerTimeLimitWarning
-from hetshard.solver.variants import zero_bubble
+from hetshard.solver.variants import SHARDINGS, sharded_state, zero_bubble
 
 
 class Candidate(NamedTuple):
@@ -90,7 +90,19 @@ class Evaluator:
         if self.opts.distributed_optimizer is None:
             best = zero1_choice(best, self.profile, self.cluster, self.cal, self.cache,
                                 self.margin)
+        for other in self.sharded(best.plan):
+            other = self.price(other)
+            if other.key < best.key:
+                best = other
         return best
+
+    def sharded(self, plan: Plan) -> list[Plan]:
+        """``plan``'s state-sharded variants (hybrid, then full FSDP), where the options
+        allow them, their warm-up tuned."""
+        if self.opts.state_sharding != "auto":
+            return []
+        return [self.tuned(p) for p in (sharded_state(plan, self.cluster, w)
+                                        for w in SHARDINGS) if p is not None]
 
     def annotated(self, chosen: Candidate, t0: float, timed_out: bool, doing: str,
                   stacklevel: int = 3) -> Plan:

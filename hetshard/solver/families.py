@@ -16,7 +16,7 @@ from hetshard.cost.comm import p2p_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.plan import Context, Pipeline, Plan, Stage
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
-from hetshard.solver.options import PlannerOptions, planned_gpu_dtypes
+from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
 from hetshard.solver.splits import (
     LayerTables,
     choice_parts,
@@ -217,8 +217,11 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
         for (a, b), g in zip(f.bounds, f.stage_groups, strict=True):
             first = next(next_free[g])
             devices = tuple(range(first, first + f.stage_devices))
-            mesh = (("data", f.r),) + ((("context", f.cp),) if f.cp > 1 else ()) + \
-                (("tensor", f.tp),)
+            ways = fsdp_ways(opts.state_sharding, f.r, f.tp, f.cp,
+                             cluster.group(g).gpus_per_node)
+            data = (("data", f.r),) if ways == 1 else \
+                (("data", f.r // ways),) * (f.r > ways) + (("fsdp", ways),)
+            mesh = data + ((("context", f.cp),) if f.cp > 1 else ()) + (("tensor", f.tp),)
             remat, remat_layers = f.remat_of(len(stages))
             stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh, remat,
                                 remat_layers))

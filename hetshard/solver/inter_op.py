@@ -88,13 +88,23 @@ from hetshard.solver.variants import interleave, interleaved_as, layer_times
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
          seq_len: int, cal: Calibration = DEFAULT, options: PlannerOptions | None = None,
          extra_candidates: tuple[Plan, ...] = ()) -> Plan:
-    """The best plan found for ``model`` on ``cluster`` (see the module docstring)."""
-    search = _Search(model, profile, cluster, global_batch, seq_len, cal, options)
-    seeds = search.seeds()
-    ranked = search.estimates(search.combinations())
-    candidates = search.candidates(ranked, tuple(extra_candidates) + tuple(seeds))
-    scored = search.price(candidates)
-    return search.refined(scored)
+    """The best plan found for ``model`` on ``cluster`` (see the module docstring).
+    Under ``state_sharding="auto"``, where no plan fits, the search runs again with each
+    stage's state sharded inside its nodes (hybrid), then over all its data ways."""
+    opts = options or PlannerOptions()
+    tries = [opts] + ([dataclasses.replace(opts, state_sharding=s) for s in ("node", "all")]
+                      if opts.state_sharding == "auto" else [])
+    for k, now in enumerate(tries):
+        try:
+            search = _Search(model, profile, cluster, global_batch, seq_len, cal, now)
+            seeds = search.seeds()
+            ranked = search.estimates(search.combinations())
+            candidates = search.candidates(ranked, tuple(extra_candidates) + tuple(seeds))
+            scored = search.price(candidates)
+            return search.refined(scored)
+        except NoFeasiblePlanError:
+            if k == len(tries) - 1:
+                raise
 
 
 def estimates(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
@@ -329,6 +339,7 @@ class _Search:
             if opts.distributed_optimizer is None and cand.distributed_optimizer:
                 others.append(dataclasses.replace(cand, distributed_optimizer=False))
             others.append(ev.zero_bubble(cand))
+            others += ev.sharded(cand)
             for other in [tuned if tuned != cand else None] + others:
                 if other is not None:
                     out.append(ev.price(other))

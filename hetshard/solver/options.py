@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
 from hetshard.cluster.spec import Cluster
@@ -61,6 +62,12 @@ class PlannerOptions:
     # the parameter all-gather waits for the update. None: chosen per plan (families are
     # sized with it; the best plans are also simulated without); True/False: always/never
     distributed_optimizer: bool | None = None
+    # Each stage's state sharded over its data ways (stages without tensor parallelism):
+    # "node" FSDP inside each node's share of them and data parallelism across nodes
+    # (hybrid sharding), "all" FSDP over all of them, "none" never; "auto" searches
+    # without, prices the best plans "node" and "all" too (kept where faster), and where
+    # no plan fits searches again "node", then "all".
+    state_sharding: str = "auto"
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     max_pipelines: int | None = None
@@ -95,12 +102,30 @@ class PlannerOptions:
         return cls(**given)
 
     def __post_init__(self):
+        if self.state_sharding not in STATE_SHARDINGS:
+            raise SpecError("state_sharding", self.state_sharding, f"one of {STATE_SHARDINGS}")
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
             raise SpecError("gpu_dtypes", self.gpu_dtypes, f"one of {GPU_DTYPE_POLICIES}")
         if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
                 any(o not in STAGE_ORDERS for o in self.stage_orders)):
             raise SpecError("stage_orders", self.stage_orders,
                             f"a non-empty tuple of {STAGE_ORDERS}")
+
+
+STATE_SHARDINGS = ("auto", "none", "node", "all")
+
+
+def fsdp_ways(sharding: str, r: int, tp: int, cp: int, per_node: int) -> int:
+    """How many of a stage's ``r`` data ways shard its state under ``sharding``
+    (``PlannerOptions.state_sharding``) on nodes of ``per_node`` GPUs: 1 (none) for
+    "none"/"auto" and for tensor-parallel stages (their parameters keep their per-tensor
+    layouts), ``r`` for "all", the data ways inside one node for "node" (a divisor of
+    ``r``)."""
+    if sharding in ("none", "auto") or tp > 1 or r < 2:
+        return 1
+    if sharding == "all":
+        return r
+    return math.gcd(r, max(per_node // (tp * cp), 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.plan import stage_dtype
-from hetshard.solver.options import PlannerOptions, planned_gpu_dtypes
+from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
 
 
 class LayerTables:
@@ -36,9 +36,11 @@ class LayerTables:
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
                  attention: str, shard_optimizer: bool = False, tp_overlap: bool = False,
-                 gpu_dtypes: tuple = ()):
+                 gpu_dtypes: tuple = (), state_sharding: str = "none"):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
         self.shard_optimizer = shard_optimizer  # ZeRO-1 over the r data ways
+        # FSDP over some of the r data ways (``options.fsdp_ways``; "none": ZeRO-1 at most)
+        self.state_sharding = state_sharding
         self.tp_overlap = tp_overlap  # collective matmuls (Plan.tp_overlap)
         self.gpu_dtypes = gpu_dtypes  # compute dtypes per GPU type (Plan.gpu_dtypes)
         self._cache: dict = {}
@@ -49,7 +51,8 @@ class LayerTables:
         """The tables a search under ``opts`` prices stages with (its attention, ZeRO-1
         unless the options rule it out, collective matmuls, compute dtypes per GPU)."""
         return cls(profile, cluster, cal, opts.attention, opts.distributed_optimizer is not False,
-                   opts.tp_overlap, planned_gpu_dtypes(profile, cluster, opts))
+                   opts.tp_overlap, planned_gpu_dtypes(profile, cluster, opts),
+                   opts.state_sharding)
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
         key = (group.name, tp, mbs, remat, r, cp)
@@ -58,13 +61,20 @@ class LayerTables:
         ids = list(self.cluster.group_device_ids(group.name))
         tp_topo = topology(self.cluster, ids[:tp]) if tp > 1 else None
         cp_topo = topology(self.cluster, ids[:tp * cp:tp]) if cp > 1 else None
+        f = fsdp_ways(self.state_sharding, r, tp, cp, group.gpus_per_node)
+        # a sharded stage gathers each layer from its group's f ranks; the distributed
+        # optimizer splits the optimizer state over the groups too
+        sharded = dict(fsdp=True, dp=f, dp_topo=topology(self.cluster, ids[:f * tp * cp:
+                                                                         tp * cp]),
+                       optimizer_ways=f * (r // f if self.shard_optimizer else 1)) \
+            if f > 1 else dict(dp=r)
         per_kind: dict = {}
         rows = []
         for i, layer in enumerate(self.profile.layers):
             k = layer.kind
             if k not in per_kind:
                 per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
-                                         dp=r, shard_optimizer=self.shard_optimizer,
+                                         **sharded, shard_optimizer=self.shard_optimizer,
                                          mbs=mbs, remat=remat, attention=self.attention,
                                          cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
                                          tp_overlap=self.tp_overlap,

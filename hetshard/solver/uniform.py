@@ -28,7 +28,7 @@ from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
             "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool,
-            "layers": tuple}
+            "layers": tuple, "hsdp": int}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -46,6 +46,7 @@ class Fix:
     zero1: bool = False  # the distributed optimizer: optimizer state sharded over dp
     tp_overlap: bool = False  # collective matmuls on tensor-parallel stages
     layers: tuple[int, ...] = ()  # blocks per stage, pp * vpp of them (empty: as even as can be)
+    hsdp: int = 0  # hybrid sharding: FSDP inside groups of this many data ways (0: none)
 
 
 def parse_fix(text: str) -> Fix:
@@ -89,6 +90,9 @@ def parse_fix(text: str) -> Fix:
     if fix.schedule == "zbh1" and fix.vpp > 1:
         raise SpecError("--fix schedule", fix.schedule, "1f1b or gpipe with vpp > 1 (ZB-H1 runs "
                         "one stage per submesh)")
+    if fix.hsdp and fix.fsdp:
+        raise SpecError("--fix hsdp", fix.hsdp, "no hsdp with fsdp=true (fsdp=true shards "
+                        "over every data way; hsdp=k inside groups of k of them)")
     if fix.zero1 and fix.fsdp:
         raise SpecError("--fix zero1", True, "false with fsdp=true (FSDP already shards the "
                         "optimizer state, and the parameters)")
@@ -164,6 +168,11 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                         f"a multiple of dp*mbs={fix.dp * fix.mbs} (e.g. {valid})")
     if seq_len % fix.cp:
         raise SpecError("--seq-len", seq_len, f"a multiple of cp={fix.cp}")
+    if fix.hsdp and fix.dp % fix.hsdp:
+        raise SpecError("--fix hsdp", fix.hsdp,
+                        f"a divisor of dp={fix.dp} (FSDP inside groups of hsdp data ways, "
+                        f"data parallelism across the dp/hsdp groups), e.g. "
+                        f"{[k for k in range(2, fix.dp + 1) if fix.dp % k == 0][:4]}")
     heads = profile.heads or 1
     if heads % fix.tp:
         raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
@@ -181,8 +190,9 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
         w = s % fix.pp
         devices = tuple(range(w * per_stage, (w + 1) * per_stage))
         gpus = sorted({cluster.gpu_of(d).name for d in devices})
-        mesh = (("fsdp" if fix.fsdp else "data", fix.dp), ("context", fix.cp),
-                ("tensor", fix.tp))
+        data = ((("data", fix.dp // fix.hsdp), ("fsdp", fix.hsdp)) if fix.hsdp else
+                (("fsdp" if fix.fsdp else "data", fix.dp),))
+        mesh = (*data, ("context", fix.cp), ("tensor", fix.tp))
         stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
                             mesh_shape=mesh, remat=fix.remat))
     pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,

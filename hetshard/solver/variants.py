@@ -1,7 +1,9 @@
 """Variants of a plan the planner also prices: interleaved pipelines (Megatron-LM's
 virtual stages, Narayanan et al., SC'21, sec. 2.2), with stages cut by layer count or
-by time and micro-batch counts rounded to multiples of the submeshes, and zero-bubble
-pipelines (ZB-H1, Qi et al., ICLR'24)."""
+by time and micro-batch counts rounded to multiples of the submeshes, zero-bubble
+pipelines (ZB-H1, Qi et al., ICLR'24), and stages whose data ways shard the state:
+FSDP over all of them, or inside each node with data parallelism across the nodes
+(hybrid sharding, PyTorch's HSDP, MaxText's ICI-FSDP x DCN-data)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 import itertools
 
 from hetshard.plan import Plan
+from hetshard.solver.options import fsdp_ways
 from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
 
 
@@ -56,6 +59,47 @@ def zero_bubble(plan: Plan) -> Plan | None:
     if pipes == list(plan.pipelines):
         return None
     return dataclasses.replace(plan, pipelines=tuple(pipes))
+
+
+SHARDINGS = ("node", "all")
+
+
+def sharded_state(plan: Plan, cluster, within: str) -> Plan | None:
+    """``plan`` with the state of its stages of 2+ data ways and no tensor or state
+    layout of their own (their tensor splits keep the plan's per-parameter specs)
+    sharded over those ways: ``within="node"`` FSDP inside each node's share of them,
+    data parallelism across the nodes (hybrid: the stage's ``data`` axis becomes
+    ``data x fsdp``, devices data-major); ``"all"`` FSDP over all of them. None when no
+    stage changes."""
+    if within not in SHARDINGS:
+        raise ValueError(within)
+    pipes, changed = [], False
+    for pipe in plan.pipelines:
+        stages = []
+        for st in pipe.stages:
+            d = st.axis("data")
+            if d < 2 or st.axis("fsdp") > 1 or st.axis("tensor") > 1 or st.shardings:
+                stages.append(st)
+                continue
+            nodes = {}
+            for dev in st.devices:
+                slot = cluster.slot(dev)
+                nodes[slot.group, slot.node] = nodes.get((slot.group, slot.node), 0) + 1
+            f = fsdp_ways(within, d, st.axis("tensor"), st.axis("context"),
+                          min(nodes.values()))
+            if f < 2 or (within == "node" and f == d):
+                stages.append(st)
+                continue
+            mesh = []
+            for name, n in st.mesh_shape:
+                if name == "data":
+                    mesh += ([("data", d // f)] if d > f else []) + [("fsdp", f)]
+                else:
+                    mesh.append((name, n))
+            stages.append(dataclasses.replace(st, mesh_shape=tuple(mesh)))
+            changed = True
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes)) if changed else None
 
 
 def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
