@@ -421,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--global-batch", type=int, default=None)
     sp.add_argument("--seq-len", type=int, default=None, help="default: the model's seq")
     sp.add_argument("--fix", default=None,
-                    help="dp=,tp=,pp=,cp=,fsdp=true|false,mbs=,remat=none|selective|full,"
-                         "schedule=1f1b|gpipe")
+                    help="dp=,tp=,pp=,cp=,fsdp=true|false,hsdp=,mbs=,remat=none|selective|full,"
+                         "schedule=1f1b|gpipe|zbh1,vpp=,zero1=,tp_overlap=,layers=7,8*14,7 "
+                         "(docs/cli.md)")
     sp.add_argument("--dtype", default=None, choices=DTYPES,
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLEMENTATIONS),

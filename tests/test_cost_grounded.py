@@ -557,3 +557,23 @@ def test_tensor_parallel_matmuls_keep_their_unsplit_operand_whole():
     one = stage_cost(prof, 0, prof.num_layers, gpu, mbs=mbs, cal=cal)
     four = stage_cost(prof, 0, prof.num_layers, gpu, mbs=mbs, tp=tp, cal=cal)
     assert four.fwd_s > one.fwd_s / tp * 1.2
+
+
+@pytest.mark.slow
+def test_published_runs_that_fit_in_80gb_are_priced_under_80gb():
+    """Two configurations that ran on A100 80GB are priced within it: Korthikanti et al.
+    2022's 22B GPT (tensor parallel 8 on one DGX A100, micro-batch 1, sequence 2048,
+    flash-style attention) and torchtitan's Llama 2 70B (FSDP over 64 A100s, local batch
+    2, sequence 4096, full recomputation)."""
+    runs = [("gpt:layers=48,hidden=6144,heads=64,vocab=51200,seq=2048", 2048,
+             "dgx-a100-80gb-x8", 4, "dp=1,tp=8,pp=1,mbs=1"),
+            ("gpt:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,seq=4096,"
+             "pos=rope,norm=rmsnorm,mlp=swiglu,tied=false,bias=false", 4096,
+             "dgx-a100-80gb-x64", 128, "dp=64,fsdp=true,mbs=2,remat=full")]
+    for spec, seq, preset, batch, fix in runs:
+        prof = profile_model(spec, seq, "bfloat16")
+        c = Cluster.load(preset)
+        p = uniform_plan(spec, prof, c, global_batch=batch, seq_len=seq,
+                         fix=parse_fix(fix), attention="flash")
+        r = simulate(p, prof, c)
+        assert r.fits and r.peak_memory_bytes < 80e9, (spec, r.peak_memory_bytes)

@@ -625,3 +625,20 @@ def test_stages_trade_small_values_and_refuse_large_ones():
     with pytest.raises(CouplingError, match="held by stage"):
         plan_exchange(jax.make_jaxpr(lambda a, b: (a + b, b))(jnp.ones(128), jnp.ones(128)),
                       [0, 1], [0, 1])
+
+
+@pytest.mark.parametrize("kind", ["single-stage shares", "pipelines"])
+def test_pipelines_with_hybrid_and_fsdp_stages_match_one_device(kind):
+    """What the planner's state-sharded variants emit: stages whose state is sharded over
+    their fsdp ranks (data x fsdp: hybrid, inside each data group), in two pipelines of
+    batch shares, single-stage or pipelined, next to stages without; training matches
+    one device."""
+    if kind == "single-stage shares":
+        a = Pipeline((Stage(0, 4, (0, 1, 2, 3), H, (("data", 2), ("fsdp", 2))),), 4, 1, 1)
+        b = Pipeline((Stage(0, 4, (4, 5, 6, 7), V, (("data", 2), ("fsdp", 2))),), 4, 1, 1)
+    else:
+        a = Pipeline((Stage(0, 2, (0, 1), H, (("fsdp", 2),)),
+                      Stage(2, 4, (2, 3), A, (("data", 1), ("fsdp", 2)))), 4, 1, 2)
+        b = Pipeline((Stage(0, 2, (4, 5), V, (("data", 2),)),
+                      Stage(2, 4, (6, 7), V, (("fsdp", 2),))), 4, 1, 2)
+    _assert_matches_one_device("gpt-tiny", _plan("gpt-tiny", [a, b]), steps=2)
