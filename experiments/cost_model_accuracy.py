@@ -32,7 +32,8 @@ Sets (each row a published configuration and its measured step time):
   midpoint, 912 TFLOP/s), NVLink 450 GB/s, 400 Gb/s per GPU between hosts. Roofline as
   shipped; that type's ``matmul_eff`` was fitted on the 8-GPU FSDP row (H100_FIT_ROWS),
   the other 5 are held out (the 700 W Hopper types take the measured GEMM ceiling at
-  Ampere's training share instead: ``hetshard.cluster.catalog``). Float8 rows are left out (hetshard prices no float8).
+  Ampere's training share instead: ``hetshard.cluster.catalog``). Float8 rows are left
+  out (hetshard prices no float8).
 * ``torchtitan-a100`` (8): torchtitan's Llama 3 and Llama 2 on 64 A100 80GB
   (``docs/performance.md`` of Jun 2024): Llama 3 8B with per-op and per-layer (every
   second block) selective recomputation, 70B with full recomputation, local batch 1, seq

@@ -413,7 +413,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
     if not isinstance(d["name"], str) or not d["name"]:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
     for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "attention_tflops",
-              "gemm_tflops", "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs", "inter_node_gbs"):
+              "gemm_tflops", "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs",
+              "inter_node_gbs"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]

@@ -68,6 +68,13 @@ _HETERO: dict[str, tuple[dict, str]] = {
                            "inter_group_gbs": 12.5},
                           "8-GPU three-generation mix (2x H100, 2x A100, 4x V100) that the "
                           "quickstart binds to 8 fake CPU devices"),
+    "h100-a100-v100-x32": ({"groups": [_g("h100", "H100-80GB", 1, 8),
+                                       _g("a100", "A100-80GB", 1, 8),
+                                       _g("v100", "V100-32GB", 2, 8, 150, 12.5)],
+                            "inter_group_gbs": 12.5},
+                           "32-GPU three-generation mix the quickstart plans for: a DGX H100 "
+                           "node, a DGX A100 node and two 8-GPU V100 nodes (NVLink, 100 "
+                           "Gb/s); 100 Gb/s between groups"),
     "mix3-x256": ({"groups": [_g("h100", "H100-80GB", 8, 8),
                               _g("a100", "A100-80GB", 12, 8),
                               _g("a100-40", "A100-40GB", 12, 8)],

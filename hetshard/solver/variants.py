@@ -11,8 +11,8 @@ import dataclasses
 import itertools
 
 from hetshard.plan import Plan
-from hetshard.solver.options import fsdp_ways
 from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
+from hetshard.solver.options import fsdp_ways
 
 
 def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
