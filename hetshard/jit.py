@@ -115,13 +115,13 @@ def _raised_in_user_code(e: BaseException) -> bool:
     return False
 
 
-def plan(step, *args, cluster, batch_argnum: int | tuple[int, ...] | None = None,
+def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = None,
          global_batch: int | None = None, calibration=None, **planner_options) -> Plan:
     """The plan ``hetshard.jit`` would run ``step(*args)`` with on ``cluster``.
 
     ``args`` are the step's arguments (NNX objects or pytrees, shape-only ones included:
     ``nnx.eval_shape``/``jax.ShapeDtypeStruct``, so a 175B model plans without weights);
-    the batch is ``args[batch_argnum]`` (as ``hetshard.jit``'s ``batch_argnums``), and
+    the batch is ``args[batch_argnums]`` (as ``hetshard.jit``'s ``batch_argnums``), and
     ``global_batch``
     defaults to its leading size. ``planner_options`` are ``PlannerOptions`` fields.
 
@@ -129,11 +129,14 @@ def plan(step, *args, cluster, batch_argnum: int | tuple[int, ...] | None = None
       SpecError: an unknown planner option, a batch without one leading size.
       NoFeasiblePlanError: nothing fits the cluster.
     """
+    if "batch_argnum" in planner_options:
+        raise SpecError("batch_argnum", planner_options["batch_argnum"],
+                        "batch_argnums (one spelling, hetshard.jit's)", where="hetshard.plan")
     options = PlannerOptions.from_fields(planner_options, "hetshard.plan")
-    batch = batch_of(args, batch_positions(args, batch_argnum, "hetshard.plan")) \
+    batch = batch_of(args, batch_positions(args, batch_argnums, "hetshard.plan")) \
         if args else None
     with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
-        program = Program(step, args, batch_argnum=batch_argnum)
+        program = Program(step, args, batch_argnums=batch_argnums)
         options, why = _restricted(options, program)
         if why:
             warnings.warn(why, stacklevel=2)
@@ -448,7 +451,7 @@ class HetshardJit:
         entry = self._compiled.get(sig)
         if entry is None:
             with _tracing(self.fn, batch, "hetshard.jit"):
-                program = Program(self.fn, args, batch_argnum=pos)
+                program = Program(self.fn, args, batch_argnums=pos)
                 if self.guard.loss_output is not None:  # a wrong path: refused before planning
                     find_loss(program.output_shape, self.guard.loss_output)
                 plan = self._plan_for(program, size)
@@ -502,7 +505,7 @@ class HetshardJit:
             pos, batch, _ = self._split_args(args)
             args = self._with_untyped(args, pos)
             with _tracing(self.fn, batch, "hetshard.jit"):
-                got = Program(self.fn, args, batch_argnum=pos)
+                got = Program(self.fn, args, batch_argnums=pos)
             if got.call is None:
                 raise PlanNotExecutableError(
                     f"micro-steps need a step whose loss call hetshard sees, and "

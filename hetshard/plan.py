@@ -246,6 +246,10 @@ class Plan:
     def from_dict(cls, d: dict, *, source: str = "plan") -> Plan:
         if not isinstance(d, dict):
             raise SpecError("plan", type(d).__name__, "a JSON object", where=source)
+        if "version" not in d and isinstance(d.get("plan"), dict) and "version" in d["plan"]:
+            # ``hetshard simulate --json`` and ``hetshard plan --json`` write the plan
+            # under "plan", next to their predictions: it pins as it is.
+            d = d["plan"]
         if d.get("version") not in READS_VERSIONS:
             raise SpecError("version", d.get("version"),
                             f"one of {READS_VERSIONS} (this hetshard's plan schemas)",

@@ -145,6 +145,11 @@ def test_python_api_refuses_bad_input_naming_the_field(valid_plan):
     _raises(SpecError, "time_limit_s", lambda: hetshard.plan(
         step, model, opt, {"tokens": tokens, "targets": tokens},
         cluster="dgx-a100-80gb-x8", time_limit_s=float("nan")))
+    # One spelling, hetshard.jit's: the singular names the plural, not PlannerOptions.
+    e = _raises(SpecError, "batch_argnum", lambda: hetshard.plan(
+        step, model, opt, {"tokens": tokens, "targets": tokens},
+        cluster="dgx-a100-80gb-x8", batch_argnum=2))
+    assert "batch_argnums" in str(e) and "PlannerOptions" not in str(e)
     for how, field in (("device 12 of 8", "pipelines[0].stages[0].devices"),
                        ("repeated device", "pipelines[0].stages[0].devices"),
                        ("dtype int8", "dtype"),

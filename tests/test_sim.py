@@ -474,6 +474,15 @@ def test_simulate_cli_json(capsys, tmp_path):
                 "fits"):
         assert key in out
     assert Plan.from_dict(out["plan"]).pipelines[0].stages[0].remat == "selective"
+    # The file --json writes pins as it is (Plan.load, jit(plan=), simulate --plan),
+    # the plan under "plan" next to the predictions.
+    written = tmp_path / "sim.json"
+    written.write_text(json.dumps(out))
+    assert Plan.load(written) == Plan.from_dict(out["plan"])
+    assert main(["simulate", "--plan", str(written), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == out["step_time_s"]
+    with pytest.raises(SpecError, match="version=None"):
+        Plan.from_dict({"plan": {"no": "version"}})
     assert json.loads(trace.read_text())["traceEvents"]
     assert main(["simulate", "--model", SPEC, "--cluster", "dgx-a100-80gb-x8",
                  "--global-batch", "16", "--fix", "dp=3"]) == 2

@@ -944,7 +944,7 @@ def test_an_argument_after_the_batch_that_is_not_an_nnx_object_is_left_as_it_is(
         return [float(jitted(*args[:2], batches[i % 2], key)) for i in range(3)]
     want = train(nnx.jit(step))
     args, _ = _loss_and_model()
-    program = hetshard.Program(step, [*args, key], batch_argnum=2)
+    program = hetshard.Program(step, [*args, key], batch_argnums=2)
     for k in (key, jax.random.PRNGKey(0)):
         assert hetshard.Program(step, [*args, k]).batch_positions == (2,)
     for plan, argnums in ((_two_stage_plan(program), 2), (None, 2), (None, None)):
@@ -1027,7 +1027,7 @@ def test_a_batch_given_as_several_arguments_is_one_batch():
     xy = (*args[:2], batches[0]["tokens"], batches[0]["targets"])
     program = hetshard.Program(_xy_step, xy)
     assert program.batch_positions == (2, 3) and program.call is not None
-    assert hetshard.Program(_xy_step, xy, batch_argnum=(-1, 2)).batch_positions == (2, 3)
+    assert hetshard.Program(_xy_step, xy, batch_argnums=(-1, 2)).batch_positions == (2, 3)
     # A scalar after the batch (a step's RNG key or counter) is not the batch.
     from hetshard.ir.program import batch_positions
     assert batch_positions((*xy, jax.random.key(0), 7), None) == (2, 3)
@@ -1150,7 +1150,7 @@ def test_noise_drawn_from_the_steps_key_in_the_batchs_shape_keeps_the_batch_whol
         return out
     want = run(nnx.jit(step))
     args, _ = make()
-    program = hetshard.Program(step, args, batch_argnum=2)
+    program = hetshard.Program(step, args, batch_argnums=2)
     _kept_whole(step, program, run, want, "draws random values shaped by the batch (at ",
                 batch_argnums=2)
     n = program.layering(2).num_layers

@@ -63,13 +63,13 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
 
 
 def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
-                   groups: Sequence[GroupCost], *, batch_argnum: int = -1,
+                   groups: Sequence[GroupCost], *, batch_argnums: int = -1,
                    attention: str = "auto"):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
     rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
     samples) on ``samples`` (1-D token arrays, or mappings ``{"tokens", "images"}`` as
     ``packed_arrays`` takes them) as ``plan`` places them on ``groups``; ``args``: the
-    step's other arguments with any batch at ``batch_argnum`` (replaced per
+    step's other arguments with any batch at ``batch_argnums`` (replaced per
     micro-step). Returns the step's output.
 
     Raises:
@@ -86,7 +86,7 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                         f"every one of the {len(samples)} samples exactly once")
     targets = target_count(samples)
     args = list(args)
-    at = batch_argnum % len(args)
+    at = batch_argnums % len(args)
     for gp in plan.groups:
         if gp.group not in by_name:
             raise SpecError("plan.groups", gp.group, f"one of {sorted(by_name)}")
@@ -187,7 +187,7 @@ def pass_plan(outer: Plan, pipe: PipelineCost, bucket: int, micro_batches: int,
 
 def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
                             pipes: Sequence[PipelineCost], outer: Plan, *,
-                            batch_argnum: int = -1):
+                            batch_argnums: int = -1):
     """One training step of ``step`` (a ``hetshard.jit`` step whose loss reads packed
     rows: ``models.losses.packed_text_loss``, or ``packed_mllm_loss`` for multimodal
     samples, the encoder in the first stage or, for pipes priced with a vision stage of
@@ -202,7 +202,7 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
     padded; a pipeline given no samples runs one empty micro-batch), each pipeline's
     passes walked as one pipeline in the plan's micro-batch order
     (``HetshardJit.run_passes``), the gradients summed over the pipelines and the update
-    applied once. ``args``: the step's arguments with any batch at ``batch_argnum``
+    applied once. ``args``: the step's arguments with any batch at ``batch_argnums``
     (replaced per pass). Returns the step's output.
 
     Raises:
@@ -250,7 +250,7 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
                             f"model stages the pipeline was priced with")
     targets = target_count(samples)
     args = list(args)
-    at = batch_argnum % len(args)
+    at = batch_argnums % len(args)
     passes, order = [], []
     for pi, (gp, pipe) in enumerate(zip(plan.groups, pipes, strict=True)):
         steps = gp.steps or (MicroStep(pipe.buckets[0], 1, (), 0.0),)

@@ -154,23 +154,23 @@ class Program:
 
     Args:
       step: the train step, ``step(*args)``.
-      args: its arguments; ``args[batch_argnum]`` is the batch (an index or a tuple of
+      args: its arguments; ``args[batch_argnums]`` is the batch (an index or a tuple of
         them: several arguments make one batch; default: ``batch_positions``).
       name: a label for plans and tables (default: the step's qualified name).
 
     Raises:
-      SpecError: a batch without one common leading size, a batch_argnum out of range.
+      SpecError: a batch without one common leading size, a batch_argnums out of range.
       LossCallError: a ``hetshard.value_and_grad`` call whose loss cannot be cut per
         micro-batch.
     """
 
-    def __init__(self, step, args, *, batch_argnum: int | None = None,
+    def __init__(self, step, args, *, batch_argnums: int | None = None,
                  name: str | None = None):
         args = tuple(args)
         if not args:
             raise SpecError("args", "()", "the step's arguments, the batch among them",
                             where="hetshard.plan")
-        self.batch_positions = batch_positions(args, batch_argnum)
+        self.batch_positions = batch_positions(args, batch_argnums)
         self.step = user_step(step)
         self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
         batch = self.batch_of(args)
