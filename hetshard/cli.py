@@ -170,7 +170,8 @@ def _program(args, *, dtype_default: str | None = "bfloat16"):
     from hetshard.factory import is_factory, load_program
     dtype = getattr(args, "dtype", None)
     if is_factory(args.model):
-        return load_program(args.model, seq_len=args.seq_len, dtype=dtype)
+        return load_program(args.model, seq_len=args.seq_len, dtype=dtype,
+                            implied=getattr(args, "implied", ()))
     from models import steps
     return steps.program(args.model, seq_len=args.seq_len, dtype=dtype or dtype_default)
 
@@ -195,10 +196,16 @@ def cmd_simulate(args) -> int:
         plan = Plan.load(args.plan)
         if args.model is None:
             args.model = plan.model
-        if args.seq_len is None:
-            args.seq_len = plan.seq_len
+        if args.seq_len is None:  # the plan's, for a factory only where it takes one
+            args.seq_len, args.implied = plan.seq_len, ("seq_len",)
         cluster = Cluster.load(args.cluster or plan.cluster)
         program = _program(args, dtype_default=plan.dtype)
+        if program.seq_len is not None and program.seq_len != plan.seq_len:
+            from hetshard.errors import SpecError
+            raise SpecError("--plan", args.plan,
+                            f"a plan for the program's sequence length {program.seq_len} "
+                            f"(this one is for {plan.seq_len}; --seq-len sets a factory's "
+                            f"where it takes one)")
         profile = profile_program(program, plan.split_blocks)
         _check_covers(plan, profile, cluster)
     else:

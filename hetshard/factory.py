@@ -69,9 +69,11 @@ def _function(ref: str):
     return fn
 
 
-def load_program(ref: str, **given) -> Program:
+def load_program(ref: str, *, implied: tuple[str, ...] = (), **given) -> Program:
     """The program the factory ``ref`` returns (see the module docstring); ``given``:
-    keyword arguments for it, None values left out.
+    keyword arguments for it, None values left out; those named in ``implied`` (filled
+    in by hetshard, not given by the user: a pinned plan's sequence length) only where
+    the factory takes them.
 
     Raises:
       SpecError: a missing file or function, a keyword the factory does not take, or a
@@ -81,6 +83,7 @@ def load_program(ref: str, **given) -> Program:
     given = {k: v for k, v in given.items() if v is not None}
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    given = {k: v for k, v in given.items() if k not in implied or k in params or takes_any}
     for k in given:
         if k not in params and not takes_any:
             flag = "--" + k.replace("_", "-")

@@ -133,6 +133,19 @@ def test_plan_and_simulate_a_factorys_program(capsys, tmp_path):
     assert main(["plan", "--model", f"{path}:no_seq", "--cluster", "a100-v100-x16",
                  "--global-batch", "32", "--seq-len", "32"]) == 2
     assert "--seq-len" in capsys.readouterr().err
+    # A plan for a factory that takes no arguments prices without flags the user never
+    # gave (the plan's sequence length is not forced on it); a plan for another
+    # sequence length is refused naming both.
+    fixed = run_json(capsys, "plan", "--model", f"{path}:no_seq", "--cluster",
+                     "a100-v100-x16", "--global-batch", "32", "--time-limit", "10", "--json")
+    out.write_text(json.dumps(fixed))
+    again = run_json(capsys, "simulate", "--plan", str(out), "--model", f"{path}:no_seq",
+                     "--json")
+    assert again["step_time_s"] == pytest.approx(fixed["predicted"]["step_time_s"], rel=1e-6)
+    out.write_text(json.dumps(plan))  # made at seq 32
+    assert main(["simulate", "--plan", str(out), "--model", f"{path}:no_seq"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence length 16" in err and "for 32" in err
 
 
 def test_longer_sequences_for_rotary_models_only(capsys):
