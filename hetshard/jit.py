@@ -403,6 +403,14 @@ class HetshardJit:
         # what a plan addresses; a pipeline plan for it is refused after this.)
         n = program.layering(2, plan.split_blocks).num_layers if program.call else None
         ends = sorted({p.stages[-1].end for p in plan.pipelines})
+        if n is not None and ends != [n] and plan.fingerprint and \
+                plan.fingerprint != program.model_fingerprint:
+            # the layer count differs because the plan was made for another program
+            raise SpecError("plan.fingerprint", plan.fingerprint,
+                            f"the fingerprint of the model it is run with "
+                            f"({program.model_fingerprint}): the plan was made for another "
+                            f"program ({plan.model!r}, whose layers end at {ends}; this "
+                            f"one has {n})", where="hetshard.jit")
         if n is not None and ends != [n]:
             raise SpecError("plan.pipelines[*].stages[-1].end", ends,
                             f"the program's {n} layers"

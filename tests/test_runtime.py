@@ -430,6 +430,13 @@ def test_pinned_plan_for_another_model_or_sequence_is_refused():
     batch = data.text_batch(np.random.default_rng(0), 8, 16, 256)
     with pytest.raises(hetshard.SpecError, match="plan.fingerprint"):
         hetshard.jit(step_fn, cluster=CLUSTER, plan=other)(model, opt, batch)
+    # ... with another layer count too: said as another program, not as a layer range.
+    (st,) = other.pipelines[0].stages
+    longer_model = dataclasses.replace(other, pipelines=(dataclasses.replace(
+        other.pipelines[0], stages=(dataclasses.replace(st, end=st.end + 2),)),))
+    with pytest.raises(hetshard.SpecError, match=r"plan.fingerprint.*made for another "
+                                                 r"program \('gpt-1.3b', whose layers end at"):
+        hetshard.jit(step_fn, cluster=CLUSTER, plan=longer_model)(model, opt, batch)
     assert plan.fingerprint == _program().model_fingerprint
     # ... or for another cluster: its devices have other GPU types here, or are missing.
     with pytest.raises(hetshard.SpecError, match=r"plan.cluster.*device 0: A100-80GB in "
