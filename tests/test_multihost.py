@@ -14,13 +14,14 @@ from hetshard.distributed import DistributedError, launch
 WORKER = os.path.join(os.path.dirname(__file__), "multihost", "worker.py")
 
 
-def _launch(mode, timeout="20", grace_s=60):
+def _launch(mode, timeout="20", grace_s=60, nprocs=2, devices=4):
     out = io.StringIO()
     env = dict(os.environ, HETSHARD_TIMEOUT_S=timeout)
     old = os.environ.copy()
     os.environ.update(env)
     try:
-        rc = launch(2, 4, [sys.executable, WORKER, mode], out=out, grace_s=grace_s)
+        rc = launch(nprocs, devices, [sys.executable, WORKER, mode], out=out,
+                    grace_s=grace_s)
         return rc, out.getvalue(), time.time()
     finally:
         os.environ.clear()
@@ -149,6 +150,48 @@ def test_mllm_vision_encoder_in_the_other_process_on_a_spec_pinned_binding(pipel
     errors = [line for line in text.splitlines() if "] BINDERR " in line]
     assert len(errors) == 2
     assert all("pinned to process 0, which has 0 free devices" in e for e in errors)
+
+
+def _idle_outputs(text, nprocs):
+    """Per scenario of worker.py's ``idle`` mode: every process's losses equal one
+    device's; returns which processes ran a part of the plan."""
+    got = _scenarios(text)
+    ranks = [f"[{r}]" for r in range(nprocs)]
+    runs = {}
+    for (tag, name, rank), info in got.items():
+        if tag != "LOSSES":
+            continue
+        assert info["losses"] == pytest.approx(got["REF", name, "[0]"], rel=1e-5), \
+            (name, rank)
+        runs.setdefault(name, set())
+        if info["runs"]:
+            runs[name].add(rank)
+    assert all({r for (t, n, r) in got if t == "LOSSES" and n == name} == set(ranks)
+               for name in runs)
+    return runs
+
+
+@pytest.mark.slow
+def test_a_plan_that_leaves_a_process_idle_runs_on_every_process():
+    # 2 processes x 4 devices: plans entirely in process 0, or entirely in process 1;
+    # the idle process runs nothing and still returns the step's loss.
+    rc, text, _ = _launch("idle", timeout="60")
+    assert rc == 0, text[-4000:]
+    runs = _idle_outputs(text, 2)
+    assert runs == {"single_p0": {"[0]"}, "pipe_p0": {"[0]"}, "single_p1": {"[1]"},
+                    "planned": {"[0]"}}
+    # The planner's own plan on a cluster whose fastest GPUs are process 0's.
+    planned = _scenarios(text)["LOSSES", "planned", "[1]"]
+    assert planned["used"] == [0] and not planned["runs"], planned
+
+
+@pytest.mark.slow
+def test_three_processes_with_a_stage_split_across_two_and_one_idle():
+    rc, text, _ = _launch("idle", timeout="60", nprocs=3, devices=2)
+    assert rc == 0, text[-4000:]
+    assert _idle_outputs(text, 3) == {"span_single": {"[0]", "[1]"},
+                                      "span_pipe": {"[0]", "[1]"},
+                                      "pipe_p12": {"[1]", "[2]"}}
 
 
 def test_processes_that_disagree_get_an_error_on_every_process():

@@ -2,8 +2,11 @@
 activations and cotangents, weighted gradient sums across pipelines."""
 
 from hetshard.collectives.moves import (
+    deliver,
     empty,
     here,
+    home_device,
+    idle_processes,
     processes,
     put,
     replicated,
@@ -12,5 +15,6 @@ from hetshard.collectives.moves import (
 )
 from hetshard.collectives.sync import congruent, sum_across, sum_across_collective
 
-__all__ = ["congruent", "empty", "here", "processes", "put", "replicated", "sum_across",
-           "sum_across_collective", "takes_part", "transfer"]
+__all__ = ["congruent", "deliver", "empty", "here", "home_device", "idle_processes",
+           "processes", "put", "replicated", "sum_across", "sum_across_collective",
+           "takes_part", "transfer"]

@@ -249,6 +249,41 @@ def transfer(xs: Sequence[jax.Array] | None, avals: Sequence, srcs: Sequence[Nam
     return [y.reshape(()) if j in scalars else y for j, y in enumerate(out)]
 
 
+def idle_processes(meshes) -> tuple[int, ...]:
+    """The job's processes holding no device of any of ``meshes`` (a plan that leaves
+    them out: they run no part of the step)."""
+    busy = {int(d.process_index) for m in meshes for d in m.devices.flat}
+    return tuple(p for p in range(jax.process_count()) if p not in busy)
+
+
+def home_device(process: int):
+    """Where a process that runs no part of a step gets its outputs: its first device."""
+    return min((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+
+def deliver(xs: Sequence[jax.Array] | None, avals: Sequence, mesh: Mesh,
+            idle: Sequence[int]) -> list[jax.Array] | None:
+    """A step's outputs, computed on ``mesh``, handed to the ``idle`` processes (each
+    gets them replicated on :func:`home_device`), so that every process of the job
+    returns them as one process would. Every process calls it, in the same order as
+    its peers: those holding ``mesh`` pass ``xs`` and get them back; an idle process
+    passes None and gets its copies; a process in neither gets None."""
+    me = jax.process_index()
+    src = NamedSharding(mesh, PartitionSpec())
+    if here(src) and xs:
+        xs = _replicate(mesh, len(xs))(list(xs))
+    got = None
+    for p in idle:
+        if me != p and not here(src):
+            continue
+        dst = NamedSharding(Mesh(np.array([home_device(p)]), ("home",)), PartitionSpec())
+        moved = transfer(xs if here(src) else None, avals, [src] * len(avals),
+                         [dst] * len(avals))
+        if me == p:
+            got = moved
+    return list(xs) if here(src) else got
+
+
 # ---- congruent layouts: shard to shard ----------------------------------------------------
 
 @functools.cache

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.autodiff import all_finite, entered, is_graph
-from hetshard.collectives import put, replicated
+from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
 from hetshard.errors import HetshardError
 from hetshard.ir.program import Program
 from hetshard.layout import batch_sharding, stage_mesh, state_shardings
@@ -137,6 +137,8 @@ class SpmdStep:
     guard: Guard
     carry: Carry
     used_vg: list  # [whether the step's differentiation was seen], set when traced
+    mesh: Any = None
+    idle: tuple = ()  # the job's processes holding no device of the stage
 
     @property
     def loss_scale(self) -> DynamicLossScale | None:
@@ -172,15 +174,20 @@ class SpmdStep:
                                  carry.loss_scale)
         jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
                                                                        rep))
-        return cls(plan, program, jitted, s_shard, b_shard, guard, carry, used_vg)
+        return cls(plan, program, jitted, s_shard, b_shard, guard, carry, used_vg, mesh,
+                   idle_processes([mesh]))
 
     def run(self, others, batch):
         program = self.program
+        if self.idle and not here(NamedSharding(self.mesh, PartitionSpec())):
+            return self._run_idle(others)
         batch = put(batch, self.batch_shardings)
         state = put(step_state(program, others), self.shardings)
         out, new_state, halted, scale_state, report = self.step(state, batch,
                                                                 *self.carry.values())
         self.carry.take(halted, scale_state)
+        if self.idle:
+            hand_over(program, out, report, self.mesh, self.idle, self.carry.loss_scale)
         self.guard.record(report, self.carry)
         if program.kind == "nnx" and not self.used_vg[0] and not self.guard.warned_vg \
                 and program.changes_parameters:  # (an evaluation step differentiates none)
@@ -192,6 +199,20 @@ class SpmdStep:
                           "or hetshard.value_and_grad in the step)", stacklevel=4)
         if new_state is not None:  # (a refused update's new state is the old one)
             update_objects(others, new_state)
+        return out
+
+    def _run_idle(self, others):
+        """The step in a process holding none of the stage's devices: nothing runs here;
+        the outputs arrive from the stage (:func:`hand_over`), the state becomes views
+        without local data of the stage's (as a pipeline's stages elsewhere are)."""
+        program = self.program
+        views = [empty(a, s) for a, s in zip(program.state_avals,
+                                             jax.tree.leaves(self.shardings), strict=True)]
+        out, report = hand_over(program, None, None, self.mesh, self.idle,
+                                self.carry.loss_scale, views)
+        self.guard.record(report, self.carry)
+        if program.kind == "nnx":
+            update_objects(others, jax.tree.unflatten(program.state_tree, views))
         return out
 
     def state_shardings(self):
@@ -324,8 +345,13 @@ class PipelineStep:
     def run(self, others, batch):
         runner = self.runner
         out, new_state = runner.step(runner.state_of(others), batch)
-        if runner.report is not None:
-            self.guard.record(runner.report, runner.carry)
+        report = runner.report
+        if runner.idle:
+            home = runner.loss_home(0)
+            out, report = hand_over(self.program, out, report, home.mesh, runner.idle,
+                                    runner.loss_scale, runner.published)
+        if report is not None:
+            self.guard.record(report, runner.carry)
         if self.program.kind == "nnx":
             update_objects(others, new_state)
         return out
@@ -463,6 +489,34 @@ def settled(program: Program, guard: Guard, carry: Carry, apply):
         return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
                              carry.loss_scale)
     return fn
+
+
+def hand_over(program: Program, out, report, mesh, idle: tuple, loss_scale,
+              views: list | None = None):
+    """``(out, report)`` in every process of a job whose plan leaves the ``idle``
+    processes out: the step's outputs and the guard's report, computed on ``mesh``,
+    are sent to each idle process (``hetshard.collectives.deliver``), which gets them as
+    one process would (``out`` and ``report`` None there; ``views``: its state leaves,
+    put where a pytree step returns its new state). Every process calls it at the same
+    point of the step; the others get back what they passed (those holding ``mesh``
+    send theirs)."""
+    shapes, tree = jax.tree.flatten(program.output_shape)
+    state_at = {} if program.kind == "nnx" else {
+        m: i for i, m in enumerate(program.state_outputs()[1]) if m is not None}
+    passed = [k for k in range(len(shapes)) if k not in state_at]
+    report_avals = Guard.report_avals(loss_scale)
+    xs = None
+    if out is not None and here(NamedSharding(mesh, PartitionSpec())):
+        leaves = jax.tree.leaves(out)
+        xs = [leaves[k] for k in passed] + [report[k] for k in report_avals]
+    got = deliver(xs, [shapes[k] for k in passed] + list(report_avals.values()), mesh, idle)
+    if jax.process_index() not in idle:
+        return out, report
+    leaves = [views[state_at[k]] if k in state_at else None for k in range(len(shapes))]
+    for k, x in zip(passed, got, strict=False):
+        leaves[k] = x
+    return (jax.tree.unflatten(tree, leaves),
+            dict(zip(report_avals, got[len(passed):], strict=True)))
 
 
 def update_objects(others, new_state) -> None:

@@ -163,6 +163,17 @@ class Guard:
             out = jax.tree.unflatten(tree, leaves)
         return out, new_state, halted, scale_state, report
 
+    @staticmethod
+    def report_avals(loss_scale: DynamicLossScale | None) -> dict:
+        """What :meth:`decide`'s report holds, shapes only (a process that runs no part
+        of the step receives it: ``hetshard.collectives.deliver``)."""
+        flag, number = jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((),
+                                                                               jnp.float32)
+        avals = {"ok": flag, "overflow": flag, "loss": number, "applied": flag}
+        if loss_scale is not None:
+            avals["scale"] = number
+        return avals
+
     # ---- on the host, later --------------------------------------------------------
     def record(self, report: dict, carry: Carry) -> None:
         """Queues a dispatched step's report (device arrays) for :meth:`poll`."""

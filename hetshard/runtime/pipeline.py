@@ -56,6 +56,7 @@ from hetshard.collectives import (
     congruent,
     empty,
     here,
+    idle_processes,
     put,
     replicated,
     sum_across,
@@ -126,11 +127,9 @@ class PipelineRunner:
         self._ownership()
         self.runs = [[self._stage_run(pi, si) for si in range(len(p.stages))]
                      for pi, p in enumerate(plan.pipelines)]
-        if not any(r.here for row in self.runs for r in row):
-            raise PipelineSetupError(
-                f"process {jax.process_index()} holds no device of the plan's stages; in a "
-                f"multi-process job every process must run at least one stage (plan for "
-                f"Cluster.from_jax_devices() or bind the spec's groups to every process)")
+        # The job's processes holding no stage: they run no task and get the step's
+        # outputs from pipeline 0's loss stage (``hetshard.runtime.executable.hand_over``).
+        self.idle = idle_processes([r.mesh for row in self.runs for r in row])
         # The stage computing the loss, per pipeline (the outputs' home).
         self.loss_stage = [max(st.index for st in split.stages if st.outputs)
                            for split in self.splits]
@@ -419,8 +418,9 @@ class PipelineRunner:
                                              scales[pi][si], self._to(traded, run.mesh),
                                              batch_vals=self._batch_on(batch_leaves, run.mesh),
                                              apply_flag=flags[pi][si])
-                if out is None:
-                    out = o
+                if out is None or (pi, si) == (0, self.loss_stage[0]):
+                    out = o  # (the loss stage's where this process holds it: the
+                    # outputs idle processes are sent)
                 new = dict(view)
                 new.update(zip(run.owned, owned, strict=True))
                 new.update(zip(self.shared, shared, strict=True))
@@ -588,14 +588,16 @@ class PipelineRunner:
         if self.loss_scale is not None:
             avals.append(jax.ShapeDtypeStruct((), jnp.float32))
         out, self.report = [], None
-        for stages in self.runs:
+        for pi, stages in enumerate(self.runs):
             row = []
-            for run in stages:
+            for si, run in enumerate(stages):
                 dst = NamedSharding(run.mesh, PartitionSpec())
                 got = transfer(bundle if here(src) else None, avals, [src] * len(avals),
                                [dst] * len(avals)) if takes_part(src, dst) else None
                 row.append(None if got is None else got[0])
-                if got is not None and self.report is None:
+                # (the loss stage's where this process holds it, as for the outputs)
+                if got is not None and (self.report is None or
+                                        (pi, si) == (0, self.loss_stage[0])):
                     keys = ["applied", "ok", "overflow", "loss", "scale"]
                     self.report = dict(zip(keys, got, strict=False))
             out.append(row)

@@ -1,6 +1,7 @@
 """A multi-process check run by tests/test_multihost.py under ``hetshard launch``.
 
-Usage: python worker.py MODE  (MODE: dp | user | pipelines | fingerprint | die | kill | raise)
+Usage: python worker.py MODE  (MODE: dp | user | pipelines | idle | fingerprint | die | kill |
+raise)
 Prints ``LOSSES <json>`` and ``REF <json>`` lines that the test compares (``pipelines``:
 ``LOSSES <scenario> <json>`` per scenario, ``REF`` lines from process 0 only).
 """
@@ -151,6 +152,64 @@ def pipelines() -> None:
             print("REF", name, json.dumps(want), flush=True)
 
 
+def idle() -> None:
+    """Plans that leave a process without a device (2 processes x 4 devices, or 3 x 2):
+    every process calls the step, the idle ones run no part of it, and every process
+    gets the step's outputs as one process would (``LOSSES <scenario> <json>``)."""
+    rank, count = jax.process_index(), jax.process_count()
+    local = hetshard.Cluster.from_jax_devices()
+    cpu = local.groups[0].gpu.name
+    rng = np.random.default_rng(0)
+    text = [data.text_batch(rng, 8, 16, 256) for _ in range(2)]
+    if count == 2:
+        scenarios = {
+            # Everything on process 0's devices: process 1 idle.
+            "single_p0": [Pipeline((_stage(0, 4, (0, 1, 2, 3), cpu),), 8, 2, 1)],
+            "pipe_p0": [Pipeline((_stage(0, 2, (0, 1), cpu), _stage(2, 4, (2, 3), cpu)),
+                                 8, 2, 2)],
+            # Everything on process 1's devices: process 0 idle.
+            "single_p1": [Pipeline((_stage(0, 4, (4, 5), cpu, data=1, tensor=2),), 8, 8, 1)],
+        }
+    else:
+        scenarios = {
+            # One stage over processes 0 and 1; process 2 idle.
+            "span_single": [Pipeline((_stage(0, 4, (0, 1, 2, 3), cpu),), 8, 2, 1)],
+            # A stage over processes 0 and 1, the next on process 1; process 2 idle.
+            "span_pipe": [Pipeline((_stage(0, 2, (1, 2), cpu), _stage(2, 4, (3,), cpu)),
+                                   8, 2, 2)],
+            # Process 0 idle, the stages on processes 1 and 2.
+            "pipe_p12": [Pipeline((_stage(0, 2, (2, 3), cpu), _stage(2, 4, (4, 5), cpu)),
+                                  8, 2, 2)],
+        }
+    if count == 2:
+        # The issue's case: the planner's own plan on a mixed cluster whose fastest GPUs
+        # are all process 0's (2 "H100" + 2 "A100" there, 4 "V100" in process 1).
+        mixed = hetshard.Cluster.load({"name": "mixed", "inter_group_gbs": 25.0, "groups": [
+            {"name": "h100", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 2,
+             "processes": [0]},
+            {"name": "a100", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2,
+             "processes": [0]},
+            {"name": "v100", "gpu": "V100-32GB", "nodes": 1, "gpus_per_node": 4,
+             "processes": [1]}]})
+        losses, plan = _train(MODEL, loss_fn, mixed, None, text, 3, planned=True)
+        used = sorted({mixed.bind().devices[i].process_index for p in plan.pipelines
+                       for st in p.stages for i in st.devices})
+        print("LOSSES", "planned", json.dumps({"losses": losses, "runs": rank in used,
+                                                "used": used}), flush=True)
+        if rank == 0:
+            want, _ = _train(MODEL, loss_fn, None, None, text, 3)
+            print("REF", "planned", json.dumps(want), flush=True)
+    for name, pipes in scenarios.items():
+        plan = Plan(MODEL, local.to_dict(), 8, 16, tuple(pipes))
+        losses, runner = _train(MODEL, loss_fn, local, plan, text, 3)
+        here = sorted({d.process_index for p in pipes for st in p.stages
+                       for d in (jax.devices()[i] for i in st.devices)})
+        print("LOSSES", name, json.dumps({"losses": losses, "runs": rank in here}), flush=True)
+        if rank == 0:
+            want, _ = _train(MODEL, loss_fn, None, None, text, 3)
+            print("REF", name, json.dumps(want), flush=True)
+
+
 def user_programs() -> None:
     """Models written in the tests (tests/user_models.py: an NNX transformer without
     scopes, a params-dict step with optax.lion) in a pipeline whose two stages run in
@@ -221,6 +280,9 @@ def main(mode: str) -> int:
         return 0
     if mode == "pipelines":
         pipelines()
+        return 0
+    if mode == "idle":
+        idle()
         return 0
     if mode == "user":
         user_programs()
