@@ -14,10 +14,10 @@ Sets (each row a published configuration and its measured step time):
   ``matmul_eff`` was fitted on (``fit_matmul_eff``: the mean log error zeroed); the
   other 11 are held out, and torchtitan's A100 rows below are held out entirely.
 * ``sailor-mit`` (9), ``sailor-gh200-opt350`` (15), ``sailor-gh200-gptneo`` (12):
-  Sailor's real measured iteration times (Strati et al., SOSP'25; ``../shared/data/
+  Sailor's real measured iteration times (Strati et al., SOSP'25; ``experiments/data/
   sailor-validation.json``) of its plans on a mixed RTX-3090 / RTX-2080 Ti / Titan RTX
   cluster and on GH200 nodes, OPT-350 and GPT-Neo-2.7B in float32. Priced with Sailor's
-  published per-layer profiles (``../shared/data/profiles/sailor-profiles.json``: forward,
+  published per-layer profiles (``experiments/data/profiles/sailor-profiles.json``: forward,
   backward, update per layer by GPU, micro-batch and tensor degree), which hetshard loads
   as they are, and the clusters' measured network fits from the validation file. Nothing
   is fitted. Sailor's, AMP's, Metis's and FlashFlex's predictions of the same runs are
@@ -528,7 +528,7 @@ def main() -> int:
             rows = sailor_evaluate(name)
             sets[name] = {"summary": summarize(rows, gpus_per_node=4 if "gh200" in name
                                                else 8), "rows": rows,
-                          "calibration": "../shared/data/profiles/sailor-profiles.json"}
+                          "calibration": "experiments/data/profiles/sailor-profiles.json"}
             print_set(name, sets[name]["summary"], rows)
     for name, table, cluster_of, fit_rows in (
             ("torchtitan-h100", TORCHTITAN_H100, _grand_teton,

@@ -2,7 +2,7 @@
 simulator's cost model.
 
 Global batches are sampled from the 1M Wikipedia document lengths FlexSP published
-(``../shared/data/lengths/wikipedia-flexsp.txt.gz``; documents longer than the maximum
+(``experiments/data/lengths/wikipedia-flexsp.txt.gz``; documents longer than the maximum
 context are cut to it, as FlexSP does), at 32K and 128K maximum context, for llama-7b on
 homogeneous and mixed clusters of 32 and 64 GPUs, plus an MLLM mixture (llama-7b with a
 ViT-L/14 encoder; 0-8 images per sample, each 256 tokens in the language model; a
@@ -63,7 +63,7 @@ from hetshard.data import METHODS, choose_groups, group_costs, plan_batch
 from models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LENGTHS = os.path.join(HERE, "..", "..", "shared", "data", "lengths", "wikipedia-flexsp.txt.gz")
+LENGTHS = os.path.join(HERE, "data", "lengths", "wikipedia-flexsp.txt.gz")
 
 def _cluster(name: str, *groups) -> Cluster:
     return Cluster.from_dict({

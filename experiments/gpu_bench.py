@@ -22,7 +22,7 @@ is its attention at the state of the art, and does the simulator price what runs
 
 2. **Attention alone**, forward + backward, bfloat16, 16 heads of 128, at 4K, 16K and 32K
    tokens a row (batch 32K tokens / seq), causal, and packed rows of Wikipedia documents
-   (``shared/data/lengths``) at 16K: cuDNN (``hetshard.kernels.dot_product_attention``),
+   (``experiments/data/lengths``) at 16K: cuDNN (``hetshard.kernels.dot_product_attention``),
    hetshard's Pallas kernel, XLA's reference (where its O(S^2) scores fit). TFLOP/s
    count the products a causal kernel computes (7 products of 2 S^2 D flops, halved;
    packed rows: over the documents' own squares).
@@ -59,7 +59,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
-LENGTHS = os.path.join(HERE, "..", "..", "shared", "data", "lengths", "wikipedia-flexsp.txt.gz")
+LENGTHS = os.path.join(HERE, "data", "lengths", "wikipedia-flexsp.txt.gz")
 
 
 def main() -> int:

@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LENGTHS = os.path.join(HERE, "..", "..", "shared", "data", "lengths", "wikipedia-flexsp.txt.gz")
+LENGTHS = os.path.join(HERE, "data", "lengths", "wikipedia-flexsp.txt.gz")
 KINDS = ("one", "halves", "quarters", "eighths", "wikipedia", "long+wikipedia")
 
 
@@ -79,7 +79,7 @@ def _row_lengths(kind: str, bucket: int, wiki: np.ndarray, rng) -> list[int]:
 def _wikipedia(tiny: bool, path: str) -> np.ndarray:
     if not os.path.exists(path):
         raise SystemExit(f"--lengths {path!r}: no such file (the Wikipedia length file, "
-                         f"../shared/data/lengths/wikipedia-flexsp.txt.gz)")
+                         f"experiments/data/lengths/wikipedia-flexsp.txt.gz)")
     with gzip.open(path, "rt") as f:
         lengths = np.array([int(x) for x in f.read().split()], np.int64)
     lengths = lengths[lengths > 1]

@@ -1,6 +1,6 @@
 """Sailor's measured runs as hetshard plans: the clusters they ran on and their plans.
 
-``../shared/data/sailor-validation.json`` holds 36 measured iteration times of plans
+``experiments/data/sailor-validation.json`` holds 36 measured iteration times of plans
 Sailor (Strati et al., SOSP'25) ran: on a mixed RTX-3090 / RTX-2080 Ti / Titan RTX
 cluster at MIT (nodes of 8 GPUs) and on GH200 nodes of CSCS's Alps (4 per node). A
 plan is a list of stages, each a set of data-parallel replicas, each replica a node's
@@ -23,7 +23,7 @@ import os
 from hetshard.cluster import Cluster
 from hetshard.plan import Pipeline, Plan, Stage
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 VALIDATION = os.path.join(DATA, "sailor-validation.json")
 PROFILES = os.path.join(DATA, "profiles", "sailor-profiles.json")
 

@@ -1,6 +1,6 @@
 """Sailor's setting: OPT-350 in float32, global batch 1024, A100-40GB + V100-16GB nodes of 4
 GPUs on GCP (32+96, 80+240 and 128+384 GPUs), priced with Sailor's published per-layer
-profiles (``../shared/data/profiles/sailor-profiles.json``).
+profiles (``experiments/data/profiles/sailor-profiles.json``).
 
 For each cluster hetshard plans with the profiles as its calibration, and the plan is
 simulated; for 32+96 Sailor's published plan (micro-batch 2; two stages of 13 of the 26
