@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import warnings
 import zlib
 
@@ -37,6 +38,7 @@ from hetshard.errors import HetshardError, SpecError
 from hetshard.plan import Plan
 
 MANIFEST = "hetshard-manifest.json"
+_TMP_MARK = "orbax-checkpoint-tmp"  # Orbax's name for a save not yet renamed into place
 
 
 class CheckpointError(HetshardError, RuntimeError):
@@ -46,9 +48,9 @@ class CheckpointError(HetshardError, RuntimeError):
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's files differ from what was saved (``step``, ``path``)."""
 
-    def __init__(self, step: int, path: str, why: str):
+    def __init__(self, step: int, path: str, why: str, message: str | None = None):
         self.step, self.path = step, path
-        super().__init__(f"checkpoint step {step} is corrupt: {path}: {why}")
+        super().__init__(message or f"checkpoint step {step} is corrupt: {path}: {why}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +210,22 @@ class Checkpointer:
         """As :meth:`restore` for a pytree state: ``(restored pytree, Restored)``."""
         return self._restore(tree, step, shardings)
 
+    def interrupted(self) -> dict[int, str]:
+        """Saves that never landed: step -> the temporary directory Orbax left (its
+        writer killed before the rename). Such a directory is no checkpoint."""
+        found = {}
+        for name in sorted(os.listdir(self.directory)) if os.path.isdir(
+                self.directory) else []:
+            head, dot, tail = name.partition(".")
+            if dot and head.isdigit() and tail.startswith(_TMP_MARK):
+                found[int(head)] = os.path.join(self.directory, name)
+        return found
+
     def _restore(self, pure, step, shardings):
+        for s, path in self.interrupted().items():
+            warnings.warn(f"an interrupted save of step {s} left {path}: it is no "
+                          f"checkpoint and is not restored (remove it with rm -r "
+                          f"{shlex.quote(path)} once no process is saving)", stacklevel=4)
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
@@ -242,8 +259,11 @@ class Checkpointer:
                 plan = Plan.from_dict(meta["plan"])
             return out["state"], Restored(int(meta["step"]), meta.get("data_position"),
                                           plan, tuple(skipped))
-        raise CheckpointCorruptError(skipped[0], "(every checkpoint)",
-                                     f"none of steps {skipped} verifies")
+        raise CheckpointCorruptError(
+            skipped[0], "(every checkpoint)", "none verifies",
+            message=f"no checkpoint in {self.directory} can be restored: steps "
+                    f"{', '.join(map(str, skipped))} are each corrupt or unreadable (the "
+                    f"warnings above say how)")
 
     @staticmethod
     def _target(pure, shardings):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -558,10 +559,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown, warnings.showwarning = warnings.showwarning, show
     try:
         check_args(args)
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # (a reader that went away shows here, not at exit)
+        return status
     except HetshardError as e:
         print(f"hetshard: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader closed the pipe (``hetshard devices | head -1``): stop quietly, with
+        # stdout pointed at /dev/null so that Python's own flush at exit finds no pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         warnings.showwarning = shown
 

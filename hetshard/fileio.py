@@ -21,6 +21,10 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 
 def read_text(path: str | os.PathLike, what: str) -> str:
     """The file's text, or a SpecError naming ``what`` and the OS reason."""
+    if not str(path).strip():  # (Path("") is the working directory: "Is a directory")
+        raise SpecError(what, str(path), f"the path of a {what} file (it is empty)")
+    if Path(path).is_dir():
+        raise SpecError(what, str(path), f"the path of a {what} file (it is a directory)")
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:

@@ -157,9 +157,18 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
                         f"({program.call_error}; float16 stages scale the loss)",
                         where="hetshard.jit")
     why = None
+
+    def single(reason: str, **limits):
+        """The options kept to single stages (and pipelines), for ``reason``."""
+        if options.min_stages > 1:  # asked for a pipeline this step cannot run
+            raise SpecError("min_stages", options.min_stages, f"1 for this step: {reason}",
+                            where="hetshard.jit")
+        return dataclasses.replace(options, **limits)
+
     several = options.max_stages != 1 or options.max_pipelines != 1
     if program.call is None and several:
-        options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
+        options = single(f"the step's loss cannot be cut per micro-batch "
+                         f"({program.call_error})", max_stages=1, max_pipelines=1)
         # (an evaluation step, which changes no parameter, needs no loss call: no word)
         if program.changes_parameters:
             why = (f"the step's loss cannot be cut per micro-batch ({program.call_error}): "
@@ -169,10 +178,10 @@ def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
         if found is not None:
             reason, one_pipeline = found
             if one_pipeline:
-                options = dataclasses.replace(options, max_stages=1, max_pipelines=1)
+                options = single(reason, max_stages=1, max_pipelines=1)
                 why = f"{reason}: hetshard plans one single-stage pipeline for it"
             elif options.max_stages != 1:
-                options = dataclasses.replace(options, max_stages=1)
+                options = single(reason, max_stages=1)
                 why = (f"pipeline stages cannot run this step: {reason}; hetshard plans "
                        f"single-stage pipelines for it (pass max_stages=1 to say so)")
     if program.kind == "tree" and options.distributed_optimizer is not False:
@@ -340,6 +349,7 @@ class HetshardJit:
             # A stage with a tensor axis and no parameter layouts gets the ones make_plan
             # would write, so it runs tensor-parallel as the simulator prices it.
             self.pinned = fill_missing_shardings(self.pinned, program, self.cluster)
+            self.pinned = self._repriced(self.pinned, program)
             return self.pinned
         options, why = _restricted(self.options, program)
         if why and why not in self.guard.warned:
@@ -381,6 +391,18 @@ class HetshardJit:
         if not self.quiet and jax.process_index() == 0:
             print(f"hetshard.jit: {line}", file=sys.stderr, flush=True)
 
+    def _repriced(self, plan: Plan, program: Program) -> Plan:
+        """A pinned plan with its predictions priced for this program and cluster (what
+        ``plan.explain()`` and ``time_stages`` compare against), not the file's: a
+        hand-edited plan keeps the times of the plan it was edited from."""
+        from hetshard.sim import simulate, upper_bound_tokens_per_s
+        from hetshard.sim.simulator import annotate
+        profile = profile_program(program, plan.split_blocks)
+        upper = upper_bound_tokens_per_s(profile, self.cluster, DEFAULT,
+                                         attention=plan.attention, gpu_dtypes=plan.gpu_dtypes)
+        return annotate(plan, simulate(plan, profile, self.cluster, DEFAULT, trace=False),
+                        upper)
+
     def _check_pinned(self, program: Program):
         """A pinned plan made for another program, sequence length or cluster (one whose
         devices have other GPU types, or are missing, here) is an error."""
@@ -399,6 +421,21 @@ class HetshardJit:
                     + (f"{here} in {self.cluster.name!r}" if here else
                        f"missing from {self.cluster.name!r} ({n} devices)"),
                     where="hetshard.jit")
+        if program.call is None and plan.fingerprint and \
+                plan.fingerprint != program.model_fingerprint:
+            # Without its loss call hetshard cannot tell the step's parameters and layers
+            # (the fingerprint covers them): say so, not "another model".
+            cuts = len(plan.pipelines) > 1 or any(len(p.stages) > 1 for p in plan.pipelines)
+            raise PlanNotExecutableError(
+                f"the pinned plan for {plan.model!r} "
+                f"({[len(p.stages) for p in plan.pipelines]} stages per pipeline) cannot "
+                f"be matched to this step: hetshard sees no loss call in it "
+                f"({program.call_error}), so it cannot tell the step's parameters and "
+                f"layers; "
+                + ("pipeline plans and several pipelines need a loss call it can cut per "
+                   "micro-batch; " if cuts else "")
+                + "call nnx.value_and_grad or hetshard.value_and_grad inside the step "
+                  "(a transform made outside the step and passed in is not seen)")
         # (A step whose loss cannot be cut runs whole, as one stage: its layers are not
         # what a plan addresses; a pipeline plan for it is refused after this.)
         n = program.layering(2, plan.split_blocks).num_layers if program.call else None

@@ -321,20 +321,43 @@ class Plan:
             stages = " | ".join(
                 f"{s.gpu} " + ("x".join(f"{a}{n}" for a, n in s.mesh_shape if n > 1) or "1")
                 for s in p.stages[:p.num_workers])
-            pipes.append(f"[{stages}] {p.num_micro_batches}x{p.micro_batch_size}")
+            pipes.append(f"[{stages}] {p.num_micro_batches} micro-batches of "
+                         f"{p.samples_per_micro_batch}")
         pr = self.predicted
         bound = (f" ({pr.tokens_per_s / pr.upper_bound_tokens_per_s:.0%} of the bound)"
                  if pr.upper_bound_tokens_per_s else "")
         return (f"{len(self.pipelines)} pipeline(s) {', '.join(pipes)}; predicted "
-                f"{pr.tokens_per_s:,.0f} tokens/s{bound}, step {seconds(pr.step_time_s)}")
+                f"{pr.tokens_per_s:,.0f} {self.unit}/s{bound}, step "
+                f"{seconds(pr.step_time_s)}")
+
+    @property
+    def unit(self) -> str:
+        """What the throughput counts: tokens, or samples for a model without a sequence
+        (a ViT's images, seq_len 1)."""
+        return "tokens" if self.seq_len > 1 else "samples"
+
+    def stage_attention(self, stage: Stage) -> str:
+        """The attention implementation ``stage`` runs on its GPU type: the plan's, or
+        ``auto``'s choice there for a causal call in the stage's dtype (a call of another
+        pattern can take another; ``hetshard.kernel_choice``); ``auto`` for a plan
+        without its cluster."""
+        if self.attention != "auto" or self.cluster is None:
+            return self.attention
+        from hetshard.kernel_choice import Hardware, Pattern, choose
+        types = {g.gpu.name: g.gpu for g in self.cluster.groups}
+        chosen = {choose(Hardware.of_type(types[n]), Pattern(dtype=self.stage_dtype(stage)))
+                  for n in stage.gpu.split("+")}
+        return "/".join(sorted(chosen))
 
     def explain(self) -> str:
         """A readable table of the plan."""
-        lines = [f"plan for {self.model}: global batch {self.global_batch}, seq {self.seq_len}, "
+        seq = f", seq {self.seq_len}" if self.seq_len > 1 else " samples"
+        lines = [f"plan for {self.model}: global batch {self.global_batch}{seq}, "
                  f"{self.num_devices} devices, dtype {self.dtype}"
                  + "".join(f", {g} in {d}" for g, d in self.gpu_dtypes)
                  + (" (loss scaled)" if self.loss_scaled else "")
-                 + f", {self.attention} attention"
+                 + f", attention {self.attention} (per stage: attn, where the "
+                   f"program has any)"
                  + (", FSDP" if self.fsdp else "")
                  + (", layers are block halves (attention, MLP)" if self.split_blocks else "")
                  + (", distributed optimizer" if self.distributed_optimizer else "")]
@@ -343,7 +366,7 @@ class Plan:
                                     for s in stages), _TIME_UNITS)
         m_unit, m_scale = _unit(max(s.predicted_memory_bytes for s in stages), _BYTE_UNITS)
         hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
-               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'fwd ' + t_unit:>8} "
+               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'attn':>9} {'fwd ' + t_unit:>8} "
                f"{'bwd ' + t_unit:>8} {'mem ' + m_unit:>7}")
         lines.append(hdr)
         for i, p in enumerate(self.pipelines):
@@ -359,7 +382,7 @@ class Plan:
                 devs = _ranges(s.devices)
                 lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
                              f"{mesh:>22} {devs:>16} {p.stage_micro_batch(j):>4} "
-                             f"{_remat_text(s):>9} "
+                             f"{_remat_text(s):>9} {self.stage_attention(s):>9} "
                              f"{s.predicted_fwd_s / t_scale:>8.2f} "
                              f"{s.predicted_bwd_s / t_scale:>8.2f} "
                              f"{s.predicted_memory_bytes / m_scale:>7.2f}")
@@ -375,11 +398,11 @@ class Plan:
             + ("" if not self.grad_sync else f", {when} the last backward"))
         pr = self.predicted
         lines.append(f"predicted: step {seconds(pr.step_time_s)}, {pr.tokens_per_s:,.0f} "
-                     f"tokens/s, {pr.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
+                     f"{self.unit}/s, {pr.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pr.mfu:.1%}, "
                      f"bubble {pr.bubble_fraction:.1%}, peak memory "
                      f"{nbytes(pr.peak_memory_bytes)}, fits={pr.fits}")
         if pr.upper_bound_tokens_per_s:
-            lines.append(f"upper bound {pr.upper_bound_tokens_per_s:,.0f} tokens/s "
+            lines.append(f"upper bound {pr.upper_bound_tokens_per_s:,.0f} {self.unit}/s "
                          f"({pr.tokens_per_s / pr.upper_bound_tokens_per_s:.1%} reached)")
         sv = self.solver
         lines.append(f"solver: {sv.status}, {sv.wall_time_s:.2f} s, gap {sv.gap:.1%}")
@@ -529,6 +552,22 @@ def _check_attention(plan: Plan) -> None:
                                 {name: plan.stage_dtype(st)})
 
 
+def _check_gpus(plan: Plan) -> None:
+    """Each stage's ``gpu`` names the GPU types its devices are in the plan's cluster
+    (joined by ``+``, sorted, for a stage over several): a plan that says V100 for
+    devices the cluster binds to H100s would be priced as one and shown as the other."""
+    if plan.cluster is None:
+        return
+    for i, p in enumerate(plan.pipelines):
+        for j, st in enumerate(p.stages):
+            names = sorted({plan.cluster.gpu_of(d).name for d in st.devices})
+            if set(st.gpu.split("+")) != set(names):
+                raise SpecError(f"pipelines[{i}].stages[{j}].gpu", st.gpu,
+                                f"{'+'.join(names)!r}, the GPU type of its devices "
+                                f"{_ranges(st.devices)} in the plan's cluster "
+                                f"{plan.cluster.name!r}")
+
+
 def _cluster_devices(cluster: Cluster | None) -> int | None:
     """The device count of a plan's cluster (None where the plan names none)."""
     return None if cluster is None else cluster.num_devices
@@ -539,6 +578,7 @@ def validate(plan: Plan) -> None:
     if not plan.pipelines:
         raise SpecError("pipelines", [], "at least one pipeline")
     _check_types(plan)
+    _check_gpus(plan)
     _check_attention(plan)
     for name in ("fsdp", "distributed_optimizer", "split_blocks", "tp_overlap",
                  "grad_sync_overlap"):

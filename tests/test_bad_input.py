@@ -46,6 +46,7 @@ def _mutated(plan, how):
      "end beyond layers": lambda: p["pipelines"][0]["stages"][-1].__setitem__("end", 99),
      "dtype int8": lambda: p.__setitem__("dtype", "int8"),
      "mesh of 2 on 4 devices": lambda: st0.__setitem__("mesh_shape", [["data", 2]]),
+     "V100 on A100s": lambda: st0.__setitem__("gpu", "V100-32GB"),
      }[how]()
     return p
 
@@ -86,13 +87,17 @@ CLI_ROWS = [
      "command="),
     ("unknown fix key", lambda d: [*PLAN, "--global-batch", "8", "--fix", "xx=1"],
      "--fix xx"),
+    ("empty plan path", lambda d: [*SIM[:1], "--plan", ""], "(it is empty)"),
+    ("plan path a folder", lambda d: [*SIM[:1], "--plan", str(d)], "(it is a directory)"),
 ] + [(f"plan JSON: {how}", lambda d, how=how: [*SIM[:1], "--plan", f"{d}/{how}.json"], text)
      for how, text in (("device 12 of 8", "devices=12"),
                        ("repeated device", "([0] repeated)"),
                        ("devices as text", "devices='0-3'"),
                        ("end beyond layers", "end=[99]"),
                        ("dtype int8", "dtype='int8'"),
-                       ("mesh of 2 on 4 devices", "mesh_shape="))]
+                       ("mesh of 2 on 4 devices", "mesh_shape="),
+                       ("V100 on A100s", "stages[0].gpu='V100-32GB' is invalid; expected "
+                                         "'A100-80GB'"))]
 
 
 @pytest.mark.parametrize("case,argv,text", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
@@ -101,7 +106,7 @@ def test_cli_refuses_bad_input_before_work(case, argv, text, tmp_path, capsys, v
     (tmp_path / "huge.json").write_text(json.dumps({"name": "huge", "groups": [
         {"name": "a", "gpu": "A100-80GB", "nodes": 100_000_000, "gpus_per_node": 8}]}))
     for how in ("device 12 of 8", "repeated device", "devices as text", "end beyond layers",
-                "dtype int8", "mesh of 2 on 4 devices"):
+                "dtype int8", "mesh of 2 on 4 devices", "V100 on A100s"):
         (tmp_path / f"{how}.json").write_text(json.dumps(_mutated(valid_plan, how)))
     (tmp_path / "keep.json").write_text("the user's file")
     before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
@@ -305,3 +310,38 @@ def test_fuzzed_cluster_specs_load_or_are_refused(data):
 def test_fuzz_base_files_are_valid(valid_plan):
     assert Plan.from_json(json.dumps(valid_plan)).global_batch == 8
     assert Cluster.from_json(json.dumps(_SPEC)).num_devices == 20
+
+
+def test_a_pinned_pipeline_on_a_step_whose_loss_call_is_unseen_names_that_cause():
+    # The value_and_grad is made outside the step and passed in: hetshard sees no loss
+    # call, so the step's fingerprint differs from the plan's; the refusal says why
+    # (it said "another model, parameter shapes or batch shapes").
+    import jax
+
+    from hetshard.plan import Pipeline, Stage
+    from hetshard.runtime.executable import PlanNotExecutableError
+    step, (model, opt, batch), _ = user_models.make_transformer()
+    program = hetshard.Program(step, (model, opt, batch))
+    n = program.layering(2).num_layers
+    cluster = Cluster.from_jax_devices()
+    cpu = cluster.groups[0].gpu.name
+    plan = Plan(program.name, cluster.to_dict(), 8, program.seq_len, (Pipeline(tuple(
+        Stage(i * n // 4, (i + 1) * n // 4, (2 * i, 2 * i + 1), cpu, (("data", 2),))
+        for i in range(4)), 8, 1, 4),), fingerprint=program.model_fingerprint,
+        attention="reference")
+    vg = nnx.value_and_grad(user_models.lm_loss)
+
+    def outside(model, optimizer, batch):
+        value, grads = vg(model, batch)
+        optimizer.update(model, grads)
+        return value
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    err = _raises(PlanNotExecutableError, None,
+                  lambda: hetshard.jit(outside, cluster=cluster, plan=plan)(model, opt, batch))
+    assert "sees no loss call" in str(err) and "inside the step" in str(err)
+    assert "another model" not in str(err)
+    # Asking the planner for a pipeline such a step cannot run: refused, naming why.
+    _raises(SpecError, "min_stages", lambda: hetshard.jit(
+        outside, cluster=cluster, min_stages=2)(model, opt, batch))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(
+        before, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True))

@@ -125,6 +125,15 @@ def test_a_corrupted_checkpoint_is_detected_and_the_previous_one_used(tmp_path):
     with pytest.warns(UserWarning, match="step 2 is corrupt"):
         info = ck.restore((fresh, fresh_opt))
     assert info.step == 1 and info.skipped == (2,)
+    # Every checkpoint corrupt: one sentence naming the directory and the steps.
+    victim1 = max((os.path.join(d, f) for d, _, fs in os.walk(os.path.join(tmp_path, "1"))
+                   for f in fs if "manifest" not in f), key=os.path.getsize)
+    with open(victim1, "r+b") as f:
+        f.write(b"\x00garbage\xff")
+    with pytest.warns(UserWarning), pytest.raises(CheckpointCorruptError) as e:
+        ck.restore(_fresh(seed=4))
+    assert str(e.value) == (f"no checkpoint in {tmp_path} can be restored: steps 2, 1 are "
+                            f"each corrupt or unreadable (the warnings above say how)")
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(fresh, nnx.Param)))
     # step 1 is step 2's weights less 2 (what _saved added for step 2)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -161,8 +170,12 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         os.listdir(tmp_path)  # the half-saved step's temporary directory
     ck = Checkpointer(tmp_path)
     assert ck.steps() == [1]
+    (step, left), = ck.interrupted().items()
+    assert step == 2 and os.path.isdir(left)
     model, opt = _fresh(seed=5)
-    assert ck.restore((model, opt)).data_position == 1
+    # Restoring says what the killed save left and how to remove it.
+    with pytest.warns(UserWarning, match=r"interrupted save of step 2 left .* rm -r "):
+        assert ck.restore((model, opt)).data_position == 1
 
 
 def test_bad_input(tmp_path):

@@ -40,6 +40,17 @@ def test_models_json(capsys):
     assert one["params"] == 6400 + 512 + 2 * 49_984 + 128
 
 
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    # ``hetshard models llama-7b | head -1``: the read end is closed before the command
+    # writes (it did print a BrokenPipeError traceback).
+    p = subprocess.Popen([sys.executable, "-m", "hetshard", "models", "llama-7b"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_tables_print(capsys):
     for cmd in ("devices", "clusters", "models"):
         assert main([cmd]) == 0

@@ -239,8 +239,10 @@ def test_bind_onto_eight_fake_devices():
     assert bound.group_devices("v100") == tuple(jax.devices()[4:8])
     assert bound.device(2) == jax.devices()[2]
     small = Cluster.load("amp-t4-v100").bind  # 16 GPUs
-    with pytest.raises(hetshard.DeviceBindingError, match="device_count=16"):
+    with pytest.raises(hetshard.DeviceBindingError, match="device_count=16") as err:
         small()
+    # (a job that lost devices is told how to go on with the 8 there are)
+    assert "elastic=True" in str(err.value) and "the 8 there are" in str(err.value)
 
 
 def test_bind_respects_process_pins():

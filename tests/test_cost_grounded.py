@@ -21,7 +21,8 @@ from hetshard.sim.simulator import layers_cost, upper_bound_tokens_per_s
 from hetshard.solver.uniform import parse_fix, uniform_plan
 from models import profile as profile_model
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "experiments", "data", "profiles")  # as published
+# published profiles, as published
+DATA = os.path.join(os.path.dirname(__file__), "..", "experiments", "data", "profiles")
 AMP = os.path.join(DATA, "amp-gpt2-1024.json")
 SAILOR = os.path.join(DATA, "sailor-profiles.json")
 AMP_MODEL = ("gpt:layers=24,hidden=1024,heads=16,vocab=52256,seq=1024,pos=learned,"

@@ -587,10 +587,41 @@ def test_model_that_fits_nowhere_names_the_tightest_stage():
                   options=PlannerOptions(time_limit_s=10, mbs_options=(1,)))
 
 
+def test_a_pipeline_can_be_asked_for_and_the_planner_fills_in_the_rest():
+    # Left free, the planner gives the tiny model one stage per pipeline on 8 A100s;
+    # min_stages (or --fix pp=K: exactly K) asks for a pipeline, everything else chosen.
+    cluster = Cluster.load({"name": "a100x8", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}]})
+    free = make_plan(TINY, cluster, global_batch=16, seq_len=64, shardings=False,
+                     options=OPTS)
+    assert [len(p.stages) for p in free.pipelines] == [1] * len(free.pipelines)
+    at_least = make_plan(TINY, cluster, global_batch=16, seq_len=64, shardings=False,
+                         options=dataclasses.replace(OPTS, min_stages=2))
+    assert all(len(p.stages) >= 2 for p in at_least.pipelines)
+    exact = make_plan(TINY, cluster, global_batch=16, seq_len=64, shardings=False,
+                      options=options_from_fix("pp=4", OPTS))
+    assert [len(p.stages) for p in exact.pipelines] == [4] * len(exact.pipelines)
+    # 3 stages cannot share 8 GPUs evenly: the error says which counts can.
+    with pytest.raises(NoFeasiblePlanError, match=r"stage counts that fit 8x A100-80GB: "
+                                                   r"\[1, 2, 4\]"):
+        make_plan(TINY, cluster, global_batch=16, seq_len=64, shardings=False,
+                  options=options_from_fix("pp=3", OPTS))
+    with pytest.raises(SpecError, match="min_stages=7 is invalid; expected at most the "
+                                        "model's 6 layers"):  # (embedding, 4 blocks, head)
+        make_plan(TINY, cluster, global_batch=16, seq_len=64, shardings=False,
+                  options=dataclasses.replace(OPTS, min_stages=7, max_stages=None))
+    for bad in (0, True, 2.5):
+        with pytest.raises(SpecError, match="min_stages"):
+            PlannerOptions(min_stages=bad)
+    with pytest.raises(SpecError, match="min_stages=3 is invalid; expected at most "
+                                        "max_stages=2"):
+        PlannerOptions(min_stages=3, max_stages=2)
+
+
 def test_bad_constraints_and_batches():
-    with pytest.raises(SpecError, match="only tp, mbs, remat"):
+    with pytest.raises(SpecError, match="only pp, tp, mbs, remat"):
         options_from_fix("dp=2", PlannerOptions())
-    with pytest.raises(SpecError, match="layers.*only tp, mbs, remat"):
+    with pytest.raises(SpecError, match="layers.*only pp, tp, mbs, remat"):
         options_from_fix("tp=2,layers=3,5", PlannerOptions())
     with pytest.raises(SpecError, match="contradictory"):
         options_from_fix("tp=2,tp=4", PlannerOptions())

@@ -51,7 +51,9 @@ def bind(cluster: Cluster, devices=None) -> BoundCluster:
             f"exist. To emulate it on CPU, start Python with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} or call "
             f"jax.config.update('jax_num_cpu_devices', {need}) before JAX initialises; "
-            f"or bind a smaller cluster.")
+            f"or bind a smaller cluster; or, for a job that lost devices, "
+            f"hetshard.jit(..., elastic=True) plans again on the {len(devices)} there are "
+            f"(docs/elastic.md).")
     free = {d.process_index: [] for d in devices}
     for d in devices:
         free[d.process_index].append(d)

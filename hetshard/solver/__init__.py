@@ -26,24 +26,28 @@ from hetshard.solver.uniform import parse_fix
 
 
 def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
-    """Restricts the planner with ``--fix``-style constraints (tp, mbs, remat, schedule,
-    vpp: stages per submesh, 1 for no interleaving; zero1: the distributed optimizer on
-    or off; tp_overlap: collective matmuls on tensor stages, on or off).
+    """Restricts the planner with ``--fix``-style constraints (pp: stages per pipeline;
+    tp, mbs, remat, schedule, vpp: stages per submesh, 1 for no interleaving; zero1: the
+    distributed optimizer on or off; tp_overlap: collective matmuls on tensor stages, on
+    or off); the planner chooses everything not given.
 
-    Raises SpecError for keys the planner cannot honour (dp, pp, cp decide the layout,
-    which is the planner's job: use ``hetshard simulate`` to price a fixed layout).
+    Raises SpecError for keys the planner cannot honour (dp, cp, fsdp, hsdp, layers
+    decide the rest of the layout, which is the planner's job: use ``hetshard simulate``
+    to price a fixed layout).
     """
     if not text:
         return base
     fix = parse_fix(text)
     given = {item.split("=")[0].strip() for item in text.split(",") if "=" in item}
-    layout = given & {"dp", "pp", "cp", "fsdp", "layers", "hsdp"}
+    layout = given & {"dp", "cp", "fsdp", "layers", "hsdp"}
     if layout:
         raise SpecError(f"--fix {sorted(layout)[0]}", getattr(fix, sorted(layout)[0]),
-                        "only tp, mbs, remat, schedule, vpp, zero1 and tp_overlap for "
-                        "'hetshard plan' (the "
-                        "planner chooses the layout; 'hetshard simulate --fix' prices a fixed one)")
+                        "only pp, tp, mbs, remat, schedule, vpp, zero1 and tp_overlap for "
+                        "'hetshard plan' (the planner chooses the rest of the layout; "
+                        "'hetshard simulate --fix' prices a fixed one)")
     opts = base
+    if "pp" in given:  # that many stages per pipeline; the planner chooses the rest
+        opts = dataclasses.replace(opts, min_stages=fix.pp, max_stages=fix.pp)
     if "tp" in given:
         opts = dataclasses.replace(opts, tp_options=(fix.tp,))
     if "mbs" in given:
@@ -94,6 +98,15 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     progress.phase("tracing and pricing the program's layers")
     profile = profile_program(program, split_blocks=bool(split))
     heads = profile.heads or 1
+    if opts.min_stages > min(profile.num_layers, cluster.num_devices):
+        halves = not split and any(x.block for x in profile.layers)
+        raise SpecError("min_stages", opts.min_stages,
+                        f"at most the model's {profile.num_layers} layers"
+                        + (" (block halves)" if split else "")
+                        + f" and the cluster's {cluster.num_devices} GPUs (a stage holds "
+                          f"at least one layer and one GPU)"
+                        + ("; split_blocks=True cuts stages inside blocks" if halves else ""),
+                        where="PlannerOptions")
     max_gpn = max(g.gpus_per_node for g in cluster.groups)
     usable = [t for t in opts.tp_options if heads % t == 0 and t <= max_gpn]
     if not usable:

@@ -6,6 +6,7 @@ stage-cost cache every simulation of that search shares; each priced plan is a
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from typing import NamedTuple
@@ -50,10 +51,19 @@ class Evaluator:
         return self.opts.memory_margin
 
     def price(self, plan: Plan) -> Candidate:
-        """The plan as it is, simulated."""
+        """The plan as it is, simulated; ranked after every plan that fits when its stage
+        counts are outside the options' ``min_stages``..``max_stages`` (a layout move or
+        variant that merged or split stages)."""
         r = simulate(plan, self.profile, self.cluster, self.cal, trace=False,
                      cache=self.cache, margin=self.margin)
-        return Candidate(r.rank, plan, r)
+        key = r.rank if self.stage_counts_allowed(plan) else (True, math.inf, *r.rank[2:])
+        return Candidate(key, plan, r)
+
+    def stage_counts_allowed(self, plan: Plan) -> bool:
+        opts = self.opts
+        return all(opts.min_stages <= len(p.stages) and
+                   (opts.max_stages is None or len(p.stages) <= opts.max_stages)
+                   for p in plan.pipelines)
 
     def tuned(self, plan: Plan) -> Plan:
         """The plan with its 1F1B extra warm-up tuned within memory."""

@@ -273,6 +273,7 @@ class _Search:
         return single_type_stages(p, self.cluster, opts.mixed_context) and \
             (opts.max_stages is None or
              all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and \
+            all(len(q.stages) >= opts.min_stages for q in p.pipelines) and \
             (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)
 
     def price(self, candidates: list[Plan]) -> list[Candidate]:
@@ -382,7 +383,7 @@ class _Search:
                 best = better
         chosen = Candidate(*best) if self.late(BUDGET.refine) else \
             self.ev.last_variants(Candidate(*best))
-        if not chosen.result.fits:
+        if not chosen.result.fits or not self.ev.stage_counts_allowed(chosen.plan):
             raise self.no_plan()
         return self.ev.annotated(chosen, self.t0, self.timed_out, "", stacklevel=4)
 
@@ -412,6 +413,16 @@ def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
     need = (cs[-1] + stages * ca[-1]) / profile.num_layers * per_stage + work.max()
     cap = g.gpu.memory_bytes * (1 - opts.memory_margin)
     min_batch = min(f for f in [1])
+    if need <= cap and opts.min_stages > 1:
+        counts = sorted({k for grp in cluster.groups for k in range(1, grp.num_devices + 1)
+                         if grp.num_devices % k == 0 and k <= profile.num_layers})
+        return NoFeasiblePlanError(
+            f"no plan with {opts.min_stages} to {opts.max_stages or 'any'} stages per "
+            f"pipeline: a pipeline's stages share a GPU group's devices evenly (data x "
+            f"tensor ways alike), and each stage holds at least one of the model's "
+            f"{profile.num_layers} layers; stage counts that fit "
+            f"{', '.join(f'{grp.num_devices}x {grp.gpu.name}' for grp in cluster.groups)}: "
+            f"{counts} per group (a pipeline over several groups adds theirs)")
     if need <= cap:  # memory is not what rules every candidate out: the batch split is
         mbs = sorted(opts.mbs_options)
         dividing = [m for m in mbs if global_batch % m == 0]
@@ -419,7 +430,7 @@ def _no_plan(profile, cluster, global_batch, tables, opts, heads) -> Exception:
                f"size {mbs}" if not dividing else
                f"no split of global batch {global_batch} into pipelines of micro-batches "
                f"of {dividing} samples per data way satisfies the constraints (tensor "
-               f"degrees {list(opts.tp_options)}, at most "
+               f"degrees {list(opts.tp_options)}, {opts.min_stages} to "
                f"{opts.max_stages or 'any'} stages, {opts.max_pipelines or 'any'} pipelines)")
         return NoFeasiblePlanError(
             f"no plan: {why}; a pipeline's share is micro-batch size x micro-batches x data "

@@ -70,6 +70,7 @@ class PlannerOptions:
     state_sharding: str = "auto"
     include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
+    min_stages: int = 1  # per pipeline: a pipeline asked for (min = max: an exact count)
     max_pipelines: int | None = None
     # Stage boundaries inside blocks (attention | MLP halves as layers): True searches
     # halves from the start, False never splits, None refines the best whole-block plan
@@ -102,6 +103,15 @@ class PlannerOptions:
         return cls(**given)
 
     def __post_init__(self):
+        for name in ("min_stages", "max_stages", "max_pipelines"):
+            v = getattr(self, name)
+            if (v is not None or name == "min_stages") and (
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SpecError(name, v, "a positive number of stages" if "stages" in name
+                                else "a positive number of pipelines", where="PlannerOptions")
+        if self.max_stages is not None and self.min_stages > self.max_stages:
+            raise SpecError("min_stages", self.min_stages,
+                            f"at most max_stages={self.max_stages}", where="PlannerOptions")
         if self.state_sharding not in STATE_SHARDINGS:
             raise SpecError("state_sharding", self.state_sharding, f"one of {STATE_SHARDINGS}")
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
