@@ -349,7 +349,8 @@ class HetshardJit:
             # A stage with a tensor axis and no parameter layouts gets the ones make_plan
             # would write, so it runs tensor-parallel as the simulator prices it.
             self.pinned = fill_missing_shardings(self.pinned, program, self.cluster)
-            self.pinned = self._repriced(self.pinned, program)
+            if program.call is not None:  # (a step run whole has no layers to price)
+                self.pinned = self._repriced(self.pinned, program)
             return self.pinned
         options, why = _restricted(self.options, program)
         if why and why not in self.guard.warned:

@@ -237,9 +237,15 @@ class Plan:
 
     def what_runs(self) -> str:
         """The plan's JSON without the solver's statistics (its wall time differs from
-        run to run): what processes must agree on before running it."""
+        run to run) and the predictions (a pinned plan is re-priced where it runs): what
+        processes must agree on before running it."""
         d = self.to_dict()
         d.pop("solver")
+        d.pop("predicted")
+        for p in d["pipelines"]:
+            for st in p["stages"]:
+                for k in [k for k in st if k.startswith("predicted_")]:
+                    del st[k]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -149,7 +149,7 @@ def test_split_rejects_ranges_that_do_not_cover_the_layers():
 def test_two_stages_on_uneven_submeshes_3_plus_5():
     plan = _plan("gpt-tiny", [Pipeline((
         _stage(0, 2, (4, 5, 6), V, data=1, tensor=3),
-        _stage(2, 4, (0, 1, 2, 3, 7), H, data=1, tensor=5)), 8, 2, 4)])
+        _stage(2, 4, (0, 1, 2, 3, 7), f"{A}+{H}+{V}", data=1, tensor=5)), 8, 2, 4)])
     step = _assert_matches_one_device("gpt-tiny", plan)
     runner = next(iter(step._compiled.values())).runner
     # Residuals travel inside the returned vjp pytree: one compile per stage function
@@ -634,7 +634,8 @@ def test_pipelines_with_hybrid_and_fsdp_stages_match_one_device(kind):
     batch shares, single-stage or pipelined, next to stages without; training matches
     one device."""
     if kind == "single-stage shares":
-        a = Pipeline((Stage(0, 4, (0, 1, 2, 3), H, (("data", 2), ("fsdp", 2))),), 4, 1, 1)
+        a = Pipeline((Stage(0, 4, (0, 1, 2, 3), f"{A}+{H}", (("data", 2), ("fsdp", 2))),),
+                     4, 1, 1)
         b = Pipeline((Stage(0, 4, (4, 5, 6, 7), V, (("data", 2), ("fsdp", 2))),), 4, 1, 1)
     else:
         a = Pipeline((Stage(0, 2, (0, 1), H, (("fsdp", 2),)),
