@@ -421,6 +421,32 @@ def attention_scaled(lines, data):
     lines.append("")
 
 
+def memory_fit(lines, data):
+    lines += ["## Compiled peak memory against its price", "",
+              f"`python experiments/memory_fit.py` ({data['model']}, batch {data['batch']} x "
+              f"{data['seq']}, float32, one single-stage step on {data['devices']} fake "
+              f"{data['backend']} devices, JAX {data['jax']}): per device, the compiled "
+              f"program's argument + output - donated alias + temporary bytes against the "
+              f"simulator's peak for the same plan. Target: within "
+              f"{data['target_within']:.0%}. Two XLA CPU schedulers: the default (ordered "
+              f"for concurrency: a checkpointed layer's recomputation runs right after its "
+              f"forward, so remat saves nothing on CPU) and the memory-minimising one.", ""]
+    scheds = list(data["schedulers"])
+    rows = []
+    for k, row in enumerate(data["schedulers"][scheds[0]]["rows"]):
+        cells = [row["layout"]]
+        for sc in scheds:
+            r = data["schedulers"][sc]["rows"][k]
+            cells.append(f"{r['compiled']['peak'] / 1e6:.1f}")
+        cells.append(f"{row['priced_peak'] / 1e6:.1f}")
+        cells += [f"{data['schedulers'][sc]['rows'][k]['ratio_priced_over_compiled']:.3f}"
+                  for sc in scheds]
+        rows.append(cells)
+    lines += _table(["layout"] + [f"compiled MB ({sc})" for sc in scheds] + ["priced MB"] +
+                    [f"priced / compiled ({sc})" for sc in scheds], rows)
+    lines.append("")
+
+
 # The sections of docs/results.md in order: the JSON each reads, and how.
 SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
@@ -429,7 +455,8 @@ SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accura
             ("packed_step_gpu.json", packed_step_gpu), ("gpu_bench.json", gpu_bench),
             ("data_aware_attention_x0.25.json", attention_scaled),
             ("elastic.json", elastic), ("attention_bench.json", attention),
-            ("runtime_overhead.json", runtime), ("multihost_bench.json", multihost))
+            ("runtime_overhead.json", runtime), ("memory_fit.json", memory_fit),
+            ("multihost_bench.json", multihost))
 
 
 def main() -> int:

@@ -172,8 +172,14 @@ class SpmdStep:
             ok, loss = guard.health(program, out, new, finite, value)
             return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
                                  carry.loss_scale)
+        # An NNX step's state is donated: the update is written over it, as MaxText's
+        # train step does, so a step holds one copy of the parameters and optimizer state,
+        # not the old and the new (what the simulator prices). The objects get the new
+        # arrays (``run``); a refused update's new state is the old values, kept in place.
+        # A pytree step's arguments are the caller's, whose references stay valid.
         jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
-                                                                       rep))
+                                                                       rep),
+                         donate_argnums=(0,) if program.kind == "nnx" else ())
         return cls(plan, program, jitted, s_shard, b_shard, guard, carry, used_vg, mesh,
                    idle_processes([mesh]))
 
