@@ -103,12 +103,18 @@ def put(xs, shardings):
         dsts = jax.tree.leaves(jax.tree.map(lambda s, x: s, shardings, xs,
                                             is_leaf=lambda s: isinstance(
                                                 s, jax.sharding.Sharding)))
-    slow = [k for k, (x, d) in enumerate(zip(leaves, dsts, strict=True))
-            if isinstance(x, jax.Array) and x.is_fully_addressable
-            and not _direct(x.sharding, d, tuple(x.shape))]
-    if not slow:
+    # Leaves already where they go are kept as they are, without a call into JAX (a
+    # step's state after its first step: hundreds of leaves on every call).
+    todo = [k for k, (x, d) in enumerate(zip(leaves, dsts, strict=True))
+            if not (isinstance(x, jax.Array) and x.sharding == d)]
+    if not todo:
+        return xs
+    slow = [k for k in todo if isinstance(leaves[k], jax.Array) and
+            leaves[k].is_fully_addressable and
+            not _direct(leaves[k].sharding, dsts[k], tuple(leaves[k].shape))]
+    if not slow and len(todo) == len(leaves):
         return jax.device_put(xs, shardings)
-    fast = [k for k in range(len(leaves)) if k not in set(slow)]
+    fast = [k for k in todo if k not in set(slow)]
     out = list(leaves)
     if fast:
         for k, y in zip(fast, jax.device_put([leaves[k] for k in fast],
