@@ -40,7 +40,8 @@ def test_jit_runs_under_a_callers_explicit_mesh(kind):
     n = program.layering(2).num_layers
     cluster = Cluster.load("h100-a100-v100-x8")
     if kind == "spmd":
-        pipe = Pipeline((Stage(0, n, tuple(range(8)), "H100-80GB", (("data", 8),)),), 8, 1, 1)
+        pipe = Pipeline((Stage(0, n, tuple(range(8)), "A100-80GB+H100-80GB+V100-32GB",
+                               (("data", 8),)),), 8, 1, 1)
     else:
         pipe = Pipeline((Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
                          Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),))), 8, 2, 2)

@@ -905,7 +905,7 @@ def test_plan_and_compare_cli(capsys, tmp_path):
     ours = data["results"][0]
     assert ours["fits"] and all(ours["tokens_per_s"] >= r["tokens_per_s"] * (1 - 1e-9)
                                 for r in data["results"][1:] if r["fits"])
-    assert main(["plan", *args, "--fix", "pp=2"]) == 2
+    assert main(["plan", *args, "--fix", "dp=2"]) == 2  # (the planner's to choose)
 
 
 @pytest.mark.slow

@@ -768,8 +768,8 @@ def test_grad_sync_is_derived_from_the_pipelines_and_its_overlap_priced(prof, de
     # The two stages swap devices: the sync follows.
     pipe = plan.pipelines[0]
     swapped = dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=(
-        dataclasses.replace(pipe.stages[0], devices=second),
-        dataclasses.replace(pipe.stages[1], devices=first))),))
+        dataclasses.replace(pipe.stages[0], devices=second, gpu=pipe.stages[1].gpu),
+        dataclasses.replace(pipe.stages[1], devices=first, gpu=pipe.stages[0].gpu))),))
     assert swapped.grad_sync[0].devices == second
     # Two pipelines sharing layers: weighted by their batch shares.
     one = tuple(Stage(0, 6, (d,), "H100-80GB", (("data", 1),)) for d in (0, 1))

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard.autodiff import all_finite, entered, is_graph
+from hetshard.autodiff import all_finite, entered, is_graph, split_finite
 from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
 from hetshard.errors import HetshardError
 from hetshard.ir.program import Program
@@ -158,11 +158,19 @@ class SpmdStep:
         rep = NamedSharding(mesh, PartitionSpec())
         carry = Carry(loss_scale=_loss_scale(plan)).place(rep)
         used_vg: list = []
+        (stage,) = plan.pipelines[0].stages
+        # Gradients every device holds whole (data and context ways only): each device
+        # checks a slice of them for non-finite values, not all of them.
+        whole = mesh.size > 1 and not plan.fsdp and not plan.distributed_optimizer and all(
+            a in ("data", "context") or n == 1 for a, n in stage.mesh_shape)
+        finite_of = split_finite(NamedSharding(mesh, PartitionSpec(mesh.axis_names))) \
+            if whole else None
 
         def pure(state, batch, halted, scale_state):
             scale = scale_state["scale"] if carry.loss_scale is not None else None
             old = jax.tree.leaves(state)
-            with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
+            with entered(used=False, finite=None, value=None, loss_scale=scale,
+                         finite_of=finite_of) as ctx:
                 out, objs = call_step(program, state, batch)
                 used_vg[:] = [bool(ctx.used)]  # known when traced: no value to read later
                 finite, value = ctx.finite, ctx.value
