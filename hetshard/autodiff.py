@@ -41,7 +41,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from hetshard.errors import HetshardError
@@ -90,9 +89,6 @@ class StepContext:
     used: bool = False
     # set by each call (outside record mode): whether its loss and gradients are finite
     finite: object = None
-    # how that is computed (None: all_finite); a single-stage step whose gradients are
-    # replicated over its devices splits the check between them (``split_finite``)
-    finite_of: Callable | None = None
     value: object = None  # ... and its loss
     # the loss scale (a scalar; None: unscaled): the loss is differentiated times it and
     # the gradients returned divided by it (float16 stages, hetshard.runtime.precision)
@@ -252,7 +248,7 @@ def value_and_grad(fn, argnums: int | nnx.DiffState = 0, has_aux: bool = False):
             ctx.captured = out
         value, grads = out
         ctx.value = value[0] if has_aux else value
-        ctx.finite = (ctx.finite_of or all_finite)((ctx.value, grads))
+        ctx.finite = all_finite((ctx.value, grads))
         return out
 
     return wrapped
@@ -437,27 +433,6 @@ def all_finite(tree) -> jax.Array:
     for x in leaves:
         ok = ok & jnp.all(jnp.isfinite(x))
     return ok
-
-
-def split_finite(sharding) -> Callable:
-    """``all_finite`` for values every device of ``sharding``'s mesh holds whole (a
-    data-parallel step's gradients after their all-reduce): each leaf, flattened, is
-    constrained to ``sharding`` (its one dimension split over the devices: a slice of a
-    replicated value, nothing moves), so each device checks its part and only the flags
-    are combined, instead of every device reading every gradient. Leaves that do not
-    split evenly are checked whole."""
-    n = sharding.mesh.size
-
-    def finite(tree) -> jax.Array:
-        ok = jnp.asarray(True)
-        for x in jax.tree.leaves(tree):
-            if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-                continue
-            if np.size(x) >= n and np.size(x) % n == 0:
-                x = jax.lax.with_sharding_constraint(jnp.reshape(x, (-1,)), sharding)
-            ok = ok & jnp.all(jnp.isfinite(x))
-        return ok
-    return finite
 
 
 def _merged_from(obj, wrt, state_ids: dict):

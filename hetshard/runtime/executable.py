@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard.autodiff import all_finite, entered, is_graph, split_finite
+from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
 from hetshard.errors import HetshardError
 from hetshard.ir.program import Program
@@ -158,19 +158,11 @@ class SpmdStep:
         rep = NamedSharding(mesh, PartitionSpec())
         carry = Carry(loss_scale=_loss_scale(plan)).place(rep)
         used_vg: list = []
-        (stage,) = plan.pipelines[0].stages
-        # Gradients every device holds whole (data and context ways only): each device
-        # checks a slice of them for non-finite values, not all of them.
-        whole = mesh.size > 1 and not plan.fsdp and not plan.distributed_optimizer and all(
-            a in ("data", "context") or n == 1 for a, n in stage.mesh_shape)
-        finite_of = split_finite(NamedSharding(mesh, PartitionSpec(mesh.axis_names))) \
-            if whole else None
 
         def pure(state, batch, halted, scale_state):
             scale = scale_state["scale"] if carry.loss_scale is not None else None
             old = jax.tree.leaves(state)
-            with entered(used=False, finite=None, value=None, loss_scale=scale,
-                         finite_of=finite_of) as ctx:
+            with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
                 out, objs = call_step(program, state, batch)
                 used_vg[:] = [bool(ctx.used)]  # known when traced: no value to read later
                 finite, value = ctx.finite, ctx.value
@@ -180,14 +172,19 @@ class SpmdStep:
             ok, loss = guard.health(program, out, new, finite, value)
             return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
                                  carry.loss_scale)
-        # An NNX step's state is donated: the update is written over it, as MaxText's
-        # train step does, so a step holds one copy of the parameters and optimizer state,
-        # not the old and the new (what the simulator prices). The objects get the new
-        # arrays (``run``); a refused update's new state is the old values, kept in place.
-        # A pytree step's arguments are the caller's, whose references stay valid.
+        # Under nan_policy="apply" an NNX step's state is donated: the update is written
+        # over it, as MaxText's train step does, so the step holds one copy of the
+        # parameters and optimizer state (what the simulator prices); the objects get the
+        # new arrays (``run``). Under "skip" and "raise" it is not: each state leaf's
+        # ``where(apply, new, old)`` reads the old optimizer moments in two fusions (XLA
+        # recomputes a moment's new value in the parameter's update and in the moment's
+        # own select), so donating them made XLA copy every moment first (109 copies in
+        # the 8-device benchmark's program, the step 1.4x slower on CPU) and saved no
+        # memory. A pytree step's arguments are the caller's, whose references stay valid.
+        donate = program.kind == "nnx" and guard.nan_policy == "apply"
         jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
                                                                        rep),
-                         donate_argnums=(0,) if program.kind == "nnx" else ())
+                         donate_argnums=(0,) if donate else ())
         return cls(plan, program, jitted, s_shard, b_shard, guard, carry, used_vg, mesh,
                    idle_processes([mesh]))
 
