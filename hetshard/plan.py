@@ -26,8 +26,9 @@ from typing import Any
 from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
+from hetshard.remat import check_remat
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -41,8 +42,8 @@ SCHEMA_VERSION = 13
 # flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored), 12
 # ``Context.shard_state`` (absent: the state is replicated over the context axis), 13
 # ``attention`` "auto" and "cudnn", "auto" the default (absent before 13: "flash", the
-# default those plans ran).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
+# default those plans ran), 14 the named remat policies (``hetshard.remat.POLICIES``).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
@@ -50,7 +51,6 @@ SCHEDULES = ("1f1b", "gpipe", "zbh1")
 # ``Plan.attention``'s values, as ``hetshard.kernel_choice.IMPLEMENTATIONS`` (which decides
 # what each runs); here for what reads plans without JAX (``hetshard --help``).
 ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
-REMATS = ("none", "selective", "full")
 DTYPES = ("bfloat16", "float16", "float32")  # compute dtypes the cost model prices
 
 
@@ -649,8 +649,7 @@ def _remat_text(s: Stage) -> str:
 
 
 def _check_remat(s: Stage, where: str) -> None:
-    if s.remat not in REMATS:
-        raise SpecError(f"{where}.remat", s.remat, f"one of {REMATS}")
+    check_remat(s.remat, f"{where}.remat")
     k = s.remat_layers
     if k is None:
         return

@@ -12,6 +12,7 @@ from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
 from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
+from hetshard.remat import REMATS
 from hetshard.rewrite.pipeline import remat_wrap, split_stages
 from models import profile as profile_model
 from models.steps import example_batch, loss_of
@@ -139,7 +140,7 @@ def _vjp_residual_bytes(spec, layers, samples, remat):
     SPEC,
     "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32,mlp=swiglu,norm=rmsnorm,pos=rope,"
     "tied=false,bias=false,dtype=bfloat16"])
-@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+@pytest.mark.parametrize("remat", REMATS)
 def test_activation_memory_is_what_the_runtimes_vjp_keeps(spec, remat):
     # One more block and one more sample: the residuals jax.vjp keeps for them, under the
     # runtime's checkpoint policy, against the model's activation bytes for one block.

@@ -299,12 +299,13 @@ def test_interleaved_schedule_with_a_micro_batch_count_the_submeshes_do_not_divi
 @pytest.mark.parametrize("overlap", [False, True])
 def test_zero_bubble_schedule_runs_b_and_w_passes(overlap):
     # ZB-H1: four stages on mixed GPUs with remat, flash attention and a tensor-parallel
-    # stage (with and without collective matmuls); every backward runs as B (input
+    # stage (with and without collective matmuls) keeping its q, k, v and MLP inputs
+    # under a named remat policy; every backward runs as B (input
     # cotangent, sent back at once) then W (the weights' gradients, later). Training
     # matches one device.
     plan = _plan("gpt-tiny", [Pipeline((
         Stage(0, 1, (0, 1), H, (("data", 2),)),
-        Stage(1, 2, (2, 3), A, (("data", 1), ("tensor", 2))),
+        Stage(1, 2, (2, 3), A, (("data", 1), ("tensor", 2)), remat="save_qkv_mlp"),
         Stage(2, 3, (4, 5), V, (("data", 2),), remat="full"),
         Stage(3, 4, (6, 7), V, (("data", 2),), remat="selective")), 8, 1, 4,
         schedule="zbh1", extra_warmup=(1, 0, 0, 0))], attention="auto")

@@ -302,7 +302,8 @@ def test_runtime_runs_the_plans_attention_choice(attention, kernels):
 
 
 @pytest.mark.parametrize("remat,layers,checkpoints", [
-    ("none", None, 0), ("full", None, 4), ("full", 2, 2), ("selective", 3, 3)])
+    ("none", None, 0), ("full", None, 4), ("full", 2, 2), ("selective", 3, 3),
+    ("save_qkv_out", None, 4)])
 def test_single_stage_plan_runs_its_remat_per_layer(remat, layers, checkpoints):
     # gpt-tiny's 4 layers (embed, 2 blocks, head): each recomputed layer is one checkpoint
     # in the traced step, and training still matches one device.

@@ -15,6 +15,7 @@ from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.stage import StageCost
 from hetshard.errors import SpecError, SpecParseError
 from hetshard.plan import (
+    SCHEMA_VERSION,
     Context,
     Pipeline,
     Plan,
@@ -22,6 +23,7 @@ from hetshard.plan import (
     SolverStats,
     Stage,
 )
+from hetshard.remat import REMATS
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.schedule import (
     _chunked,
@@ -537,7 +539,7 @@ def plans(draw):
             else:
                 devs, gpu = stages[j - k].devices, stages[j - k].gpu
             stages.append(Stage(a, b, devs, gpu, (("data", dp), ("tensor", tp)),
-                                draw(st.sampled_from(["none", "selective", "full"])),
+                                draw(st.sampled_from(REMATS)),
                                 predicted_fwd_s=draw(st.floats(0, 10))))
         mbs, m = draw(st.integers(1, 4)), draw(st.integers(1, 8)) * (k if v > 1 else 1)
         schedule = draw(st.sampled_from(["1f1b", "gpipe"]))
@@ -602,7 +604,8 @@ def test_plan_validation_and_load_errors(tmp_path):
     assert Plan.load(path) == plan
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
-    assert Plan.load(path) == zero1 and json.loads(path.read_text())["version"] == 13
+    assert Plan.load(path) == zero1
+    assert json.loads(path.read_text())["version"] == SCHEMA_VERSION == 14
     # Schema 11 (no context.shard_state: the state replicated over context) reads so.
     old = zero1.to_dict()
     del old["context"]["shard_state"]

@@ -214,7 +214,7 @@ def test_the_zoo_plans_through_the_same_path_unchanged():
            "params": prof.param_bytes,
            "residual": sum(x.residual_bytes_per_sample for x in prof.layers),
            "flash": sum(x.flash_residual_bytes_per_sample for x in prof.layers),
-           "selective": sum(x.selective_residual_bytes_per_sample for x in prof.layers),
+           "selective": sum(x.saves["selective"].kept_bytes_per_sample for x in prof.layers),
            "weight_copies": sum(x.weight_copy_bytes for x in prof.layers)}
     for k, v in before.items():
         assert got[k] == pytest.approx(v, rel=0.02), k

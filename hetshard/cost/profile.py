@@ -23,6 +23,17 @@ import numpy as np
 from hetshard.errors import SpecError
 from hetshard.ir.graph import MATMULS, OpGraph
 from hetshard.ir.program import reduced_graph
+from hetshard.remat import SAVING
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RematSave:
+    """What one layer keeps and recomputes under a remat that keeps some values."""
+
+    kept_bytes_per_sample: float  # saved for the backward
+    recomputed: np.ndarray  # bool per forward equation: re-run by the backward
+    # Of the values a ZB-H1 W pass reads, those B recomputed: kept until W.
+    weight_input_bytes_per_sample: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,11 +64,9 @@ class LayerProfile:
     # residual branch (after the row-parallel attention output and MLP down projection
     # forward, at the column-parallel inputs backward); a block half has one.
     tp_collectives: int = 2
-    # The ``selective`` remat (``jax.checkpoint`` with dots_with_no_batch_dims_saveable;
-    # see ``OpGraph.dots_saved``): bytes kept per sample, and a bool per forward
-    # equation: recomputed by the backward.
-    selective_residual_bytes_per_sample: float = 0.0
-    fwd_recomputed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    # Per remat that keeps some values (``hetshard.remat.SAVING``: ``selective`` and the
+    # named policies; ``OpGraph.saved``), what it keeps and recomputes.
+    saves: dict = dataclasses.field(default_factory=dict)  # remat -> RematSave
     # Under the flash kernel attention's residuals are the kernel's (``OpGraph.
     # flash_residuals``: q, k, v, its output, log-sum-exp, positions) in place of the
     # reference's, and of the values made before it that only attention's backward reads.
@@ -67,10 +76,10 @@ class LayerProfile:
     # embedding's head. (key, owner layer name, bytes); a stage without the owner holds a
     # read copy and its gradient (the owner's optimizer updates it).
     foreign_params: tuple[tuple[int, str, float], ...] = ()
-    # Under ZB-H1 with a remat, the layer's forward values its W pass reads (the weight
-    # matmuls' inputs) are recomputed by B and kept until W: bytes per sample under
-    # (full, selective) remat.
-    weight_input_bytes_per_sample: tuple[float, float] = (0.0, 0.0)
+    # Under ZB-H1 with full remat, the layer's forward values its W pass reads (the
+    # weight matmuls' inputs) are recomputed by B and kept until W: bytes per sample
+    # (``RematSave.weight_input_bytes_per_sample`` for the other remats).
+    weight_input_bytes_per_sample: float = 0.0
     # Per tensor-parallel collective of a block (``tp_collectives`` of them), the forward
     # equations of the matmuls a collective matmul overlaps it with: (column-parallel
     # ones before it: q, k, v or up and gate; the row-parallel one after: the attention
@@ -299,13 +308,14 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
     weight_only, carry1, reads1 = _weight_only(g1)
     _, carry2, reads2 = _weight_only(g2)
     counts = _param_counts(g1)
-    (dots1, recomputed), (dots2, recomputed2) = g1.dots_saved(), g2.dots_saved()
+    saved = {remat: (g1.saved(remat), g2.saved(remat)) for remat in SAVING}
 
     def w_inputs(reads, only=None) -> dict[str, float]:
         return {name: sum(n for i, n in got.items() if only is None or i in only)
                 for name, got in reads.items()}
     w_full1, w_full2 = w_inputs(reads1), w_inputs(reads2)
-    w_sel1, w_sel2 = w_inputs(reads1, recomputed), w_inputs(reads2, recomputed2)
+    w_saved = {remat: (w_inputs(reads1, r1), w_inputs(reads2, r2))
+               for remat, ((_, r1), (_, r2)) in saved.items()}
     foreign = g1.foreign_params()
     (fused1, starts1), (fused2, _) = g1.kernels(), g2.kernels()
     priced: dict[str, LayerProfile] = {}
@@ -353,9 +363,12 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
             tp_collectives=collectives, tp_groups=groups, tp_sequence=sequence,
             block=block and not lay.split_blocks,
             attention_causal=name in g1.causal_layers,
-            selective_residual_bytes_per_sample=_linear(dots1.get(name, 0.0),
-                                                        dots2.get(name, 0.0))[1],
-            fwd_recomputed=np.array([o.index in recomputed for o in q1["fwd"]], bool),
+            saves={remat: RematSave(
+                kept_bytes_per_sample=_linear(k1.get(name, 0.0), k2.get(name, 0.0))[1],
+                recomputed=np.array([o.index in r1 for o in q1["fwd"]], bool),
+                weight_input_bytes_per_sample=_linear(w_saved[remat][0].get(name, 0.0),
+                                                      w_saved[remat][1].get(name, 0.0))[1])
+                for remat, ((k1, r1), (k2, _)) in saved.items()},
             attention_input_residual_bytes_per_sample=_linear(
                 t1n.get("attention_input_residual_bytes", 0.0),
                 t2n.get("attention_input_residual_bytes", 0.0))[1],
@@ -364,9 +377,8 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
                 t2n.get("flash_residual_bytes", 0.0))[1],
             foreign_params=tuple((k2, owner, nbytes) for k2, (owner, nbytes)
                                  in sorted(foreign.get(name, {}).items())),
-            weight_input_bytes_per_sample=(
-                _linear(w_full1.get(name, 0.0), w_full2.get(name, 0.0))[1],
-                _linear(w_sel1.get(name, 0.0), w_sel2.get(name, 0.0))[1]))
+            weight_input_bytes_per_sample=_linear(w_full1.get(name, 0.0),
+                                                  w_full2.get(name, 0.0))[1])
     # What each layer owns, from the program (a stacked weight's slices per layer).
     sizes = program.layer_param_sizes(2, split_blocks)
     layers = tuple(dataclasses.replace(priced[lay.names[rep[k]]], name=name,

@@ -47,7 +47,9 @@ optimizer state (divided by tp, by dp under FSDP, the optimizer state alone by d
 ZeRO-1), the compute-dtype weight
 copies autodiff keeps, and activations: the traced residuals per sample times the
 micro-batch size times the micro-batches in flight (1F1B: p - stage; GPipe: all),
-reduced by remat: ``selective`` drops attention's residuals (recomputed), ``full``
+reduced by remat: ``selective`` keeps the weight projections' outputs and recomputes
+the rest, the named policies (``hetshard.remat.POLICIES``) keep only the projections
+they name (each layer's ``RematSave``: bytes kept, equations recomputed), ``full``
 keeps only each layer's input (the layer before's output) plus one layer's working
 set. A remat applies to the stage's first ``remat_layers`` layers (all by default;
 Megatron-LM's ``--recompute-num-layers`` with the block method), the others keep
@@ -69,8 +71,8 @@ from hetshard.cost.comm import Topology, collective_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
+from hetshard.remat import check_remat
 
-REMATS = ("none", "selective", "full")
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
 
 
@@ -446,8 +448,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     ``optimizer_ways``: the ways the optimizer state is split over, where not what
     ``dp``, ``fsdp`` and ``shard_optimizer`` say (a hybrid-sharded stage: FSDP over
     ``dp`` ranks inside each data group, the distributed optimizer across them)."""
-    if remat not in REMATS:
-        raise SpecError("remat", remat, f"one of {REMATS}")
+    check_remat(remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
         raise SpecError("remat_layers", remat_layers,
                         f"None or a count of the stage's layers, 0 to {end - start}")
@@ -482,6 +483,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             if owner not in inside:
                 read_copies[key] = (owner, nbytes / tp)
         mode = remat if index < last_remat else "none"
+        save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
         weight_before = weight
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
         # Batch-independent elementwise bytes (the weights' casts to the compute dtype
@@ -588,19 +590,21 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             recompute += t_f
             layer_att_b += layer_att_f
         elif timed is not None:
-            # The framework measured recomputes what it recomputes: the selective remat
-            # re-runs the roofline's share of the forward, nothing else is added.
-            if mode == "selective":
-                mask = layer.fwd_recomputed
+            # The framework measured recomputes what it recomputes: a remat that keeps
+            # some values re-runs the roofline's share of the forward, nothing else is
+            # added.
+            if save is not None:
+                mask = save.recomputed
                 share = _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask], bw,
                                   e.fusion) / max(_ops_time(ff, fb, layer.fwd_matmul, pf,
                                                             bw, e.fusion), 1e-30)
                 recompute += share * t_f
         else:
-            if mode == "selective":
-                # Everything but the saved matmuls, attention included (the flash
-                # kernel's forward is re-run for its residuals).
-                mask = layer.fwd_recomputed
+            if save is not None:
+                # Everything but the saved values, attention included where the policy
+                # does not keep its output (the flash kernel's forward is re-run for its
+                # residuals).
+                mask = save.recomputed
                 recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask],
                                        bw, e.fusion)
             if fused:
@@ -631,8 +635,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
         if mode == "none":
             kept = whole
-        elif mode == "selective":
-            kept = layer.selective_residual_bytes_per_sample * mbs / shard
+        elif save is not None:
+            kept = save.kept_bytes_per_sample * mbs / shard
             # One layer's recomputed values live during its backward.
             working = max(working, whole)
         else:
@@ -644,12 +648,13 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         act += kept
         if mode != "none":
             # A W pass reads the weight matmuls' inputs, which B recomputed: kept until W.
-            carry += layer.weight_input_bytes_per_sample[mode == "selective"] * mbs / shard
+            carry += (layer.weight_input_bytes_per_sample if save is None else
+                      save.weight_input_bytes_per_sample) * mbs / shard
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
-        if mode == "selective":
-            hw_flops += float(layer.fwd_flops[1][layer.fwd_recomputed].sum()) * mbs
+        if save is not None:
+            hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
         if mode != "full" and fused:
             hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
     # W also reads the cotangent the next stage sent back (a full activation per tp rank;

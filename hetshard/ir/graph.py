@@ -14,6 +14,9 @@ from collections import defaultdict
 
 import numpy as np
 
+from hetshard.remat import ATTENTION as ATTENTION_NODE
+from hetshard.remat import OTHER, WEIGHT, kept_projections, projection_roles
+
 PHASES = ("fwd", "bwd", "opt")
 ATTENTION = "hetshard_attention"  # the region the models' attention is traced in
 
@@ -149,17 +152,23 @@ class OpGraph:
                     out[op.layer][k] = (self.param_layers[k], float(self.param_bytes[k]))
         return dict(out)
 
-    def dots_saved(self) -> tuple[dict[str, float], set[int]]:
-        """What each layer keeps when it runs under ``jax.checkpoint`` with
-        ``dots_with_no_batch_dims_saveable`` (the runtime's ``selective`` remat), and what
-        its backward recomputes.
+    def saved(self, remat: str = "selective") -> tuple[dict[str, float], set[int]]:
+        """What each layer keeps when it runs under ``jax.checkpoint`` with the policy of
+        ``remat`` (``selective``: ``dots_with_no_batch_dims_saveable``; a named policy of
+        ``hetshard.remat.POLICIES``: the projections it names, by
+        :meth:`projection_roles`), and what its backward recomputes.
 
         As JAX's remat does, from every forward value the backward reads: a saveable
-        value (a ``dot_general`` without batch dimensions, outside attention) is kept;
-        any other is recomputed from its operands, followed back the same way; an operand
-        made by an earlier layer is that layer's output, the checkpoint's input, kept;
-        parameters and the batch are there anyway. Returns (per layer, bytes kept per
-        micro-batch; indices of the forward ops recomputed)."""
+        value is kept; any other is recomputed from its operands, followed back the same
+        way; an operand made by an earlier layer is that layer's output, the
+        checkpoint's input, kept; parameters and the batch are there anyway. Returns
+        (per layer, bytes kept per micro-batch; indices of the forward ops recomputed)."""
+        keep = kept_projections(remat)
+        if keep is None:
+            saveable = _saveable_dot
+        else:
+            roles = self.projection_roles()
+            saveable = lambda op: roles.get(op.index) in keep  # noqa: E731
         ops = self.ops
         needed = {src for src, dst, _ in self.edges
                   if ops[src].phase == "fwd" and ops[dst].phase == "bwd"}
@@ -174,7 +183,7 @@ class OpGraph:
                 continue
             seen.add(i)
             op = ops[i]
-            if _saveable_dot(op):
+            if saveable(op):
                 kept[op.layer] += op.out_bytes
                 continue
             recomputed.add(i)
@@ -188,6 +197,23 @@ class OpGraph:
                 else:
                     stack.append(src)
         return dict(kept), recomputed
+
+    def projection_roles(self) -> dict[int, str]:
+        """Each forward weight projection's role in its layer (``qkv``, ``attn_out``,
+        ``mlp_in``; ``hetshard.remat.projection_roles``): op index -> role."""
+        by_layer: dict[str, list[int]] = defaultdict(list)
+        for k, op in enumerate(self.ops):
+            if op.phase == "fwd":
+                by_layer[op.layer].append(k)
+        roles: dict[int, str] = {}
+        for members in by_layer.values():
+            local = {k: j for j, k in enumerate(members)}
+            kinds = [_node_kind(self.ops[k]) for k in members]
+            preds = [[local[src] for src, _ in self.ops[k].inputs if src in local]
+                     for k in members]
+            for j, role in projection_roles(kinds, preds).items():
+                roles[self.ops[members[j]].index] = role
+        return roles
 
     def kernels(self) -> tuple[np.ndarray, np.ndarray]:
         """How XLA runs the equations on a GPU, per op: (HBM bytes, whether the op starts
@@ -346,6 +372,19 @@ def _itemsize(dtype: str) -> float:
     except TypeError:
         import ml_dtypes
         return float(np.dtype(getattr(ml_dtypes, dtype, np.float32)).itemsize)
+
+
+def _node_kind(op: Op) -> str:
+    """An op's kind for ``hetshard.remat.projection_roles``: a weight projection (a
+    ``dot_general`` without batch dimensions outside attention), attention (its region,
+    or a product batched over heads: Flax-style attention as traced), or other."""
+    if _saveable_dot(op):
+        return WEIGHT
+    if op.region == ATTENTION or (op.primitive == "dot_general" and
+                                  op.params.get("dimension_numbers") is not None and
+                                  op.params["dimension_numbers"][1][0]):
+        return ATTENTION_NODE
+    return OTHER
 
 
 def _saveable_dot(op: Op) -> bool:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 from jax._src import source_info_util
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as ext
 
 from hetshard.ir.attention_patterns import (
@@ -106,7 +107,7 @@ def evaluate_jaxpr(jaxpr, consts, args, run, autocast=None):
 
 
 def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None,
-                   autocast=None) -> None:
+                   autocast=None, names=None) -> None:
     """Evaluates ``jaxpr``'s equations (those in ``indices``, in order, or all) into
     ``env`` (var -> value; it must hold every variable they read), computing attention
     with ``run`` (see ``attention_runner``). The pipeline rewrite evaluates one stage's
@@ -118,7 +119,9 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None,
     ``autocast`` = (program dtype, compute dtype): matmuls and attention whose operands
     are in the program's dtype compute in the other (float32 accumulation), their
     results cast back, as ``torch.autocast`` does; other values keep their types (a
-    stage on a GPU without bfloat16 tensor cores, ``Plan.gpu_dtypes``)."""
+    stage on a GPU without bfloat16 tensor cores, ``Plan.gpu_dtypes``). ``names``
+    (var -> str): those variables' values are tagged ``checkpoint_name`` as they are
+    computed (a named remat policy saves them: ``hetshard.rewrite.pipeline.Remat``)."""
     def read(v):
         return v.val if isinstance(v, ext.Literal) else env[v]
 
@@ -139,6 +142,8 @@ def eval_equations(jaxpr, env: dict, run, indices=None, constrain=None,
                     pass
                 elif c is not None:
                     val = c(val) if callable(c) else jax.lax.with_sharding_constraint(val, c)
+                if names and var in names:
+                    val = checkpoint_name(val, names[var])
                 env[var] = val
 
 

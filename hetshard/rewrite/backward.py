@@ -86,6 +86,7 @@ def _split(jaxpr, n_param: int):
     for e in b_jaxpr.eqns:
         first = next((v for v in e.outvars if not isinstance(v, DropVar)), None)
         b_eqns.append(whole.get(first, e) if e.primitive.name == "shard_map" else e)
+    b_eqns = _with_producers(jaxpr, b_eqns)
     made_in_b = {v for e in b_eqns for v in e.outvars if not isinstance(v, DropVar)}
     w_eqns = [e for e in w_all.eqns
               if any(v not in made_in_b for v in e.outvars if not isinstance(v, DropVar))]
@@ -94,6 +95,38 @@ def _split(jaxpr, n_param: int):
     carried = list(dict.fromkeys(v for v in read if isinstance(v, ext.Var) and
                                  v in made_in_b and v not in made_in_w))
     return b_eqns, w_eqns, carried
+
+
+def _with_producers(jaxpr, eqns: list) -> list:
+    """``eqns`` (a slice of ``jaxpr``'s, in its order, some pruned copies) with the
+    equations of ``jaxpr`` that make what they read added where no equation of theirs
+    makes it: a ``shard_map`` kept whole reads inputs its pruned copy did not (under a
+    remat keeping some values, the recomputed input of a collective matmul's weight
+    gradient)."""
+    position = {v: k for k, e in enumerate(jaxpr.eqns) for v in e.outvars
+                if not isinstance(v, DropVar)}
+    have = set(jaxpr.invars) | set(jaxpr.constvars)
+    have.update(v for e in eqns for v in e.outvars if not isinstance(v, DropVar))
+    added: dict[int, object] = {}
+    stack = [v for e in eqns for v in e.invars]
+    while stack:
+        v = stack.pop()
+        if not isinstance(v, ext.Var) or v in have:
+            continue
+        k = position[v]
+        added[k] = jaxpr.eqns[k]
+        have.update(u for u in jaxpr.eqns[k].outvars if not isinstance(u, DropVar))
+        stack.extend(jaxpr.eqns[k].invars)
+    if not added:
+        return eqns
+
+    keyed, last = [], -1
+    for e in eqns:  # (an equation without outputs stays after the one before it)
+        last = min((position[v] for v in e.outvars if not isinstance(v, DropVar)),
+                   default=last)
+        keyed.append((last, 1, len(keyed), e))
+    keyed += [(k, 0, 0, e) for k, e in added.items()]
+    return [e for *_, e in sorted(keyed, key=lambda t: t[:3])]
 
 
 def _evaluate(eqns, env: dict) -> None:

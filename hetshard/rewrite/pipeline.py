@@ -30,9 +30,17 @@ import numpy as np
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
-from hetshard.ir.attention_patterns import reads_of, skipped_equations
+from hetshard.ir.attention_patterns import (
+    attention_call,
+    contains_attention,
+    inner_jaxpr,
+    reads_of,
+    skipped_equations,
+)
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import LayerDiscoveryError, discover
+from hetshard.remat import ATTENTION as ATTENTION_NODE
+from hetshard.remat import OTHER, WEIGHT, check_remat, kept_projections, projection_roles
 from hetshard.rewrite.attention import attention_runner
 
 
@@ -205,14 +213,72 @@ class StageSplit:
         return {v: s.index for s in self.stages for v in s.sends}
 
 
-def remat_wrap(remat: str):
-    """The checkpoint wrapper of a plan's remat: ``full`` saves nothing (a layer's
-    input only), ``selective`` the matmuls without batch dimensions; None for none."""
-    if remat == "none":
-        return None
-    policy = {"full": jax.checkpoint_policies.nothing_saveable,
-              "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
-    return functools.partial(jax.checkpoint, policy=policy)
+class Remat:
+    """The checkpoint wrapper of a plan's remat (``hetshard.remat.REMATS``): ``full``
+    saves nothing (a layer's input only), ``selective`` the matmuls without batch
+    dimensions, a named policy the projections it names. Those are tagged
+    (``checkpoint_name``) as :func:`eval_segments` computes them (:meth:`names`), by the
+    roles ``hetshard.remat.projection_roles`` reads off the layer's equations, as the
+    cost model reads them off its traced graph."""
+
+    def __init__(self, remat: str):
+        self.remat = check_remat(remat)
+        self.keep = kept_projections(remat)
+        if self.keep is not None:
+            self.policy = jax.checkpoint_policies.save_only_these_names(
+                *(_TAG + role for role in self.keep))
+        else:
+            self.policy = {"full": jax.checkpoint_policies.nothing_saveable,
+                           "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                           }[remat]
+
+    def __call__(self, fn):
+        return jax.checkpoint(fn, policy=self.policy)
+
+    def names(self, jaxpr, ids: Sequence[int]) -> dict | None:
+        """For a named policy, the variables of equations ``ids`` (one layer's) it
+        saves -> their tags; None for the other remats."""
+        if self.keep is None:
+            return None
+        roles = equation_roles(jaxpr, ids)
+        return {jaxpr.eqns[i].outvars[0]: _TAG + role for i, role in roles.items()
+                if role in self.keep}
+
+
+_TAG = "hetshard_remat_"
+
+
+def equation_roles(jaxpr, ids: Sequence[int]) -> dict[int, str]:
+    """The weight projections among equations ``ids`` of ``jaxpr`` (one layer's, in
+    order) and their roles (``hetshard.remat.projection_roles``): equation index ->
+    ``qkv``, ``attn_out`` or ``mlp_in``. A projection is a ``dot_general`` without batch
+    dimensions; attention a ``hetshard.nn.attention`` call, a call holding attention,
+    or a product batched over heads (Flax-style attention's)."""
+    ids = list(ids)
+    local = {}
+    kinds, preds = [], []
+    for j, i in enumerate(ids):
+        eqn = jaxpr.eqns[i]
+        dims = eqn.params.get("dimension_numbers") if eqn.primitive.name == \
+            "dot_general" else None
+        inner = inner_jaxpr(eqn)
+        if dims is not None and not dims[1][0]:
+            kinds.append(WEIGHT)
+        elif dims is not None or attention_call(eqn) is not None or (
+                inner is not None and contains_attention(inner[0])):
+            kinds.append(ATTENTION_NODE)
+        else:
+            kinds.append(OTHER)
+        preds.append(sorted({local[v] for v in eqn.invars
+                             if isinstance(v, ext.Var) and v in local}))
+        for v in eqn.outvars:
+            local[v] = j
+    return {ids[j]: role for j, role in projection_roles(kinds, preds).items()}
+
+
+def remat_wrap(remat: str) -> Remat | None:
+    """The :class:`Remat` of a plan's remat; None for none."""
+    return None if remat == "none" else Remat(remat)
 
 
 def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
@@ -257,9 +323,12 @@ def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None,
             eval_equations(jaxpr, env, run, ids, constrain=constrain, autocast=autocast)
             continue
 
-        def layer(*values, ids=ids, reads=reads, outs=outs):
+        names = wrap.names(jaxpr, ids) if isinstance(wrap, Remat) else None
+
+        def layer(*values, ids=ids, reads=reads, outs=outs, names=names):
             inner = dict(zip(reads, values, strict=True))
-            eval_equations(jaxpr, inner, run, ids, constrain=constrain, autocast=autocast)
+            eval_equations(jaxpr, inner, run, ids, constrain=constrain, autocast=autocast,
+                           names=names)
             return [inner[v] for v in outs]
         env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
 

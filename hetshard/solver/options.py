@@ -9,6 +9,7 @@ from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import HetshardError, SpecError
+from hetshard.remat import REMATS, check_remat
 
 
 class NoFeasiblePlanError(HetshardError, ValueError):
@@ -27,9 +28,10 @@ STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
 class PlannerOptions:
     time_limit_s: float = 60.0
     mbs_options: tuple[int, ...] = (1, 2, 4, 8)
-    # "selective" (JAX's dots_with_no_batch_dims_saveable per layer) on request: searched
-    # with the others, its candidates crowd out the starts whose descents end fastest
-    # (docs/planner.md has the measurements).
+    # Any of ``hetshard.remat.REMATS``, each stage choosing its own. "selective" and the
+    # named policies (``save_qkv`` ...) on request: searched with the others, selective's
+    # candidates crowd out the starts whose descents end fastest (docs/planner.md has the
+    # measurements).
     remat_options: tuple[str, ...] = ("none", "full")
     tp_options: tuple[int, ...] = (1, 2, 4, 8)
     cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
@@ -112,6 +114,11 @@ class PlannerOptions:
         if self.max_stages is not None and self.min_stages > self.max_stages:
             raise SpecError("min_stages", self.min_stages,
                             f"at most max_stages={self.max_stages}", where="PlannerOptions")
+        if not isinstance(self.remat_options, tuple) or not self.remat_options:
+            raise SpecError("remat_options", self.remat_options,
+                            f"a non-empty tuple of {REMATS}", where="PlannerOptions")
+        for r in self.remat_options:
+            check_remat(r, "remat_options", where="PlannerOptions")
         if self.state_sharding not in STATE_SHARDINGS:
             raise SpecError("state_sharding", self.state_sharding, f"one of {STATE_SHARDINGS}")
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:

@@ -8,9 +8,9 @@ import dataclasses
 import itertools
 import time
 
-from hetshard.cost.stage import REMATS
 from hetshard.errors import HetshardError
 from hetshard.plan import Plan, Stage
+from hetshard.remat import REMATS
 from hetshard.solver.evaluator import Candidate, Evaluator
 
 

@@ -25,6 +25,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError, check_positive
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
+from hetshard.remat import check_remat
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
             "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool,
@@ -83,8 +84,7 @@ def parse_fix(text: str) -> Fix:
         else:
             kw[key] = value
     fix = Fix(**kw)
-    if fix.remat not in ("none", "selective", "full"):
-        raise SpecError("--fix remat", fix.remat, "none, selective or full")
+    check_remat(fix.remat, "--fix remat")
     if fix.schedule not in SCHEDULES:
         raise SpecError("--fix schedule", fix.schedule, f"one of {SCHEDULES}")
     if fix.schedule == "zbh1" and fix.vpp > 1:
