@@ -9,7 +9,7 @@ import pytest
 from hetshard.cluster import Cluster
 from hetshard.cluster.fabric import FABRICS, fabric_from
 from hetshard.cost.calibration import DEFAULT
-from hetshard.cost.comm import collective_time, topology
+from hetshard.cost.comm import COMBINE_BYTES, buckets, collective_time, topology
 from hetshard.errors import SpecError
 from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim.simulator import simulate
@@ -171,3 +171,31 @@ def test_the_honest_overlap_never_prices_a_sync_below_its_exposed_bucket(gpt):
         first = gpt.layers[0].param_bytes / sum(la.param_bytes for la in gpt.layers)
         assert b + first * t_sync * (1 - 1e-9) <= s.end_s <= b + t_sync * (1 + 1e-9)
         assert not math.isnan(s.end_s)
+
+
+# ---- XLA's combined buckets -------------------------------------------------------------
+
+def test_buckets_combine_small_gradients_and_split_large_ones():
+    mib = 2 ** 20
+    got = buckets([10 * mib, 10 * mib, 15 * mib, 0.0, 100 * mib, 1 * mib])
+    # 10 + 10 combine; 15 would pass 30 MiB: a bucket of its own (then 100 MiB, in four
+    # equal parts of at most 30 MiB, flushes it); the last MiB alone.
+    assert got == [(1, 20 * mib), (2, 15 * mib)] + [(4, 25 * mib)] * 4 + [(5, 1 * mib)]
+    assert COMBINE_BYTES == 30 * mib  # XLA's kDefaultAllReduceCombineThreshold
+    assert buckets([]) == [] and buckets([5.0]) == [(0, 5.0)]
+
+
+def test_a_sync_runs_as_xlas_buckets_each_paying_its_latency_and_size(gpt):
+    # 16 A100s over two nodes, no overlap: the sync is the sum of one all-reduce per
+    # bucket (each layer's gradients last layer first, combined up to 30 MiB), slower
+    # than one all-reduce of all the bytes would be (more latency, smaller buffers).
+    _, b0, s0 = _dp_step(gpt, 1, overlap=False)
+    c = Cluster.load("dgx-a100-80gb-x16")
+    topo = topology(c, range(16))
+    total = sum(layer.param_bytes for layer in gpt.layers)
+    pieces = buckets([layer.param_bytes for layer in reversed(gpt.layers)])
+    assert len(pieces) > gpt.num_layers  # the embedding and head split in parts
+    want = sum(collective_time("all_reduce", b, topo, DEFAULT, "A100-80GB")
+               for _, b in pieces)
+    assert s0.end_s - s0.start_s == pytest.approx(want)
+    assert want > 1.01 * collective_time("all_reduce", total, topo, DEFAULT, "A100-80GB")

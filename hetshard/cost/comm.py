@@ -28,6 +28,43 @@ from hetshard.cost.calibration import Calibration
 from hetshard.errors import SpecError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# XLA combines independent all-reduces (and all-gathers, reduce-scatters) into one
+# collective up to this many bytes (``kDefaultAllReduceCombineThreshold``,
+# xla/service/collective_utils.h, 30 MiB): a step's gradient sync runs as buckets of at
+# most this size, each paying its own latency and its size's bandwidth.
+COMBINE_BYTES = 30 * 2**20
+
+
+def buckets(sizes: Sequence[float]) -> list[tuple[int, float]]:
+    """The collectives a gradient sync of ``sizes`` (bytes per piece, in the order the
+    pieces become ready: a stage's layers last first) runs as: ``(index of the piece that
+    completes the bucket, bytes)``. Consecutive pieces are combined while they stay
+    within :data:`COMBINE_BYTES`; a piece beyond it runs alone, in equal parts of at
+    most that size (one collective per weight, a weight above the threshold in one)."""
+    out: list[tuple[int, float]] = []
+    pending, last = 0.0, -1
+    for i, size in enumerate(sizes):
+        if size <= 0:
+            continue
+        if pending and pending + size > COMBINE_BYTES:
+            out.append((last, pending))
+            pending = 0.0
+        if size > COMBINE_BYTES:
+            parts = math.ceil(size / COMBINE_BYTES)
+            out.extend((i, size / parts) for _ in range(parts))
+            continue
+        pending, last = pending + size, i
+    if pending:
+        out.append((last, pending))
+    return out
+
+
+def bucketed_time(kind: str, nbytes: float, topo: Topology, cal: Calibration,
+                  gpu_name: str, concurrent: int = 1) -> float:
+    """:func:`collective_time` of a gradient sync of ``nbytes`` a device as XLA runs it:
+    in :func:`buckets` of at most :data:`COMBINE_BYTES`, one after another."""
+    return sum(collective_time(kind, b, topo, cal, gpu_name, concurrent)
+               for _, b in buckets([nbytes]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +128,18 @@ def collective_time(kind: str, nbytes: float, topo: Topology, cal: Calibration,
         return _ring((1.0 if half else 2.0) * (n - 1) / n, nbytes, n, intra,
                      e.intra_latency_s, (1 if half else 2) * (n - 1))
     fab = topo.fabric
+    # The ``concurrent`` rings load each node's cards as one collective of their summed
+    # buffers would (nccl-tests' per-GPU buffer with every GPU of the node taking part:
+    # a hierarchical all-reduce is such rings, one per local rank, on 1/g of it each), so
+    # the share of the line rate is that buffer's, split among them.
+    c = max(1, concurrent)
     if fab.measured and kind != "all_to_all":
         # The cluster's own nccl-tests figures: the whole collective at its measured bus
-        # bandwidth (latency included), the nodes' cards shared by ``concurrent`` rings.
-        busbw = fab.measured_busbw(k, nbytes) * 1e9 / max(1, concurrent)
+        # bandwidth (latency included), the nodes' cards shared by the rings.
+        busbw = fab.measured_busbw(k, nbytes * c) * 1e9 / c
         return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes / busbw
     lat = e.inter_latency_s if fab.latency_s is None else fab.latency_s
-    inter = topo.inter_gbs * fab.share(k, nbytes) / max(1, concurrent)
+    inter = topo.inter_gbs * fab.share(k, nbytes * c) / c
     if kind == "all_to_all":
         # The share leaving the node crosses the NIC, shared by the node's g GPUs.
         return _ring((n - g) / n * g, nbytes, n, inter, lat, n - 1)

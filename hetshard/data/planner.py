@@ -48,7 +48,7 @@ import numpy as np
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import collective_time, topology
+from hetshard.cost.comm import bucketed_time, collective_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.data.packing import (
@@ -333,8 +333,8 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
         # reduce-scattered over every data-parallel device, every group's and replica's
         # (as the simulator prices an FSDP stage's sync); stage_cost prices the weights'
         # gathers, not this.
-        sync = collective_time("reduce_scatter", one.grad_sync_bytes,
-                               topology(cluster, everyone), cal, g.gpu.name)
+        sync = bucketed_time("reduce_scatter", one.grad_sync_bytes,
+                             topology(cluster, everyone), cal, g.gpu.name)
         image_s = 0.0
         if vision is not None:
             v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, dp=len(devs),

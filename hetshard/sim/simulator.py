@@ -27,7 +27,7 @@ import dataclasses
 from hetshard import progress
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import collective_time, p2p_time, topology
+from hetshard.cost.comm import buckets, collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.errors import SpecError
@@ -554,12 +554,17 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 slowest = _slowest(cluster, devices).name
                 # One ring per tensor rank, all at once, sharing each node's network card.
                 rings = st.axis("tensor")
-                t_sync = collective_time(kind, c.grad_sync_bytes, topo, cal, slowest, rings)
                 if is_hybrid(st) and len(holders) == 1:
-                    t_sync = _hybrid_sync(st, cluster, cal, c.grad_sync_bytes,
-                                          _context_sharded(plan, st))
-                t_gather = collective_time("all_gather", c.grad_sync_bytes, topo, cal,
-                                           slowest, rings) if zero1 else 0.0
+                    def price(b, st=st):
+                        return _hybrid_sync(st, cluster, cal, b, _context_sharded(plan, st))
+                else:
+                    def price(b, kind=kind, topo=topo, slowest=slowest, rings=rings):
+                        return collective_time(kind, b, topo, cal, slowest, rings)
+                # In XLA's combined buckets (``buckets``), each its own collective.
+                pieces = buckets(_sync_pieces(profile, st, c.grad_sync_bytes))
+                t_sync = sum(price(b) for _, b in pieces)
+                t_gather = sum(collective_time("all_gather", b, topo, cal, slowest, rings)
+                               for _, b in pieces) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
                 # with overlap, each layer's gradients stream once the last backward has
                 # produced them (``_streamed_sync``), on every holder.
@@ -567,7 +572,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                 starts = [last_b_start.get(k, 0.0) for k in holders]
                 free = max(net_free[w], tied_ready.get(s, 0.0))
                 if overlap:
-                    sync_end = _streamed_sync(profile, st, starts, ends, free, t_sync)
+                    sync_end = _streamed_sync(profile, st, starts, ends, free, pieces,
+                                              price)
                 else:
                     sync_end = max(ends + [free]) + t_sync
                 sync_end = max(sync_end, stage_end[(pi, s)])
@@ -685,26 +691,40 @@ def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cl
     return out
 
 
-def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float,
-                   t_sync: float) -> float:
+def _sync_pieces(profile: ModelProfile, stage, total: float) -> list[float]:
+    """A stage's ``total`` gradient-sync bytes per layer, last layer first (the order its
+    backward produces them), in proportion to the layers' parameters."""
+    size = [max(layer.param_bytes, 0.0) for layer in profile.layers[stage.start:stage.end]]
+    whole = sum(size)
+    if whole <= 0:
+        return [total]
+    return [total * b / whole for b in reversed(size)]
+
+
+def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, pieces,
+                   price) -> float:
     """When a stage's overlapped gradient sync ends: its last backward produces the
     layers' gradients last layer first, each holder's at its share of the backward's
-    compute (the layers' flops), and each layer's gradients (its share of the bytes,
-    ``t_sync`` in all) cross the network once every holder has them and the layers
-    after it have crossed (DDP-style buckets, one a layer). So only the backward that
-    runs after a bucket is ready hides it: the first layers' sync (the last gradients
-    produced, often the embedding's) is exposed after the backward ends."""
+    compute (the layers' flops), and each bucket of them (``pieces``: (the layer, last
+    first, that completes it; bytes), ``hetshard.cost.comm.buckets``) crosses the
+    network, ``price(bytes)`` seconds, once every holder has it and the buckets before
+    it have crossed. So only the backward that runs after a bucket is ready hides it:
+    the first layers' sync (the last gradients produced, often the embedding's) is
+    exposed after the backward ends."""
     layers = profile.layers[stage.start:stage.end]
-    work = [max(layer.flops(1), 0.0) for layer in layers]
-    size = [max(layer.param_bytes, 0.0) for layer in layers]
-    total_work, total_size = sum(work), sum(size)
-    if total_size <= 0 or t_sync <= 0:
-        return max(ends + [free]) + t_sync
-    t, done = free, 0.0
-    for i in reversed(range(len(layers))):
-        done += work[i] / total_work if total_work > 0 else 1.0 / len(layers)
-        ready = max(a + (b - a) * min(done, 1.0) for a, b in zip(starts, ends, strict=True))
-        t = max(t, ready) + t_sync * size[i] / total_size
+    work = [max(layer.flops(1), 0.0) for layer in reversed(layers)]
+    total_work = sum(work)
+    if not any(layer.param_bytes > 0 for layer in layers):
+        work, total_work = [], 0.0  # one piece: ready when the backward ends
+    done, acc = [], 0.0
+    for w in work:
+        acc += w / total_work if total_work > 0 else 1.0 / len(work)
+        done.append(min(acc, 1.0))
+    t = free
+    for k, nbytes in pieces:
+        frac = done[k] if k < len(done) else 1.0
+        ready = max(a + (b - a) * frac for a, b in zip(starts, ends, strict=True))
+        t = max(t, ready) + price(nbytes)
     return t
 
 
