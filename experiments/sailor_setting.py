@@ -9,8 +9,12 @@ A100s at tp 1: 27 pipelines) is priced by the same simulator, so the two plans a
 compared under one cost model. Sailor's own simulator's throughputs for its plans
 (0.170, 0.361, 0.523 it/s) are printed beside, from a different cost model.
 
-Networks: a2-highgpu-4g nodes 50 Gb/s, n1 nodes with 4 V100s 32 Gb/s (GCP's published
-per-VM egress caps), 32 Gb/s between the two kinds.
+Networks: as Sailor measured them in GCP's us-central1-a (its repository's fits,
+``hetshard.cluster.fabric`` ``gcp-a2-a100x4`` and ``gcp-n1-v100x4``): up to 6.04 GB/s
+between A100 VMs, 5.79 GB/s between V100 VMs and across the kinds, less for small
+messages (an all-reduce priced as Sailor's simulator prices one: a ring whose steps move
+the buffer over the workers). Before (results up to commit 421e7a0): GCP's published
+per-VM egress caps, 50 and 32 Gb/s, on InfiniBand's curves.
 
 Usage: python experiments/sailor_setting.py [--time-limit 60]
 Writes experiments/results/sailor_setting.json.
@@ -44,11 +48,11 @@ def cluster(a100_nodes: int, v100_nodes: int) -> Cluster:
                          "groups": [
                              {"name": "a100", "gpu": "A100-40GB", "nodes": a100_nodes,
                               "gpus_per_node": 4, "intra_node_gbs": 300,
-                              "inter_node_gbs": 6.25},
+                              "inter_node_gbs": 6.04, "fabric": "gcp-a2-a100x4"},
                              {"name": "v100", "gpu": "V100-16GB", "nodes": v100_nodes,
                               "gpus_per_node": 4, "intra_node_gbs": 150,
-                              "inter_node_gbs": 4.0}],
-                         "inter_group_gbs": 4.0})
+                              "inter_node_gbs": 5.79, "fabric": "gcp-n1-v100x4"}],
+                         "inter_group_gbs": 5.79, "inter_group_fabric": "gcp-n1-v100x4"})
 
 
 def sailor_plan_32_96(c: Cluster) -> Plan:

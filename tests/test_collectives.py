@@ -121,8 +121,33 @@ def test_presets_name_their_fabric():
     assert Cluster.load("dgx-h100-x64").groups[0].fabric.name == "infiniband"
     assert Cluster.load("p5-h100-x512").groups[0].fabric.name == "efa"
     assert Cluster.load("a3mega-h100-x64").groups[0].fabric.name == "gcp-tcpxo"
+    assert Cluster.load("sailor-a100-v100").groups[0].fabric.name == "gcp-a2-a100x4"
+    assert Cluster.load("sailor-a100-v100").inter_group_fabric.name == "gcp-n1-v100x4"
     for f in FABRICS.values():
         assert f.source  # every built-in curve says where it comes from
+
+
+@pytest.mark.parametrize("fabric,coeffs,cap", [
+    ("gcp-a2-a100x4", (-0.03667895496478979, 0.4773282044079026, 4.5592610071684785),
+     6.03591305104673),
+    ("gcp-n1-v100x4", (-0.008450897567554275, 0.32345407867588116, 3.446937175278422),
+     5.787468328312377)])
+def test_sailors_cloud_fabrics_price_an_all_reduce_as_sailors_simulator(fabric, coeffs, cap):
+    # Sailor's estimate_ar_time: a ring over N workers, 2 (N - 1) steps each sending
+    # buffer / N at its fit's rate (GB/s, a quadratic in log2 of the MB sent, capped).
+    def sailor(nbytes, workers):
+        part = nbytes / workers
+        x = math.log2(part / 1e6)
+        rate = min(coeffs[0] * x * x + coeffs[1] * x + coeffs[2], cap)
+        return 2 * (workers - 1) * part / (rate * 1e9)
+    for nodes, nbytes in ((2, 2 ** 26), (8, 2 ** 28), (32, 2 ** 30), (8, 2 ** 24)):
+        c = _nodes(nodes, fabric, gpn=4, gpu="A100-40GB", inter=cap)
+        topo = topology(c, range(c.num_devices))
+        got = collective_time("all_reduce", nbytes, topo, DEFAULT, "A100-40GB")
+        assert got == pytest.approx(sailor(nbytes, 4 * nodes), rel=1e-3), (nodes, nbytes)
+    # Small messages fall well below the cap, as Sailor measured.
+    f = FABRICS[fabric]
+    assert f.measured_busbw(2, 2 ** 20) < 0.55 * cap < f.measured_busbw(2, 2 ** 28)
 
 
 # ---- the gradient sync's overlap ----------------------------------------------------------

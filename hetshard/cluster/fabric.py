@@ -140,7 +140,47 @@ _A3_MEGA = Fabric(
               (2, 8 << 30, 338.82)),
     source="github.com/lessizzmore/create-a3mega-ztan-fork ztan-NCCL-test-result")
 
-FABRICS: dict[str, Fabric] = {f.name: f for f in (_IB, _EFA, _ROCE, _A3_MEGA)}
+
+
+def _sailor_fit(coeffs: tuple[float, float, float], cap_bytes_s: float,
+                gpus_per_node: int) -> tuple[tuple[int, float, float], ...]:
+    """A ``measured`` profile from one of Sailor's point-to-point fits between two VMs
+    (github.com/eth-easl/sailor, sailor/providers/multizone_bandwidths_het.json: bandwidth
+    in GB/s a quadratic in log2 of the message in MB, measured with its
+    profiling/networking tools, capped at the largest measured rate), read as Sailor's
+    simulator reads it for an all-reduce (``estimate_ar_time``: a ring over the
+    workers, each step one message of the buffer over their number): the bus bandwidth
+    of a buffer of b bytes a GPU over k nodes is the fit's rate at b / (k g) bytes, g
+    GPUs a node. Below 1/8 MB (the fit's curve turns down beyond its data) a message
+    takes that size's time."""
+    a, b, c = coeffs
+
+    def rate(nbytes: float) -> float:  # GB/s
+        mb = max(nbytes / 1e6, 0.125)
+        x = math.log2(mb)
+        gbs = min(a * x * x + b * x + c, cap_bytes_s / 1e9)
+        return gbs * (nbytes / 1e6) / mb  # below 1/8 MB: the same time as 1/8 MB
+    out = []
+    for k in (2, 4, 8, 16, 32, 64, 128, 256):
+        for e in range(16, 36, 2):
+            out.append((k, float(2 ** e), round(rate(2 ** e / (k * gpus_per_node)), 4)))
+    return tuple(out)
+
+
+# Google Cloud, zone us-central1-a, VMs of 4 GPUs (a2-highgpu-4g with A100-40GB, n1 with 4
+# V100-16GB): Sailor's measured fits (commit cf2c8e3); A100 VMs between themselves reach
+# 6.04 GB/s, V100 VMs (and A100 to V100) 5.79 GB/s, both well below at small messages
+# (4.6 and 3.4 GB/s at 1 MB, 2.8 and 2.4 at 1/8 MB). Sailor's Fig 8b clusters.
+_SAILOR = "github.com/eth-easl/sailor@cf2c8e3 sailor/providers/multizone_bandwidths_het.json"
+_GCP_A100 = Fabric("gcp-a2-a100x4", 1.0, 1.0, measured=_sailor_fit(
+    (-0.03667895496478979, 0.4773282044079026, 4.5592610071684785), 6035913051.04673, 4),
+    source=_SAILOR + " (us-central1-a, A100-40 x4 to A100-40 x4)")
+_GCP_V100 = Fabric("gcp-n1-v100x4", 1.0, 1.0, measured=_sailor_fit(
+    (-0.008450897567554275, 0.32345407867588116, 3.446937175278422), 5787468328.312377, 4),
+    source=_SAILOR + " (us-central1-a, V100-16 x4 to V100-16 x4 and to A100-40 x4)")
+
+FABRICS: dict[str, Fabric] = {f.name: f for f in (_IB, _EFA, _ROCE, _A3_MEGA, _GCP_A100,
+                                                  _GCP_V100)}
 DEFAULT_FABRIC = "infiniband"
 _FIELDS = {"name", "efficiency", "half_bytes", "latency_s", "scaling", "measured"}
 

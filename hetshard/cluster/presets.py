@@ -56,12 +56,14 @@ _HETERO: dict[str, tuple[dict, str]] = {
                             "inter_group_gbs": 1.25},
                            "GPU mix of FlashFlex (Yan et al. 2024): RTX 3080Ti + 3090 + 4090 "
                            "over PCIe without RDMA; 8 GPUs per node and 10 GbE are ours"),
-    "sailor-a100-v100": ({"groups": [_g("a100", "A100-40GB", 4, 4, 300, 6.25),
-                                     _g("v100", "V100-16GB", 4, 4, 150, 4.0)],
-                          "inter_group_gbs": 4.0},
-                         "GPU mix of Sailor (Strati et al. 2025): GCP A100-40GB + V100-16GB; "
-                         "4 nodes of each (a2-highgpu-4g 50 Gb/s, n1 with 4 V100 32 Gb/s) "
-                         "are our reading"),
+    "sailor-a100-v100": ({"groups": [{**_g("a100", "A100-40GB", 4, 4, 300, 6.04),
+                                      "fabric": "gcp-a2-a100x4"},
+                                     {**_g("v100", "V100-16GB", 4, 4, 150, 5.79),
+                                      "fabric": "gcp-n1-v100x4"}],
+                          "inter_group_gbs": 5.79, "inter_group_fabric": "gcp-n1-v100x4"},
+                         "GPU mix of Sailor (Strati et al. 2025): GCP A100-40GB + V100-16GB, "
+                         "4 nodes of each (a2-highgpu-4g, n1 with 4 V100); networks as "
+                         "Sailor measured them in us-central1-a (its repository's fits)"),
     "h100-a100-v100-x8": ({"groups": [_g("h100", "H100-80GB", 1, 2),
                                       _g("a100", "A100-80GB", 1, 2),
                                       _g("v100", "V100-32GB", 1, 4)],
