@@ -184,6 +184,12 @@ def runtime(lines, data):
                   f"{r['devices']} device(s) {r['step_ratio_apply']:.3f} and "
                   f"{r['step_ratio_same_protection']:.3f}" for r in data["single_stage"])
               + "."]
+    if all("step_ratio_apply_donated" in r for r in data["single_stage"]):
+        lines += ["", "nan_policy='apply' donates the state: against nnx.jit donating the "
+                  "model and optimizer too, step ratio and dispatch/finish gap " + "; ".join(
+                      f"{r['devices']} device(s) {r['step_ratio_apply_donated']:.3f} and "
+                      f"{r['dispatch_over_finish_gap_apply_donated']:+.2f}"
+                      for r in data["single_stage"]) + "."]
     per = data.get("host_per_task", {})
     if per:
         lines += ["", "Host time per dispatched task, a model with almost no work (2 stages, "

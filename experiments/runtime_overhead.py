@@ -13,8 +13,11 @@ the same layout:
   cotangents moved with ``jax.device_put``, gradients accumulated, one jitted AdamW update
   a stage; no NaN checks).
 
-Single stage also runs hetshard under ``nan_policy="apply"`` (no old values kept) and
-``nnx.jit`` with ``optax.apply_if_finite`` (the protection hetshard's default gives).
+Single stage also runs hetshard under ``nan_policy="apply"`` (no old values kept, the
+state donated), ``nnx.jit`` with ``optax.apply_if_finite`` (the protection hetshard's
+default gives) and ``nnx.jit`` donating the model and optimizer (what "apply" is compared
+with: on the CPU client a call that donates waits, now and then, for the step before it,
+so both run fewer steps ahead than a loop that donates nothing).
 
 For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds:
 
@@ -187,10 +190,12 @@ def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
                             plan=plan_for(program, n_devices, False), quiet=True)
         out[name] = timed(lambda i, s=step, m=model, o=opt: s(m, o, data[i % len(data)]),
                           steps, rounds)
-    for name, guarded in (("nnx_jit", False), ("nnx_jit_apply_if_finite", True)):
+    for name, guarded, donate in (("nnx_jit", False, False),
+                                  ("nnx_jit_apply_if_finite", True, False),
+                                  ("nnx_jit_donated", False, True)):
         model2, opt2 = fresh(guarded)
         nnx.update((model2, opt2), jax.device_put(nnx.state((model2, opt2)), rep))
-        ref = nnx.jit(train_step)
+        ref = nnx.jit(train_step, donate_argnums=(0, 1) if donate else ())
         # (the batch split over the devices in the call, as hetshard.jit does it: the
         # same numpy batches go in, the same layout comes out)
         out[name] = timed(lambda i, r=ref, m=model2, o=opt2: r(
@@ -199,7 +204,15 @@ def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
     out.update(step_ratio=h["step_s"] / r["step_s"],
                dispatch_over_finish_gap=h["dispatch_over_finish"] - r["dispatch_over_finish"],
                step_ratio_same_protection=h["step_s"] / out["nnx_jit_apply_if_finite"]["step_s"],
-               step_ratio_apply=out["hetshard_apply"]["step_s"] / r["step_s"])
+               step_ratio_apply=out["hetshard_apply"]["step_s"] / r["step_s"],
+               # "apply" donates its state, as MaxText's step does: against nnx.jit that
+               # donates too (on the CPU client a donating call waits, now and then, for
+               # the step before it: both run fewer steps ahead)
+               step_ratio_apply_donated=out["hetshard_apply"]["step_s"] /
+               out["nnx_jit_donated"]["step_s"],
+               dispatch_over_finish_gap_apply_donated=(
+                   out["hetshard_apply"]["dispatch_over_finish"] -
+                   out["nnx_jit_donated"]["dispatch_over_finish"]))
     return out
 
 
