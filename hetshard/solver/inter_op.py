@@ -271,9 +271,7 @@ class _Search:
     def _allowed(self, p: Plan) -> bool:
         opts = self.opts
         return single_type_stages(p, self.cluster, opts.mixed_context) and \
-            (opts.max_stages is None or
-             all(len(q.stages) <= opts.max_stages for q in p.pipelines)) and \
-            all(len(q.stages) >= opts.min_stages for q in p.pipelines) and \
+            self.ev.stage_counts_allowed(p) and \
             (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)
 
     def price(self, candidates: list[Plan]) -> list[Candidate]:
