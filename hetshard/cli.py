@@ -183,9 +183,8 @@ def cmd_simulate(args) -> int:
     from hetshard.cost.calibration import DEFAULT, Calibration
     from hetshard.cost.profile import profile_program
     from hetshard.plan import Plan
-    from hetshard.sim import simulate, upper_bound_tokens_per_s
     from hetshard.sim.export import write_chrome_trace, write_timeline_png
-    from hetshard.sim.simulator import annotate
+    from hetshard.sim.simulator import priced
     from hetshard.solver.uniform import parse_fix, uniform_plan
     if (args.plan is None) == (args.fix is None):
         from hetshard.errors import SpecError
@@ -223,10 +222,7 @@ def cmd_simulate(args) -> int:
                             attention=args.attention,
                             gpu_dtypes=gpu_dtypes(cluster, profile.dtype, args.gpu_dtypes))
     warn_precision_fallback(cluster, plan.dtype, gpu_dtypes=plan.gpu_dtypes)
-    result = simulate(plan, profile, cluster, cal)
-    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention,
-                                     gpu_dtypes=plan.gpu_dtypes)
-    plan = annotate(plan, result, upper)
+    plan, result, upper = priced(plan, profile, cluster, cal)
     if args.trace:
         write_chrome_trace(result, args.trace, plan)
     if args.png:

@@ -396,13 +396,9 @@ class HetshardJit:
         """A pinned plan with its predictions priced for this program and cluster (what
         ``plan.explain()`` and ``time_stages`` compare against), not the file's: a
         hand-edited plan keeps the times of the plan it was edited from."""
-        from hetshard.sim import simulate, upper_bound_tokens_per_s
-        from hetshard.sim.simulator import annotate
+        from hetshard.sim.simulator import priced
         profile = profile_program(program, plan.split_blocks)
-        upper = upper_bound_tokens_per_s(profile, self.cluster, DEFAULT,
-                                         attention=plan.attention, gpu_dtypes=plan.gpu_dtypes)
-        return annotate(plan, simulate(plan, profile, self.cluster, DEFAULT, trace=False),
-                        upper)
+        return priced(plan, profile, self.cluster, DEFAULT, trace=False)[0]
 
     def _check_pinned(self, program: Program):
         """A pinned plan made for another program, sequence length or cluster (one whose

@@ -774,6 +774,18 @@ def annotate(plan: Plan, result: SimResult, upper_bound: float = 0.0) -> Plan:
                                predicted=predicted(result, upper_bound))
 
 
+def priced(plan: Plan, profile: ModelProfile, cluster: Cluster, cal: Calibration = DEFAULT,
+           trace: bool = True) -> tuple[Plan, SimResult, float]:
+    """``(plan with its predictions, the simulation, the cluster's upper bound in
+    tokens/s)``: ``plan`` simulated on ``profile`` and ``cluster``, the bound computed
+    with its attention and compute dtypes (what ``hetshard simulate`` reports and what
+    ``hetshard.jit`` gives a pinned plan)."""
+    result = simulate(plan, profile, cluster, cal, trace=trace)
+    upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=plan.attention,
+                                     gpu_dtypes=plan.gpu_dtypes)
+    return annotate(plan, result, upper), result, upper
+
+
 def predicted(result: SimResult, upper_bound_tokens_per_s: float = 0.0) -> Predicted:
     return Predicted(step_time_s=float(result.step_time_s),
                      tokens_per_s=float(result.tokens_per_s),
