@@ -371,8 +371,13 @@ class Plan:
         t_unit, t_scale = _unit(max(max(s.predicted_fwd_s, s.predicted_bwd_s)
                                     for s in stages), _TIME_UNITS)
         m_unit, m_scale = _unit(max(s.predicted_memory_bytes for s in stages), _BYTE_UNITS)
-        hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>10} {'layers':>9} {'mesh':>22} "
-               f"{'devices':>16} {'mbs':>4} {'remat':>9} {'attn':>9} {'fwd ' + t_unit:>8} "
+        # columns as wide as their widest entry (a named remat policy, a 3-axis mesh)
+        rw = max(9, *(len(_remat_text(s)) for s in stages))
+        mw = max(22, *(len(_mesh_text(s)) for s in stages))
+        dw = max(16, *(len(_ranges(s.devices)) for s in stages))
+        gw = max(10, *(len(s.gpu) for s in stages))
+        hdr = (f"{'pipe':>4} {'stage':>5} {'gpu':>{gw}} {'layers':>9} {'mesh':>{mw}} "
+               f"{'devices':>{dw}} {'mbs':>4} {'remat':>{rw}} {'attn':>9} {'fwd ' + t_unit:>8} "
                f"{'bwd ' + t_unit:>8} {'mem ' + m_unit:>7}")
         lines.append(hdr)
         for i, p in enumerate(self.pipelines):
@@ -384,11 +389,10 @@ class Plan:
                          f"micro-batches of {p.samples_per_micro_batch} samples, "
                          f"{p.schedule}{inter}")
             for j, s in enumerate(p.stages):
-                mesh = "x".join(f"{a}={n}" for a, n in s.mesh_shape)
-                devs = _ranges(s.devices)
-                lines.append(f"{i:>4} {j:>5} {s.gpu:>10} {f'{s.start}-{s.end - 1}':>9} "
-                             f"{mesh:>22} {devs:>16} {p.stage_micro_batch(j):>4} "
-                             f"{_remat_text(s):>9} {self.stage_attention(s):>9} "
+                mesh, devs = _mesh_text(s), _ranges(s.devices)
+                lines.append(f"{i:>4} {j:>5} {s.gpu:>{gw}} {f'{s.start}-{s.end - 1}':>9} "
+                             f"{mesh:>{mw}} {devs:>{dw}} {p.stage_micro_batch(j):>4} "
+                             f"{_remat_text(s):>{rw}} {self.stage_attention(s):>9} "
                              f"{s.predicted_fwd_s / t_scale:>8.2f} "
                              f"{s.predicted_bwd_s / t_scale:>8.2f} "
                              f"{s.predicted_memory_bytes / m_scale:>7.2f}")
@@ -640,6 +644,10 @@ def validate(plan: Plan) -> None:
     if len(ends) != 1:
         raise SpecError("pipelines[*].stages[-1].end", sorted(ends),
                         "every pipeline covering the same layers")
+
+
+def _mesh_text(s: Stage) -> str:
+    return "x".join(f"{a}={n}" for a, n in s.mesh_shape)
 
 
 def _remat_text(s: Stage) -> str:

@@ -157,3 +157,17 @@ def _a_plan() -> dict:
     prof = models.profile(SWIGLU, 32, "float32")
     return uniform_plan("m", prof, Cluster.load("dgx-a100-80gb-x8"), global_batch=8,
                         seq_len=32, fix=parse_fix("dp=8,tp=1,pp=1")).to_dict()
+
+
+def test_explain_keeps_its_columns_aligned_under_a_named_policy():
+    plan = Plan.from_dict(_a_plan())
+    pipe = plan.pipelines[0]
+    stage = dataclasses.replace(pipe.stages[0], remat="save_qkv_out_mlp")
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=(stage,)),))
+    lines = plan.explain().splitlines()
+    header = next(line for line in lines if "remat" in line and "attn" in line)
+    row = next(line for line in lines if "save_qkv_out_mlp" in line)
+    # the remat column ends where its header does, the columns after it too
+    assert row.index("save_qkv_out_mlp") + len("save_qkv_out_mlp") == \
+        header.index("remat") + len("remat")
+    assert len(row) == len(header)
