@@ -425,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--global-batch", type=int, default=None)
     sp.add_argument("--seq-len", type=int, default=None, help="default: the model's seq")
     sp.add_argument("--fix", default=None,
-                    help="dp=,tp=,pp=,cp=,fsdp=true|false,hsdp=,mbs=,remat=none|selective|full,"
-                         "schedule=1f1b|gpipe|zbh1,vpp=,zero1=,tp_overlap=,layers=7,8*14,7 "
-                         "(docs/cli.md)")
+                    help="dp=,tp=,pp=,cp=,fsdp=true|false,hsdp=,mbs=,remat=none|selective|"
+                         "save_qkv..|full,offload=none|optimizer|activations|"
+                         "optimizer+activations,schedule=1f1b|gpipe|zbh1,vpp=,zero1=,"
+                         "tp_overlap=,layers=7,8*14,7 (docs/cli.md)")
     sp.add_argument("--dtype", default=None, choices=DTYPES,
                     help="zoo models: compute dtype (default bfloat16, or the plan's)")
     sp.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLEMENTATIONS),
@@ -454,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the program and the last layout solve come on top; on the "
                              "largest clusters the search can overrun it by seconds")
         sp.add_argument("--fix", default=None,
-                        help="constraints: tp=,mbs=,remat=,schedule=,vpp=,zero1=,tp_overlap=")
+                        help="constraints: pp=,tp=,mbs=,remat=,offload=,schedule=,vpp=,zero1=,"
+                             "tp_overlap=")
         sp.add_argument("--dtype", default=None, choices=DTYPES,
                         help="zoo models: compute dtype (default bfloat16); a factory "
                              "gets it as its dtype argument")

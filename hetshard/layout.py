@@ -131,16 +131,53 @@ def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
 
 def state_shardings(tree, plan: Plan, mesh: Mesh):
     """Per leaf of ``tree`` (a step's state) its NamedSharding under a single-stage
-    plan."""
+    plan: in host memory for the optimizer's state where the stage offloads it
+    (``Stage.offload``)."""
     (stage,) = plan.pipelines[0].stages
     specs = {name: tuple(entries) for name, entries in stage.shardings}
-    params = param_paths(tree) if plan.distributed_optimizer else None
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(
+    host = "optimizer" in stage.offload
+    params = param_paths(tree) if plan.distributed_optimizer or host else None
+
+    def one(p, x):
+        optimizer = params is not None and path_string(p) not in params
+        return home(NamedSharding(mesh, leaf_spec(
             path_string(p), np.shape(x), specs, mesh,
-            shard_data=params is not None and path_string(p) not in params,
-            over_context=plan.context.shard_state)),
-        tree)
+            shard_data=optimizer and plan.distributed_optimizer,
+            over_context=plan.context.shard_state)), host and optimizer)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+# ---- host memory (``Stage.offload``) ---------------------------------------------------
+
+HOST = "pinned_host"
+
+
+def home(sharding: NamedSharding, on_host: bool) -> NamedSharding:
+    """``sharding`` in the host's pinned memory when ``on_host`` (a leaf a stage
+    offloads), else as it is."""
+    return sharding.with_memory_kind(HOST) if on_host else sharding
+
+
+def on_device_sharding(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` in the device's memory (where a step computes on a leaf)."""
+    return sharding.with_memory_kind("device") if sharding.memory_kind == HOST \
+        else sharding
+
+
+def on_device(x, sharding: NamedSharding):
+    """In a jitted step: ``x``, a leaf kept at ``sharding``, where the step computes on
+    it (a host-memory leaf copied to the device's memory; others as they are)."""
+    if sharding.memory_kind == HOST:
+        return jax.device_put(x, sharding.with_memory_kind("device"))
+    return x
+
+
+def at_home(x, sharding: NamedSharding):
+    """In a jitted step: ``x`` laid out at ``sharding`` (copied to host memory where
+    that is its memory)."""
+    if sharding.memory_kind == HOST:
+        return jax.device_put(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def param_paths(tree) -> set[str]:

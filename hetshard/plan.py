@@ -26,9 +26,10 @@ from typing import Any
 from hetshard.cluster.spec import Cluster
 from hetshard.errors import SpecError
 from hetshard.fileio import parse_json, read_text, write_atomic
+from hetshard.offload import check_offload
 from hetshard.remat import check_remat
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -42,8 +43,9 @@ SCHEMA_VERSION = 14
 # flags' conjunction; since 11 ``Plan.grad_sync`` is derived, not stored), 12
 # ``Context.shard_state`` (absent: the state is replicated over the context axis), 13
 # ``attention`` "auto" and "cudnn", "auto" the default (absent before 13: "flash", the
-# default those plans ran), 14 the named remat policies (``hetshard.remat.POLICIES``).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+# default those plans ran), 14 the named remat policies (``hetshard.remat.POLICIES``), 15
+# ``Stage.offload`` (absent: nothing offloaded to host memory).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
@@ -72,6 +74,9 @@ class Stage:
     # (layer name, PartitionSpec entries) of the activation the stage's last layer hands
     # on (its batch over the data axes); empty: the runtime's default layout
     activations: tuple[tuple[str, tuple], ...] = ()
+    # What the stage keeps in host memory (``hetshard.offload.OFFLOADS``): its optimizer
+    # state between steps, the values its remat keeps between forward and backward
+    offload: tuple[str, ...] = ()
     predicted_fwd_s: float = 0.0
     predicted_bwd_s: float = 0.0
     predicted_memory_bytes: float = 0.0
@@ -653,11 +658,15 @@ def _mesh_text(s: Stage) -> str:
 def _remat_text(s: Stage) -> str:
     """``full`` or, for a remat of some of the stage's layers, ``full 5/9``."""
     k = s.remat_layers
-    return s.remat if k is None or k == s.num_layers else f"{s.remat} {k}/{s.num_layers}"
+    text = s.remat if k is None or k == s.num_layers else f"{s.remat} {k}/{s.num_layers}"
+    return text + "".join(" +" + ("opt" if o == "optimizer" else "act") for o in s.offload)
 
 
 def _check_remat(s: Stage, where: str) -> None:
     check_remat(s.remat, f"{where}.remat")
+    if check_offload(s.offload, s.remat, f"{where}.offload") != s.offload:
+        raise SpecError(f"{where}.offload", list(s.offload),
+                        "its names in the order of hetshard.offload.OFFLOADS")
     k = s.remat_layers
     if k is None:
         return

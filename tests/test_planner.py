@@ -97,8 +97,10 @@ TINY_CLUSTER = {"name": "tiny", "groups": [
     {"name": "fast", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2},
     {"name": "slow", "gpu": "V100-16GB", "nodes": 1, "gpus_per_node": 2}],
     "inter_group_gbs": 12.5}
+# Offload to host memory is searched in its own tests (and in the exactness test below):
+# here the memory-bound cases are answered by remat, stage order and layout alone.
 OPTS = PlannerOptions(mbs_options=(1, 2), remat_options=("none", "full"), tp_options=(1, 2),
-                      time_limit_s=60)
+                      time_limit_s=60, offload_options=("none",))
 
 
 # Two GPU types as short of memory (16 GB), the V100s twice as fast.
@@ -141,7 +143,7 @@ def _brute_force(profile, cluster, global_batch, opts, partial=True):
                     b = list(zip((0,) + cuts, cuts + (n_layers,), strict=True))
                     per_stage = []
                     for g, (lo, hi) in zip(groups_of, b, strict=True):
-                        tab = {rm: tables.get(g, tp, mbs, rm, r) for rm in opts.remat_options}
+                        tab = {rm: tables.get(g, tp, mbs, rm, r) for rm in opts.memory_options}
                         choices = [(ct[hi] - ct[lo], cs[hi] - cs[lo], ca[hi] - ca[lo],
                                     w[lo:hi].max()) for ct, cs, ca, w in tab.values()]
                         if partial and {"none", "full"} <= set(tab):
@@ -343,6 +345,12 @@ def test_planner_search_is_exact_where_only_some_layers_are_recomputed():
     assert any(f.remat_of(s)[1] is not None for f in families
                for s in range(len(f.bounds)))
     assert _brute_force(profile, cluster, 8, OPTS, partial=False) > best * 1.01
+    # With the optimizer state allowed in host memory the search stays exact (its
+    # estimates leave the per-step host copies to the simulator), and finds more room.
+    offload = dataclasses.replace(OPTS, offload_options=("none", "optimizer"))
+    found = estimates(model, profile, cluster, global_batch=8, seq_len=12288, options=offload)
+    assert found[0][0] == pytest.approx(_brute_force(profile, cluster, 8, offload), rel=1e-6)
+    assert found[0][0] < best
 
 
 def test_planner_puts_a_fast_gpu_short_of_memory_last():

@@ -88,11 +88,18 @@ class DeviceType:
     # alone over a scan of large shapes (Bekman's "maximum achievable matmul FLOPS"),
     # the rate of a GEMM kernel, not of a training step; None: not measured.
     gemm_tflops: float | None = None
+    # The link between one GPU and its host's memory, GB/s in one direction as the
+    # GPU's share when every GPU of the node streams at once (a PCIe switch shared by
+    # two GPUs halves it), and the host memory (GB) a node gives each of its GPUs; the
+    # usual server of the type (``_HOST`` says which). What ``offload`` plans move and
+    # hold (``hetshard.cost.stage``); a cluster spec can override both per group.
+    host_link_gbs: float = 32.0
+    host_memory_gb: float = 64.0
 
     def __post_init__(self):
         where = f"GPU type {self.name!r}"
         for f in ("fp16_tflops", "fp32_tflops", "memory_gb", "memory_gbs", "intra_node_gbs",
-                  "inter_node_gbs"):
+                  "inter_node_gbs", "host_link_gbs", "host_memory_gb"):
             check_positive(f, getattr(self, f), where=where)
         if self.bf16_tflops is not None:
             check_positive("bf16_tflops", self.bf16_tflops, where=where)
@@ -332,12 +339,41 @@ _TYPES = [
                source="nominal: one fake XLA CPU device; calibrate with `hetshard profile`"),
 ]
 
+# Host link (GB/s one direction, per GPU with every GPU of the node streaming) and host
+# memory per GPU (GB) of each type's usual server. PCIe x16 per direction: Gen3 ~16, Gen4
+# ~32, Gen5 ~64 GB/s (above). DGX-1 (V100, P100): GPUs in pairs behind PCIe Gen3 switches
+# (one x16 uplink per pair), 512 GB DDR4 for 8 GPUs (NVIDIA DGX-1 datasheet). DGX A100:
+# GPUs in pairs behind PCIe Gen4 switches, 1 TB (40 GB GPUs) or 2 TB (80 GB GPUs) for 8
+# (NVIDIA DGX A100 datasheet and user guide). DGX H100 / H200: one PCIe Gen5 x16 per GPU,
+# 2 TB for 8 (NVIDIA DGX H100 / H200 datasheets). GH200: NVLink-C2C 900 GB/s
+# bidirectional to the Grace CPU's LPDDR5X, 128 GB per module on CSCS Alps (NVIDIA GH200
+# datasheet; CSCS Alps documentation). DGX B200: PCIe Gen5, 4 TB for 8 (datasheet).
+# PCIe cards (L4, T4, A10, H100 PCIe/NVL, consumer GPUs): the card's own x16 slot, and
+# 64 GB of host memory per GPU, an assumption (a 4-GPU workstation or cloud VM with
+# 256 GB; AWS g4dn.12xlarge gives 192 GB for 4 T4s); MI250X: 36 GB/s Infinity Fabric per
+# GCD to the CPU, 512 GB for 8 GCDs (OLCF Frontier node); MI300X: PCIe Gen5, 2 TB for 8
+# (AMD Instinct MI300X platform). Set ``host_link_gbs`` and ``host_memory_gb`` in a
+# cluster spec where a machine differs.
+_HOST = {
+    "V100-16GB": (_PCIE3 / 2, 64.0), "V100-32GB": (_PCIE3 / 2, 64.0),
+    "P100-16GB": (_PCIE3 / 2, 64.0),
+    "A100-40GB": (_PCIE4 / 2, 128.0), "A100-80GB": (_PCIE4 / 2, 256.0),
+    "H100-80GB": (_PCIE5, 256.0), "H100-96GB-500W": (_PCIE5, 256.0),
+    "H100-PCIe": (_PCIE5, 64.0), "H100-NVL": (_PCIE5, 64.0), "H200": (_PCIE5, 256.0),
+    "GH200-96GB": (450.0, 128.0), "B200": (_PCIE5, 512.0),
+    "L4": (_PCIE4, 64.0), "T4": (_PCIE3, 48.0), "A10": (_PCIE4, 64.0),
+    "RTX-3090": (_PCIE4, 64.0), "RTX-3080Ti": (_PCIE4, 64.0), "RTX-4090": (_PCIE4, 64.0),
+    "TITAN-RTX": (_PCIE3, 64.0), "RTX-2080Ti": (_PCIE3, 64.0),
+    "MI250X": (36.0, 64.0), "MI300X": (_PCIE5, 256.0), "CPU": (10.0, 16.0),
+}
+_TYPES = [dataclasses.replace(t, host_link_gbs=_HOST[t.name][0], host_memory_gb=_HOST[t.name][1])
+          for t in _TYPES]
 CATALOG: dict[str, DeviceType] = {t.name: t for t in _TYPES}
 
 _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops",
                   "attention_tflops", "memory_gb", "memory_mib", "memory_gbs",
                   "intra_node_gbs", "inter_node_gbs", "vendor", "sms", "matmul_eff",
-                  "compute_capability", "gemm_tflops"}
+                  "compute_capability", "gemm_tflops", "host_link_gbs", "host_memory_gb"}
 
 
 class PrecisionWarning(UserWarning):
@@ -400,8 +436,9 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
 
     ``fp16_tflops`` defaults to ``bf16_tflops``; ``fp32_tflops`` to 1/16 of it
     (the A100/H100 ratio of dense tensor to FP32 is ~16x); links default to PCIe
-    Gen4 and a 100 Gb/s NIC. ``memory_mib`` (optional): the driver's memory total,
-    which then sets the capacity instead of ``memory_gb``.
+    Gen4 and a 100 Gb/s NIC, the host to a Gen4 x16 slot and 64 GB per GPU.
+    ``memory_mib`` (optional): the driver's memory total, which then sets the capacity
+    instead of ``memory_gb``.
     """
     extra = set(d) - _INLINE_FIELDS
     if extra:
@@ -414,7 +451,7 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         raise SpecError(f"{field}.name", d["name"], "a non-empty string")
     for k in ("bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tflops", "attention_tflops",
               "gemm_tflops", "memory_gb", "memory_mib", "memory_gbs", "intra_node_gbs",
-              "inter_node_gbs"):
+              "inter_node_gbs", "host_link_gbs", "host_memory_gb"):
         if k in d:
             check_positive(f"{field}.{k}", d[k])
     bf16 = d["bf16_tflops"]
@@ -426,7 +463,8 @@ def device_type_from_dict(d: dict, *, field: str = "gpu") -> DeviceType:
         source="inline spec", memory_mib=d.get("memory_mib"), tf32_tflops=d.get("tf32_tflops"),
         attention_tflops=d.get("attention_tflops"), sms=_whole(f"{field}.sms", d.get("sms")),
         matmul_eff=_share(f"{field}.matmul_eff", d.get("matmul_eff")),
-        gemm_tflops=d.get("gemm_tflops"),
+        gemm_tflops=d.get("gemm_tflops"), host_link_gbs=d.get("host_link_gbs", _PCIE4),
+        host_memory_gb=d.get("host_memory_gb", 64.0),
         compute_capability=_capability(f"{field}.compute_capability",
                                        d.get("compute_capability")))
 

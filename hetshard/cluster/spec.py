@@ -40,7 +40,7 @@ _TOP_FIELDS = {"name": True, "groups": True, "inter_group_gbs": False,
 MAX_DEVICES = 131_072
 _GROUP_FIELDS = {"name": True, "gpu": True, "nodes": True, "gpus_per_node": True,
                  "intra_node_gbs": False, "inter_node_gbs": False, "processes": False,
-                 "fabric": False}
+                 "fabric": False, "host_link_gbs": False, "host_memory_gb": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +61,29 @@ class Group:
     # The network between its nodes (``hetshard.cluster.fabric``): what share of
     # ``inter_node_gbs`` a collective gets by size and node count.
     fabric: Fabric = FABRICS[DEFAULT_FABRIC]
+    # Each GPU's link to host memory, GB/s one direction with every GPU of the node
+    # streaming, and each node's host memory in GB (None: the GPU type's usual server,
+    # ``DeviceType.host_link_gbs`` and ``host_memory_gb`` per GPU): what plans that
+    # offload state or activations to the host move and hold.
+    host_link_gbs: float | None = None
+    host_memory_gb: float | None = None
 
     @property
     def num_devices(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def host_link(self) -> float:
+        """GB/s one direction between one GPU and its host's memory."""
+        return self.host_link_gbs if self.host_link_gbs is not None else \
+            self.gpu.host_link_gbs
+
+    @property
+    def host_memory_bytes(self) -> float:
+        """Host memory of one node, bytes."""
+        gb = self.host_memory_gb if self.host_memory_gb is not None else \
+            self.gpu.host_memory_gb * self.gpus_per_node
+        return gb * 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +317,9 @@ class Cluster:
                 d["processes"] = list(g.processes)
             if g.fabric != FABRICS[DEFAULT_FABRIC]:
                 d["fabric"] = _fabric_value(g.fabric)
+            for key in ("host_link_gbs", "host_memory_gb"):
+                if getattr(g, key) is not None:
+                    d[key] = getattr(g, key)
             groups.append(d)
         out = {"name": self.name, "groups": groups, "inter_group_gbs": self.inter_group_gbs}
         if self.inter_group_fabric != FABRICS[DEFAULT_FABRIC]:
@@ -377,7 +399,9 @@ def _group_from_dict(g: Any, path: str, source: str) -> Group:
                             f"a list of {nodes} process indices >= 0, one per node", where=source)
         procs = tuple(procs)
     fabric = fabric_from(g.get("fabric", DEFAULT_FABRIC), f"{path}.fabric", source)
-    return Group(name, gpu, nodes, gpn, float(intra), float(inter), procs, fabric)
+    host = {key: float(check_positive(f"{path}.{key}", g[key], where=source))
+            for key in ("host_link_gbs", "host_memory_gb") if key in g}
+    return Group(name, gpu, nodes, gpn, float(intra), float(inter), procs, fabric, **host)
 
 
 def _fabric_value(f: Fabric) -> str | dict:

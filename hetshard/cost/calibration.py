@@ -82,6 +82,12 @@ class Efficiency:
     # GPU figure is still to be measured with the same script (a calibration file can
     # replace it).
     host_task_s: float = 3e-3
+    # The share of a GPU's host link (``DeviceType.host_link_gbs``, the PCIe slot's
+    # one-direction rate) that pinned-memory copies reach: CUDA's bandwidthTest commonly
+    # reports ~12-13 GB/s of PCIe Gen3 x16's 15.75, ~25 of Gen4's 31.5. An assumption
+    # from those commonly reported figures, not measured here (a calibration file can
+    # replace it).
+    host_link_eff: float = 0.8
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -71,6 +71,7 @@ from hetshard.cost.comm import Topology, collective_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
+from hetshard.offload import check_offload
 from hetshard.remat import check_remat
 
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
@@ -105,6 +106,10 @@ class StageCost:
     attention_fwd_s: float = 0.0
     attention_bwd_s: float = 0.0
     attention_memory_bytes: float = 0.0
+    # Host memory per device (``offload``): the optimizer state kept there between
+    # steps, and the activations offloaded per micro-batch in flight
+    host_static_bytes: float = 0.0
+    host_per_microbatch_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -438,7 +443,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                tp_topo: Topology | None = None,
                cp_topo: Topology | None = None, dp_topo: Topology | None = None,
                tp_overlap: bool = False, dtype: str | None = None,
-               shard_context: bool = False, optimizer_ways: int | None = None) -> StageCost:
+               shard_context: bool = False, optimizer_ways: int | None = None,
+               offload: tuple[str, ...] = (), host_link_gbs: float | None = None
+               ) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
@@ -447,8 +454,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     (``Context.shard_state``: FSDP over ``dp x cp``, ``dp_topo`` then those devices');
     ``optimizer_ways``: the ways the optimizer state is split over, where not what
     ``dp``, ``fsdp`` and ``shard_optimizer`` say (a hybrid-sharded stage: FSDP over
-    ``dp`` ranks inside each data group, the distributed optimizer across them)."""
+    ``dp`` ranks inside each data group, the distributed optimizer across them);
+    ``offload``: what the stage keeps in host memory (``hetshard.offload``), over a host
+    link of ``host_link_gbs`` per device (None: the GPU type's)."""
     check_remat(remat)
+    offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
         raise SpecError("remat_layers", remat_layers,
                         f"None or a count of the stage's layers, 0 to {end - start}")
@@ -465,13 +475,14 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     peak = gpu.peak_flops(dtype) * e.matmul(gpu)
     peak_attn = attention_rate(gpu, dtype, e, attention)
     bw = gpu.memory_gbs * 1e9 * e.memory_eff
+    host_bw = (host_link_gbs or gpu.host_link_gbs) * 1e9 * e.host_link_eff
     shard = tp * cp
     # The ways FSDP splits the state over (gathered for each layer's use).
     gathered = (dp if fsdp else 1) * (cp if shard_context else 1)
     fwd = bwd = recompute = weight = carry = cast_s = 0.0
     att_f = att_b = att_mem = 0.0
     model_flops = hw_flops = 0.0
-    act = static_copy = param_bytes = 0.0
+    act = static_copy = param_bytes = host_act = largest_param = 0.0
     working = 0.0
     inside = {layer.name for layer in profile.layers[start:end]}
     measured = _measured(profile, cal)
@@ -635,6 +646,17 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
         if mode == "none":
             kept = whole
+        elif save is not None and "activations" in offload:
+            # The kept values go to the host in the forward and come back for the
+            # backward, each copy behind the layer's own compute (``hetshard.offload``);
+            # the GPU keeps the layer's input, as under full remat.
+            moved = save.kept_bytes_per_sample * mbs / shard
+            host_act += moved
+            fwd += max(0.0, moved / host_bw - t_f)
+            bwd += max(0.0, moved / host_bw - t_b)
+            kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
+                    if index else 0.0)
+            working = max(working, whole)
         elif save is not None:
             kept = save.kept_bytes_per_sample * mbs / shard
             # One layer's recomputed values live during its backward.
@@ -653,6 +675,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         static_copy += layer.weight_copy_bytes / tp
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
+        largest_param = max(largest_param, layer.param_bytes / tp)
         if save is not None:
             hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
         if mode != "full" and fused:
@@ -666,12 +689,23 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     # context ranks hold the same parameters: Megatron-LM's distributed optimizer does
     # the same; ``hetshard.layout.leaf_spec``).
     opt_dp = optimizer_ways or max(gathered, dp * cp if shard_optimizer else 1)
+    opt_state = param_bytes * profile.opt_bytes_per_param_byte / opt_dp
     static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
-              param_bytes * profile.opt_bytes_per_param_byte / opt_dp +
-              static_copy / shard_dp)
+              opt_state + static_copy / shard_dp)
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     if updates and all(u is not None for u in updates):
         optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
+    host_static = 0.0
+    if "optimizer" in offload:
+        # The state lives on the host; the update streams it in and back out, both ways
+        # at once, the GPU holding two layers' worth (one arriving, one leaving) while
+        # it runs. The update waits for the first layer's copy, then runs at the pace
+        # of the slower of its compute and the link.
+        host_static = opt_state
+        static -= opt_state
+        layer_state = largest_param * profile.opt_bytes_per_param_byte / opt_dp
+        working = max(working, 2 * layer_state)
+        optimizer_s = max(optimizer_s, opt_state / host_bw) + layer_state / host_bw
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
@@ -679,4 +713,5 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
                      read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s,
                      attention_fwd_s=att_f, attention_bwd_s=att_b,
-                     attention_memory_bytes=att_mem)
+                     attention_memory_bytes=att_mem, host_static_bytes=host_static,
+                     host_per_microbatch_bytes=host_act)

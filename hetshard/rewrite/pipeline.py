@@ -39,6 +39,7 @@ from hetshard.ir.attention_patterns import (
 )
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import LayerDiscoveryError, discover
+from hetshard.offload import check_offload
 from hetshard.remat import ATTENTION as ATTENTION_NODE
 from hetshard.remat import OTHER, WEIGHT, check_remat, kept_projections, projection_roles
 from hetshard.rewrite.attention import attention_runner
@@ -221,10 +222,20 @@ class Remat:
     roles ``hetshard.remat.projection_roles`` reads off the layer's equations, as the
     cost model reads them off its traced graph."""
 
-    def __init__(self, remat: str):
+    def __init__(self, remat: str, offload: bool = False):
         self.remat = check_remat(remat)
         self.keep = kept_projections(remat)
-        if self.keep is not None:
+        if offload:
+            # ``Stage.offload`` "activations": what the policy keeps goes to the host's
+            # pinned memory in the forward and comes back for the backward.
+            check_offload(("activations",), remat)
+            host = dict(offload_src="device", offload_dst="pinned_host")
+            self.policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims(**host) \
+                if self.keep is None else \
+                jax.checkpoint_policies.save_and_offload_only_these_names(
+                    names_which_can_be_saved=(), names_which_can_be_offloaded=tuple(
+                        _TAG + role for role in self.keep), **host)
+        elif self.keep is not None:
             self.policy = jax.checkpoint_policies.save_only_these_names(
                 *(_TAG + role for role in self.keep))
         else:
@@ -276,9 +287,10 @@ def equation_roles(jaxpr, ids: Sequence[int]) -> dict[int, str]:
     return {ids[j]: role for j, role in projection_roles(kinds, preds).items()}
 
 
-def remat_wrap(remat: str) -> Remat | None:
-    """The :class:`Remat` of a plan's remat; None for none."""
-    return None if remat == "none" else Remat(remat)
+def remat_wrap(remat: str, offload: tuple[str, ...] = ()) -> Remat | None:
+    """The :class:`Remat` of a stage's remat and offload (``Stage.offload``: its kept
+    values in host memory where it lists "activations"); None for remat none."""
+    return None if remat == "none" else Remat(remat, "activations" in offload)
 
 
 def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],

@@ -280,7 +280,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                                                     mesh, tp_overlap))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
-        wrap = remat_wrap(stage.remat)
+        wrap = remat_wrap(stage.remat, stage.offload)
         if wrap is None:
             eval_equations(jaxpr, env, run, constrain=constrain, autocast=autocast)
         else:

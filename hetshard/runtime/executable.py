@@ -36,7 +36,14 @@ from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
 from hetshard.errors import HetshardError
 from hetshard.ir.program import Program
-from hetshard.layout import batch_sharding, stage_mesh, state_shardings
+from hetshard.layout import (
+    at_home,
+    batch_sharding,
+    on_device,
+    on_device_sharding,
+    stage_mesh,
+    state_shardings,
+)
 from hetshard.plan import Plan
 from hetshard.rewrite import swap_attention
 from hetshard.rewrite.spmd import constrain_layers
@@ -154,13 +161,24 @@ class SpmdStep:
                 "plan.distributed_optimizer is true but the step takes plain pytrees, "
                 "whose optimizer state cannot be told from the parameters; pass NNX "
                 "objects (nnx.Optimizer) or a plan with distributed_optimizer false")
+        if program.kind == "tree" and "optimizer" in plan.pipelines[0].stages[0].offload:
+            raise PlanNotExecutableError(
+                "the plan's stage offloads the optimizer state but the step takes plain "
+                "pytrees, whose optimizer state cannot be told from the parameters; pass "
+                "NNX objects (nnx.Optimizer) or a plan whose stage offload leaves out "
+                "'optimizer'")
         s_shard = state_shardings(step_state(program, others), plan, mesh)
         rep = NamedSharding(mesh, PartitionSpec())
         carry = Carry(loss_scale=_loss_scale(plan)).place(rep)
         used_vg: list = []
 
+        # Leaves a stage offloads live in host memory between steps: the step computes
+        # on device copies and puts the new values back (``hetshard.offload``).
+        s_dev = jax.tree.map(on_device_sharding, s_shard)
+
         def pure(state, batch, halted, scale_state):
             scale = scale_state["scale"] if carry.loss_scale is not None else None
+            state = jax.tree.map(on_device, state, s_shard)
             old = jax.tree.leaves(state)
             with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
                 out, objs = call_step(program, state, batch)
@@ -168,10 +186,13 @@ class SpmdStep:
                 finite, value = ctx.finite, ctx.value
             new = None
             if program.kind == "nnx":
-                new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_shard)
+                new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_dev)
             ok, loss = guard.health(program, out, new, finite, value)
-            return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
-                                 carry.loss_scale)
+            out, new, *rest = guard.guarded(program, out, new, old, ok, loss, halted,
+                                            scale_state, carry.loss_scale)
+            if new is not None:
+                new = jax.tree.map(at_home, new, s_shard)
+            return (out, new, *rest)
         # Under nan_policy="apply" an NNX step's state is donated: the update is written
         # over it, as MaxText's train step does, so the step holds one copy of the
         # parameters and optimizer state (what the simulator prices); the objects get the
@@ -286,7 +307,8 @@ class SharesStep:
         # step hands every pipeline a copy of the updated state.
         carry = Carry(loss_scale=_loss_scale(plan)).place(
             NamedSharding(shares[0].mesh, PartitionSpec()))
-        apply = combining(program, settled(program, guard, carry, providing_whole(program)))
+        apply = combining(program, settled(program, guard, carry, providing_whole(program),
+                                           shares[0].shardings))
         return cls(plan, program, shares, jax.jit(apply), guard, carry)
 
     def run(self, others, batch):
@@ -484,21 +506,28 @@ def combining(program: Program, apply):
     return fn
 
 
-def settled(program: Program, guard: Guard, carry: Carry, apply):
+def settled(program: Program, guard: Guard, carry: Carry, apply, shardings=None):
     """``apply`` (``(state, ..., provided) -> (output, new NNX state or None)``, the step
     run on value and gradients computed elsewhere) with its ``provided`` value and
     gradients checked and the update kept only where the guard applies it:
     ``(state, ..., provided, halted, scale state) -> (output, new state, halted, scale
-    state, report)``, all in-graph."""
+    state, report)``, all in-graph. ``shardings``: the state's, where some of it lives
+    in host memory (``Stage.offload``): the update computes on device copies of those
+    leaves and puts the new values back there."""
     def fn(state, *rest):
         *args, provided, halted, scale_state = rest
+        if shardings is not None:
+            state = jax.tree.map(on_device, state, shardings)
         old = jax.tree.leaves(state)
         out, new = apply(state, *args, provided)
         value, grads = provided
         value = value[0] if program.call.has_aux else value
         ok, loss = guard.health(program, out, new, all_finite((value, grads)), value)
-        return guard.guarded(program, out, new, old, ok, loss, halted, scale_state,
-                             carry.loss_scale)
+        out, new, *rest = guard.guarded(program, out, new, old, ok, loss, halted,
+                                        scale_state, carry.loss_scale)
+        if shardings is not None and new is not None:
+            new = jax.tree.map(at_home, new, shardings)
+        return (out, new, *rest)
     return fn
 
 

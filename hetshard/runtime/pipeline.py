@@ -66,9 +66,9 @@ from hetshard.collectives import (
 )
 from hetshard.errors import SpecError
 from hetshard.ir.program import Program
-from hetshard.layout import leaf_spec, mesh_of
+from hetshard.layout import at_home, home, leaf_spec, mesh_of, on_device
 from hetshard.plan import Plan
-from hetshard.rewrite.pipeline import StageSplitError, split_stages
+from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
 from hetshard.runtime.exchange import evaluate
@@ -239,10 +239,15 @@ class PipelineRunner:
         # ZeRO-1: leaves that are not parameters (the optimizer's state) split over data.
         zero1 = self.plan.distributed_optimizer
         params = set(self.grad_index)
-        shardings = {i: NamedSharding(mesh, leaf_spec(
+        # ``Stage.offload`` "optimizer": the leaves only the update reads (no parameter,
+        # nothing the forward reads) live in host memory between steps.
+        host = set(owned) - params - set(program.params) - set(program.frozen) \
+            if "optimizer" in stage.offload else set()
+        shardings = {i: home(NamedSharding(mesh, leaf_spec(
             self.paths[i], self.state_avals[i].shape, specs, mesh,
             shard_data=zero1 and i not in params,
-            over_context=self.plan.context.shard_state)) for i in local}
+            over_context=self.plan.context.shard_state)), i in host)
+            for i in local}
         run = _StageRun(program, mesh, stage.remat, owned, local, shardings,
                         here=here(NamedSharding(mesh, PartitionSpec())))
         # Sequence parallelism inside the stage (as the simulator prices its memory); a
@@ -252,7 +257,8 @@ class PipelineRunner:
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
-        run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program, stage.remat,
+        run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program,
+                                             remat_wrap(stage.remat, stage.offload),
                                              stage.remat_layers, mesh, layouts,
                                              stage_autocast(self.plan, stage),
                                              self.plan.context_chunks(stage) or None),
@@ -283,6 +289,10 @@ class PipelineRunner:
         def fn(owned_vals, shared_vals, grad_vals, loss_leaves, scale, published=(),
                batch_vals=(), apply_flag=True):
             leaves = [jnp.zeros(a.shape, a.dtype) for a in self.state_avals]
+            owned_vals = [on_device(v, run.shardings[i]) for i, v in zip(owned, owned_vals,
+                                                                          strict=True)]
+            shared_vals = [on_device(v, run.shardings[i]) for i, v in zip(shared, shared_vals,
+                                                                           strict=True)]
             for i, v in zip(owned, owned_vals, strict=True):
                 leaves[i] = v
             for i, v in zip(shared, shared_vals, strict=True):
@@ -315,8 +325,7 @@ class PipelineRunner:
             # each data way's optimizer shard and the parameters are all-gathered).
             # A step the guard refuses keeps the old values (decided on the device).
             olds = [*owned_vals, *shared_vals]
-            keep = [jax.lax.with_sharding_constraint(jnp.where(apply_flag, new[i], old),
-                                                     run.shardings[i])
+            keep = [at_home(jnp.where(apply_flag, new[i], old), run.shardings[i])
                     for i, old in zip(owned + shared, olds, strict=True)]
             return out, keep[:len(owned)], keep[len(owned):]
         run.owned_params = owned_params

@@ -10,17 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from hetshard.rewrite.backward import input_backward, weight_backward
-from hetshard.rewrite.pipeline import remat_wrap
 
 
-def stage_forward(program, remat, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
-             batch, recvs):
+def stage_forward(program, wrap, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
+                  batch, recvs):
     """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``,
     ``autocast`` (``stage_autocast``) and uneven context ``chunks`` for attention
-    (``Plan.context_chunks``); under a remat each of its first ``remat_layers`` layers
-    (None: all) is checkpointed on its own, so the backward recomputes one layer at a
-    time."""
-    wrap = remat_wrap(remat)
+    (``Plan.context_chunks``); under a remat (``wrap``: ``remat_wrap`` of the stage's
+    remat and offload; None: none) each of its first ``remat_layers`` layers (None:
+    all) is checkpointed on its own, so the backward recomputes one layer at a time."""
     return program.forward(params, frozen, batch, recvs,
                            remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
                            constrain=layouts, autocast=autocast, chunk_lengths=chunks)

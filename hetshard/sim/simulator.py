@@ -72,6 +72,8 @@ class SimResult:
     # The jax.distributed processes (a spec's ``processes``) holding none of the plan's
     # devices: such a process could not read the step's outputs.
     idle_processes: int = 0
+    # Host memory the plan's offload takes per node ("group/node"; empty: none offloads)
+    host_memory_per_node: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> tuple[bool, float, int, float]:
@@ -84,7 +86,8 @@ class SimResult:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
-                "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
+                "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits,
+                "host_memory_per_node": self.host_memory_per_node}
 
 
 def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
@@ -118,6 +121,27 @@ def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
             max(c.memory_working_bytes for c in mine))
 
 
+def host_memory(pipe, w: int, costs) -> float:
+    """Host bytes per device of submesh ``w`` (its stages' ``offload``): the offloaded
+    optimizer state, and the offloaded activations of the micro-batches in flight."""
+    mine = costs[w::pipe.num_workers]
+    per_mb = sum(c.host_per_microbatch_bytes for c in mine)
+    live = inflight(pipe.schedule, pipe.num_workers, w, pipe.num_micro_batches,
+                    pipe.extra_warmup) * pipe.virtual_stages if per_mb else 0
+    return sum(c.host_static_bytes for c in mine) + live * per_mb
+
+
+def host_per_node(cluster: Cluster, host: dict[int, float]) -> dict[str, tuple]:
+    """``host`` (device -> host bytes) summed per node ("group/node"), each with the
+    node's host memory: (bytes, capacity)."""
+    out: dict[str, list] = {}
+    for d, b in host.items():
+        slot = cluster.slot(d)
+        key = f"{slot.group}/{slot.node}"
+        out.setdefault(key, [0.0, cluster.group(slot.group).host_memory_bytes])[0] += b
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                     cal: Calibration, cache: dict | None = None) -> list[list[StageCost]]:
     """Every stage's cost; ``cache`` (a dict the caller keeps for one profile, cluster and
@@ -130,7 +154,8 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             fsdp = plan.fsdp or st.axis("fsdp") > 1
             mbs = pipe.stage_micro_batch(j)
             dtype = priced_dtype(plan, profile, st)
-            key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers, fsdp,
+            key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers,
+                   st.offload, fsdp,
                    mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
                    plan.context_chunks(st), plan.context.shard_state)
             if cache is not None and key in cache:
@@ -262,7 +287,10 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                       shard_optimizer=shard_optimizer, mbs=mbs, remat=st.remat,
                       remat_layers=recomputed_among(st, start, end),
                       attention=attention, cal=cal, tp_topo=tp_topo, cp_topo=cp_topo,
-                      dp_topo=dp_topo, tp_overlap=tp_overlap, dtype=dtype)
+                      dp_topo=dp_topo, tp_overlap=tp_overlap, dtype=dtype,
+                      offload=st.offload, host_link_gbs=min(
+                          cluster.group(cluster.slot(d).group).host_link for d in devs)
+                      if st.offload else None)
 
 
 def is_hybrid(st) -> bool:
@@ -489,6 +517,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
     last_b_end: dict[tuple[int, int], float] = {}
     busy: dict[int, float] = {}
     mem: dict[int, float] = {}
+    host: dict[int, float] = {}  # host memory each device's offload takes
     for pi, pipe in enumerate(plan.pipelines):
         n, m, v = len(pipe.stages), pipe.num_micro_batches, pipe.virtual_stages
         p = n // v
@@ -517,9 +546,12 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
             peak = peaks[w]
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
             typed = _typed_peaks(plan, pi, w, act, profile, cluster, cal, cache)
+            held = host_memory(pipe, w, act)
             for d in pipe.stages[w].devices:
                 busy[d] = work
                 mem[d] = peak if typed is None else typed[cluster.gpu_of(d).name]
+                if held:
+                    host[d] = held
             for s in range(w, n, p):
                 stage_end[(pi, s)] = last_b_end[(pi, s)]
     # Gradient synchronisation and optimizer step per stage. Stages sharing a submesh
@@ -611,6 +643,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                for g in cluster.groups)
     capacity = {d: _capacity(cluster, d) for d in mem}
     fits = all(mem[d] <= capacity[d] * (1 - margin) for d in mem)
+    per_node = host_per_node(cluster, host)
+    fits = fits and all(b <= cap * (1 - margin) for b, cap in per_node.values())
     bubble = 1.0 - sum(busy.values()) / (n_dev * step_end) if step_end else 0.0
     progress.priced(tokens / step_end, fits)
     return SimResult(
@@ -620,7 +654,8 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         peak_memory_bytes=float(max(mem.values())),
         memory_per_device={d: float(v) for d, v in mem.items()}, busy_per_device=busy,
         fits=bool(fits), tasks=tuple(tasks), stage_costs=tuple(tuple(c) for c in costs),
-        device_time_s=float(device_end), idle_processes=_idle_processes(plan, cluster))
+        device_time_s=float(device_end), idle_processes=_idle_processes(plan, cluster),
+        host_memory_per_node={k: float(b) for k, (b, _) in per_node.items()})
 
 
 def _idle_processes(plan: Plan, cluster: Cluster) -> int:

@@ -13,6 +13,7 @@ from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.errors import SpecError, check_positive
 from hetshard.ir.program import Program
+from hetshard.offload import option_text
 from hetshard.solver.halves import refine_halves
 from hetshard.solver.inter_op import plan
 from hetshard.solver.options import (
@@ -42,7 +43,7 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
     layout = given & {"dp", "cp", "fsdp", "layers", "hsdp"}
     if layout:
         raise SpecError(f"--fix {sorted(layout)[0]}", getattr(fix, sorted(layout)[0]),
-                        "only pp, tp, mbs, remat, schedule, vpp, zero1 and tp_overlap for "
+                        "only pp, tp, mbs, remat, offload, schedule, vpp, zero1 and tp_overlap for "
                         "'hetshard plan' (the planner chooses the rest of the layout; "
                         "'hetshard simulate --fix' prices a fixed one)")
     opts = base
@@ -54,6 +55,8 @@ def options_from_fix(text: str | None, base: PlannerOptions) -> PlannerOptions:
         opts = dataclasses.replace(opts, mbs_options=(fix.mbs,))
     if "remat" in given:
         opts = dataclasses.replace(opts, remat_options=(fix.remat,))
+    if "offload" in given:
+        opts = dataclasses.replace(opts, offload_options=(option_text(fix.offload),))
     if "schedule" in given:
         opts = dataclasses.replace(opts, schedule=fix.schedule, zero_bubble=False)
     if "vpp" in given:

@@ -26,6 +26,7 @@ from hetshard.solver.splits import (
     split_layers,
     split_layers_mixed,
     stage_fits,
+    stage_memory,
     with_partial,
 )
 
@@ -96,7 +97,7 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
             options, caps, names = [], [], []
             for g, k in zip(groups, ks, strict=True):
                 row = [(remat, tables.get(g, tp, mbs, remat, r, cp))
-                       for remat in opts.remat_options]
+                       for remat in opts.memory_options]
                 options += [row] * k
             # A remat that prices every stage exactly like an earlier one adds no plan.
             keep = [j for j in range(len(options[0])) if not any(
@@ -222,9 +223,9 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
             data = (("data", f.r),) if ways == 1 else \
                 (("data", f.r // ways),) * (f.r > ways) + (("fsdp", ways),)
             mesh = data + ((("context", f.cp),) if f.cp > 1 else ()) + (("tensor", f.tp),)
-            remat, remat_layers = f.remat_of(len(stages))
-            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh, remat,
-                                remat_layers))
+            stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
+                                **stage_memory(f.stage_remats[len(stages)] if f.stage_remats
+                                               else f.remat)))
         pipes.append(Pipeline(tuple(stages), mcount * f.samples_per_microbatch, f.mbs, mcount,
                               opts.schedule, extra_warmup=capped_warmup(f.warmup, mcount)))
     cp = max(f.cp for f in families)

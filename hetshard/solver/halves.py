@@ -64,7 +64,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
             break
         found.append(improve_layouts(found[-1], ev.evaluate, tables, cluster,
                                      halves.tensor_divisor, tp_options=opts.tp_options,
-                                     remats=opts.remat_options, margin=opts.memory_margin,
+                                     remats=opts.memory_options, margin=opts.memory_margin,
                                      max_stages=opts.max_stages, evals=opts.layout_evals,
                                      partial=partial, mbs_options=opts.mbs_options,
                                      short_of_memory=ev.short_of_memory,

@@ -313,7 +313,7 @@ class _Search:
     def _descent(self, start: Candidate, partial: bool) -> Candidate:
         opts = self.opts
         return improve_layouts(start, self.ev.evaluate, self.tables, self.cluster, self.heads,
-                               tp_options=opts.tp_options, remats=opts.remat_options,
+                               tp_options=opts.tp_options, remats=opts.memory_options,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
                                evals=opts.layout_evals, partial=partial,
                                mbs_options=opts.mbs_options,

@@ -27,8 +27,8 @@ from hetshard.plan import Pipeline, Plan, Stage, data_ways
 from hetshard.solver.splits import (
     LayerTables,
     choice_parts,
-    remat_choice,
     split_layers_mixed,
+    stage_memory,
     with_partial,
 )
 
@@ -115,8 +115,8 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
         if res is None:
             break
         bounds, _, chosen = res
-        stages = tuple(dataclasses.replace(st, start=lo, end=hi, remat=remat_choice(c)[0],
-                                           remat_layers=remat_choice(c)[1], shardings=())
+        stages = tuple(dataclasses.replace(st, start=lo, end=hi, shardings=(),
+                                           **stage_memory(c))
                        for st, (lo, hi), c in zip(shells, bounds, chosen, strict=True))
         try:
             new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),

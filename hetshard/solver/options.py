@@ -9,6 +9,7 @@ from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import HetshardError, SpecError
+from hetshard.offload import ACTIVATION_REMATS, option_key, parse_option
 from hetshard.remat import REMATS, check_remat
 
 
@@ -33,6 +34,12 @@ class PlannerOptions:
     # candidates crowd out the starts whose descents end fastest (docs/planner.md has the
     # measurements).
     remat_options: tuple[str, ...] = ("none", "full")
+    # What a stage may keep in host memory (``hetshard.offload``), each stage choosing:
+    # "none", "optimizer", "activations" (with a remat that keeps values by name) or
+    # "optimizer+activations". Priced on each GPU's host link and each node's host
+    # memory (``cluster.spec.Group``); a stage that fits without is planned without.
+    offload_options: tuple[str, ...] = ("none", "optimizer", "activations",
+                                        "optimizer+activations")
     tp_options: tuple[int, ...] = (1, 2, 4, 8)
     cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
     context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
@@ -119,6 +126,12 @@ class PlannerOptions:
                             f"a non-empty tuple of {REMATS}", where="PlannerOptions")
         for r in self.remat_options:
             check_remat(r, "remat_options", where="PlannerOptions")
+        if not isinstance(self.offload_options, tuple) or not self.offload_options:
+            raise SpecError("offload_options", self.offload_options,
+                            "a non-empty tuple of 'none', 'optimizer', 'activations', "
+                            "'optimizer+activations'", where="PlannerOptions")
+        for o in self.offload_options:
+            parse_option(o, "offload_options", where="PlannerOptions")
         if self.state_sharding not in STATE_SHARDINGS:
             raise SpecError("state_sharding", self.state_sharding, f"one of {STATE_SHARDINGS}")
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
@@ -127,6 +140,23 @@ class PlannerOptions:
                 any(o not in STAGE_ORDERS for o in self.stage_orders)):
             raise SpecError("stage_orders", self.stage_orders,
                             f"a non-empty tuple of {STAGE_ORDERS}")
+
+
+    @property
+    def memory_options(self) -> tuple[str, ...]:
+        """Every (remat, offload) a stage may take, as the search's keys
+        (``hetshard.offload.option_key``), per remat in ``offload_options``' order (the
+        splits take the first of equally fast options: without offload, by default);
+        "activations" only with the remats that keep values by name."""
+        out = []
+        for remat in self.remat_options:
+            for text in self.offload_options:
+                off = parse_option(text)
+                key = option_key(remat, off)
+                if ("activations" not in off or remat in ACTIVATION_REMATS) and \
+                        key not in out:
+                    out.append(key)
+        return tuple(out)
 
 
 STATE_SHARDINGS = ("auto", "none", "node", "all")

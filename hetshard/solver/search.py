@@ -9,6 +9,7 @@ import itertools
 import time
 
 from hetshard.errors import HetshardError
+from hetshard.offload import OFFLOADS, parse_option
 from hetshard.plan import Plan, Stage
 from hetshard.remat import REMATS
 from hetshard.solver.evaluator import Candidate, Evaluator
@@ -31,14 +32,17 @@ def _recomputed(st: Stage, k: int) -> Stage:
     return dataclasses.replace(st, remat="full", remat_layers=None if k >= st.num_layers else k)
 
 
-def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS):
+def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS, offloads: tuple[str, ...] = ()):
     """Plans one move away: a stage boundary shifted by one layer (the stage that grows
     recomputing as many layers as before or, under a partial remat, one more), a full
     remat's stage recomputing one layer fewer or more (where ``remats`` allow a stage
-    recomputing some of its layers: "none" and "full"), or one micro-batch moved from a
-    pipeline to another (when their micro-batch sizes allow)."""
+    recomputing some of its layers: "none" and "full"), a stage's optimizer state moved
+    to or from host memory (where ``offloads``, ``PlannerOptions.offload_options``,
+    offer both), or one micro-batch moved from a pipeline to another (when their
+    micro-batch sizes allow)."""
     pipes = plan.pipelines
     partial = {"none", "full"} <= set(remats)
+    offered = {parse_option(o) for o in offloads}
 
     def with_stages(pi, p, st):
         new = list(pipes)
@@ -57,6 +61,12 @@ def _neighbours(plan: Plan, remats: tuple[str, ...] = REMATS):
                         st[j] = _resized(a, a.start, cut, more * (delta > 0))
                         st[j + 1] = _resized(b, cut, b.end, more * (delta < 0))
                         yield with_stages(pi, p, st)
+        for j, a in enumerate(p.stages):
+            other = tuple(o for o in OFFLOADS if (o in a.offload) != (o == "optimizer"))
+            if a.offload in offered and other in offered:
+                st = list(p.stages)
+                st[j] = dataclasses.replace(a, offload=other)
+                yield with_stages(pi, p, st)
         if p.virtual_stages > 1 or not partial:
             continue
         for j, a in enumerate(p.stages):
@@ -93,7 +103,8 @@ def local_search(start: Candidate, ev: Evaluator, deadline: float,
     improved, cut = True, False
     while improved and evals > 0 and not cut:
         improved = False
-        for cand in _neighbours(best.plan, ev.opts.remat_options):
+        for cand in _neighbours(best.plan, ev.opts.remat_options,
+                                    ev.opts.offload_options):
             if evals <= 0:
                 break
             if time.perf_counter() > deadline:

@@ -27,6 +27,7 @@ from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
+from hetshard.offload import split_key
 from hetshard.plan import stage_dtype
 from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
 
@@ -70,6 +71,7 @@ class LayerTables:
             if f > 1 else dict(dp=r)
         per_kind: dict = {}
         rows = []
+        remat, offload = split_key(remat)  # (a memory option: remat@offload)
         for i, layer in enumerate(self.profile.layers):
             k = layer.kind
             if k not in per_kind:
@@ -78,7 +80,8 @@ class LayerTables:
                                          mbs=mbs, remat=remat, attention=self.attention,
                                          cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
                                          tp_overlap=self.tp_overlap,
-                                         dtype=self.dtype_of(group.gpu))
+                                         dtype=self.dtype_of(group.gpu), offload=offload,
+                                         host_link_gbs=group.host_link)
             c = per_kind[k]
             rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
                          c.memory_per_microbatch_bytes, c.memory_working_bytes))
@@ -162,9 +165,16 @@ def with_partial(row: list) -> list:
 
 
 def remat_choice(choice) -> tuple[str, int | None]:
-    """(remat, remat_layers) of a stage's choice: a remat's name (all layers) or
-    ``(remat, k)``, k layers recomputed."""
+    """(remat, remat_layers) of a stage's choice: a memory option's key (all layers;
+    ``hetshard.offload.option_key``) or ``(remat, k)``, k layers recomputed."""
     return (choice, None) if isinstance(choice, str) else (choice[0], choice[1])
+
+
+def stage_memory(choice) -> dict:
+    """A stage's ``remat``, ``remat_layers`` and ``offload`` fields from its choice."""
+    key, k = remat_choice(choice)
+    remat, offload = split_key(key)
+    return {"remat": remat, "remat_layers": k, "offload": offload}
 
 
 def _choice(remat: str, table, a: int, b: int, k: int | None):

@@ -24,12 +24,13 @@ import numpy as np
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError, check_positive
+from hetshard.offload import check_offload
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 from hetshard.remat import check_remat
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
             "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool,
-            "layers": tuple, "hsdp": int}
+            "layers": tuple, "hsdp": int, "offload": "names"}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -48,6 +49,9 @@ class Fix:
     tp_overlap: bool = False  # collective matmuls on tensor-parallel stages
     layers: tuple[int, ...] = ()  # blocks per stage, pp * vpp of them (empty: as even as can be)
     hsdp: int = 0  # hybrid sharding: FSDP inside groups of this many data ways (0: none)
+    # What every stage keeps in host memory (``hetshard.offload``): "optimizer",
+    # "activations" or both as "optimizer+activations"; empty: nothing
+    offload: tuple[str, ...] = ()
 
 
 def parse_fix(text: str) -> Fix:
@@ -77,6 +81,9 @@ def parse_fix(text: str) -> Fix:
                 raise SpecError(f"--fix {key}", value, "a positive integer")
         elif kind is tuple:
             kw[key] = _counts(value)
+        elif kind == "names":
+            kw[key] = tuple(v.strip() for v in value.split("+") if v.strip() and
+                            v.strip() != "none")
         elif kind is bool:
             if value.lower() not in _BOOL:
                 raise SpecError(f"--fix {key}", value, "true or false")
@@ -85,6 +92,8 @@ def parse_fix(text: str) -> Fix:
             kw[key] = value
     fix = Fix(**kw)
     check_remat(fix.remat, "--fix remat")
+    offload = check_offload(fix.offload, fix.remat, "--fix offload")
+    fix = dataclasses.replace(fix, offload=offload)
     if fix.schedule not in SCHEDULES:
         raise SpecError("--fix schedule", fix.schedule, f"one of {SCHEDULES}")
     if fix.schedule == "zbh1" and fix.vpp > 1:
@@ -194,7 +203,7 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                 (("fsdp" if fix.fsdp else "data", fix.dp),))
         mesh = (*data, ("context", fix.cp), ("tensor", fix.tp))
         stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
-                            mesh_shape=mesh, remat=fix.remat))
+                            mesh_shape=mesh, remat=fix.remat, offload=fix.offload))
     pipe = Pipeline(stages=tuple(stages), batch_share=global_batch, micro_batch_size=fix.mbs,
                     num_micro_batches=m, schedule=fix.schedule, virtual_stages=fix.vpp)
     return Plan(model=model, cluster=cluster, global_batch=global_batch,
