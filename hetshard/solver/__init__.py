@@ -146,22 +146,32 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
     """(plan, its profile): the whole-block search, refined in block halves when
     ``refine`` (kept when faster)."""
     share = max(0.0, t0 + inter - time.perf_counter())  # less what tracing took
-    result = plan(profile.model, profile, cluster, global_batch=global_batch,
-                  seq_len=seq_len, cal=cal, options=dataclasses.replace(
-                      narrowed, time_limit_s=share * (BUDGET.whole_blocks if refine else 1.0)))
+    result, bare = plan(profile.model, profile, cluster, global_batch=global_batch,
+                        seq_len=seq_len, cal=cal, with_bare=True, options=dataclasses.replace(
+                            narrowed,
+                            time_limit_s=share * (BUDGET.whole_blocks if refine else 1.0)))
     if refine and any(layer.block for layer in profile.layers):
         # The whole-block plan refined with stage boundaries allowed inside blocks
         # (attention | MLP): kept when it fits and is faster (the whole-block plan in
         # halves can be priced over memory: the halves' boundaries keep other values).
+        # Where it offloads to host memory, the best plan without is refined too (its
+        # refinement can end ahead), each in half the time left.
         progress.phase("stage boundaries inside blocks")
         halves = profile_program(program, split_blocks=True)
-        left = max(1.0, t0 + inter - time.perf_counter())
-        refined = refine_halves(result, profile, halves, cluster, cal=cal,
-                                options=dataclasses.replace(narrowed, time_limit_s=left))
-        cut = "time_limit" in (refined.solver.status, result.solver.status)
-        if refined.predicted.fits and \
-                refined.predicted.step_time_s < result.predicted.step_time_s * (1 - 1e-9):
-            result, profile = refined, halves
+        starts = ([bare] if bare is not None else []) + [result]  # (ties: without offload)
+        cut = result.solver.status == "time_limit"
+        best_refined = None
+        for k, start in enumerate(starts):
+            left = max(1.0, (t0 + inter - time.perf_counter()) / (len(starts) - k))
+            refined = refine_halves(start, profile, halves, cluster, cal=cal,
+                                    options=dataclasses.replace(narrowed, time_limit_s=left))
+            cut = cut or refined.solver.status == "time_limit"
+            if refined.predicted.fits and (best_refined is None or refined.predicted.step_time_s
+                                           < best_refined.predicted.step_time_s):
+                best_refined = refined
+        if best_refined is not None and best_refined.predicted.step_time_s < \
+                result.predicted.step_time_s * (1 - 1e-9):
+            result, profile = best_refined, halves
         result = dataclasses.replace(result, solver=dataclasses.replace(
             result.solver, wall_time_s=time.perf_counter() - t0,
             status="time_limit" if cut else result.solver.status))

@@ -104,6 +104,26 @@ class Evaluator:
             other = self.price(other)
             if other.key < best.key:
                 best = other
+        return self.without_needless_offload(best)
+
+    def without_needless_offload(self, best: Candidate) -> Candidate:
+        """``best`` with each stage's offload to host memory dropped where the plan is
+        as fast without it (a stage off the critical path keeps its state on its GPU:
+        no host memory or link taken for nothing)."""
+        if best.key[0]:
+            return best
+        for pi, pipe in enumerate(best.plan.pipelines):
+            for j in range(len(pipe.stages)):
+                st = best.plan.pipelines[pi].stages[j]
+                if not st.offload:
+                    continue
+                pipes = list(best.plan.pipelines)
+                stages = list(pipes[pi].stages)
+                stages[j] = dataclasses.replace(st, offload=())
+                pipes[pi] = dataclasses.replace(pipes[pi], stages=tuple(stages))
+                other = self.price(dataclasses.replace(best.plan, pipelines=tuple(pipes)))
+                if other.key <= best.key:
+                    best = other
         return best
 
     def sharded(self, plan: Plan) -> list[Plan]:

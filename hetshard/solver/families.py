@@ -14,6 +14,7 @@ import numpy as np
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.comm import p2p_time
 from hetshard.cost.profile import ModelProfile
+from hetshard.offload import split_key
 from hetshard.plan import Context, Pipeline, Plan, Stage
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
 from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
@@ -116,10 +117,17 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                        for row in options]
             if len(partial[0]) == len(options[0]) or not exhaustive:
                 partial = None
+            # The options without offload to host memory, searched on their own too:
+            # offload's estimate (its host copies spread over the micro-batches) must
+            # not take a stage's choice from a layout the simulation prices faster.
+            bare = [[(k, t) for k, t in row if not split_key(k)[1]] for row in options]
+            apart = [bare] if len(bare[0]) < len(options[0]) else []
             if exhaustive:
                 # Every split, each stage with its fastest remat that fits: the Pareto
                 # set of (sum, max) covers every per-family and per-stage remat choice.
                 splits = pareto_splits(options, n_layers, caps)
+                splits += [sp for rows_ in apart for sp in pareto_splits(rows_, n_layers, caps)
+                           if sp not in splits]
                 if partial is not None:
                     splits += [sp for sp in pareto_splits(partial, n_layers, caps)
                                if _has_partial(sp[2])]
@@ -129,13 +137,18 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                 splits = []
                 for remat, _ in options[0]:
                     res = split_layers([plain(row)[remat] for row in options], n_layers, caps)
-                    if res is not None:
-                        splits.append((*res, [remat] * len(options)))
+                    if res is None or (remat != split_key(remat)[0] and any(
+                            r[0] == split_key(remat)[0] and b == res[0]
+                            for b, _, r in splits)):
+                        # (the split its remat finds without offload: offload adds nothing)
+                        continue
+                    splits.append((*res, [remat] * len(options)))
                 if _memory_bound(options, splits, n_layers, caps):
                     best = min((max(t) for _, t, _ in splits), default=None)
-                    res = split_layers_mixed(options, n_layers, caps, best)
-                    if res is not None and len(set(res[2])) > 1:
-                        splits.append(res)
+                    for rows_ in [options, *apart]:
+                        res = split_layers_mixed(rows_, n_layers, caps, best)
+                        if res is not None and len(set(res[2])) > 1 and res not in splits:
+                            splits.append(res)
             for bounds, times, remats in splits:
                 mixed = tuple(remats) if len(set(remats)) > 1 else ()
                 fill, bottleneck, warmup = pipeline_estimate(
@@ -284,7 +297,22 @@ def assignments(groups: tuple[Group, ...], peak, orders: tuple[str, ...] = ("fas
 
 def prune(cands: list[Family], n: int) -> list[Family]:
     """The ``n`` best with one remat for all stages, the best with a remat per stage and
-    the best recomputing only some layers of a stage."""
-    kept = [f for kind, size in ((0, n), (1, 1), (2, 1))
-            for f in [f for f in cands if f.kind == kind][:size]]
+    the best recomputing only some layers of a stage, each among the families that
+    offload to host memory and among those that do not (so neither crowds the other
+    out). A family offloading is left out where the same layout without offload is as
+    fast (its estimate spreads the per-step host copies: the simulator prices them)."""
+    bare = {_layout(f): f.bottleneck_s for f in cands if not offloads(f)}
+    cands = [f for f in cands if not offloads(f) or
+             bare.get(_layout(f), float("inf")) > f.bottleneck_s]
+    kept = [f for kind, size in ((0, n), (1, 1), (2, 1)) for off in (False, True)
+            for f in [f for f in cands if f.kind == kind and offloads(f) == off][:size]]
     return sorted(kept, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
+
+
+def offloads(f: Family) -> bool:
+    """Whether some stage of ``f`` offloads to host memory."""
+    return any(split_key(remat_choice(c)[0])[1] for c in (f.stage_remats or (f.remat,)))
+
+
+def _layout(f: Family) -> tuple:
+    return (f.groups, f.r, f.tp, f.mbs, f.cp, f.bounds, f.stage_groups)

@@ -56,7 +56,7 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
     opts = options or PlannerOptions()
     t0 = time.perf_counter()
     ev = Evaluator(halves, cluster, cal, opts)
-    tables = LayerTables.for_search(halves, cluster, cal, opts)
+    tables = LayerTables.for_search(halves, cluster, cal, opts, plan.global_batch)
     found = [ev.evaluate(as_halves(plan, blocks, halves))]
     layout_deadline = t0 + opts.time_limit_s * BUDGET.halves_layouts
     for partial in (False, True):

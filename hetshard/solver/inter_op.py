@@ -53,6 +53,7 @@ brute force over layer splits, warm-ups and batch shares).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -63,6 +64,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
+from hetshard.offload import split_key
 from hetshard.plan import Plan
 from hetshard.solver.baselines import (
     amp_like,
@@ -73,7 +75,14 @@ from hetshard.solver.baselines import (
 from hetshard.solver.batch import assign_batch, relaxed_time
 from hetshard.solver.context import mixed_context_plans
 from hetshard.solver.evaluator import Candidate, Evaluator
-from hetshard.solver.families import Family, assignments, build_plan, family_configs, prune
+from hetshard.solver.families import (
+    Family,
+    assignments,
+    build_plan,
+    family_configs,
+    offloads,
+    prune,
+)
 from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.options import (
     BUDGET,
@@ -85,12 +94,19 @@ from hetshard.solver.splits import LayerTables
 from hetshard.solver.variants import interleave, interleaved_as, layer_times
 
 
+def plan_offloads(plan: Plan) -> bool:
+    """Whether some stage of ``plan`` keeps state or activations in host memory."""
+    return any(st.offload for p in plan.pipelines for st in p.stages)
+
+
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
          seq_len: int, cal: Calibration = DEFAULT, options: PlannerOptions | None = None,
-         extra_candidates: tuple[Plan, ...] = ()) -> Plan:
+         extra_candidates: tuple[Plan, ...] = (), with_bare: bool = False):
     """The best plan found for ``model`` on ``cluster`` (see the module docstring).
     Under ``state_sharding="auto"``, where no plan fits, the search runs again with each
-    stage's state sharded inside its nodes (hybrid), then over all its data ways."""
+    stage's state sharded inside its nodes (hybrid), then over all its data ways.
+    ``with_bare``: (the plan, the best plan found without offload to host memory where
+    the plan offloads, else None)."""
     opts = options or PlannerOptions()
     tries = [opts] + ([dataclasses.replace(opts, state_sharding=s) for s in ("node", "all")]
                       if opts.state_sharding == "auto" else [])
@@ -101,7 +117,8 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             ranked = search.estimates(search.combinations())
             candidates = search.candidates(ranked, tuple(extra_candidates) + tuple(seeds))
             scored = search.price(candidates)
-            return search.refined(scored)
+            found = search.refined(scored)
+            return (found, search.bare) if with_bare else found
         except NoFeasiblePlanError:
             if k == len(tries) - 1:
                 raise
@@ -133,7 +150,7 @@ class _Search:
             raise SpecError("global_batch", global_batch, "a positive integer")
         self.model, self.profile, self.cluster, self.cal = model, profile, cluster, cal
         self.global_batch, self.seq_len = global_batch, seq_len
-        self.tables = LayerTables.for_search(profile, cluster, cal, opts)
+        self.tables = LayerTables.for_search(profile, cluster, cal, opts, global_batch)
         self.heads = profile.tensor_divisor
         self.ev = Evaluator(profile, cluster, cal, opts)  # its cache: every simulation's
         self.timed_out = False
@@ -222,14 +239,18 @@ class _Search:
         decides between structures. Plans with remat per stage, and those recomputing
         only some layers of a stage, are ranked apart from the others: their estimates
         favour recomputing stages whose cost the simulation then finds higher, and they
-        must not push the others out of the simulated set. Exact counts are computed as
+        must not push the others out of the simulated set (and so are plans offloading
+        to host memory). Exact counts are computed as
         candidates are chosen; a combination whose units cannot add up to the batch
         exactly (the relaxation cannot tell) is passed over. Then the uniform plans, the
         mixed-type context plans, ``extra`` (the caller's and the heuristic seeds)."""
         opts, cluster = self.opts, self.cluster
-        out, seen, ranks = [], set(), {0: 0, 1: 0, 2: 0}
+        out, seen, ranks = [], set(), collections.Counter()
         for _t, combo, counts in ranked:
-            mixed = max(f.kind for f in combo)
+            # Plans offloading to host memory are ranked apart too: their estimates
+            # spread the per-step host copies over the micro-batches, and the
+            # simulation often finds them slower than a layout that needs none.
+            mixed = (max(f.kind for f in combo), any(offloads(f) for f in combo))
             key = (tuple(f.groups for f in combo), mixed)
             if ranks[mixed] >= opts.simulate_top and key in seen:
                 continue
@@ -296,7 +317,15 @@ class _Search:
         opts = self.opts
         relaid, partial = [], []
         progress.phase("a layout per GPU type")
-        for rank, start in enumerate(scored[:opts.layout_top]):
+        # The plans offloading to host memory and the others each get the best few
+        # descents, each descent keeping its start's kind (``_descent``).
+        ranks = collections.Counter()
+        for start in scored:
+            kind = plan_offloads(start[1])
+            if ranks[kind] >= opts.layout_top:
+                continue
+            rank = ranks[kind]
+            ranks[kind] += 1
             if start[0][0] or self.late(BUDGET.refine) or \
                     not single_type_stages(start[1], self.cluster):
                 continue  # (layouts per GPU type: not for context groups spanning types)
@@ -311,9 +340,15 @@ class _Search:
         return relaid, partial
 
     def _descent(self, start: Candidate, partial: bool) -> Candidate:
+        """A layout descent from ``start`` with the options' remats, and offload to
+        host memory only from a plan that offloads already: a plan without keeps to
+        layouts without (offload's split estimates would otherwise lead its descent
+        away from layouts the simulation prices faster)."""
         opts = self.opts
+        remats = opts.memory_options if plan_offloads(start[1]) else \
+            tuple(k for k in opts.memory_options if not split_key(k)[1])
         return improve_layouts(start, self.ev.evaluate, self.tables, self.cluster, self.heads,
-                               tp_options=opts.tp_options, remats=opts.memory_options,
+                               tp_options=opts.tp_options, remats=remats,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
                                evals=opts.layout_evals, partial=partial,
                                mbs_options=opts.mbs_options,
@@ -368,6 +403,10 @@ class _Search:
         starts = list({id(x[1]): x for x in firsts + scored[:opts.refine_top] +
                        variants[:opts.refine_top]}.values())
         best = min(starts, key=lambda x: x[0])
+        # The best without offload to host memory is kept apart: the last variants
+        # (ZB-H1 ...) can put it ahead of a best that offloads.
+        bare = min((x for x in starts if not plan_offloads(x[1])), key=lambda x: x[0],
+                   default=None)
         progress.phase("local search")
         for key, cand, r in sorted(starts, key=lambda x: x[0]):
             if key[0]:
@@ -379,10 +418,25 @@ class _Search:
             self.timed_out = self.timed_out or cut
             if better.key < best[0]:
                 best = better
-        chosen = Candidate(*best) if self.late(BUDGET.refine) else \
-            self.ev.last_variants(Candidate(*best))
+            if not plan_offloads(better.plan) and (bare is None or better.key < bare[0]):
+                bare = better
+        if self.late(BUDGET.refine):
+            chosen = Candidate(*best)
+        else:
+            chosen = self.ev.last_variants(Candidate(*best))
+            if bare is not None and plan_offloads(chosen.plan) and not bare[0][0]:
+                bare = self.ev.last_variants(Candidate(*bare))
+                if bare.key <= chosen.key:  # (as fast without the host: without)
+                    chosen = bare
         if not chosen.result.fits or not self.ev.stage_counts_allowed(chosen.plan):
             raise self.no_plan()
+        # (the best plan without offload, where the chosen one offloads: refined further
+        # by the caller too, as it may end ahead: ``plan(..., with_bare=True)``)
+        self.bare = None
+        if bare is not None and plan_offloads(chosen.plan) and not bare[0][0] and \
+                self.ev.stage_counts_allowed(bare[1]):
+            self.bare = self.ev.annotated(Candidate(*bare), self.t0, self.timed_out, "",
+                                          stacklevel=4)
         return self.ev.annotated(chosen, self.t0, self.timed_out, "", stacklevel=4)
 
     def no_plan(self) -> Exception:

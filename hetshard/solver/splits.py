@@ -37,8 +37,13 @@ class LayerTables:
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
                  attention: str, shard_optimizer: bool = False, tp_overlap: bool = False,
-                 gpu_dtypes: tuple = (), state_sharding: str = "none"):
+                 gpu_dtypes: tuple = (), state_sharding: str = "none",
+                 global_batch: int | None = None):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
+        # The step's samples: a stage that streams its optimizer state from host memory
+        # pays that once a step, spread here over the most micro-batches a step can have
+        # (one pipeline): the splits compare times per micro-batch (None: not spread)
+        self.global_batch = global_batch
         self.shard_optimizer = shard_optimizer  # ZeRO-1 over the r data ways
         # FSDP over some of the r data ways (``options.fsdp_ways``; "none": ZeRO-1 at most)
         self.state_sharding = state_sharding
@@ -48,12 +53,13 @@ class LayerTables:
 
     @classmethod
     def for_search(cls, profile: ModelProfile, cluster: Cluster, cal: Calibration,
-                   opts: PlannerOptions) -> LayerTables:
+                   opts: PlannerOptions, global_batch: int | None = None) -> LayerTables:
         """The tables a search under ``opts`` prices stages with (its attention, ZeRO-1
-        unless the options rule it out, collective matmuls, compute dtypes per GPU)."""
+        unless the options rule it out, collective matmuls, compute dtypes per GPU) for
+        a step of ``global_batch`` samples."""
         return cls(profile, cluster, cal, opts.attention, opts.distributed_optimizer is not False,
                    opts.tp_overlap, planned_gpu_dtypes(profile, cluster, opts),
-                   opts.state_sharding)
+                   opts.state_sharding, global_batch)
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
         key = (group.name, tp, mbs, remat, r, cp)
@@ -83,7 +89,16 @@ class LayerTables:
                                          dtype=self.dtype_of(group.gpu), offload=offload,
                                          host_link_gbs=group.host_link)
             c = per_kind[k]
-            rows.append((c.fwd_s + c.bwd_s, c.memory_static_bytes,
+            spread = 0.0
+            if c.host_static_bytes and self.global_batch:
+                # The layer's optimizer state through the host link, beyond its update
+                per_step = c.host_static_bytes / (group.host_link * 1e9 * self.cal.for_type(
+                    group.gpu.name).host_link_eff)
+                bare = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
+                                  **sharded, shard_optimizer=self.shard_optimizer, mbs=mbs,
+                                  cal=self.cal, dtype=self.dtype_of(group.gpu)).optimizer_s
+                spread = max(0.0, per_step - bare) / max(1, self.global_batch // (mbs * r))
+            rows.append((c.fwd_s + c.bwd_s + spread, c.memory_static_bytes,
                          c.memory_per_microbatch_bytes, c.memory_working_bytes))
         a = np.array(rows)
         out = (np.concatenate([[0.0], np.cumsum(a[:, 0])]),
