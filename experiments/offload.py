@@ -106,6 +106,8 @@ def _plot(rows, path):
     ax.bar([i - 0.2 for i in x], without, 0.4, label="no offload")
     ax.bar([i + 0.2 for i in x], with_, 0.4, label="offload searched")
     for i, r in enumerate(rows):
+        if not without[i]:
+            ax.text(i - 0.2, 0, "no plan\nfits", ha="center", va="bottom", fontsize=8)
         if r.get("speedup"):
             ax.text(i + 0.2, with_[i], f"{r['speedup']:.2f}x", ha="center", va="bottom",
                     fontsize=8)

@@ -453,6 +453,31 @@ def memory_fit(lines, data):
     lines.append("")
 
 
+def offload(lines, data):
+    lines += ["## Offload", "",
+              "`python experiments/offload.py`: hetshard's plan with offload to host memory "
+              "searched (the default) and without (`offload_options=(\"none\",)`), priced "
+              "by the simulator (no GPU run): tokens/s, the largest per-device GPU memory "
+              "and the most host memory a node's offload takes. Host links and memories "
+              "are the catalog's.", ""]
+    rows = []
+    for r in data["rows"]:
+        a, b = r["without"], r["with"]
+        host = max(b.get("host_memory_gb_per_node", {}).values(), default=0.0)
+        rows.append([r["cluster"], r["model"], str(r["global_batch"]),
+                     f"{a['tokens_per_s']:,.0f}" if a.get("fits") else "no plan fits",
+                     f"{b['tokens_per_s']:,.0f}" if b.get("fits") else "no plan fits",
+                     f"{r['speedup']:.3f}" if r.get("speedup") else "-",
+                     f"{a['peak_gpu_memory_gb']:.1f}" if a.get("fits") else "-",
+                     f"{b['peak_gpu_memory_gb']:.1f}" if b.get("fits") else "-",
+                     f"{host:.0f}",
+                     f"{b.get('offloading_stages', 0)} of {len(b.get('stages', []))}"])
+    lines += _table(["cluster", "model", "B", "without tokens/s", "with tokens/s", "speed-up",
+                     "GPU GB without", "GPU GB with", "host GB per node",
+                     "stages offloading"], rows)
+    lines.append("")
+
+
 # The sections of docs/results.md in order: the JSON each reads, and how.
 SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
@@ -462,7 +487,7 @@ SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accura
             ("data_aware_attention_x0.25.json", attention_scaled),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("memory_fit.json", memory_fit),
-            ("multihost_bench.json", multihost))
+            ("multihost_bench.json", multihost), ("offload.json", offload))
 
 
 def main() -> int:

@@ -110,6 +110,9 @@ class StageCost:
     # steps, and the activations offloaded per micro-batch in flight
     host_static_bytes: float = 0.0
     host_per_microbatch_bytes: float = 0.0
+    # Of optimizer_s, what streaming the state through the host link adds beyond the
+    # update's own time (the first layer's wait left out): per layer, it adds up
+    host_stream_s: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -695,7 +698,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     if updates and all(u is not None for u in updates):
         optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
-    host_static = 0.0
+    host_static = host_stream_s = 0.0
     if "optimizer" in offload:
         # The state lives on the host; the update streams it in and back out, both ways
         # at once, the GPU holding two layers' worth (one arriving, one leaving) while
@@ -705,6 +708,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         static -= opt_state
         layer_state = largest_param * profile.opt_bytes_per_param_byte / opt_dp
         working = max(working, 2 * layer_state)
+        host_stream_s = max(0.0, opt_state / host_bw - optimizer_s)
         optimizer_s = max(optimizer_s, opt_state / host_bw) + layer_state / host_bw
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
@@ -714,4 +718,4 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s,
                      attention_fwd_s=att_f, attention_bwd_s=att_b,
                      attention_memory_bytes=att_mem, host_static_bytes=host_static,
-                     host_per_microbatch_bytes=host_act)
+                     host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s)

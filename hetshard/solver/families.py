@@ -95,19 +95,23 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
         for mbs in opts.mbs_options:
             if time.perf_counter() > deadline:
                 return out
-            options, caps, names = [], [], []
+            caps = [g.gpu.memory_bytes * (1 - opts.memory_margin)
+                    for g, k in zip(groups, ks, strict=True) for _ in range(k)]
+            names = [g.name for g, k in zip(groups, ks, strict=True) for _ in range(k)]
+            # Offload to host memory is searched where memory binds: where the fastest
+            # option without it cannot place the layers, or one of its stages could take
+            # a layer more but for memory (elsewhere it cannot make a plan faster).
+            keys = _offload_where_bound(groups, ks, tables, tp, mbs, r, cp, opts, n_layers,
+                                        caps)
+            options = []
             for g, k in zip(groups, ks, strict=True):
-                row = [(remat, tables.get(g, tp, mbs, remat, r, cp))
-                       for remat in opts.memory_options]
+                row = [(remat, tables.get(g, tp, mbs, remat, r, cp)) for remat in keys]
                 options += [row] * k
             # A remat that prices every stage exactly like an earlier one adds no plan.
             keep = [j for j in range(len(options[0])) if not any(
                 all(_same(options[s][j][1], options[s][i][1]) for s in range(len(options)))
                 for i in range(j))]
             options = [[row[j] for j in keep] for row in options]
-            for g, k in zip(groups, ks, strict=True):
-                caps += [g.gpu.memory_bytes * (1 - opts.memory_margin)] * k
-                names += [g.name] * k
             # With the full remat of a stage's first k layers only (k as few as fit) too,
             # where every split is listed: those splits are added where a stage takes it,
             # as their own kind. (Bisecting them on large instances cost mix3-x256 its
@@ -134,15 +138,15 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
             else:
                 # Bottleneck splits: one remat for all stages, and one per stage where
                 # memory, not time, stops a stage of the fastest remat's split.
+                # (Offload to host memory comes in through the per-stage split: a stage
+                # takes it where it needs it.)
                 splits = []
                 for remat, _ in options[0]:
-                    res = split_layers([plain(row)[remat] for row in options], n_layers, caps)
-                    if res is None or (remat != split_key(remat)[0] and any(
-                            r[0] == split_key(remat)[0] and b == res[0]
-                            for b, _, r in splits)):
-                        # (the split its remat finds without offload: offload adds nothing)
+                    if split_key(remat)[1]:
                         continue
-                    splits.append((*res, [remat] * len(options)))
+                    res = split_layers([plain(row)[remat] for row in options], n_layers, caps)
+                    if res is not None:
+                        splits.append((*res, [remat] * len(options)))
                 if _memory_bound(options, splits, n_layers, caps):
                     best = min((max(t) for _, t, _ in splits), default=None)
                     for rows_ in [options, *apart]:
@@ -158,6 +162,23 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
                                   tuple(bounds), tuple(names), fill, bottleneck, cp, mixed,
                                   warmup))
     return out
+
+
+def _offload_where_bound(groups, ks, tables: LayerTables, tp: int, mbs: int, r: int,
+                         cp: int, opts: PlannerOptions, n_layers: int, caps) -> tuple:
+    """The options' memory options (``PlannerOptions.memory_options``) for a family's
+    configuration, without those that offload to host memory where memory does not bind
+    (``_memory_bound`` of the options without)."""
+    keys = opts.memory_options
+    bare_keys = tuple(k for k in keys if not split_key(k)[1])
+    if len(bare_keys) == len(keys) or not bare_keys:
+        return keys
+    bare = [[(k, tables.get(g, tp, mbs, k, r, cp)) for k in bare_keys]
+            for g, n in zip(groups, ks, strict=True) for _ in range(n)]
+    fastest = bare_keys[0]
+    res = split_layers([plain(row)[fastest] for row in bare], n_layers, caps)
+    splits = [] if res is None else [(*res, [fastest] * len(bare))]
+    return keys if _memory_bound(bare, splits, n_layers, caps) else bare_keys
 
 
 def pipeline_estimate(tables: LayerTables, stage_groups, stage_devices: int, samples: int,

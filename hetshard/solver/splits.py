@@ -81,25 +81,19 @@ class LayerTables:
         for i, layer in enumerate(self.profile.layers):
             k = layer.kind
             if k not in per_kind:
-                per_kind[k] = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
-                                         **sharded, shard_optimizer=self.shard_optimizer,
-                                         mbs=mbs, remat=remat, attention=self.attention,
-                                         cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
-                                         tp_overlap=self.tp_overlap,
-                                         dtype=self.dtype_of(group.gpu), offload=offload,
-                                         host_link_gbs=group.host_link)
-            c = per_kind[k]
-            spread = 0.0
-            if c.host_static_bytes and self.global_batch:
-                # The layer's optimizer state through the host link, beyond its update
-                per_step = c.host_static_bytes / (group.host_link * 1e9 * self.cal.for_type(
-                    group.gpu.name).host_link_eff)
-                bare = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
-                                  **sharded, shard_optimizer=self.shard_optimizer, mbs=mbs,
-                                  cal=self.cal, dtype=self.dtype_of(group.gpu)).optimizer_s
-                spread = max(0.0, per_step - bare) / max(1, self.global_batch // (mbs * r))
-            rows.append((c.fwd_s + c.bwd_s + spread, c.memory_static_bytes,
-                         c.memory_per_microbatch_bytes, c.memory_working_bytes))
+                c = stage_cost(self.profile, i, i + 1, group.gpu, tp=tp, cp=cp,
+                               **sharded, shard_optimizer=self.shard_optimizer,
+                               mbs=mbs, remat=remat, attention=self.attention,
+                               cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
+                               tp_overlap=self.tp_overlap,
+                               dtype=self.dtype_of(group.gpu), offload=offload,
+                               host_link_gbs=group.host_link)
+                # The layer's optimizer state through the host link, once a step
+                spread = c.host_stream_s / max(1, self.global_batch // (mbs * r)) \
+                    if self.global_batch else 0.0
+                per_kind[k] = (c.fwd_s + c.bwd_s + spread, c.memory_static_bytes,
+                               c.memory_per_microbatch_bytes, c.memory_working_bytes)
+            rows.append(per_kind[k])
         a = np.array(rows)
         out = (np.concatenate([[0.0], np.cumsum(a[:, 0])]),
                np.concatenate([[0.0], np.cumsum(a[:, 1])]),
