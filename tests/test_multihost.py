@@ -128,6 +128,10 @@ def test_zero_bubble_pipeline_across_processes(pipelines_run):
     got, _ = pipelines_run
     assert _check_scenario(got, "span_zb") == [[[0], [0, 1], [1]]]
     assert all(got["LOSSES", "span_zb", r]["zb_compiled"] >= 1 for r in ("[0]", "[1]"))
+    # the spanning stage's momentum lives in both processes' host memory (offload)
+    assert all(got["LOSSES", "span_zb", r]["host_leaves"] >= 1 for r in ("[0]", "[1]"))
+    assert all(got["LOSSES", name, r]["host_leaves"] == 0 for name in ("span", "pp2")
+               for r in ("[0]", "[1]"))
     assert all(got["LOSSES", "span", r]["zb_compiled"] == 0 for r in ("[0]", "[1]"))
 
 

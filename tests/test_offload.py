@@ -8,8 +8,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from test_checkpoint import CLUSTER, PIPE6, SPMD8, STEP, _batches, _fresh
+from test_checkpoint import _reference as ck_reference
 from test_runtime import _plan, _reference, _run
 
+import hetshard
+from hetshard.checkpoint import Checkpointer
 from hetshard.cluster import Cluster
 from hetshard.cluster.catalog import CATALOG
 from hetshard.cost.calibration import DEFAULT
@@ -234,3 +238,37 @@ def test_the_planner_offloads_where_memory_binds_and_the_link_is_fast():
     assert speed[64.0, 4] > speed[64.0, 1] * 1.05
     assert not any(found[0.05, 4])  # slow link: the plan without, as fast as before
     assert speed[0.05, 4] == pytest.approx(speed[0.05, 1], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_offloaded_plan(tmp_path):
+    # Saved from host memory (an SPMD step offloading its optimizer), restored straight
+    # into a pipeline whose second stage offloads its own: the same losses as one device.
+    def offloaded(plan, stages):
+        pipe = plan.pipelines[0]
+        new = tuple(dataclasses.replace(st, offload=("optimizer",)) if j in stages else st
+                    for j, st in enumerate(pipe.stages))
+        return dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, stages=new),))
+
+    before, after = offloaded(SPMD8, {0}), offloaded(PIPE6, {1})
+    batches = _batches()
+    want = ck_reference(batches)
+    model, opt = _fresh()
+    first = hetshard.jit(STEP, cluster=CLUSTER, plan=before, quiet=True)
+    got = [float(first(model, opt, b)) for b in batches[:2]]
+    assert _kinds(nnx.state(opt.opt_state)) == {"pinned_host"}
+    ck = Checkpointer(tmp_path, keep=2)
+    ck.save(2, (model, opt), data_position={"batch": 2}, plan=first.plan)
+    ck.wait()
+    del model, opt, first
+    model, opt = _fresh(seed=7)
+    second = hetshard.jit(STEP, cluster=CLUSTER, plan=after, quiet=True)
+    where = second.state_shardings(model, opt, batches[2])
+    ck.restore((model, opt), shardings=where)
+    for x, s in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state((model, opt)))),
+                    jax.tree.leaves(where, is_leaf=lambda s: isinstance(
+                        s, jax.sharding.Sharding)), strict=True):
+        assert x.sharding == s  # the second stage's moments restored into host memory
+    assert "pinned_host" in _kinds(nnx.state(opt.opt_state))
+    got += [float(second(model, opt, b)) for b in batches[2:]]
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -6,6 +6,7 @@ Prints ``LOSSES <json>`` and ``REF <json>`` lines that the test compares (``pipe
 ``LOSSES <scenario> <json>`` per scenario, ``REF`` lines from process 0 only).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -52,7 +53,7 @@ def _train(name, loss, cluster, plan, batches, steps, planned=False):
     ``hetshard.jit`` with ``plan`` (or the planner's plan when ``planned``); also returns
     the pipeline runner (the plan when ``planned``)."""
     model = models.build(name, rngs=0)
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
     if plan is None and not planned:
         @nnx.jit
         def step(model, optimizer, batch):
@@ -95,10 +96,12 @@ def pipelines() -> None:
             _stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
             _stage(3, 4, (6, 7), cpu, data=1, tensor=2)), 8, 2, 2)], text, 16),
         # The same under ZB-H1: the B and W passes of the spanning stage run on both
-        # processes, W with no transfer, every process walking the same order.
+        # processes, W with no transfer, every process walking the same order; that
+        # stage keeps its optimizer state (the momentum) in each process's host memory.
         "span_zb": (MODEL, loss_fn, local, [Pipeline((
             _stage(0, 1, (0, 1), cpu, data=2),
-            _stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
+            dataclasses.replace(_stage(1, 3, (2, 3, 4, 5), cpu, data=2, tensor=2),
+                                offload=("optimizer",)),
             _stage(3, 4, (6, 7), cpu, data=1, tensor=2)), 8, 2, 2, schedule="zbh1")],
             text, 16),
         # Two pipelines with shares 5:3 and different layer splits, one per process:
@@ -145,7 +148,13 @@ def pipelines() -> None:
                                         r.bwd_weight._cache_size() +
                                         r.apply._cache_size() for r in runs if not r.here),
                 "zb_compiled": sum(r.bwd_weight._cache_size() for r in runs if r.here),
-                "own_compiled": sum(r.fwd._cache_size() for r in runs if r.here)}
+                "own_compiled": sum(r.fwd._cache_size() for r in runs if r.here),
+                # state leaves this process holds in host memory (Stage.offload)
+                "host_leaves": sum(1 for row, held in zip(runner.runs, runner.views,
+                                                          strict=True)
+                                   for r, view in zip(row, held, strict=True) if r.here
+                                   for x in view.values()
+                                   if x.sharding.memory_kind == "pinned_host")}
         print("LOSSES", name, json.dumps(info), flush=True)
         if rank == 0:
             want, _ = _train(model_name, loss, None, None, batches, 3)
