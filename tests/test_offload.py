@@ -272,3 +272,23 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_offloaded_plan(t
     assert "pinned_host" in _kinds(nnx.state(opt.opt_state))
     got += [float(second(model, opt, b)) for b in batches[2:]]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_two_offloading_pipelines_with_batch_shares_train_equal_to_one_device():
+    # Several single-stage pipelines (the combined update on the first one's devices):
+    # the update reads the host's state through device copies and writes it back there.
+    from hetshard.plan import Pipeline, Stage
+    cluster = Cluster.load("h100-a100-v100-x8")
+    n_layers = profile_model("gpt-tiny", 16, "float32").num_layers
+    fast = Pipeline((Stage(0, n_layers, (0,), "H100-80GB", (("data", 1),),
+                           offload=("optimizer",)),), 5, 5, 1)
+    slow = Pipeline((Stage(0, n_layers, (4, 5, 6), "V100-32GB", (("data", 3),),
+                           remat="selective", offload=("optimizer", "activations")),), 3, 1, 1)
+    plan = Plan("gpt-tiny", cluster.to_dict(), 8, 16, (fast, slow))
+    losses, params, step, batches, (model, opt) = _run(plan, tx="momentum", cluster=cluster)
+    want_losses, want_params = _reference(batches, 3, tx="momentum")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert type(next(iter(step._compiled.values()))).__name__ == "SharesStep"
+    assert _kinds(nnx.state(opt.opt_state)) == {"pinned_host"}

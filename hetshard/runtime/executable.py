@@ -298,10 +298,15 @@ class SharesStep:
             s_shard = state_shardings(state, sub, mesh)
             b_shard = batch_sharding(jax.tree.map(lambda x, n=p.batch_share: x[:n], batch),
                                      sub, mesh)
-            # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite).
+            # Each pipeline's loss with its stage's layouts and remat (the SPMD rewrite),
+            # on device copies of what its stage keeps in host memory (the step's own
+            # update runs there too before its gradients are taken out).
             scaled = (NamedSharding(mesh, PartitionSpec()),) if plan.loss_scaled else ()
-            cap = jax.jit(rewriting(capture, sub, mesh), in_shardings=(s_shard, b_shard,
-                                                                         *scaled))
+
+            def on_devices(state, *rest, s_shard=s_shard):
+                return capture(jax.tree.map(on_device, state, s_shard), *rest)
+            cap = jax.jit(rewriting(on_devices, sub, mesh), in_shardings=(s_shard, b_shard,
+                                                                            *scaled))
             shares.append(_Share(p.batch_share, mesh, s_shard, b_shard, cap))
         # The combined update is applied once, on the first pipeline's devices; the next
         # step hands every pipeline a copy of the updated state.
