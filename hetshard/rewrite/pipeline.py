@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -229,12 +230,11 @@ class Remat:
             # ``Stage.offload`` "activations": what the policy keeps goes to the host's
             # pinned memory in the forward and comes back for the backward.
             check_offload(("activations",), remat)
-            host = dict(offload_src="device", offload_dst="pinned_host")
-            self.policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims(**host) \
-                if self.keep is None else \
-                jax.checkpoint_policies.save_and_offload_only_these_names(
-                    names_which_can_be_saved=(), names_which_can_be_offloaded=tuple(
-                        _TAG + role for role in self.keep), **host)
+            policies = jax.checkpoint_policies
+            self.policy = _offload_policy(policies.offload_dot_with_no_batch_dims) \
+                if self.keep is None else _offload_policy(
+                    policies.save_and_offload_only_these_names, names_which_can_be_saved=(),
+                    names_which_can_be_offloaded=tuple(_TAG + role for role in self.keep))
         elif self.keep is not None:
             self.policy = jax.checkpoint_policies.save_only_these_names(
                 *(_TAG + role for role in self.keep))
@@ -257,6 +257,15 @@ class Remat:
 
 
 _TAG = "hetshard_remat_"
+
+
+def _offload_policy(make, **names):
+    """``make`` (one of JAX's offloading checkpoint policies) from the device's memory to
+    the host's pinned memory, with those of ``names`` it takes (JAX releases differ in
+    which arguments these factories keep)."""
+    params = inspect.signature(make).parameters
+    given = dict(names, offload_src="device", offload_dst="pinned_host")
+    return make(**{k: v for k, v in given.items() if k in params})
 
 
 def equation_roles(jaxpr, ids: Sequence[int]) -> dict[int, str]:
