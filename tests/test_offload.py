@@ -292,3 +292,15 @@ def test_two_offloading_pipelines_with_batch_shares_train_equal_to_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert type(next(iter(step._compiled.values()))).__name__ == "SharesStep"
     assert _kinds(nnx.state(opt.opt_state)) == {"pinned_host"}
+
+
+def test_asking_for_offload_offloads_every_stage():
+    # --fix offload=optimizer in `hetshard plan` (offload_options without "none"): the
+    # uniform plans and heuristic seeds, which offload nothing, are not candidates.
+    from hetshard.solver import options_from_fix
+    opts = options_from_fix("offload=optimizer", PlannerOptions(time_limit_s=20))
+    assert opts.offload_options == ("optimizer",)
+    plan = make_plan("gpt-1.3b", _consumer(gpus=2, gpu="RTX-3080Ti"), global_batch=16,
+                     seq_len=1024, shardings=False, options=opts)
+    assert plan.predicted.fits
+    assert {st.offload for p in plan.pipelines for st in p.stages} == {("optimizer",)}

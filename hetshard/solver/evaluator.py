@@ -14,6 +14,7 @@ from typing import NamedTuple
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.profile import ModelProfile
+from hetshard.offload import parse_option
 from hetshard.plan import Plan, SolverStats
 from hetshard.sim.simulator import (
     SimResult,
@@ -64,6 +65,11 @@ class Evaluator:
         return all(opts.min_stages <= len(p.stages) and
                    (opts.max_stages is None or len(p.stages) <= opts.max_stages)
                    for p in plan.pipelines)
+
+    def offloads_allowed(self, plan: Plan) -> bool:
+        """Whether every stage's offload is among the options' (``offload_options``)."""
+        offered = {parse_option(o) for o in self.opts.offload_options}
+        return all(st.offload in offered for p in plan.pipelines for st in p.stages)
 
     def tuned(self, plan: Plan) -> Plan:
         """The plan with its 1F1B extra warm-up tuned within memory."""
@@ -121,7 +127,10 @@ class Evaluator:
                 stages = list(pipes[pi].stages)
                 stages[j] = dataclasses.replace(st, offload=())
                 pipes[pi] = dataclasses.replace(pipes[pi], stages=tuple(stages))
-                other = self.price(dataclasses.replace(best.plan, pipelines=tuple(pipes)))
+                plan = dataclasses.replace(best.plan, pipelines=tuple(pipes))
+                if not self.offloads_allowed(plan):
+                    continue
+                other = self.price(plan)
                 if other.key <= best.key:
                     best = other
         return best

@@ -125,7 +125,7 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
             # offload's estimate (its host copies spread over the micro-batches) must
             # not take a stage's choice from a layout the simulation prices faster.
             bare = [[(k, t) for k, t in row if not split_key(k)[1]] for row in options]
-            apart = [bare] if len(bare[0]) < len(options[0]) else []
+            apart = [bare] if 0 < len(bare[0]) < len(options[0]) else []
             if exhaustive:
                 # Every split, each stage with its fastest remat that fits: the Pareto
                 # set of (sum, max) covers every per-family and per-stage remat choice.

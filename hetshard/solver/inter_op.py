@@ -292,7 +292,7 @@ class _Search:
     def _allowed(self, p: Plan) -> bool:
         opts = self.opts
         return single_type_stages(p, self.cluster, opts.mixed_context) and \
-            self.ev.stage_counts_allowed(p) and \
+            self.ev.stage_counts_allowed(p) and self.ev.offloads_allowed(p) and \
             (opts.max_pipelines is None or len(p.pipelines) <= opts.max_pipelines)
 
     def price(self, candidates: list[Plan]) -> list[Candidate]:
@@ -345,8 +345,8 @@ class _Search:
         layouts without (offload's split estimates would otherwise lead its descent
         away from layouts the simulation prices faster)."""
         opts = self.opts
-        remats = opts.memory_options if plan_offloads(start[1]) else \
-            tuple(k for k in opts.memory_options if not split_key(k)[1])
+        bare = tuple(k for k in opts.memory_options if not split_key(k)[1])
+        remats = opts.memory_options if plan_offloads(start[1]) or not bare else bare
         return improve_layouts(start, self.ev.evaluate, self.tables, self.cluster, self.heads,
                                tp_options=opts.tp_options, remats=remats,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
@@ -428,7 +428,8 @@ class _Search:
                 bare = self.ev.last_variants(Candidate(*bare))
                 if bare.key <= chosen.key:  # (as fast without the host: without)
                     chosen = bare
-        if not chosen.result.fits or not self.ev.stage_counts_allowed(chosen.plan):
+        if not chosen.result.fits or not self.ev.stage_counts_allowed(chosen.plan) or \
+                not self.ev.offloads_allowed(chosen.plan):
             raise self.no_plan()
         # (the best plan without offload, where the chosen one offloads: refined further
         # by the caller too, as it may end ahead: ``plan(..., with_bare=True)``)
