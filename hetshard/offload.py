@@ -38,16 +38,23 @@ def check_offload(value, remat: str, field: str = "offload", where: str = "") ->
       SpecError: anything else, or ``activations`` with a remat that keeps nothing by
         name, naming ``field``, the value and what is accepted.
     """
-    names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, (tuple, list)) or any(
-            not isinstance(n, str) or n not in OFFLOADS for n in names) or \
-            len(set(names)) != len(names):
-        raise SpecError(field, value, f"a list of distinct names among {OFFLOADS} "
-                                      "(empty: nothing offloaded)", where=where)
+    names = _names((value,) if isinstance(value, str) else value, field, value,
+                   "a list of distinct names among", where)
     if "activations" in names and remat not in ACTIVATION_REMATS:
         raise SpecError(field, value, "'activations' only with a remat that keeps values by "
                                       f"name, one of {ACTIVATION_REMATS} (remat is "
                                       f"{remat!r})", where=where)
+    return names
+
+
+def _names(names, field: str, value, accepted: str, where: str) -> tuple:
+    """``names`` in the order of :data:`OFFLOADS`, when they are distinct names of it;
+    else a SpecError naming ``field`` and ``value``."""
+    if not isinstance(names, (tuple, list)) or any(
+            not isinstance(n, str) or n not in OFFLOADS for n in names) or \
+            len(set(names)) != len(names):
+        raise SpecError(field, value, f"{accepted} {OFFLOADS} (empty or 'none': nothing "
+                                      "offloaded)", where=where)
     return tuple(n for n in OFFLOADS if n in names)
 
 
@@ -63,14 +70,10 @@ def parse_option(text, field: str = "offload_options", where: str = "") -> tuple
     Raises:
       SpecError: anything else, naming ``field``.
     """
-    if not isinstance(text, str):
-        raise SpecError(field, text, "'none' or names among "
-                        f"{OFFLOADS} joined by '+'", where=where)
-    names = tuple(t.strip() for t in text.split("+") if t.strip() not in ("", "none"))
-    if any(n not in OFFLOADS for n in names) or len(set(names)) != len(names):
-        raise SpecError(field, text, "'none' or distinct names among "
-                        f"{OFFLOADS} joined by '+'", where=where)
-    return tuple(n for n in OFFLOADS if n in names)
+    names = [t.strip() for t in text.split("+") if t.strip() not in ("", "none")] \
+        if isinstance(text, str) else None
+    return _names(names, field, text, "'none' or distinct names joined by '+' among",
+                  where)
 
 
 # The planner's memory options: a remat alone, or a remat with what it offloads,
