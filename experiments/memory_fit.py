@@ -18,8 +18,10 @@ the program's traced profile): ``predicted.peak_memory_bytes``. Layouts:
 * FSDP 8 (parameters, gradients and optimizer state sharded over the 8 ways);
 * hybrid: data 2 x fsdp 4;
 * data 8 under ``nan_policy="apply"``, whose state is donated (the others run the default
-  "skip", whose update keeps the old state beside the new: ``hetshard.runtime.executable``
-  says why).
+  "skip", which on CPU keeps the old state beside the new: ``hetshard.runtime.guard.
+  donates`` says why; on GPUs every policy donates).
+
+Each row is priced as the runtime runs it here (``simulate(..., donated=)``).
 
 Each layout is compiled twice, in two processes: under XLA CPU's default scheduler
 (ordered for concurrency between its thunks) and under its memory-minimising one
@@ -61,6 +63,7 @@ import models  # noqa: E402
 from hetshard.collectives import put  # noqa: E402
 from hetshard.cost.profile import profile_program  # noqa: E402
 from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
+from hetshard.runtime.executable import donates  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
 from models import data, losses  # noqa: E402
 
@@ -124,7 +127,11 @@ def measure(name: str, batch) -> dict:
             + m.temp_size_in_bytes)
     pinned = jitted.plan  # as hetshard.jit runs it (tensor layouts filled in)
     profile = profile_program(program, pinned.split_blocks)
-    priced = simulate(pinned, profile, cluster(), trace=False).peak_memory_bytes
+    # priced as the runtime runs it here (on CPU a step donates its state only under
+    # "apply": hetshard.runtime.executable.donates)
+    priced = simulate(pinned, profile, cluster(), trace=False,
+                      donated=donates("nnx", policy, jax.default_backend())
+                      ).peak_memory_bytes
     return {"layout": name, "mesh": [list(a) for a in mesh], "remat": remat,
             "nan_policy": policy,
             "distributed_optimizer": zero1,

@@ -364,3 +364,88 @@ def test_weight_gradient_ops_and_their_share_of_the_backward(prof):
     last = stage_cost(profile, 3, profile.num_layers, gpu, mbs=2, cal=DEFAULT)
     assert last.memory_cotangent_bytes == 0.0
     assert full.bwd_weight_s == pytest.approx(plain.bwd_weight_s)
+
+
+# ---- memory as the runtime holds it (issue 49) ------------------------------------------
+
+SWIGLU = ("gpt:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=128,seq=32,pos=rope,"
+          "norm=rmsnorm,mlp=swiglu,tied=false")
+
+
+def _graph(spec):
+    import numpy as np
+
+    import hetshard
+    from hetshard.ir.program import reduced_graph
+    from models import data, losses
+    model = models.build(spec, rngs=0)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batch = data.text_batch(np.random.default_rng(0), 2, 32, 128)
+
+    def step(model, optimizer, batch):
+        loss, grads = hetshard.value_and_grad(losses.text_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+    return reduced_graph(hetshard.Program(step, (model, opt, batch)), 2)[0]
+
+
+def test_one_program_keeps_a_swiglus_projections_not_its_activations():
+    """Forward and backward in one program, XLA recomputes elementwise values inside the
+    backward's kernels: a SwiGLU block keeps its gate and up projections' outputs and
+    their product (the down projection's input), not the sigmoid or the SiLU that
+    ``jax.vjp`` keeps; attention keeps its softmax output in both."""
+    g = _graph(SWIGLU)
+    vjp, _ = g.residuals(fused=False)
+    one, _ = g.residuals(fused=True)
+    layer = "decoder/layer_0"
+    ops = g.ops
+
+    def mine(kept, prim):
+        return [i for i in kept if ops[i].layer == layer and ops[i].primitive == prim]
+    assert mine(vjp, "logistic") and not mine(one, "logistic")
+    ffn = [i for i in one if ops[i].layer == layer and ops[i].out_shapes[0][-1] == 192]
+    assert sorted(ops[i].primitive for i in ffn) == ["dot_general", "dot_general", "mul"]
+    probs = [i for i in vjp if ops[i].layer == layer and ops[i].region and
+             len(ops[i].out_shapes[0]) == 5 and ops[i].out_shapes[0][-1] == 32]
+    assert probs and all(i in one for i in probs)
+    assert set(one) - set(vjp) <= {i for i in one if ops[i].phase == "fwd"}
+    assert sum(one[i] for i in mine(one, "dot_general")) > 0
+    assert sum(one.values()) < 0.8 * sum(vjp.values())
+    # priced: a pipeline's forward program returns jax.vjp's residuals, one program
+    # keeps fewer (what a single-stage plan holds)
+    prof = profile_model(SWIGLU, 32, "float32")
+    block = prof.layers[1]
+    assert 0 < block.fused_residual_bytes_per_sample < block.residual_bytes_per_sample
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    c = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, attention="reference",
+                   cal=DEFAULT)
+    fused = sum(layer.fused_residual_bytes_per_sample for layer in prof.layers) * 2
+    assert c.memory_per_microbatch_bytes - c.memory_fused_saving_bytes == \
+        pytest.approx(fused)
+    full = stage_cost(prof, 0, prof.num_layers, gpu, mbs=2, remat="full", cal=DEFAULT)
+    assert full.memory_fused_saving_bytes == 0.0  # (checkpointed: what remat keeps)
+
+
+def test_fsdp_prices_the_gathered_weights_and_the_whole_gradient_bucket():
+    """Without remat an FSDP stage keeps every layer's gathered weights from its forward
+    to its backward; a checkpointed one gathers again, two layers at a time. Its
+    gradients are whole until their reduce-scatter: the largest bucket."""
+    from hetshard.cost.comm import buckets
+    prof = profile_model(SPEC, 32, "float32")
+    gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
+    dp = 8
+    kw = dict(mbs=2, dp=dp, cal=DEFAULT)
+
+    def cost(remat, fsdp):
+        return stage_cost(prof, 0, prof.num_layers, gpu, remat=remat, fsdp=fsdp, **kw)
+    layers = [layer.param_bytes for layer in prof.layers]
+    bucket = max(b for _, b in buckets(layers[::-1]))
+    for remat, kept in (("none", sum(layers)), ("full", 2 * max(layers))):
+        extra = cost(remat, True).memory_working_bytes - \
+            cost(remat, False).memory_working_bytes
+        assert extra == pytest.approx((kept + bucket) * (1 - 1 / dp))
+    # the state the update rewrites: parameters and optimizer state, sharded
+    plain, sharded = cost("none", False), cost("none", True)
+    assert sharded.memory_state_bytes == pytest.approx(plain.memory_state_bytes / dp)
+    assert plain.memory_state_bytes == pytest.approx(
+        sum(layers) * (1 + prof.opt_bytes_per_param_byte))

@@ -161,7 +161,8 @@ def test_a_plan_whose_host_memory_is_too_small_is_priced_as_not_fitting():
     prof = _prof()
     for memory, fits in ((None, True), (20, False)):
         c = _consumer(memory=memory)
-        plan, _, _ = _fixed("dp=4,tp=1,pp=1,offload=optimizer", c, "gpt-1.3b", 1024, 16)
+        plan, _, _ = _fixed("dp=4,tp=1,pp=1,mbs=2,offload=optimizer", c, "gpt-1.3b", 1024,
+                            16)
         res = simulate(plan, prof, c)
         # 1.3B parameters' AdamW moments (8 bytes each) on each of the node's 4 GPUs
         assert res.host_memory_per_node["g/0"] == pytest.approx(
@@ -169,7 +170,7 @@ def test_a_plan_whose_host_memory_is_too_small_is_priced_as_not_fitting():
         assert res.host_memory_per_node["g/0"] > 4 * 1.3e9 * 8 * 0.9
         assert res.fits is fits
         assert res.peak_memory_bytes < c.groups[0].gpu.memory_bytes  # the GPUs: room
-    plain, _, _ = _fixed("dp=4,tp=1,pp=1", c, "gpt-1.3b", 1024, 16)
+    plain, _, _ = _fixed("dp=4,tp=1,pp=1,mbs=2", c, "gpt-1.3b", 1024, 16)
     res = simulate(plain, prof, c)
     assert not res.fits and res.host_memory_per_node == {}  # too large for a 4090 without
 

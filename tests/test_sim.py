@@ -920,3 +920,44 @@ def test_hybrid_sharding_gathers_inside_a_node_and_syncs_a_shard_across_nodes():
     assert hs.step_time_s < 0.7 * fs.step_time_s
     # the state: an eighth a device (flat FSDP's a sixteenth)
     assert h.memory_static_bytes == pytest.approx(2 * f.memory_static_bytes)
+
+
+def test_the_update_holds_a_second_copy_of_the_state_only_where_the_runtime_keeps_one():
+    """Donated (on GPUs: ``hetshard.runtime.guard.donates``), the update is written over
+    the state; not donated, one SPMD stage's program holds the new state beside the old
+    all along (its outputs are allocated when it starts), and a pipeline stage's update
+    program holds both once the activations are gone. A pipeline stage keeping leaves in
+    host memory is never donated."""
+    from hetshard.runtime.guard import donates
+    from hetshard.sim.simulator import update_kind
+    assert donates("nnx", "skip", "gpu") and donates("nnx", "apply", "cpu")
+    assert not donates("nnx", "skip", "cpu") and not donates("tree", "apply", "gpu")
+    spec = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
+    prof = profile_model(spec, 32, "float32")
+    cluster = Cluster.load("dgx-a100-80gb-x8")
+
+    def fixed(fix):
+        return uniform_plan(spec, prof, cluster, global_batch=16, seq_len=32,
+                            fix=parse_fix(fix))
+    one = fixed("dp=8,tp=1,pp=1,mbs=2")
+    kept, written = (simulate(one, prof, cluster, trace=False, donated=d) for d in
+                     (False, True))
+    state = written.stage_costs[0][0].memory_state_bytes
+    assert state > 0 and kept.peak_memory_bytes == pytest.approx(
+        written.peak_memory_bytes + state)
+    pipe = fixed("dp=4,tp=1,pp=2,mbs=2")
+    kept, written = (simulate(pipe, prof, cluster, trace=False, donated=d) for d in
+                     (False, True))
+    for w, c in enumerate(written.stage_costs[0]):
+        d = pipe.pipelines[0].stages[w].devices[0]
+        step = written.memory_per_device[d]
+        assert kept.memory_per_device[d] == pytest.approx(
+            max(step, c.memory_static_bytes + c.memory_state_bytes))
+    assert update_kind(pipe, pipe.pipelines[0]) == ("in_place", "in_place")
+    offloading = fixed("dp=4,tp=1,pp=2,mbs=2,offload=optimizer")
+    assert update_kind(offloading, offloading.pipelines[0]) == ("apart", "apart")
+    first, second = offloading.pipelines[0].stages
+    mixed = dataclasses.replace(offloading.pipelines[0], stages=(
+        first, dataclasses.replace(second, offload=())))
+    assert update_kind(offloading, mixed) == ("apart", "in_place")
+    assert update_kind(one, one.pipelines[0], donated=False) == ("with_step",)

@@ -325,6 +325,35 @@ def test_a_single_stage_nnx_step_donates_its_state_under_apply(policy):
         assert m.alias_size_in_bytes < 0.01 * state_bytes
 
 
+@pytest.mark.parametrize("path", ["shares", "pipeline"])
+def test_updates_apart_donate_the_state_they_rewrite_under_apply(path):
+    """Batch shares' combined update and each pipeline stage's update are programs of
+    their own: under "apply" they write over the state they rewrite (the arrays the last
+    step left are consumed), under "skip" (on CPU: ``hetshard.runtime.guard.donates``)
+    they do not; both train alike."""
+    got = {}
+    for policy in ("apply", "skip"):
+        step, model, opt, batch = _tiny()
+        plan = _plans(hetshard.Program(step, (model, opt, batch)))[path]
+        jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True,
+                              nan_policy=policy)
+        jitted(model, opt, batch)
+        jitted.wait()
+        entry = next(iter(jitted._compiled.values()))
+        if path == "shares":
+            held = jax.tree.leaves(nnx.state((model, opt)))
+        else:  # what each stage updates: the leaves it owns
+            runner = entry.runner
+            held = [view[i] for row, views in zip(runner.runs, runner.views, strict=True)
+                    for run, view in zip(row, views, strict=True) for i in run.owned]
+        jitted(model, opt, batch)
+        jitted.wait()
+        assert held and all(x.is_deleted() == (policy == "apply") for x in held), policy
+        got[policy] = _params(model)
+    for a, b in zip(got["apply"], got["skip"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_host_time_counts_each_nodes_tasks(device_only):
     """One host a node dispatches the tasks of its stages: a single-stage step is one
     program; a pipeline stage 2 (ZB-H1: 3) a micro-batch and one update; the step takes

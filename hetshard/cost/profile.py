@@ -72,6 +72,12 @@ class LayerProfile:
     # reference's, and of the values made before it that only attention's backward reads.
     attention_input_residual_bytes_per_sample: float = 0.0
     flash_residual_bytes_per_sample: float = 0.0
+    # The residuals (and attention's) as XLA keeps them when the forward and backward are
+    # one program (``OpGraph.residuals``: elementwise values recomputed in the backward's
+    # kernels, not kept); the others are what ``jax.vjp`` keeps, as a pipeline's forward
+    # program returns them.
+    fused_residual_bytes_per_sample: float = 0.0
+    fused_attention_residual_bytes_per_sample: float = 0.0
     # Parameters read here that another layer owns (``OpGraph.foreign_params``): a tied
     # embedding's head. (key, owner layer name, bytes); a stage without the owner holds a
     # read copy and its gradient (the owner's optimizer updates it).
@@ -369,12 +375,9 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
                 weight_input_bytes_per_sample=_linear(w_saved[remat][0].get(name, 0.0),
                                                       w_saved[remat][1].get(name, 0.0))[1])
                 for remat, ((k1, r1), (k2, _)) in saved.items()},
-            attention_input_residual_bytes_per_sample=_linear(
-                t1n.get("attention_input_residual_bytes", 0.0),
-                t2n.get("attention_input_residual_bytes", 0.0))[1],
-            flash_residual_bytes_per_sample=_linear(
-                t1n.get("flash_residual_bytes", 0.0),
-                t2n.get("flash_residual_bytes", 0.0))[1],
+            **{f"{key}_per_sample": _linear(t1n.get(key, 0.0), t2n.get(key, 0.0))[1]
+               for key in ("attention_input_residual_bytes", "flash_residual_bytes",
+                           "fused_residual_bytes", "fused_attention_residual_bytes")},
             foreign_params=tuple((k2, owner, nbytes) for k2, (owner, nbytes)
                                  in sorted(foreign.get(name, {}).items())),
             weight_input_bytes_per_sample=_linear(w_full1.get(name, 0.0),

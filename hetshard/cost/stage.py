@@ -67,7 +67,7 @@ import numpy as np
 
 from hetshard.cluster.catalog import DeviceType
 from hetshard.cost.calibration import Calibration
-from hetshard.cost.comm import Topology, collective_time
+from hetshard.cost.comm import Topology, buckets, collective_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
@@ -113,6 +113,15 @@ class StageCost:
     # Of optimizer_s, what streaming the state through the host link adds beyond the
     # update's own time (the first layer's wait left out): per layer, it adds up
     host_stream_s: float = 0.0
+    # Per device: the state the update writes anew (parameters, read copies and the
+    # optimizer state kept on the GPU). An update not written over the old state holds
+    # both at once (``hetshard.sim.simulator.worker_memory``).
+    memory_state_bytes: float = 0.0
+    # Of memory_per_microbatch_bytes (what ``jax.vjp`` keeps: a pipeline's forward
+    # program returns it to its backward), what XLA does not keep when the forward and
+    # backward are one program (a single-stage step): elementwise values its backward's
+    # kernels recompute (``OpGraph.residuals``)
+    memory_fused_saving_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -485,7 +494,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     fwd = bwd = recompute = weight = carry = cast_s = 0.0
     att_f = att_b = att_mem = 0.0
     model_flops = hw_flops = 0.0
-    act = static_copy = param_bytes = host_act = largest_param = 0.0
+    act = static_copy = param_bytes = host_act = largest_param = fused_saving = 0.0
+    fusable = 0.0  # the activations of the layers without remat
+    # per layer, parameter bytes per device (its tensor shard) and whether it is
+    # checkpointed
+    layer_params: list[tuple[float, bool]] = []
     working = 0.0
     inside = {layer.name for layer in profile.layers[start:end]}
     measured = _measured(profile, cal)
@@ -649,6 +662,15 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
         if mode == "none":
             kept = whole
+            if layer.fused_residual_bytes_per_sample > 0:  # (0: a profile without it)
+                # Attention's own residuals are the kernel's under flash: only the rest
+                # is fused. (Summed over the stage: a value one program keeps for a
+                # recomputed one may be a layer before's.)
+                one = layer.fused_residual_bytes_per_sample * mbs / shard
+                if attention != "reference":
+                    one -= layer.fused_attention_residual_bytes_per_sample * mbs / shard
+                fused_saving += (res if attention == "reference" else res - attn) - one
+                fusable += kept
         elif save is not None and "activations" in offload:
             # The kept values go to the host in the forward and come back for the
             # backward, each copy behind the layer's own compute (``hetshard.offload``);
@@ -679,6 +701,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += layer.param_bytes / tp
         largest_param = max(largest_param, layer.param_bytes / tp)
+        layer_params.append((layer.param_bytes / tp, mode != "none"))
         if save is not None:
             hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
         if mode != "full" and fused:
@@ -693,8 +716,19 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     # the same; ``hetshard.layout.leaf_spec``).
     opt_dp = optimizer_ways or max(gathered, dp * cp if shard_optimizer else 1)
     opt_state = param_bytes * profile.opt_bytes_per_param_byte / opt_dp
-    static = ((param_bytes + sum(b for _, b in read_copies.values())) * 2.0 / shard_dp +
-              opt_state + static_copy / shard_dp)
+    held = (param_bytes + sum(b for _, b in read_copies.values())) / shard_dp
+    if gathered > 1:
+        # FSDP: a layer's gathered weights are read again by its backward. Without remat
+        # every layer's stay gathered from its forward to its backward; a checkpointed
+        # layer gathers them again, one layer at a time behind the next (two at once).
+        # Its gradients are whole until their reduce-scatter, which runs in XLA's
+        # combined buckets (``hetshard.cost.comm.buckets``): the largest bucket whole.
+        kept = sum(b for b, again in layer_params if not again) + 2 * max(
+            (b for b, again in layer_params if again), default=0.0)
+        bucket = max((b for _, b in buckets([b for b, _ in layer_params[::-1]])),
+                     default=0.0)
+        working += (kept + bucket) * (1 - 1 / gathered)
+    static = held * 2.0 + opt_state + static_copy / shard_dp  # (the gradients: held)
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
     if updates and all(u is not None for u in updates):
         optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
@@ -718,4 +752,6 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s,
                      attention_fwd_s=att_f, attention_bwd_s=att_b,
                      attention_memory_bytes=att_mem, host_static_bytes=host_static,
-                     host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s)
+                     host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s,
+                     memory_state_bytes=held + opt_state - host_static,
+                     memory_fused_saving_bytes=min(max(fused_saving, 0.0), fusable))

@@ -78,21 +78,16 @@ class OpGraph:
         ``attention_residual_bytes`` (the part produced inside attention),
         ``attention_input_residual_bytes`` (values made outside attention that only
         attention's backward reads), ``flash_residual_bytes`` (what the flash kernel keeps
-        instead of attention's residuals: see :meth:`flash_residuals`) and ``params``
+        instead of attention's residuals: see :meth:`flash_residuals`),
+        ``fused_residual_bytes`` and ``fused_attention_residual_bytes`` (the residuals, and
+        attention's, as XLA keeps them in one program: :meth:`residuals`) and ``params``
         (bytes of parameters first read by the layer)."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for op in self.ops:
             if op.phase in ("fwd", "bwd"):
                 out[op.layer][f"{op.phase}_flops"] += op.flops
                 out[op.layer][f"{op.phase}_bytes"] += op.bytes
-        consumed_by_bwd: dict[int, float] = {}
-        for src, dst, nbytes in self.edges:
-            s, d = self.ops[src], self.ops[dst]
-            if s.phase == "fwd" and d.phase == "bwd":
-                consumed_by_bwd[src] = max(consumed_by_bwd.get(src, 0.0), nbytes)
-        read_outside: set[int] = {src for src, dst, _ in self.edges
-                                  if self.ops[dst].phase == "bwd"
-                                  and self.ops[dst].region != ATTENTION}
+        consumed_by_bwd, read_outside = self.residuals(fused=False)
         for src, nbytes in consumed_by_bwd.items():
             s = self.ops[src]
             out[s.layer]["residual_bytes"] += nbytes
@@ -100,11 +95,49 @@ class OpGraph:
                 out[s.layer]["attention_residual_bytes"] += nbytes
             elif src not in read_outside:
                 out[s.layer]["attention_input_residual_bytes"] += nbytes
+        for src, nbytes in self.residuals(fused=True)[0].items():
+            s = self.ops[src]
+            out[s.layer]["fused_residual_bytes"] += nbytes
+            if s.region == ATTENTION:
+                out[s.layer]["fused_attention_residual_bytes"] += nbytes
         for layer, nbytes in self.flash_residuals().items():
             out[layer]["flash_residual_bytes"] += nbytes
         for layer, nbytes in zip(self.param_layers, self.param_bytes, strict=True):
             out[layer]["params"] += nbytes
         return {k: dict(v) for k, v in out.items()}
+
+    def residuals(self, fused: bool) -> tuple[dict[int, float], set[int]]:
+        """The forward values the backward reads: op index -> bytes, and the indices some
+        backward op outside attention reaches. Unfused, every one (what ``jax.vjp``
+        keeps: a pipeline's forward program returns them to its backward). Fused, as XLA
+        keeps them when the forward and backward are one program: a value XLA does not
+        write (:meth:`written`: an elementwise value its readers recompute, the
+        backward's kernels included) is not kept; its operands are, followed back the
+        same way (a SwiGLU's gate keeps its two projections, not its activations)."""
+        ops = self.ops
+        written = self.written() if fused else [True] * len(ops)
+        operands: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        for src, dst, nbytes in self.edges:
+            operands[dst].append((src, nbytes))
+        kept: dict[int, float] = {}
+        outside: set[int] = set()
+        seen: set[tuple[int, bool]] = set()
+        stack = [(src, nbytes, ops[dst].region != ATTENTION)
+                 for src, dst, nbytes in self.edges
+                 if ops[src].phase == "fwd" and ops[dst].phase == "bwd"]
+        while stack:
+            i, nbytes, out = stack.pop()
+            if written[i]:
+                kept[i] = max(kept.get(i, 0.0), nbytes)
+                if out:
+                    outside.add(i)
+                continue
+            if (i, out) in seen:
+                continue
+            seen.add((i, out))
+            stack.extend((src, b, out) for src, b in operands[i]
+                         if ops[src].phase == "fwd")
+        return kept, outside
 
     def flash_residuals(self) -> dict[str, float]:
         """Per layer, the bytes the flash kernel keeps for its backward per micro-batch
@@ -244,24 +277,13 @@ class OpGraph:
                 i = parent[i]
             return i
 
-        def fusible(op):
-            return op.primitive not in _OWN_KERNEL and op.phase in ("fwd", "bwd", "opt")
-        def same(a, b):
-            """Both fusible, in one layer and region: XLA may recompute one inside the
-            other's kernel (autodiff's phases are no boundary to it)."""
-            return fusible(a) and fusible(b) and \
-                (_block(a.layer), a.region == ATTENTION) == (_block(b.layer),
-                                                            b.region == ATTENTION)
-
         def same_kernel(a, b):
-            return same(a, b) and a.phase == b.phase
+            return _same(a, b) and a.phase == b.phase
         # An equation's level: how many reductions it waits for inside its fusible
         # region; a kernel holds one level (what needs a reduced value runs after it).
-        cuts = [op.primitive in _REDUCTIONS and not _row_reduction(op) for op in ops]
+        cuts = _cuts(ops)
         level = [0] * n
-        consumers: list[list[int]] = [[] for _ in range(n)]
         for src, dst, _ in sorted(self.edges, key=lambda e: e[1]):
-            consumers[src].append(dst)
             if same_kernel(ops[src], ops[dst]):
                 level[dst] = max(level[dst], level[src] + cuts[src])
         for src, dst, _ in self.edges:
@@ -270,13 +292,7 @@ class OpGraph:
                 ra, rb = find(src), find(dst)
                 if ra != rb:
                     parent[max(ra, rb)] = min(ra, rb)
-        # A value is written to HBM when a reduction makes it, or something outside its
-        # fusible domain (a matmul, another layer or phase, the step's outputs) reads it;
-        # elementwise values read only by fusible neighbours are recomputed inside each
-        # kernel that reads them (XLA duplicates cheap producers into their consumers).
-        written = [not fusible(op) or cuts[i] or not consumers[i] or
-                   any(not same(op, ops[d]) for d in consumers[i])
-                   for i, op in enumerate(ops)]
+        written = self.written()
         leaves: dict[int, dict[tuple, float]] = {}
 
         def reads(i: int) -> dict[tuple, float]:
@@ -286,7 +302,7 @@ class OpGraph:
             op, got = ops[i], {}
             dtypes = op.signature[1] if len(op.signature) > 1 else ()
             for k, (src, shape) in enumerate(op.inputs):
-                if src >= 0 and not written[src] and same(ops[src], op):
+                if src >= 0 and not written[src] and _same(ops[src], op):
                     got.update(reads(src))
                 else:
                     dtype = dtypes[k][1] if k < len(dtypes) else ""
@@ -298,7 +314,7 @@ class OpGraph:
         start = np.zeros(n, bool)
         members: dict[int, list[int]] = defaultdict(list)
         for i, op in enumerate(ops):
-            if op.primitive in MATMULS or not fusible(op):
+            if op.primitive in MATMULS or not _fusible(op):
                 nbytes[i], start[i] = op.bytes, True
             else:
                 members[find(i)].append(i)
@@ -312,6 +328,21 @@ class OpGraph:
             nbytes[root] = sum(ops[i].out_bytes for i in outputs) + sum(read.values())
             start[root] = True
         return nbytes, start
+
+    def written(self) -> list[bool]:
+        """Per op, whether XLA writes its value to memory (see :meth:`kernels`): a
+        reduction makes it, or something outside its fusible domain (a matmul, another
+        layer or phase, the step's outputs) reads it. An elementwise value read only by
+        fusible neighbours is recomputed inside each kernel that reads it (XLA
+        duplicates cheap producers into their consumers), the backward's included."""
+        ops = self.ops
+        cuts = _cuts(ops)
+        consumers: list[list[int]] = [[] for _ in ops]
+        for src, dst, _ in self.edges:
+            consumers[src].append(dst)
+        return [not _fusible(op) or cuts[i] or not consumers[i] or
+                any(not _same(op, ops[d]) for d in consumers[i])
+                for i, op in enumerate(ops)]
 
     def layer_signature(self, layer: str) -> tuple:
         """Shapes and primitives of the layer's forward and backward ops, in order."""
@@ -339,6 +370,23 @@ _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_
                "reduce_or", "reduce_xor", "argmax", "argmin")
 # Equations that move no data on their own (XLA emits bitcasts for them).
 _BITCASTS = ("reshape", "squeeze", "expand_dims")
+
+
+def _fusible(op: Op) -> bool:
+    return op.primitive not in _OWN_KERNEL and op.phase in ("fwd", "bwd", "opt")
+
+
+def _same(a: Op, b: Op) -> bool:
+    """Both fusible, in one layer and region: XLA may recompute one inside the other's
+    kernel (autodiff's phases are no boundary to it)."""
+    return _fusible(a) and _fusible(b) and \
+        (_block(a.layer), a.region == ATTENTION) == (_block(b.layer), b.region == ATTENTION)
+
+
+def _cuts(ops: list[Op]) -> list[bool]:
+    """Per op, whether it is a reduction that ends its kernel (what reads the reduced
+    value runs in a later one): any but a row reduction a normalization fusion keeps."""
+    return [op.primitive in _REDUCTIONS and not _row_reduction(op) for op in ops]
 
 
 # Longest row (elements) a normalization fusion keeps on chip: 16K float32 values are

@@ -52,6 +52,7 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
     Carry,
     Guard,
     NonFiniteLossError,
+    donates,
     find_loss,
 )
 from hetshard.runtime.pipeline import PipelineRunner
@@ -193,16 +194,7 @@ class SpmdStep:
             if new is not None:
                 new = jax.tree.map(at_home, new, s_shard)
             return (out, new, *rest)
-        # Under nan_policy="apply" an NNX step's state is donated: the update is written
-        # over it, as MaxText's train step does, so the step holds one copy of the
-        # parameters and optimizer state (what the simulator prices); the objects get the
-        # new arrays (``run``). Under "skip" and "raise" it is not: each state leaf's
-        # ``where(apply, new, old)`` reads the old optimizer moments in two fusions (XLA
-        # recomputes a moment's new value in the parameter's update and in the moment's
-        # own select), so donating them made XLA copy every moment first (109 copies in
-        # the 8-device benchmark's program, the step 1.4x slower on CPU) and saved no
-        # memory. A pytree step's arguments are the caller's, whose references stay valid.
-        donate = program.kind == "nnx" and guard.nan_policy == "apply"
+        donate = donates(program.kind, guard.nan_policy, mesh.devices.flat[0].platform)
         jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
                                                                        rep),
                          donate_argnums=(0,) if donate else ())
@@ -314,7 +306,9 @@ class SharesStep:
             NamedSharding(shares[0].mesh, PartitionSpec()))
         apply = combining(program, settled(program, guard, carry, providing_whole(program),
                                            shares[0].shardings))
-        return cls(plan, program, shares, jax.jit(apply), guard, carry)
+        platform = shares[0].mesh.devices.flat[0].platform
+        return cls(plan, program, shares, jax.jit(apply, donate_argnums=(0,) if donates(
+            program.kind, guard.nan_policy, platform) else ()), guard, carry)
 
     def run(self, others, batch):
         program = self.program

@@ -42,6 +42,26 @@ from hetshard.runtime.precision import DynamicLossScale, log
 NAN_POLICIES = ("skip", "apply", "raise")
 
 
+def donates(kind: str, nan_policy: str, platform: str) -> bool:
+    """Whether a step's update donates the state it rewrites (a single stage's whole
+    step, the batch shares' combined update, a pipeline stage's update of the leaves it
+    owns: ``hetshard.runtime.executable``, ``hetshard.runtime.pipeline``): the update is
+    written over it, as MaxText's train step does, so the step holds one copy of the
+    parameters and optimizer state; the objects get the new arrays. A pytree step's
+    arguments are the caller's, whose references stay valid: never.
+
+    On GPUs (any accelerator), under every ``nan_policy``: the old state the guard falls
+    back on is read in the update's own fusions, and a second copy of the state is what
+    decides whether a model fits. On CPU only under ``"apply"``: there each state leaf's
+    ``where(apply, new, old)`` reads the old optimizer moments in two fusions (XLA
+    recomputes a moment's new value in the parameter's update and in the moment's own
+    select), so donating them made XLA copy every moment first, the 8-device benchmark's
+    step 1.24x slower (``experiments/runtime_overhead.py``), for a peak 18% lower
+    (``experiments/memory_fit.py``). The simulator prices the same choice
+    (``hetshard.sim.simulator.update_kind``)."""
+    return kind == "nnx" and (nan_policy == "apply" or platform != "cpu")
+
+
 class NonFiniteLossError(HetshardError, FloatingPointError):
     """The step's loss or gradients are not finite (``nan_policy="raise"``)."""
 

@@ -72,7 +72,7 @@ from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
 from hetshard.runtime.exchange import evaluate
-from hetshard.runtime.guard import Carry, Guard, scalar
+from hetshard.runtime.guard import Carry, Guard, donates, scalar
 from hetshard.runtime.ownership import PipelineSetupError, ownership
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.walk import PipelineWalk, samples_per_micro_batch
@@ -108,7 +108,7 @@ class PipelineRunner:
         if program.call is None:
             raise PipelineSetupError("pipeline plans need a step that calls "
                                      "a loss call (or plan with max_stages=1)")
-        self.plan, self.program = plan, program
+        self.plan, self.program, self.guard = plan, program, guard
         self.state_tree, self.paths = program.state_tree, program.paths
         self.state_avals = program.state_avals
         self.batch_tree, self.batch_avals = program.batch_tree, program.batch_avals
@@ -137,8 +137,8 @@ class PipelineRunner:
         self.published: list | None = None
         # The non-finite policy, decided on the device on pipeline 0's loss stage (where
         # the carry lives: the loss scale of float16 plans, raise's flag); the last
-        # step's report (``Guard.record``) and verdict (what every stage applied on).
-        self.guard = guard
+        # step's report (``Guard.record``) and verdict (what every stage applied on):
+        # ``self.guard``.
         self.carry = Carry(loss_scale=DynamicLossScale() if plan.loss_scaled else None)
         self.report: dict | None = None
         self.verdict: list | None = None
@@ -266,7 +266,12 @@ class PipelineRunner:
         run.bwd = jax.jit(functools.partial(stage_fns.backward, program))
         run.bwd_input = jax.jit(functools.partial(stage_fns.backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))
-        run.apply = jax.jit(self._stage_apply(run, pi, si))
+        # The update writes over the leaves the stage owns where the runtime donates
+        # (``hetshard.runtime.guard.donates``): not those it keeps in host memory.
+        donate = donates(self.program.kind, self.guard.nan_policy,
+                         mesh.devices.flat[0].platform) and not stage.offload
+        run.apply = jax.jit(self._stage_apply(run, pi, si),
+                            donate_argnums=(0,) if donate else ())
         ex = self.exchanges[pi]
         if ex is not None:
             run.rounds = [jax.jit(self._stage_apply(run, pi, si, r))

@@ -17,7 +17,9 @@ hold the same layers (``plan.grad_sync``), then runs the optimizer update; with
 bucketing does. With the distributed optimizer (ZeRO-1) that synchronisation is a
 reduce-scatter, the update runs on the stage's shard, and an all-gather of the
 updated parameters follows it (not overlapped). Step time is the latest finish over
-all stages.
+all stages. A device's peak memory is its stages' state, the activations its schedule
+keeps in flight and the largest working set, plus the update's new state where the
+runtime writes it beside the old (``worker_memory``, ``update_kind``).
 """
 
 from __future__ import annotations
@@ -91,10 +93,40 @@ class SimResult:
 
 
 def worker_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
-                  extra: tuple[int, ...] = ()) -> float:
+                  extra: tuple[int, ...] = (), update: tuple[str, ...] = ()) -> float:
     """Peak bytes per device of submesh ``w``: its stages' static memory, the activations
     its schedule keeps in flight at the worst moment, and the largest working set.
-    ``costs[s]`` is stage s's StageCost."""
+    ``costs[s]`` is stage s's StageCost. ``update[s]`` (:func:`update_kind`; none: every
+    stage ``in_place``): how the runtime writes stage s's new state
+    (``StageCost.memory_state_bytes``): over the old (``in_place``), beside it in the
+    step's one program, whose outputs are allocated when it starts (``with_step``), or
+    beside it in the stage's update program, run once the activations are gone
+    (``apart``; a submesh's stages update one at a time)."""
+    mine = range(w, len(costs), p)
+    step = _step_memory(schedule, p, w, m, v, costs, extra)
+    kinds = update or ("in_place",) * len(costs)
+    step += sum(costs[s].memory_state_bytes for s in mine if kinds[s] == "with_step")
+    apart = [costs[s].memory_state_bytes for s in mine if kinds[s] == "apart"]
+    if apart:
+        return max(step, sum(costs[s].memory_static_bytes for s in mine) + max(apart))
+    return step
+
+
+def update_kind(plan: Plan, pipe, donated: bool = True) -> tuple[str, ...]:
+    """How the runtime writes each stage of pipeline ``pipe``'s new state
+    (``hetshard.runtime.executable``, ``hetshard.runtime.pipeline``): over the old where
+    it donates the state (``donated``: ``hetshard.runtime.guard.donates``; on GPUs it
+    does), but for a pipeline stage keeping leaves in host memory; else beside it, in the
+    step's one program (one SPMD stage) or in an update program of its own (a pipeline's
+    stages, batch shares)."""
+    one = len(plan.pipelines) == 1 and len(pipe.stages) == 1
+    return tuple("in_place" if donated and (one or not st.offload) else
+                 "with_step" if one else "apart" for st in pipe.stages)
+
+
+def _step_memory(schedule: str, p: int, w: int, m: int, v: int, costs,
+                 extra: tuple[int, ...]) -> float:
+    """:func:`worker_memory` before the update's new state."""
     if v == 1 and schedule != "zbh1":
         return costs[w].peak_memory(inflight(schedule, p, w, m, extra))
     live = peak = 0.0
@@ -159,17 +191,26 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                    mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
                    plan.context_chunks(st), plan.context.shard_state)
             if cache is not None and key in cache:
-                costs.append(cache[key])
-                continue
-            cost = layers_cost(st, st.start, st.end, mbs, fsdp,
-                               plan.attention, profile, cluster, cal,
-                               plan.distributed_optimizer, plan.tp_overlap, dtype,
-                               plan.context_chunks(st), plan.context.shard_state)
-            if cache is not None:
-                cache[key] = cost
-            costs.append(cost)
+                cost = cache[key]
+            else:
+                cost = layers_cost(st, st.start, st.end, mbs, fsdp,
+                                   plan.attention, profile, cluster, cal,
+                                   plan.distributed_optimizer, plan.tp_overlap, dtype,
+                                   plan.context_chunks(st), plan.context.shard_state)
+                if cache is not None:
+                    cache[key] = cost
+            costs.append(one_program(cost) if len(pipe.stages) == 1 else cost)
         out.append(costs)
     return out
+
+
+def one_program(c: StageCost) -> StageCost:
+    """``c`` as a single-stage pipeline runs it: forward and backward in one jitted
+    program, whose fusion keeps fewer activations than ``jax.vjp``'s residuals
+    (``StageCost.memory_fused_saving_bytes``)."""
+    return dataclasses.replace(
+        c, memory_per_microbatch_bytes=c.memory_per_microbatch_bytes -
+        c.memory_fused_saving_bytes, memory_fused_saving_bytes=0.0)
 
 
 def priced_dtype(plan: Plan, profile: ModelProfile, st) -> str:
@@ -456,10 +497,11 @@ def warmup_short_of_memory(plan: Plan, profile: ModelProfile, cluster: Cluster,
 
 
 def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluster: Cluster,
-                 cal: Calibration, cache: dict | None) -> dict[str, float] | None:
+                 cal: Calibration, cache: dict | None,
+                 update: str) -> dict[str, float] | None:
     """Peak bytes per GPU type on submesh ``w`` of pipeline ``pi`` when one of its stages
     has uneven context chunks (each type holds its own share of the sequence), else
-    None."""
+    None. ``update``: :func:`update_kind`."""
     pipe = plan.pipelines[pi]
     p = pipe.num_workers
     mine = range(w, len(pipe.stages), p)
@@ -482,6 +524,9 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
                 continue
             cache[key] = got
         typed[s] = cache[key]
+    if len(pipe.stages) == 1:
+        typed = {s: {name: one_program(c) for name, c in got.items()}
+                 for s, got in typed.items()}
     names = {cluster.gpu_of(d).name for d in pipe.stages[w].devices}
     out = {}
     for name in names:
@@ -489,7 +534,7 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
         for s in mine:
             costs[s] = typed[s].get(name, act[s])
         out[name] = worker_memory(pipe.schedule, p, w, pipe.num_micro_batches,
-                                  pipe.virtual_stages, costs, pipe.extra_warmup)
+                                  pipe.virtual_stages, costs, pipe.extra_warmup, update)
     return out
 
 
@@ -501,11 +546,15 @@ def _slowest(cluster: Cluster, devices) -> object:
 
 def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
              cal: Calibration = DEFAULT, *, trace: bool = True,
-             cache: dict | None = None, margin: float = 0.0) -> SimResult:
+             cache: dict | None = None, margin: float = 0.0,
+             donated: bool = True) -> SimResult:
     """Simulates one step of ``plan``; see the module docstring for the model. With
     ``trace=False`` the result's ``tasks`` are left empty, and ``cache`` keeps stage costs
     between calls on the same profile, cluster and calibration (the planner's use).
-    ``fits``: every device's peak within its memory less ``margin`` (a fraction)."""
+    ``fits``: every device's peak within its memory less ``margin`` (a fraction).
+    ``donated``: whether the step donates its state, the update written over it
+    (:func:`update_kind`: as the runtime does on GPUs; on CPU only under
+    ``nan_policy="apply"``)."""
     if plan.split_blocks != profile.split_blocks:
         raise SpecError("profile.split_blocks", profile.split_blocks,
                         f"the plan's split_blocks={plan.split_blocks} (profile the model with "
@@ -522,17 +571,19 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         n, m, v = len(pipe.stages), pipe.num_micro_batches, pipe.virtual_stages
         p = n // v
         act = costs[pi]
+        update = update_kind(plan, pipe, donated)
         sends = _sends(pipe, profile, cluster, cal)
         # A pipeline's walk depends only on its stage costs, transfers and schedule: the
         # planner's neighbouring plans mostly change one pipeline, so the others' walks
         # and memory peaks are remembered.
-        key = ("walk", tuple(act), tuple(sends), m, pipe.schedule, v, pipe.extra_warmup)
+        key = ("walk", tuple(act), tuple(sends), m, pipe.schedule, v, pipe.extra_warmup,
+               update)
         walked = None if (trace or cache is None) else cache.get(key)
         if walked is None:
             events, _, last_b = time_pipeline(
                 [c.fwd_s for c in act], [c.bwd_s for c in act], sends, m, pipe.schedule, v,
                 pipe.extra_warmup, trace, [c.bwd_weight_s for c in act])
-            peaks = [worker_memory(pipe.schedule, p, w, m, v, act, pipe.extra_warmup)
+            peaks = [worker_memory(pipe.schedule, p, w, m, v, act, pipe.extra_warmup, update)
                      for w in range(p)]
             if cache is not None and not trace:
                 cache[key] = (last_b, peaks)
@@ -545,7 +596,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
         for w in range(p):
             peak = peaks[w]
             work = m * sum(c.fwd_s + c.bwd_s for c in act[w::p])
-            typed = _typed_peaks(plan, pi, w, act, profile, cluster, cal, cache)
+            typed = _typed_peaks(plan, pi, w, act, profile, cluster, cal, cache, update)
             held = host_memory(pipe, w, act)
             for d in pipe.stages[w].devices:
                 busy[d] = work
