@@ -961,3 +961,5 @@ def test_the_update_holds_a_second_copy_of_the_state_only_where_the_runtime_keep
         first, dataclasses.replace(second, offload=())))
     assert update_kind(offloading, mixed) == ("apart", "in_place")
     assert update_kind(one, one.pipelines[0], donated=False) == ("with_step",)
+    alone = fixed("dp=8,tp=1,pp=1,mbs=2,offload=optimizer")  # its whole step donates
+    assert update_kind(alone, alone.pipelines[0]) == ("in_place",)

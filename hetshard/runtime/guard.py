@@ -45,7 +45,8 @@ NAN_POLICIES = ("skip", "apply", "raise")
 def donates(kind: str, nan_policy: str, platform: str) -> bool:
     """Whether a step's update donates the state it rewrites (a single stage's whole
     step, the batch shares' combined update, a pipeline stage's update of the leaves it
-    owns: ``hetshard.runtime.executable``, ``hetshard.runtime.pipeline``): the update is
+    owns unless it keeps some in host memory: ``hetshard.runtime.executable``,
+    ``hetshard.runtime.pipeline``): the update is
     written over it, as MaxText's train step does, so the step holds one copy of the
     parameters and optimizer state; the objects get the new arrays. A pytree step's
     arguments are the caller's, whose references stay valid: never.

@@ -267,7 +267,8 @@ class PipelineRunner:
         run.bwd_input = jax.jit(functools.partial(stage_fns.backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))
         # The update writes over the leaves the stage owns where the runtime donates
-        # (``hetshard.runtime.guard.donates``): not those it keeps in host memory.
+        # (``hetshard.runtime.guard.donates``), unless the stage keeps some in host
+        # memory.
         donate = donates(self.program.kind, self.guard.nan_policy,
                          mesh.devices.flat[0].platform) and not stage.offload
         run.apply = jax.jit(self._stage_apply(run, pi, si),

@@ -116,11 +116,11 @@ def update_kind(plan: Plan, pipe, donated: bool = True) -> tuple[str, ...]:
     """How the runtime writes each stage of pipeline ``pipe``'s new state
     (``hetshard.runtime.executable``, ``hetshard.runtime.pipeline``): over the old where
     it donates the state (``donated``: ``hetshard.runtime.guard.donates``; on GPUs it
-    does), but for a pipeline stage keeping leaves in host memory; else beside it, in the
-    step's one program (one SPMD stage) or in an update program of its own (a pipeline's
-    stages, batch shares)."""
+    does), but for a stage of several keeping leaves in host memory; else beside it, in
+    the step's one program (one SPMD stage) or in an update program of its own (a
+    pipeline's stages, batch shares)."""
     one = len(plan.pipelines) == 1 and len(pipe.stages) == 1
-    return tuple("in_place" if donated and (one or not st.offload) else
+    return tuple("in_place" if donated and (len(pipe.stages) == 1 or not st.offload) else
                  "with_step" if one else "apart" for st in pipe.stages)
 
 
