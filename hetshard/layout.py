@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetshard.errors import SpecError
 from hetshard.ir.paths import path_string
-from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage
+from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage, named_spec
 
 __all__ = ["BATCH_AXES", "MESH_AXES", "activation_sharding", "attention_layout",
            "batch_axes", "batch_axes_for", "batch_sharding", "batch_ways",
@@ -109,14 +109,10 @@ def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
 
 def _base_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
                over_context: bool = False) -> PartitionSpec:
-    best = None
-    for name, entries in specs.items():
-        if (path == name or path.endswith("/" + name)) and len(entries) == len(shape):
-            if best is None or len(name) > len(best[0]):
-                best = (name, entries)
-    if best is not None:
+    named = named_spec(specs, path, len(shape))
+    if named is not None:
         return spec(a if a is None or shape[i] % mesh.shape[a] == 0 else None
-                    for i, a in enumerate(best[1]))
+                    for i, a in enumerate(named))
     axes = tuple(a for a in ("fsdp", "context") if mesh.shape.get(a, 1) > 1
                  and (a == "fsdp" or over_context))
     ways = int(np.prod([mesh.shape[a] for a in axes]))

@@ -723,6 +723,19 @@ def data_ways(s: Stage) -> int:
     return math.prod(s.axis(a) for a in BATCH_AXES)
 
 
+def named_spec(specs, path: str, rank: int | None = None) -> tuple | None:
+    """The entries ``specs`` (``Stage.shardings`` pairs or a dict of them) give parameter
+    ``path``: the longest name that is the path or ends it (``.../name``), of ``rank``
+    entries where given; None where no name matches."""
+    best = None
+    for name, entries in (specs.items() if isinstance(specs, Mapping) else specs):
+        if (path == name or path.endswith("/" + name)) and (
+                rank is None or len(entries) == rank) and (
+                best is None or len(name) > len(best[0])):
+            best = (name, tuple(entries))
+    return None if best is None else best[1]
+
+
 def _to_jsonable(x):
     if isinstance(x, dict):
         return {k: _to_jsonable(v) for k, v in x.items()}

@@ -959,3 +959,32 @@ def test_where_no_plan_fits_the_planner_shards_the_state_inside_each_node():
                    options=dataclasses.replace(opts, state_sharding="none"))
     with pytest.raises(SpecError, match="state_sharding='some'"):
         PlannerOptions(state_sharding="some")
+
+
+def test_plan_predictions_priced_under_its_solved_tensor_layouts(monkeypatch):
+    # The search prices tensor-parallel weights split; the intra-op solver then keeps
+    # some whole on each rank (norms, biases, embeddings, heads). The plan make_plan
+    # returns is priced under those layouts: its prediction is what simulating it gives,
+    # and above what the same plan costs with every weight split.
+    cluster = Cluster.load({"name": "a100x4", "groups": [
+        {"name": "a", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]})
+    opts = dataclasses.replace(OPTS, tp_options=(2,), time_limit_s=20)
+    plan = make_plan(TINY, cluster, global_batch=8, seq_len=64, options=opts)
+    assert all(st.axis("tensor") == 2 and st.shardings
+               for pipe in plan.pipelines for st in pipe.stages)
+    profile = profile_model(TINY, 64, "float16", split_blocks=plan.split_blocks)
+    assert plan.predicted.peak_memory_bytes == pytest.approx(
+        simulate(plan, profile, cluster, trace=False).peak_memory_bytes, rel=1e-9)
+    bare = dataclasses.replace(plan, pipelines=tuple(dataclasses.replace(pipe, stages=tuple(
+        dataclasses.replace(st, shardings=()) for st in pipe.stages))
+        for pipe in plan.pipelines))
+    assert plan.predicted.peak_memory_bytes > simulate(
+        bare, profile, cluster, trace=False).peak_memory_bytes
+    # and a plan its layouts leave over memory is not returned silently
+    import hetshard.solver as solver
+    real = solver.simulate
+    monkeypatch.setattr(solver, "simulate", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), fits=False))
+    with pytest.warns(solver.PlannerMemoryWarning, match="whole on each tensor rank"):
+        again = solver._repriced(plan, profile, cluster, DEFAULT)
+    assert not again.predicted.fits

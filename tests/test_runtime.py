@@ -621,3 +621,31 @@ def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
         if a.size >= 1024:  # a quarter a device, where the four-row micro-step has it
             assert a.addressable_shards[0].data.size * 4 == a.size
             assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_tensor_layouts_priced_as_the_runtime_places_them():
+    # The simulator prices each parameter as the plan's solved layout places it: split
+    # over `tensor` where its spec names the axis, whole on every tensor rank otherwise
+    # (norms, biases, embeddings and heads stay replicated), not every weight / tp.
+    from hetshard.cost.profile import profile_program
+    from hetshard.layout import stage_mesh, state_shardings
+    from hetshard.sim.simulator import simulate
+
+    plan = _plan("dp=2,tp=4,pp=1", shardings=True)
+    params = nnx.state(models.build(MODEL, rngs=0), nnx.Param)
+    placed = state_shardings(params, plan, stage_mesh(plan, jax.devices()[:8]))
+    per_device = sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(
+        jax.tree.leaves(params), jax.tree.leaves(placed), strict=True))
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert per_device > 1.2 * whole / 4  # some weights really stay whole on each rank
+    profile = profile_program(_program(), plan.split_blocks)
+    cluster = Cluster.load(CLUSTER)
+
+    def priced(p):
+        return simulate(p, profile, cluster, trace=False).stage_costs[0][0].grad_sync_bytes
+    assert priced(plan) == pytest.approx(per_device, rel=1e-6)
+    # a stage whose layouts are not solved yet is priced as the planner's search assumes
+    bare = dataclasses.replace(plan, pipelines=(dataclasses.replace(
+        plan.pipelines[0], stages=(dataclasses.replace(plan.pipelines[0].stages[0],
+                                                       shardings=()),)),))
+    assert priced(bare) == pytest.approx(whole / 4, rel=1e-6)

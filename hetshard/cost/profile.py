@@ -82,6 +82,10 @@ class LayerProfile:
     # embedding's head. (key, owner layer name, bytes); a stage without the owner holds a
     # read copy and its gradient (the owner's optimizer updates it).
     foreign_params: tuple[tuple[int, str, float], ...] = ()
+    # The parameters the layer owns: (path, bytes) each (``Program.layer_param_sizes``),
+    # which a plan's per-parameter layouts (``Stage.shardings``) name; empty where the
+    # profile was not traced from a program (then ``param_bytes`` alone).
+    param_shares: tuple[tuple[str, int], ...] = ()
     # Under ZB-H1 with full remat, the layer's forward values its W pass reads (the
     # weight matmuls' inputs) are recomputed by B and kept until W: bytes per sample
     # (``RematSave.weight_input_bytes_per_sample`` for the other remats).
@@ -384,9 +388,11 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
                                                   w_full2.get(name, 0.0))[1])
     # What each layer owns, from the program (a stacked weight's slices per layer).
     sizes = program.layer_param_sizes(2, split_blocks)
-    layers = tuple(dataclasses.replace(priced[lay.names[rep[k]]], name=name,
-                                       param_bytes=sizes[k][0], param_count=sizes[k][1])
-                   for k, name in enumerate(lay.names))
+    layers = tuple(dataclasses.replace(
+        priced[lay.names[rep[k]]], name=name,
+        param_bytes=sum(b for _, b, _ in sizes[k]), param_count=sum(n for _, _, n in sizes[k]),
+        param_shares=tuple((path, b) for path, b, _ in sizes[k]))
+        for k, name in enumerate(lay.names))
     opt_ratio = program.opt_state_bytes / max(program.param_bytes, 1)
     return ModelProfile(
         model=program.name, seq_len=program.seq_len, dtype=program.dtype, layers=layers,

@@ -68,10 +68,11 @@ import numpy as np
 from hetshard.cluster.catalog import DeviceType
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import Topology, buckets, collective_time
-from hetshard.cost.profile import ModelProfile
+from hetshard.cost.profile import LayerProfile, ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
 from hetshard.offload import check_offload
+from hetshard.plan import named_spec
 from hetshard.remat import check_remat
 
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
@@ -447,6 +448,24 @@ def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
     return max(0.0, transfer - hide) + e.tp_overlap_interference * min(transfer, hide)
 
 
+def tensor_rank_bytes(layer: LayerProfile, tp: int,
+                      shardings: tuple[tuple[str, tuple], ...] | None) -> float:
+    """``layer``'s parameter bytes on one of ``tp`` tensor ranks: each split ``tp`` ways,
+    or, given the stage's per-parameter layouts, split only where its layout names the
+    ``tensor`` axis (``hetshard.layout`` keeps the others whole on every rank: norms,
+    biases, a weight the intra-op solver left replicated, embeddings and heads)."""
+    if tp == 1 or shardings is None or not layer.param_shares:
+        return layer.param_bytes / tp
+    return float(sum(nbytes / tp if "tensor" in _axes(named_spec(shardings, path)) else nbytes
+                     for path, nbytes in layer.param_shares))
+
+
+def _axes(entries: tuple | None) -> set[str]:
+    """The mesh axes a PartitionSpec's entries name (an entry: None, an axis or several)."""
+    return {a for e in entries or () if e is not None
+            for a in ((e,) if isinstance(e, str) else e)}
+
+
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
                cp: int = 1, dp: int = 1, fsdp: bool = False, shard_optimizer: bool = False,
                mbs: int = 1,
@@ -456,8 +475,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                cp_topo: Topology | None = None, dp_topo: Topology | None = None,
                tp_overlap: bool = False, dtype: str | None = None,
                shard_context: bool = False, optimizer_ways: int | None = None,
-               offload: tuple[str, ...] = (), host_link_gbs: float | None = None
-               ) -> StageCost:
+               offload: tuple[str, ...] = (), host_link_gbs: float | None = None,
+               shardings: tuple[tuple[str, tuple], ...] | None = None) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
@@ -468,7 +487,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     ``dp``, ``fsdp`` and ``shard_optimizer`` say (a hybrid-sharded stage: FSDP over
     ``dp`` ranks inside each data group, the distributed optimizer across them);
     ``offload``: what the stage keeps in host memory (``hetshard.offload``), over a host
-    link of ``host_link_gbs`` per device (None: the GPU type's)."""
+    link of ``host_link_gbs`` per device (None: the GPU type's); ``shardings``: the
+    stage's per-parameter layouts (``Stage.shardings``), where solved: a parameter they do
+    not split over ``tensor`` is whole on every tensor rank (None: every parameter split
+    ``tp`` ways, as the planner's search assumes before layouts are solved)."""
     check_remat(remat)
     offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -509,6 +531,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         for key, owner, nbytes in layer.foreign_params:
             if owner not in inside:
                 read_copies[key] = (owner, nbytes / tp)
+        own = tensor_rank_bytes(layer, tp, shardings)  # its parameters on one tensor rank
         mode = remat if index < last_remat else "none"
         save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
         weight_before = weight
@@ -609,7 +632,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             # memory bandwidth), as a collective matmul's transfers do. One ring per
             # tensor rank (and context rank, where the state is not split over them),
             # all at once, sharing each node's network card.
-            ag = collective_time("all_gather", layer.param_bytes / tp, dp_topo, cal, gpu.name,
+            ag = collective_time("all_gather", own, dp_topo, cal, gpu.name,
                                  tp if shard_context else tp * cp)
             t_f = max(t_f, ag) + e.overlap_interference * min(t_f, ag)
             t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
@@ -697,11 +720,13 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             # A W pass reads the weight matmuls' inputs, which B recomputed: kept until W.
             carry += (layer.weight_input_bytes_per_sample if save is None else
                       save.weight_input_bytes_per_sample) * mbs / shard
-        static_copy += layer.weight_copy_bytes / tp
+        # (the compute-dtype copies of the weights split as the weights are)
+        static_copy += layer.weight_copy_bytes * (own / layer.param_bytes
+                                                  if layer.param_bytes else 1.0 / tp)
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
-        param_bytes += layer.param_bytes / tp
-        largest_param = max(largest_param, layer.param_bytes / tp)
-        layer_params.append((layer.param_bytes / tp, mode != "none"))
+        param_bytes += own
+        largest_param = max(largest_param, own)
+        layer_params.append((own, mode != "none"))
         if save is not None:
             hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
         if mode != "full" and fused:

@@ -376,10 +376,12 @@ class Program:
         return out
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
-    def layer_param_sizes(self, mbs: int = 2, split_blocks: bool = False) -> list[tuple]:
-        """Per layer, (bytes, elements) of the parameters it owns: a parameter belongs to
-        the first layer reading it whole; a stacked weight that layers read slice by
-        slice (an unrolled scan's) gives each layer its slices."""
+    def layer_param_sizes(self, mbs: int = 2, split_blocks: bool = False
+                          ) -> list[tuple[tuple[str, int, int], ...]]:
+        """Per layer, ``(path, bytes, elements)`` of each parameter it owns (by
+        ``param_path``, in leaf order): a parameter belongs to the first layer reading it
+        whole; a stacked weight that layers read slice by slice (an unrolled scan's) gives
+        each layer its slices."""
         closed, _ = self.loss_jaxpr(mbs)
         lay = self.layering(mbs, split_blocks)
         n_state = len(self.state_avals)
@@ -399,17 +401,17 @@ class Program:
                         (k, n * out.dtype.itemsize, n))
                 else:
                     whole.setdefault(pos[v], k)
-        out = [[0, 0] for _ in range(lay.num_layers)]
-        for j in params:
+        out: list[list[tuple[str, int, int]]] = [[] for _ in range(lay.num_layers)]
+        for j in sorted(params):
             a = self.state_avals[j]
+            path = self.param_path(j)
             if j in whole:
-                out[whole[j]][0] += math.prod(a.shape) * a.dtype.itemsize
-                out[whole[j]][1] += math.prod(a.shape)
+                n = math.prod(a.shape)
+                out[whole[j]].append((path, int(n * a.dtype.itemsize), int(n)))
             else:
                 for k, nbytes, n in slices.get(j, ()):
-                    out[k][0] += nbytes
-                    out[k][1] += n
-        return [(int(b), int(n)) for b, n in out]
+                    out[k].append((path, int(nbytes), int(n)))
+        return [tuple(own) for own in out]
 
     def param_path(self, i: int) -> str:
         """Path of state leaf ``i`` inside the differentiated argument (the model's own

@@ -331,7 +331,10 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                       dp_topo=dp_topo, tp_overlap=tp_overlap, dtype=dtype,
                       offload=st.offload, host_link_gbs=min(
                           cluster.group(cluster.slot(d).group).host_link for d in devs)
-                      if st.offload else None)
+                      if st.offload else None,
+                      # (a stage whose layouts are not solved yet: the runtime solves
+                      # them, ``fill_missing_shardings``; priced as all split)
+                      shardings=st.shardings or None)
 
 
 def is_hybrid(st) -> bool:

@@ -14,11 +14,14 @@ from hetshard.cost.profile import profile_program
 from hetshard.errors import SpecError, check_positive
 from hetshard.ir.program import Program
 from hetshard.offload import option_text
+from hetshard.plan import nbytes
+from hetshard.sim.simulator import annotate, simulate
 from hetshard.solver.halves import refine_halves
 from hetshard.solver.inter_op import plan
 from hetshard.solver.options import (
     BUDGET,
     NoFeasiblePlanError,
+    PlannerMemoryWarning,
     PlannerOptions,
     PlannerTimeLimitWarning,
 )
@@ -138,7 +141,24 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         left = opts.time_limit_s - (time.perf_counter() - t0)
         progress.phase("per-op shardings (intra-op solver)")
         result = attach_shardings(result, program, cluster, cal, time_limit_s=max(0.5, left))
+        if any(st.shardings for pipe in result.pipelines for st in pipe.stages):
+            result = _repriced(result, profile, cluster, cal)
     return dataclasses.replace(result, fingerprint=program.model_fingerprint)
+
+
+def _repriced(plan, profile, cluster, cal):
+    """``plan`` with its predictions redone under its solved parameter layouts: the search
+    priced every tensor-parallel weight split, the solver may leave some whole on each
+    rank (the runtime places them so). Warns where that leaves the plan over memory."""
+    again = annotate(plan, simulate(plan, profile, cluster, cal, trace=False),
+                     plan.predicted.upper_bound_tokens_per_s)
+    if plan.predicted.fits and not again.predicted.fits:
+        warnings.warn(PlannerMemoryWarning(
+            f"the plan's solved tensor layouts keep some weights whole on each tensor rank: "
+            f"priced at {nbytes(again.predicted.peak_memory_bytes)} per GPU, over memory "
+            f"(the search priced {nbytes(plan.predicted.peak_memory_bytes)}); pass "
+            f"PlannerOptions(tp_options=(1,)) or more GPUs"), stacklevel=3)
+    return again
 
 
 def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, inter,
@@ -178,5 +198,6 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
     return result, profile
 
 
-__all__ = ["NoFeasiblePlanError", "PlannerOptions", "PlannerTimeLimitWarning", "make_plan",
+__all__ = ["NoFeasiblePlanError", "PlannerMemoryWarning", "PlannerOptions",
+           "PlannerTimeLimitWarning", "make_plan",
            "options_from_fix"]

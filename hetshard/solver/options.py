@@ -21,6 +21,10 @@ class PlannerTimeLimitWarning(UserWarning):
     """The time limit cut the search: the plan is the best found, with its gap."""
 
 
+class PlannerMemoryWarning(UserWarning):
+    """The plan, priced under its solved parameter layouts, no longer fits memory."""
+
+
 # How a family of several GPU types orders its stages (``_orders``).
 STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
 
