@@ -132,7 +132,11 @@ _PROFILES: dict = {}
 def _profile(spec, seq, dtype):
     key = (spec, seq, dtype)
     if key not in _PROFILES:
-        _PROFILES[key] = profile_model(spec, seq, dtype)
+        # These runs split every weight over tensor, embeddings and heads included
+        # (Megatron-LM's vocab-parallel layers, and the Megatron-based runtimes of the
+        # other sets; torchtitan's tensor plan): priced so, not as hetshard's runtime
+        # lays a stage out without solved layouts (ModelProfile.every_weight_split).
+        _PROFILES[key] = profile_model(spec, seq, dtype).every_weight_split()
     return _PROFILES[key]
 
 

@@ -307,6 +307,7 @@ def test_fsdp_gathers_hidden_behind_compute_still_slow_it(small):
 
 
 def test_fsdp_gathers_of_a_tensor_parallel_stage_share_each_nodes_network(small):
+    from hetshard.cost.stage import tensor_rank_bytes
     # tp 4 inside each of two nodes, FSDP over the nodes: the four tensor ranks' gathers
     # run at once through each node's network card (before: one ring had it alone), as
     # one gather of their summed buffers would: the card's share of its line rate is
@@ -317,7 +318,7 @@ def test_fsdp_gathers_of_a_tensor_parallel_stage_share_each_nodes_network(small)
     plain = stage_cost(small, 1, 2, gpu, mbs=4, tp=4, cal=DEFAULT)
     fsdp = stage_cost(small, 1, 2, gpu, mbs=4, tp=4, dp=2, fsdp=True, cal=DEFAULT,
                       dp_topo=topo)
-    nbytes = small.layers[1].param_bytes / 4
+    nbytes = tensor_rank_bytes(small.layers[1], 4, None)  # one tensor rank's share
     ag = collective_time("all_gather", nbytes, topo, DEFAULT, gpu.name, 4)
     assert ag == pytest.approx(collective_time("all_gather", 4 * nbytes, topo, DEFAULT,
                                                gpu.name))

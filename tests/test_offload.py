@@ -222,13 +222,17 @@ def test_offloaded_activations_are_copied_to_the_host_in_the_step():
 
 @pytest.mark.slow
 def test_the_planner_offloads_where_memory_binds_and_the_link_is_fast():
-    # gpt-1.3b's state (16 bytes a parameter) does not fit two 12 GB cards without
-    # recomputation or tensor parallelism; its AdamW moments can go to the host.
+    # A 20-block gpt-1.3b (1.1B parameters): its state (16 bytes a parameter) does not
+    # fit two 12 GB cards without recomputation or model parallelism; its AdamW moments
+    # can go to the host. (The 24-block gpt-1.3b no longer fits them without offload at
+    # all once its embedding is priced whole on each tensor rank, as the runtime holds
+    # it.)
     found, speed = {}, {}
+    model = "gpt:layers=20,hidden=2048,heads=16,vocab=50257,seq=1024"
     for link in (64.0, 0.05):
         c = _consumer(link=link, gpus=2, gpu="RTX-3080Ti")
         for offload in (("none",), PlannerOptions().offload_options):
-            plan = make_plan("gpt-1.3b", c, global_batch=16, seq_len=1024, shardings=False,
+            plan = make_plan(model, c, global_batch=16, seq_len=1024, shardings=False,
                              options=PlannerOptions(time_limit_s=20,
                                                     offload_options=offload))
             assert plan.predicted.fits

@@ -67,6 +67,29 @@ def test_intra_op_mlp_picks_megatron_split_when_cheapest(batch, hidden, expect):
     assert r.op_layouts[first_dot.index] == (("S", 1) if expect[0][1] else ("S", 0))
 
 
+def _stacked_mlp(params, x):
+    for layer in range(params["w1"].shape[0]):  # a scan's layers, each reading its slice
+        x = jnp.tanh(jax.nn.gelu(x @ params["w1"][layer]) @ params["w2"][layer])
+    return jnp.sum(x)
+
+
+def test_intra_op_splits_a_stacked_weight_through_its_layer_slices():
+    # Stacked weights (an nnx.scan's, [layers, in, out]) reach their matmuls through a
+    # slice and a squeeze: the split follows them, so the leaf is split on the dimension
+    # after the stack axis (without those rules every stacked weight stayed replicated
+    # and the runtime ran a tensor-parallel plan's scanned blocks unsplit).
+    c = Cluster.load("dgx-a100-80gb-x8")
+    hidden = 4096
+    params = {"w1": jax.ShapeDtypeStruct((2, hidden, 4 * hidden), jnp.bfloat16),
+              "w2": jax.ShapeDtypeStruct((2, 4 * hidden, hidden), jnp.bfloat16)}
+    g = trace(_stacked_mlp, params, jax.ShapeDtypeStruct((8, hidden), jnp.bfloat16))
+    assert {"slice", "squeeze"} <= {op.primitive for op in g.ops}
+    r = solve(g.ops, tp=8, gpu=A100, topo=topology(c, range(8)),
+              param_bytes=dict(enumerate(g.param_bytes)))
+    assert {k: spec_of(v, 3) for k, v in r.param_specs.items()} == {
+        0: (None, None, "tensor"), 1: (None, "tensor", None)}
+
+
 def test_intra_op_transformer_block_is_megatron():
     # Realistic shapes: weights (2-8 MB each) outweigh a 1 MB activation, as in training.
     program = models.program("gpt:layers=2,hidden=1024,heads=8,vocab=256,seq=512",
@@ -455,7 +478,10 @@ def test_layout_descent_keeps_memory_for_the_warm_up_a_slow_link_needs():
     from hetshard.sim.simulator import tune_warmup, warmup_short_of_memory
     from hetshard.solver.evaluator import Evaluator
     cluster = Cluster.load(ONE_V100_THREE_T4)
-    profile = profile_model("gpt-6.7b", 2048, "float16", split_blocks=True)
+    # (Priced with every weight split over tensor: the scenario's memory was set up so;
+    # the descent's rule, not the embedding's layout, is what is tested.)
+    profile = profile_model("gpt-6.7b", 2048, "float16", split_blocks=True
+                            ).every_weight_split()
     t4, v100 = (("data", 1), ("tensor", 2)), (("data", 1), ("tensor", 2))
     bounds = [(0, 7), (7, 13), (13, 19), (19, 25), (25, 31), (31, 37)]
     stages = tuple(Stage(a, b, (4 + 2 * i, 5 + 2 * i), "T4", t4,

@@ -1237,3 +1237,29 @@ def test_a_transform_imported_by_name_is_the_steps_loss_call():
         assert user_models.imported_value_and_grad is flax_nnx.value_and_grad
     _two_stages_train_as_nnx_jit(user_models.by_name_step)
     _two_stages_train_as_nnx_jit(user_models.by_name_helper_step)
+
+
+def test_a_scanned_stack_trains_with_its_stacked_weights_split_over_tensor():
+    # Tensor layouts on stacked weights ([layers, in, out]: what the intra-op solver
+    # writes for a scan's blocks, split after the stack axis): the runtime keeps each
+    # device's block of every layer's weight and trains equal to one device.
+    import dataclasses
+    step, args, batches = _fresh("scanned")
+    program = hetshard.Program(step, args)
+    plan = uniform_plan(program.name, profile_program(program), Cluster.load(CLUSTER),
+                        global_batch=8, seq_len=program.seq_len,
+                        fix=parse_fix("dp=4,tp=2,pp=1"), attention="reference")
+    stacked = [program.param_path(i) for i in program.diff
+               if len(program.state_avals[i].shape) == 3]
+    assert stacked
+    (stage,) = plan.pipelines[0].stages
+    stage = dataclasses.replace(stage, shardings=tuple((p, (None, None, "tensor"))
+                                                       for p in stacked))
+    plan = dataclasses.replace(plan, pipelines=(dataclasses.replace(
+        plan.pipelines[0], stages=(stage,)),))
+    jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan, quiet=True)
+    np.testing.assert_allclose(_train(jitted, args, batches), _reference("scanned"),
+                               rtol=1e-5)
+    kernels = [x for x in jax.tree.leaves(nnx.state(args[0], nnx.Param)) if x.ndim == 3]
+    assert kernels and all(x.addressable_shards[0].data.shape[2] * 2 == x.shape[2]
+                           for x in kernels)

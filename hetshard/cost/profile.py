@@ -86,6 +86,12 @@ class LayerProfile:
     # which a plan's per-parameter layouts (``Stage.shardings``) name; empty where the
     # profile was not traced from a program (then ``param_bytes`` alone).
     param_shares: tuple[tuple[str, int], ...] = ()
+    # Of ``param_bytes``, what every tensor rank holds whole whatever the intra-op solver
+    # picks: a layer outside the repeated stacks (an embedding, a head: the solver splits
+    # only the stacks' blocks, ``hetshard.solver.shardings``) keeps all of its
+    # parameters whole, a block its one-dimensional ones (norm scales, biases). What a
+    # stage without solved layouts is priced with.
+    tp_whole_bytes: float = 0.0
     # Under ZB-H1 with full remat, the layer's forward values its W pass reads (the
     # weight matmuls' inputs) are recomputed by B and kept until W: bytes per sample
     # (``RematSave.weight_input_bytes_per_sample`` for the other remats).
@@ -161,6 +167,15 @@ class ModelProfile:
     @property
     def param_count(self) -> int:
         return sum(layer.param_count for layer in self.layers)
+
+    def every_weight_split(self) -> ModelProfile:
+        """This profile priced as runtimes that split every weight over ``tensor``
+        (Megatron-LM's vocab-parallel embedding and head, torchtitan's tensor plan),
+        not as hetshard's, which keeps embeddings, heads and one-dimensional parameters
+        whole on each tensor rank (``LayerProfile.tp_whole_bytes``): for pricing
+        published runs of those frameworks."""
+        return dataclasses.replace(self, layers=tuple(
+            dataclasses.replace(layer, tp_whole_bytes=0.0) for layer in self.layers))
 
     def flops_per_sample(self) -> float:
         """Model flops (forward + backward, no recompute) of one sample."""
@@ -390,8 +405,11 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
     sizes = program.layer_param_sizes(2, split_blocks)
     layers = tuple(dataclasses.replace(
         priced[lay.names[rep[k]]], name=name,
-        param_bytes=sum(b for _, b, _ in sizes[k]), param_count=sum(n for _, _, n in sizes[k]),
-        param_shares=tuple((path, b) for path, b, _ in sizes[k]))
+        param_bytes=sum(b for _, b, _, _ in sizes[k]),
+        param_count=sum(n for _, _, n, _ in sizes[k]),
+        param_shares=tuple((path, b) for path, b, _, _ in sizes[k]),
+        tp_whole_bytes=float(sum(b for _, b, _, rank in sizes[k]
+                                 if lay.stacks[k] < 0 or rank <= 1)))
         for k, name in enumerate(lay.names))
     opt_ratio = program.opt_state_bytes / max(program.param_bytes, 1)
     return ModelProfile(

@@ -450,12 +450,16 @@ def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
 
 def tensor_rank_bytes(layer: LayerProfile, tp: int,
                       shardings: tuple[tuple[str, tuple], ...] | None) -> float:
-    """``layer``'s parameter bytes on one of ``tp`` tensor ranks: each split ``tp`` ways,
-    or, given the stage's per-parameter layouts, split only where its layout names the
-    ``tensor`` axis (``hetshard.layout`` keeps the others whole on every rank: norms,
-    biases, a weight the intra-op solver left replicated, embeddings and heads)."""
-    if tp == 1 or shardings is None or not layer.param_shares:
-        return layer.param_bytes / tp
+    """``layer``'s parameter bytes on one of ``tp`` tensor ranks: given the stage's
+    per-parameter layouts, split only where its layout names the ``tensor`` axis
+    (``hetshard.layout`` keeps the others whole on every rank: norms, biases, a weight
+    the intra-op solver left replicated, embeddings and heads); without them (layouts not
+    solved yet), every weight split but what no layout splits (``tp_whole_bytes``)."""
+    if tp == 1:
+        return float(layer.param_bytes)
+    if shardings is None or not layer.param_shares:
+        whole = min(layer.tp_whole_bytes, layer.param_bytes)
+        return (layer.param_bytes - whole) / tp + whole
     return float(sum(nbytes / tp if "tensor" in _axes(named_spec(shardings, path)) else nbytes
                      for path, nbytes in layer.param_shares))
 
@@ -489,8 +493,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     ``offload``: what the stage keeps in host memory (``hetshard.offload``), over a host
     link of ``host_link_gbs`` per device (None: the GPU type's); ``shardings``: the
     stage's per-parameter layouts (``Stage.shardings``), where solved: a parameter they do
-    not split over ``tensor`` is whole on every tensor rank (None: every parameter split
-    ``tp`` ways, as the planner's search assumes before layouts are solved)."""
+    not split over ``tensor`` is whole on every tensor rank (None: layouts not solved
+    yet, as in the planner's search: ``tensor_rank_bytes``)."""
     check_remat(remat)
     offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:

@@ -377,9 +377,10 @@ class Program:
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layer_param_sizes(self, mbs: int = 2, split_blocks: bool = False
-                          ) -> list[tuple[tuple[str, int, int], ...]]:
-        """Per layer, ``(path, bytes, elements)`` of each parameter it owns (by
-        ``param_path``, in leaf order): a parameter belongs to the first layer reading it
+                          ) -> list[tuple[tuple[str, int, int, int], ...]]:
+        """Per layer, ``(path, bytes, elements, rank)`` of each parameter it owns (by
+        ``param_path``, in leaf order; ``rank``: its dimensions longer than 1, the layer's
+        slice's for a stacked weight): a parameter belongs to the first layer reading it
         whole; a stacked weight that layers read slice by slice (an unrolled scan's) gives
         each layer its slices."""
         closed, _ = self.loss_jaxpr(mbs)
@@ -388,7 +389,8 @@ class Program:
         pos = {v: i for i, v in enumerate(closed.jaxpr.invars[:n_state])}
         params = set(self.diff)
         whole: dict[int, int] = {}  # leaf -> first layer reading it whole
-        slices: dict[int, list[tuple[int, int, int]]] = {}  # leaf -> (layer, bytes, n)
+        slices: dict[int, list[tuple[int, int, int, int]]] = {}  # leaf -> (layer, bytes,
+        # n, rank)
         for i, eqn in enumerate(closed.jaxpr.eqns):
             k = lay.eqn_layer[i]
             for v in eqn.invars:
@@ -398,19 +400,20 @@ class Program:
                     out = eqn.outvars[0].aval
                     n = math.prod(out.shape)
                     slices.setdefault(pos[v], []).append(
-                        (k, n * out.dtype.itemsize, n))
+                        (k, n * out.dtype.itemsize, n, sum(x > 1 for x in out.shape)))
                 else:
                     whole.setdefault(pos[v], k)
-        out: list[list[tuple[str, int, int]]] = [[] for _ in range(lay.num_layers)]
+        out: list[list[tuple[str, int, int, int]]] = [[] for _ in range(lay.num_layers)]
         for j in sorted(params):
             a = self.state_avals[j]
             path = self.param_path(j)
             if j in whole:
                 n = math.prod(a.shape)
-                out[whole[j]].append((path, int(n * a.dtype.itemsize), int(n)))
+                out[whole[j]].append((path, int(n * a.dtype.itemsize), int(n),
+                                      sum(x > 1 for x in a.shape)))
             else:
-                for k, nbytes, n in slices.get(j, ()):
-                    out[k].append((path, int(nbytes), int(n)))
+                for k, nbytes, n, rank in slices.get(j, ()):
+                    out[k].append((path, int(nbytes), int(n), rank))
         return [tuple(own) for own in out]
 
     def param_path(self, i: int) -> str:

@@ -333,7 +333,7 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                           cluster.group(cluster.slot(d).group).host_link for d in devs)
                       if st.offload else None,
                       # (a stage whose layouts are not solved yet: the runtime solves
-                      # them, ``fill_missing_shardings``; priced as all split)
+                      # them, ``fill_missing_shardings``; ``tensor_rank_bytes``' prior)
                       shardings=st.shardings or None)
 
 

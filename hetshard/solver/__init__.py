@@ -150,14 +150,16 @@ def _repriced(plan, profile, cluster, cal):
     """``plan`` with its predictions redone under its solved parameter layouts: the search
     priced every tensor-parallel weight split, the solver may leave some whole on each
     rank (the runtime places them so). Warns where that leaves the plan over memory."""
-    again = annotate(plan, simulate(plan, profile, cluster, cal, trace=False),
-                     plan.predicted.upper_bound_tokens_per_s)
+    result = simulate(plan, profile, cluster, cal, trace=False)
+    again = annotate(plan, result, plan.predicted.upper_bound_tokens_per_s)
     if plan.predicted.fits and not again.predicted.fits:
+        mem = result.memory_per_device
+        worst = max(mem, key=lambda d: mem[d] / cluster.gpu_of(d).memory_bytes)
         warnings.warn(PlannerMemoryWarning(
             f"the plan's solved tensor layouts keep some weights whole on each tensor rank: "
-            f"priced at {nbytes(again.predicted.peak_memory_bytes)} per GPU, over memory "
-            f"(the search priced {nbytes(plan.predicted.peak_memory_bytes)}); pass "
-            f"PlannerOptions(tp_options=(1,)) or more GPUs"), stacklevel=3)
+            f"device {worst} ({cluster.gpu_of(worst).name}) is priced at "
+            f"{nbytes(mem[worst])}, over its {nbytes(cluster.gpu_of(worst).memory_bytes)}; "
+            f"pass PlannerOptions(tp_options=(1,)) or more GPUs"), stacklevel=3)
     return again
 
 

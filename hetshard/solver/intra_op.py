@@ -6,8 +6,9 @@ Every forward equation of the layer gets a strategy: the layout of its output ov
 tensor axis -- replicated (R), split along one dimension (S_d) or partial sums (P) --
 and the layouts it needs of its inputs. ``dot_general`` may split a free dimension of
 either operand (column/row-style), a batch dimension, or the contracting dimension
-(output P). Elementwise ops, reshapes, transposes, broadcasts and reductions map
-layouts through their dimensions; the ``hetshard_attention`` region is one op that
+(output P). Elementwise ops, reshapes, transposes, broadcasts, reductions, squeezes and
+slices (a stacked weight's layer: a dimension kept whole keeps its split) map layouts
+through their dimensions; the ``hetshard_attention`` region is one op that
 may split the batch or the heads. Edges pay the collective that turns the producer's
 layout into the consumer's (S->R all-gather, P->R all-reduce, P->S reduce-scatter,
 S->S' all-to-all). A weight that stays replicated while its op's work is split pays a
@@ -194,6 +195,21 @@ def _strategies(op: Op, in_shapes, out_shape, tp: int, peak: float, bw: float):
                         _split_ok(shape[i], tp):
                     out.append(Strategy(("S", j), (("S", i),) + (None,) * (n_in - 1), part))
         out.append(Strategy(P, (P,) + (None,) * (n_in - 1), part))
+        return out
+    if name in ("squeeze", "slice", "dynamic_slice"):
+        # A stacked weight's layer (an unrolled scan's slice of its leading axis, then
+        # the squeeze dropping it): a dimension kept whole keeps its split.
+        (shape,) = in_shapes[:1]
+        if name == "squeeze":
+            dropped = {d % len(shape) for d in op.params.get("dimensions", ())}
+            kept = [d for d in range(len(shape)) if d not in dropped]
+        else:
+            kept = list(range(len(shape)))
+        rest = (None,) * (n_in - 1)  # (dynamic_slice's start indices: scalars)
+        for j, i in enumerate(kept):
+            if j < rank and out_shape[j] == shape[i] and _split_ok(shape[i], tp):
+                out.append(Strategy(("S", j), (("S", i),) + rest, part))
+        out.append(Strategy(P, (P,) + rest, part))
         return out
     return out
 
