@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetshard.errors import SpecError
 from hetshard.ir.paths import path_string
-from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage, named_spec
+from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage, named_spec, spec_axes
 
 __all__ = ["BATCH_AXES", "MESH_AXES", "activation_sharding", "attention_layout",
            "batch_axes", "batch_axes_for", "batch_sharding", "batch_ways",
@@ -92,7 +92,7 @@ def leaf_spec(path: str, shape, specs: dict[str, tuple], mesh: Mesh,
         return base
     # The distributed optimizer's split: data x context (the context ranks hold the same
     # parameters, as Megatron-LM's distributed optimizer shards over both), else data.
-    used = {a for e in base if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+    used = spec_axes(base)
     axes = tuple(a for a in ("data", "context") if mesh.shape.get(a, 1) > 1 and a not in used)
     entries = list(base) + [None] * (len(shape) - len(base))
     for split in (axes, axes[:1]):

@@ -736,6 +736,13 @@ def named_spec(specs, path: str, rank: int | None = None) -> tuple | None:
     return None if best is None else best[1]
 
 
+def spec_axes(entries) -> set[str]:
+    """The mesh axes PartitionSpec-style ``entries`` name (each entry None, an axis name
+    or a tuple of them; None entries: nothing)."""
+    return {a for e in entries or () if e is not None
+            for a in ((e,) if isinstance(e, str) else e)}
+
+
 def _to_jsonable(x):
     if isinstance(x, dict):
         return {k: _to_jsonable(v) for k, v in x.items()}

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hetshard.meshes import laid_out
+from hetshard.plan import spec_axes
 
 AXIS = "tensor"
 
@@ -54,17 +55,10 @@ def _slice(x, j, block):
     return jax.lax.dynamic_slice_in_dim(x, j * block, block, axis=1)
 
 
-def _axes(spec) -> set:
-    out = set()
-    for entry in spec:
-        out.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
-    return out
-
-
 def _summed(dw, x_spec, w_spec):
     """A weight's cotangent summed over the axes that split the samples but not the
     weight (the data axes): each device computed its samples' part."""
-    axes = tuple(sorted(_axes(x_spec) - _axes(w_spec) - {AXIS}))
+    axes = tuple(sorted(spec_axes(x_spec) - spec_axes(w_spec) - {AXIS}))
     return jax.lax.psum(dw, axes) if axes else dw
 
 

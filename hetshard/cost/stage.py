@@ -72,7 +72,7 @@ from hetshard.cost.profile import LayerProfile, ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
 from hetshard.offload import check_offload
-from hetshard.plan import named_spec
+from hetshard.plan import named_spec, spec_axes
 from hetshard.remat import check_remat
 
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
@@ -458,16 +458,9 @@ def tensor_rank_bytes(layer: LayerProfile, tp: int,
     if tp == 1:
         return float(layer.param_bytes)
     if shardings is None or not layer.param_shares:
-        whole = min(layer.tp_whole_bytes, layer.param_bytes)
-        return (layer.param_bytes - whole) / tp + whole
-    return float(sum(nbytes / tp if "tensor" in _axes(named_spec(shardings, path)) else nbytes
-                     for path, nbytes in layer.param_shares))
-
-
-def _axes(entries: tuple | None) -> set[str]:
-    """The mesh axes a PartitionSpec's entries name (an entry: None, an axis or several)."""
-    return {a for e in entries or () if e is not None
-            for a in ((e,) if isinstance(e, str) else e)}
+        return (layer.param_bytes - layer.tp_whole_bytes) / tp + layer.tp_whole_bytes
+    return float(sum(nbytes / tp if "tensor" in spec_axes(named_spec(shardings, path))
+                     else nbytes for path, nbytes in layer.param_shares))
 
 
 def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,

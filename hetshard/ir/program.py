@@ -389,8 +389,8 @@ class Program:
         pos = {v: i for i, v in enumerate(closed.jaxpr.invars[:n_state])}
         params = set(self.diff)
         whole: dict[int, int] = {}  # leaf -> first layer reading it whole
-        slices: dict[int, list[tuple[int, int, int, int]]] = {}  # leaf -> (layer, bytes,
-        # n, rank)
+        # leaf -> (layer, bytes, elements, rank) of each slice a layer reads
+        slices: dict[int, list[tuple[int, int, int, int]]] = {}
         for i, eqn in enumerate(closed.jaxpr.eqns):
             k = lay.eqn_layer[i]
             for v in eqn.invars:

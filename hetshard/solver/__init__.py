@@ -148,8 +148,9 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
 
 def _repriced(plan, profile, cluster, cal):
     """``plan`` with its predictions redone under its solved parameter layouts: the search
-    priced every tensor-parallel weight split, the solver may leave some whole on each
-    rank (the runtime places them so). Warns where that leaves the plan over memory."""
+    priced tensor-parallel stages with what no layout splits whole and the rest split
+    (``hetshard.cost.stage.tensor_rank_bytes``), the solver may keep more whole (the
+    runtime places them so). Warns where that leaves the plan over memory."""
     result = simulate(plan, profile, cluster, cal, trace=False)
     again = annotate(plan, result, plan.predicted.upper_bound_tokens_per_s)
     if plan.predicted.fits and not again.predicted.fits:
