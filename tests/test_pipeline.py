@@ -16,7 +16,7 @@ import models
 from hetshard.cluster import Cluster
 from hetshard.collectives import congruent, sum_across, sum_across_collective
 from hetshard.plan import Pipeline, Plan, Stage
-from hetshard.rewrite.pipeline import StageSplitError, run_sequential, split_stages
+from hetshard.rewrite.pipeline import Remat, StageSplitError, run_sequential, split_stages
 from hetshard.runtime.pipeline import PipelineSetupError
 from hetshard.sim import simulate
 from models import data, losses
@@ -207,14 +207,15 @@ def _blocks_stage():
 
 
 def test_partial_remat_recomputes_only_the_stages_first_layers():
-    # gpt-tiny's two blocks as one stage, k of them checkpointed (each on its own): the
-    # residuals the vjp keeps shrink and the backward's flops grow by one block's forward
-    # per recomputed block; k = 2 is the whole stage's full remat.
+    # gpt-tiny's two blocks as one stage, k of them checkpointed (each on its own, the
+    # rest under remat none's checkpoint): the residuals the vjp keeps shrink and the
+    # backward's flops grow by one block's forward (less what remat none recomputes of
+    # it) per recomputed block; k = 2 is the whole stage's full remat.
     st, args = _blocks_stage()
     wrap = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     params = {id(x) for x in args[0]}
     kept, flops, grads = [], [], []
-    for remat in (None, (wrap, 1), (wrap, 2), (wrap, None)):
+    for remat in ((Remat("none"), None), (wrap, 1), (wrap, 2), (wrap, None)):
         outs, _, vjp = jax.jit(functools.partial(st.forward, remat=remat))(*args)
         cts = [jnp.ones_like(o) for o in outs]
         kept.append(sum(x.nbytes for x in jax.tree.leaves(vjp) if id(x) not in params))
@@ -226,7 +227,11 @@ def test_partial_remat_recomputes_only_the_stages_first_layers():
     assert flops[2] - flops[1] == pytest.approx(flops[1] - flops[0], rel=0.1)
     for g in grads[1:]:
         for x, y in zip(g, grads[0], strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+            # float32 rounding, which differs with where the elementwise values are
+            # recomputed: ~1e-6 of the leaf's largest gradient (under all-ones seeds
+            # some leaves' are 0 up to it)
+            scale = float(np.abs(y).max())
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-6 * max(scale, 1.0))
 
 
 def test_pipeline_with_a_partial_remat_stage_matches_one_device():

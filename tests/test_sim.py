@@ -708,7 +708,7 @@ def test_zero_bubble_warm_up_is_lowered_where_w_keeps_too_much():
             (38, 47, 640, "A100-40GB"), (47, 72, 0, "H100-80GB"), (72, 98, 128, "H100-80GB")]
     stages = tuple(Stage(a, b, tuple(range(d, d + 128)), gpu, (("data", 16), ("tensor", 8)))
                    for a, b, d, gpu in cuts)
-    warmup = (6, 5, 4, 3, 2, 2, 1, 0)
+    warmup = (6, 5, 4, 3, 2, 2, 3, 3)
     plan = Plan("gpt-175b", cluster.to_dict(), 2048, 2048,
                 (Pipeline(stages, 2048, 1, 128, extra_warmup=warmup),),
                 dtype="float16", distributed_optimizer=True, tp_overlap=True)

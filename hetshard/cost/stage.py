@@ -118,11 +118,6 @@ class StageCost:
     # optimizer state kept on the GPU). An update not written over the old state holds
     # both at once (``hetshard.sim.simulator.worker_memory``).
     memory_state_bytes: float = 0.0
-    # Of memory_per_microbatch_bytes (what ``jax.vjp`` keeps: a pipeline's forward
-    # program returns it to its backward), what XLA does not keep when the forward and
-    # backward are one program (a single-stage step): elementwise values its backward's
-    # kernels recompute (``OpGraph.residuals``)
-    memory_fused_saving_bytes: float = 0.0
 
     def peak_memory(self, inflight: int) -> float:
         return (self.memory_static_bytes + inflight * self.memory_per_microbatch_bytes +
@@ -766,6 +761,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         working = max(working, 2 * layer_state)
         host_stream_s = max(0.0, opt_state / host_bw - optimizer_s)
         optimizer_s = max(optimizer_s, opt_state / host_bw) + layer_state / host_bw
+    # Without remat a layer keeps what XLA writes when the forward and backward are one
+    # program (a single-stage step), the elementwise values between recomputed by the
+    # backward's kernels (``OpGraph.residuals(fused=True)``); a pipeline stage's forward
+    # checkpoints each such layer to keep the same (``hetshard.rewrite.pipeline.Remat``).
+    act -= min(max(fused_saving, 0.0), fusable)
     return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
                      optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
@@ -775,5 +775,4 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      attention_fwd_s=att_f, attention_bwd_s=att_b,
                      attention_memory_bytes=att_mem, host_static_bytes=host_static,
                      host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s,
-                     memory_state_bytes=held + opt_state - host_static,
-                     memory_fused_saving_bytes=min(max(fused_saving, 0.0), fusable))
+                     memory_state_bytes=held + opt_state - host_static)

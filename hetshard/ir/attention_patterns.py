@@ -263,13 +263,15 @@ def flax_patterns(jaxpr):
 
 def reads_of(jaxpr, i: int) -> list:
     """The variables equation ``i`` reads when evaluated with attention swapped: its
-    operands, and for a recognised pattern's last equation the segment ids its mask was
-    made of (the mask's own equations may sit in an earlier stage)."""
+    operands, and for a recognised pattern's last equation the query, key and value
+    the swapped attention reads and the segment ids its mask was made of (the mask's
+    own equations may sit in an earlier stage)."""
     eqn = jaxpr.eqns[i]
     out = [v for v in eqn.invars if isinstance(v, ext.Var)]
     pat = flax_patterns(jaxpr).get(i)
-    if pat is not None and pat["seg"] is not None:
-        out.append(pat["seg"])
+    if pat is not None:
+        out.extend(pat[key] for key in ("q", "k", "v", "seg")
+                   if isinstance(pat[key], ext.Var) and pat[key] not in out)
     return out
 
 

@@ -373,7 +373,13 @@ _BITCASTS = ("reshape", "squeeze", "expand_dims")
 
 
 def _fusible(op: Op) -> bool:
-    return op.primitive not in _OWN_KERNEL and op.phase in ("fwd", "bwd", "opt")
+    return not own_kernel(op.primitive) and op.phase in ("fwd", "bwd", "opt")
+
+
+def own_kernel(primitive: str) -> bool:
+    """Whether XLA runs an equation of ``primitive`` as a kernel of its own (a matmul, a
+    sort, a scatter, a custom call): its neighbours are never fused into it."""
+    return primitive in _OWN_KERNEL
 
 
 def _same(a: Op, b: Op) -> bool:
@@ -384,9 +390,9 @@ def _same(a: Op, b: Op) -> bool:
 
 
 def _cuts(ops: list[Op]) -> list[bool]:
-    """Per op, whether it is a reduction that ends its kernel (what reads the reduced
-    value runs in a later one): any but a row reduction a normalization fusion keeps."""
-    return [op.primitive in _REDUCTIONS and not _row_reduction(op) for op in ops]
+    """Per op, whether it is a reduction that ends its kernel (:func:`ends_kernel`)."""
+    return [ends_kernel(op.primitive, op.params.get("axes"),
+                        op.inputs[0][1] if op.inputs else ()) for op in ops]
 
 
 # Longest row (elements) a normalization fusion keeps on chip: 16K float32 values are
@@ -395,15 +401,18 @@ def _cuts(ops: list[Op]) -> list[bool]:
 ROW_FUSION_MAX = 16384
 
 
-def _row_reduction(op: Op) -> bool:
-    """A reduction over its operand's trailing dimensions of at most ROW_FUSION_MAX."""
-    axes = op.params.get("axes")
-    if not axes or not op.inputs:
+def ends_kernel(primitive: str, axes, shape) -> bool:
+    """Whether a ``primitive`` equation reducing ``axes`` of an operand of ``shape`` is a
+    reduction that ends its kernel (what reads the reduced value runs in a later one):
+    any but a row reduction a normalization fusion keeps on chip (over the operand's
+    trailing dimensions, at most ROW_FUSION_MAX elements)."""
+    if primitive not in _REDUCTIONS:
         return False
-    shape = op.inputs[0][1]
+    if not axes or not shape:
+        return True
     trailing = tuple(range(len(shape) - len(axes), len(shape)))
-    return tuple(sorted(axes)) == trailing and \
-        float(np.prod([shape[a] for a in axes], dtype=float)) <= ROW_FUSION_MAX
+    return tuple(sorted(axes)) != trailing or \
+        float(np.prod([shape[a] for a in axes], dtype=float)) > ROW_FUSION_MAX
 
 
 def _block(layer: str) -> str:

@@ -28,16 +28,19 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jcore
 from jax.extend import core as ext
 
 from hetshard.errors import HetshardError
 from hetshard.ir.attention_patterns import (
     attention_call,
     contains_attention,
+    flax_patterns,
     inner_jaxpr,
     reads_of,
     skipped_equations,
 )
+from hetshard.ir.graph import ends_kernel, own_kernel
 from hetshard.ir.interpret import eval_equations
 from hetshard.ir.layers import LayerDiscoveryError, discover
 from hetshard.offload import check_offload
@@ -143,13 +146,20 @@ class StageProgram:
             eval_equations(jaxpr, env, run, self.eqns, constrain=constrain,
                            autocast=autocast)
         else:
-            key = ("segments", remat[1])
+            # The layers the remat leaves are checkpointed by remat none's policy.
+            none = getattr(remat[0], "remat", None) == "none"
+            key = ("segments", remat[1], none)
             if key not in self._memo:
-                last = self.layers[1] if remat[1] is None else self.layers[0] + remat[1]
+                last = self.layers[0] if none else self.layers[1] if remat[1] is None \
+                    else self.layers[0] + remat[1]
                 self._memo[key] = layer_segments(jaxpr, self.eqns, sp.eqn_layer,
-                                                 (self.layers[0], last), self.sends)
+                                                 (self.layers[0], last), self.sends,
+                                                 rest=True)
+            if "static" not in self._memo:
+                self._memo["static"] = static_values(jaxpr, jaxpr.invars[:sp.num_state])
             eval_segments(jaxpr, env, run, self._memo[key], remat[0], constrain=constrain,
-                          autocast=autocast)
+                          autocast=autocast, rest=remat[0] if none else Remat("none"),
+                          static=self._memo["static"])
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
     def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None,
@@ -221,7 +231,15 @@ class Remat:
     dimensions, a named policy the projections it names. Those are tagged
     (``checkpoint_name``) as :func:`eval_segments` computes them (:meth:`names`), by the
     roles ``hetshard.remat.projection_roles`` reads off the layer's equations, as the
-    cost model reads them off its traced graph."""
+    cost model reads them off its traced graph.
+
+    ``none`` is a pipeline stage's: its forward and backward are separate programs, so
+    what ``jax.vjp`` keeps is what the backward gets, every intermediate value included.
+    Each layer keeps what XLA writes to memory when the forward and backward are one
+    program (:func:`written_values`: matmul, kernel and reduction outputs and what a
+    matmul or kernel reads); the elementwise values between them are recomputed by the
+    backward, as XLA's fusion recomputes them in one program. That is what the cost
+    model prices for remat none (``hetshard.ir.graph.OpGraph.residuals(fused=True)``)."""
 
     def __init__(self, remat: str, offload: bool = False):
         self.remat = check_remat(remat)
@@ -238,6 +256,8 @@ class Remat:
         elif self.keep is not None:
             self.policy = jax.checkpoint_policies.save_only_these_names(
                 *(_TAG + role for role in self.keep))
+        elif remat == "none":
+            self.policy = jax.checkpoint_policies.save_only_these_names(_WRITTEN)
         else:
             self.policy = {"full": jax.checkpoint_policies.nothing_saveable,
                            "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -246,14 +266,69 @@ class Remat:
     def __call__(self, fn):
         return jax.checkpoint(fn, policy=self.policy)
 
-    def names(self, jaxpr, ids: Sequence[int]) -> dict | None:
-        """For a named policy, the variables of equations ``ids`` (one layer's) it
-        saves -> their tags; None for the other remats."""
+    def names(self, jaxpr, ids: Sequence[int], static=frozenset()) -> dict | None:
+        """The variables of equations ``ids`` (one layer's) the policy saves -> their
+        tags: a named policy's projections, remat none's written values but those in
+        ``static`` (made from the parameters alone: a weight's cast, kept once per step,
+        not per micro-batch); None for the other remats."""
+        if self.remat == "none":
+            return {v: _WRITTEN for v in written_values(jaxpr, ids) if v not in static}
         if self.keep is None:
             return None
         roles = equation_roles(jaxpr, ids)
         return {jaxpr.eqns[i].outvars[0]: _TAG + role for i, role in roles.items()
                 if role in self.keep}
+
+
+def written_values(jaxpr, ids: Sequence[int]) -> list:
+    """The values of equations ``ids`` of ``jaxpr`` (one layer's, in order) that XLA
+    writes to memory when a program holds them (the rule of
+    ``hetshard.ir.graph.OpGraph.written`` on the jaxpr the runtime evaluates): the
+    outputs of a kernel of its own (a matmul, a sort, attention, a call holding one)
+    and of a reduction that ends its kernel, and the values such a kernel reads. Other
+    values are elementwise ones their readers recompute."""
+    eqns = jaxpr.eqns
+    patterns = flax_patterns(jaxpr)
+    skip = skipped_equations(jaxpr)
+    out: dict = {}
+
+    def reads(i):
+        if i in patterns:
+            pat = patterns[i]
+            return [v for v in (pat["q"], pat["k"], pat["v"], pat["seg"])
+                    if isinstance(v, ext.Var)]
+        return [v for v in eqns[i].invars if isinstance(v, ext.Var)]
+    for i in ids:
+        if i in skip:
+            continue
+        eqn = eqns[i]
+        if i in patterns or _kernel(eqn):
+            out.update(dict.fromkeys(reads(i)))
+            out.update(dict.fromkeys(eqn.outvars))
+        elif eqn.invars and ends_kernel(eqn.primitive.name, eqn.params.get("axes"),
+                                        eqn.invars[0].aval.shape):
+            out.update(dict.fromkeys(eqn.outvars))
+    made = {v for i in ids if i not in skip for v in eqns[i].outvars}
+    return [v for v in out if v in made and not isinstance(v, jcore.DropVar)]
+
+
+def _kernel(eqn) -> bool:
+    """An equation XLA runs apart from its elementwise neighbours: a matmul or other
+    kernel of its own, attention, or a call holding one."""
+    if own_kernel(eqn.primitive.name) or attention_call(eqn) is not None:
+        return True
+    inner = inner_jaxpr(eqn)
+    if inner is None:
+        return False
+    return eqn.primitive.name not in _ELEMENTWISE_CALLS or any(
+        _kernel(e) or ends_kernel(e.primitive.name, e.params.get("axes"),
+                                  e.invars[0].aval.shape if e.invars else ())
+        for e in inner[0].eqns)
+
+
+# Calls that are elementwise when what they hold is (``jax.nn``'s jitted activations).
+_ELEMENTWISE_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call")
+_WRITTEN = "hetshard_written"
 
 
 _TAG = "hetshard_remat_"
@@ -296,22 +371,34 @@ def equation_roles(jaxpr, ids: Sequence[int]) -> dict[int, str]:
     return {ids[j]: role for j, role in projection_roles(kinds, preds).items()}
 
 
-def remat_wrap(remat: str, offload: tuple[str, ...] = ()) -> Remat | None:
+def remat_wrap(remat: str, offload: tuple[str, ...] = (),
+               pipelined: bool = False) -> Remat | None:
     """The :class:`Remat` of a stage's remat and offload (``Stage.offload``: its kept
-    values in host memory where it lists "activations"); None for remat none."""
-    return None if remat == "none" else Remat(remat, "activations" in offload)
+    values in host memory where it lists "activations"); for remat none, None (the
+    stage is one program with its backward) or, ``pipelined`` (its forward a program
+    of its own, whose vjp the backward gets), ``Remat("none")``."""
+    if remat == "none":
+        return Remat(remat) if pipelined else None
+    return Remat(remat, "activations" in offload)
 
 
 def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
-                   recomputed: tuple[int, int], live: Sequence) -> list:
+                   recomputed: tuple[int, int], live: Sequence, rest: bool = False) -> list:
     """Equations ``ids`` of ``jaxpr`` (in order) as runs of one layer each: (equation
-    ids, reads, outs). A run of a layer in ``recomputed`` = [first, end) lists the
-    variables it reads from before and those read after it or in ``live`` (the values
-    wanted at the end); other runs have reads and outs None (evaluated inline)."""
+    ids, reads, outs, recomputed). A run of a layer in ``recomputed`` = [first, end)
+    lists the variables it reads from before and those read after it or in ``live``
+    (the values wanted at the end), and is checkpointed by the remat; other runs have
+    reads and outs None (evaluated inline). ``rest``: the other layers are checkpointed
+    too, by remat none's policy (``Remat("none")``), their attention (:func:`
+    attention_equations`) a run of its own evaluated inline between their runs (what
+    it keeps for its backward is its kernel's own)."""
     eqns = jaxpr.eqns
+    apart = {i for i in attention_equations(jaxpr, ids)
+             if not recomputed[0] <= eqn_layer[i] < recomputed[1]} if rest else set()
     runs: list[list[int]] = []
     for i in ids:
-        if runs and eqn_layer[runs[-1][-1]] == eqn_layer[i]:
+        if runs and eqn_layer[runs[-1][-1]] == eqn_layer[i] and \
+                i not in apart and runs[-1][-1] not in apart:
             runs[-1].append(i)
         else:
             runs.append([i])
@@ -324,34 +411,62 @@ def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
             seen.update(reads_of(jaxpr, i))
     out = []
     for r, run in enumerate(runs):
-        if not recomputed[0] <= eqn_layer[run[0]] < recomputed[1]:
-            out.append((run, None, None))
+        inside = recomputed[0] <= eqn_layer[run[0]] < recomputed[1]
+        if not (inside or rest) or run[0] in apart:
+            out.append((run, None, None, False))
             continue
         made = {v for i in run for v in eqns[i].outvars}
         reads = list(dict.fromkeys(v for i in run for v in reads_of(jaxpr, i)
                                    if v not in made))
         outs = [v for i in run if i not in skip for v in eqns[i].outvars if v in later[r]]
-        out.append((run, reads, outs))
+        out.append((run, reads, outs, inside))
+    return out
+
+
+def static_values(jaxpr, inputs: Sequence) -> frozenset:
+    """The variables of ``jaxpr`` computed from ``inputs`` (its parameters), constants
+    and literals alone."""
+    known = set(inputs) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if all(not isinstance(v, ext.Var) or v in known for v in eqn.invars):
+            known.update(eqn.outvars)
+    return frozenset(known)
+
+
+def attention_equations(jaxpr, ids: Sequence[int]) -> set[int]:
+    """Those of equations ``ids`` that compute attention when evaluated (a
+    ``hetshard.nn.attention`` call, a recognised Flax attention's last equation, a call
+    holding attention)."""
+    patterns = flax_patterns(jaxpr)
+    out = set()
+    for i in ids:
+        eqn = jaxpr.eqns[i]
+        inner = inner_jaxpr(eqn)
+        if i in patterns or attention_call(eqn) is not None or (
+                inner is not None and contains_attention(inner[0])):
+            out.add(i)
     return out
 
 
 def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None,
-                  autocast=None) -> None:
+                  autocast=None, rest=None, static=frozenset()) -> None:
     """``eval_equations`` over ``layer_segments``: each recomputed layer's run as one
-    function wrapped by ``wrap`` (``remat_wrap``), so the backward recomputes it alone."""
-    for ids, reads, outs in segments:
+    function wrapped by ``wrap`` (``remat_wrap``), so the backward recomputes it alone;
+    the other checkpointed runs (``layer_segments``' ``rest``) wrapped by ``rest``.
+    ``static``: the variables made from the parameters alone (:func:`static_values`)."""
+    for ids, reads, outs, inside in segments:
         if reads is None:
             eval_equations(jaxpr, env, run, ids, constrain=constrain, autocast=autocast)
             continue
-
-        names = wrap.names(jaxpr, ids) if isinstance(wrap, Remat) else None
+        by = wrap if inside else rest
+        names = by.names(jaxpr, ids, static) if isinstance(by, Remat) else None
 
         def layer(*values, ids=ids, reads=reads, outs=outs, names=names):
             inner = dict(zip(reads, values, strict=True))
             eval_equations(jaxpr, inner, run, ids, constrain=constrain, autocast=autocast,
                            names=names)
             return [inner[v] for v in outs]
-        env.update(zip(outs, wrap(layer)(*[env[v] for v in reads]), strict=True))
+        env.update(zip(outs, by(layer)(*[env[v] for v in reads]), strict=True))
 
 
 def layer_sequence(closed, split_blocks: bool = False,

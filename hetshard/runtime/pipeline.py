@@ -258,7 +258,8 @@ class PipelineRunner:
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
         run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program,
-                                             remat_wrap(stage.remat, stage.offload),
+                                             remat_wrap(stage.remat, stage.offload,
+                                                        pipelined=True),
                                              stage.remat_layers, mesh, layouts,
                                              stage_autocast(self.plan, stage),
                                              self.plan.context_chunks(stage) or None),

@@ -199,18 +199,9 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
                                    plan.context_chunks(st), plan.context.shard_state)
                 if cache is not None:
                     cache[key] = cost
-            costs.append(one_program(cost) if len(pipe.stages) == 1 else cost)
+            costs.append(cost)
         out.append(costs)
     return out
-
-
-def one_program(c: StageCost) -> StageCost:
-    """``c`` as a single-stage pipeline runs it: forward and backward in one jitted
-    program, whose fusion keeps fewer activations than ``jax.vjp``'s residuals
-    (``StageCost.memory_fused_saving_bytes``)."""
-    return dataclasses.replace(
-        c, memory_per_microbatch_bytes=c.memory_per_microbatch_bytes -
-        c.memory_fused_saving_bytes, memory_fused_saving_bytes=0.0)
 
 
 def priced_dtype(plan: Plan, profile: ModelProfile, st) -> str:
@@ -527,9 +518,6 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
                 continue
             cache[key] = got
         typed[s] = cache[key]
-    if len(pipe.stages) == 1:
-        typed = {s: {name: one_program(c) for name, c in got.items()}
-                 for s, got in typed.items()}
     names = {cluster.gpu_of(d).name for d in pipe.stages[w].devices}
     out = {}
     for name in names:
