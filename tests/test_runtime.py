@@ -111,6 +111,33 @@ def test_single_stage_plans_match_single_device_training(fix, shardings):
                 for x in jax.tree.leaves(params) if x.ndim == 2} == {True}
 
 
+def test_fsdp_without_remat_gathers_each_weight_again_for_its_backward():
+    """Under FSDP a layer without remat is checkpointed by remat none's policy, so its
+    backward gathers its weights again (PyTorch FSDP's reshard after forward) instead of
+    keeping every layer's gathered weights from its forward, which XLA does when it may
+    merge the two gathers: the compiled step gathers as many weights as under full remat
+    (whose backward gathers again by construction). (Its training equals one device's:
+    test_single_stage_plans_match_single_device_training.)"""
+    import re
+
+    from hetshard.collectives import put
+
+    def gathered(remat):
+        plan = _plan(f"dp=8,tp=1,pp=1,fsdp=true,remat={remat}")
+        assert plan.pipelines[0].stages[0].remat == remat
+        _, _, step, batches, (model, opt) = _run(plan, steps=1)
+        entry = next(iter(step._compiled.values()))
+        hlo = entry.step.lower(nnx.state((model, opt)),
+                               put(batches[0], entry.batch_shardings),
+                               *entry.carry.values()).compile().as_text()
+        # elements all-gathered into 2-D float32 arrays (the weight matrices)
+        return sum(int(a) * int(b) for line in hlo.splitlines() if " all-gather(" in line
+                   for a, b in re.findall(r"f32\[(\d+),(\d+)\]",
+                                          line.split(" all-gather(")[0]))
+    none, full = gathered("none"), gathered("full")
+    assert none > 0 and none == full, (none, full)
+
+
 def test_planned_step_with_cache_and_in_place_updates(tmp_path, monkeypatch):
     monkeypatch.setenv("HETSHARD_CACHE_DIR", str(tmp_path))
     cache.clear_memory()

@@ -512,7 +512,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     fusable = 0.0  # the activations of the layers without remat
     # per layer, parameter bytes per device (its tensor shard) and whether it is
     # checkpointed
-    layer_params: list[tuple[float, bool]] = []
+    layer_params: list[float] = []
     working = 0.0
     inside = {layer.name for layer in profile.layers[start:end]}
     measured = _measured(profile, cal)
@@ -718,7 +718,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         carry += layer.weight_carry_bytes_per_sample * mbs / shard
         param_bytes += own
         largest_param = max(largest_param, own)
-        layer_params.append((own, mode != "none"))
+        layer_params.append(own)
         if save is not None:
             hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
         if mode != "full" and fused:
@@ -735,15 +735,14 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     opt_state = param_bytes * profile.opt_bytes_per_param_byte / opt_dp
     held = (param_bytes + sum(b for _, b in read_copies.values())) / shard_dp
     if gathered > 1:
-        # FSDP: a layer's gathered weights are read again by its backward. Without remat
-        # every layer's stay gathered from its forward to its backward; a checkpointed
-        # layer gathers them again, one layer at a time behind the next (two at once).
-        # Its gradients are whole until their reduce-scatter, which runs in XLA's
-        # combined buckets (``hetshard.cost.comm.buckets``): the largest bucket whole.
-        kept = sum(b for b, again in layer_params if not again) + 2 * max(
-            (b for b, again in layer_params if again), default=0.0)
-        bucket = max((b for _, b in buckets([b for b, _ in layer_params[::-1]])),
-                     default=0.0)
+        # FSDP: a layer's gathered weights are read again by its backward, which gathers
+        # them again (every layer is checkpointed, remat none's included:
+        # ``hetshard.rewrite.spmd``, ``rewrite.pipeline.Remat``), one layer at a time
+        # behind the next (two at once). Its gradients are whole until their
+        # reduce-scatter, which runs in XLA's combined buckets
+        # (``hetshard.cost.comm.buckets``): the largest bucket whole.
+        kept = 2 * max(layer_params, default=0.0)
+        bucket = max((b for _, b in buckets(layer_params[::-1])), default=0.0)
         working += (kept + bucket) * (1 - 1 / gathered)
     static = held * 2.0 + opt_state + static_copy / shard_dp  # (the gradients: held)
     optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw

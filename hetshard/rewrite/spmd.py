@@ -34,11 +34,13 @@ from hetshard.layout import batch_axes_for, boundary_layout, leaf_spec
 from hetshard.plan import Stage
 from hetshard.rewrite.attention import attention_runner
 from hetshard.rewrite.pipeline import (
+    Remat,
     StageSplitError,
     eval_segments,
     layer_segments,
     layer_sequence,
     remat_wrap,
+    static_values,
 )
 
 
@@ -280,7 +282,11 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                                                     mesh, tp_overlap))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
-        wrap = remat_wrap(stage.remat, stage.offload)
+        # Under FSDP the layers no remat recomputes are checkpointed by remat none's
+        # policy too: their backward gathers the weights again instead of keeping every
+        # layer's gathered from its forward (PyTorch FSDP's reshard after forward).
+        fsdp = mesh.shape.get("fsdp", 1) > 1
+        wrap = remat_wrap(stage.remat, stage.offload, pipelined=fsdp)
         if wrap is None:
             eval_equations(jaxpr, env, run, constrain=constrain, autocast=autocast)
         else:
@@ -291,10 +297,14 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
             except StageSplitError:
                 names, eqn_layer = [""], [0] * len(jaxpr.eqns)
             count = len(names) if stage.remat_layers is None else stage.remat_layers
+            none = wrap.remat == "none"
             segments = layer_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
-                                      (0, count), jaxpr.outvars)
+                                      (0, 0 if none else count), jaxpr.outvars, rest=fsdp)
+            weights = [var for var, (path, _) in zip(jaxpr.invars, leaves, strict=True)
+                       if path and getattr(path[0], "idx", None) == 0]
             eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain,
-                          autocast=autocast)
+                          autocast=autocast, rest=wrap if none else Remat("none"),
+                          static=static_values(jaxpr, weights))
         outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
