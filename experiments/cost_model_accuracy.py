@@ -52,8 +52,10 @@ collectives work on dimension 0, its layouts shard dimension 1): ``_sp_copies_s`
 the roofline's memory rate, not fitted; its asynchronous-TP rows fuse them away.
 
 Per set the script reports the median and mean absolute error over the held-out rows,
-the Spearman rank correlation between predicted and measured times, and which rows (if
-any) a catalog constant was fitted on; it fits each per-architecture ``matmul_eff``
+the Spearman rank correlation between predicted and measured times and between
+predicted and measured efficiencies (model TFLOP/s per GPU: issue 49's measure, which
+ranks rows of one model by speed rather than by size), and which rows (if any) a
+catalog constant was fitted on; it fits each per-architecture ``matmul_eff``
 again (ARCH_FITS) and prints it beside the catalog's.
 
 Usage: python experiments/cost_model_accuracy.py [--sets megatron,sailor-mit,...]
@@ -158,7 +160,14 @@ def megatron_predict(row, cal, clusters):
         if best is None or key < best[0]:
             best = (key, mbs, r)
     _, mbs, r = best
-    return {"predicted_step_s": r.step_time_s, "mbs": mbs, "fits": r.fits}
+    return {"predicted_step_s": r.step_time_s, "mbs": mbs, "fits": r.fits,
+            "model_tflop_per_gpu": _model_tflop(r)}
+
+
+def _model_tflop(r) -> float:
+    """The model's TFLOP per GPU in one step of the plan (recomputation not counted): a
+    row's efficiency, model TFLOP/s per GPU, is this over its step time."""
+    return r.tflops_per_gpu * r.step_time_s
 
 
 def megatron_evaluate(cal, subset=None):
@@ -211,6 +220,7 @@ def sailor_evaluate(name):
                         stages=row["num_stages"],
                         measured_step_s=row["measured"]["iteration_time_s"],
                         predicted_step_s=r.step_time_s, fits=r.fits,
+                        model_tflop_per_gpu=_model_tflop(r),
                         measured_memory_bytes=row["measured"].get("max_mem_bytes"),
                         predicted_memory_bytes=r.peak_memory_bytes, others=others))
     return out
@@ -336,7 +346,7 @@ def torchtitan_evaluate(rows, cluster_of, cal=DEFAULT):
                         fsdp=fsdp, tp=tp, batch=batch, remat=remat, tp_overlap=overlap,
                         published=f"{tps} TPS/GPU", measured_step_s=batch * seq /
                         (tps * gpus), predicted_step_s=step, op_sac_extra_s=extra,
-                        sp_copies_s=copies, fits=r.fits,
+                        sp_copies_s=copies, fits=r.fits, model_tflop_per_gpu=_model_tflop(r),
                         predicted_memory_bytes=r.peak_memory_bytes))
     return out
 
@@ -425,6 +435,10 @@ def summarize(rows, fit_rows=frozenset(), gpus_per_node: int = 8):
            "max_abs_error": float(np.max(err)),
            "spearman": spearman([r["predicted_step_s"] for r in rows],
                                 [r["measured_step_s"] for r in rows]),
+           # (issue 49's measure: the rows ranked by efficiency, model TFLOP/s per GPU)
+           "spearman_efficiency": spearman(
+               [r["model_tflop_per_gpu"] / r["predicted_step_s"] for r in rows],
+               [r["model_tflop_per_gpu"] / r["measured_step_s"] for r in rows]),
            "too_fast_rows": sum(r["error"] < 0 for r in held),
            # held-out rows by node count (issue 54): median signed and absolute error
            "by_nodes": {str(n): {"rows": len(g), "median_error": float(np.median(
@@ -443,7 +457,8 @@ def summarize(rows, fit_rows=frozenset(), gpus_per_node: int = 8):
 def print_set(name, summary, rows):
     print(f"\n== {name}: median |error| {summary['median_abs_error']:.1%}, mean "
           f"{summary['mean_abs_error']:.1%}, max {summary['max_abs_error']:.1%}, Spearman "
-          f"{summary['spearman']:.3f} over {summary['rows_held_out']} held-out rows"
+          f"{summary['spearman']:.3f} (of efficiency {summary['spearman_efficiency']:.3f}) "
+          f"over {summary['rows_held_out']} held-out rows"
           + (f" (fitted on {summary['fit_rows']})" if summary["fit_rows"] else ""))
     print("   by nodes: " + ", ".join(f"{n}: {v['median_error']:+.1%} ({v['rows']})"
                                      for n, v in summary["by_nodes"].items()))
