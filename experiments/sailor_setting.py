@@ -81,7 +81,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     cal = Calibration.load(sp.PROFILES)
-    prof = profile_model(MODEL, 2048, "float32")
+    # (a plan may cut inside blocks: priced on the profile of block halves then)
+    profiles = {split: profile_model(MODEL, 2048, "float32", split_blocks=split)
+                for split in (False, True)}
+    prof = profiles[False]
     rows = []
     for a, v in SIZES:
         c = cluster(a, v)
@@ -90,7 +93,7 @@ def main() -> int:
                          calibration=cal, options=PlannerOptions(
                              time_limit_s=args.time_limit, attention="reference"))
         wall = time.time() - t0
-        r = simulate(plan, prof, c, cal, trace=False)
+        r = simulate(plan, profiles[plan.split_blocks], c, cal, trace=False)
         row = {"cluster": c.name, "gpus": 4 * (a + v), "hetshard_it_s": 1 / r.step_time_s,
                "hetshard_fits": r.fits, "hetshard_plan": plan.explain(),
                "planning_s": wall, "solver": plan.solver.status,

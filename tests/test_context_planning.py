@@ -121,6 +121,26 @@ def test_mixed_context_plans_share_every_type_out_evenly():
     assert {len(set(p.context.chunk_lengths)) for p in equal} == {1}
 
 
+def test_layout_moves_keep_a_context_group_across_types_as_it_is():
+    """The layout descent re-lays out a pipeline's stages on one GPU group; a stage
+    whose context ranks span the types (mixed_context_plans) is not one: no move of it
+    is offered (it used to be re-laid out as if its first device's group held it all,
+    a plan naming both types on one type's devices)."""
+    from hetshard.solver.layouts import moves
+    from hetshard.solver.splits import LayerTables
+    profile = profile_program(steps.program(LONG))
+    cluster = Cluster.load(SPEC)
+    opts = PlannerOptions(cp_options=(2, 4, 8), tp_options=(1, 2), mbs_options=(1,),
+                          remat_options=("full",))
+    plans = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
+                                opts=opts)
+    tables = LayerTables(profile, cluster, DEFAULT, "flash", True)
+    for p in plans:
+        assert "+" in p.pipelines[0].stages[0].gpu
+        assert list(moves(p, tables, cluster, 8, tp_options=(1, 2, 4), remats=("full",),
+                          margin=0.05)) == []
+
+
 def test_a_long_sequence_makes_the_planner_span_types_with_uneven_chunks():
     # One 64K-token sample per step: no data parallelism, and a pipeline of one
     # micro-batch runs its stages one after the other. A context group over both GPU

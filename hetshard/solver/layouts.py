@@ -153,6 +153,8 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
         for seg in segments(pipe, cluster):
             a, b = seg
             st = pipe.stages[a]
+            if len({cluster.slot(d).group for s in pipe.stages[a:b] for d in s.devices}) > 1:
+                continue  # a context group across GPU types (solver.context): kept as is
             group = cluster.group(cluster.slot(st.devices[0]).group)
             n = sum(len(s.devices) for s in pipe.stages[a:b])
             current = (data_ways(st), st.axis("tensor"))
