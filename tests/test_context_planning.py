@@ -97,13 +97,18 @@ def test_uneven_chunks_price_each_type_by_its_share():
     assert simulate(skewed, profile, cluster, DEFAULT).step_time_s > r_un.step_time_s
 
 
-def test_mixed_context_plans_share_every_type_out_evenly():
+def _mixed(**kw):
+    """(profile, cluster, options, mixed-context plans) of LONG on SPEC."""
     profile = profile_program(steps.program(LONG))
     cluster = Cluster.load(SPEC)
     opts = PlannerOptions(cp_options=(2, 4, 8), tp_options=(1, 2), mbs_options=(1,),
                           remat_options=("full",))
-    plans = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
-                                opts=opts)
+    return profile, cluster, opts, mixed_context_plans(
+        LONG, profile, cluster, global_batch=2, seq_len=65536, opts=opts, **kw)
+
+
+def test_mixed_context_plans_share_every_type_out_evenly():
+    profile, cluster, opts, plans = _mixed()
     assert plans
     for p in plans:
         cp = p.context.degree
@@ -116,8 +121,7 @@ def test_mixed_context_plans_share_every_type_out_evenly():
                 assert kinds.count("H100-80GB") == kinds.count("A100-80GB")
         fast = [c for c, d in zip(p.context.chunk_lengths, range(cp), strict=True)]
         assert len(set(fast)) == 2 and sum(fast) == 65536  # two types, two lengths
-    equal = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
-                                opts=opts, chunks="equal")
+    equal = _mixed(chunks="equal")[3]
     assert {len(set(p.context.chunk_lengths)) for p in equal} == {1}
 
 
@@ -128,12 +132,7 @@ def test_layout_moves_keep_a_context_group_across_types_as_it_is():
     a plan naming both types on one type's devices)."""
     from hetshard.solver.layouts import moves
     from hetshard.solver.splits import LayerTables
-    profile = profile_program(steps.program(LONG))
-    cluster = Cluster.load(SPEC)
-    opts = PlannerOptions(cp_options=(2, 4, 8), tp_options=(1, 2), mbs_options=(1,),
-                          remat_options=("full",))
-    plans = mixed_context_plans(LONG, profile, cluster, global_batch=2, seq_len=65536,
-                                opts=opts)
+    profile, cluster, _, plans = _mixed()
     tables = LayerTables(profile, cluster, DEFAULT, "flash", True)
     for p in plans:
         assert "+" in p.pipelines[0].stages[0].gpu

@@ -116,11 +116,12 @@ def test_memory_model_matches_hand_computed_totals(prof):
     assert full.hardware_flops > full.model_flops == base.model_flops
 
 
-def _vjp_residual_bytes(spec, layers, samples, remat):
+def _vjp_residual_bytes(spec, layers, samples, remat, count=None):
     """Bytes of the residuals ``jax.vjp`` keeps for a pipeline stage's forward program
     of ``spec`` with ``layers`` blocks, as the runtime builds it (flash kernel, the
     remat's checkpoint per layer, remat none's included); shapes only, nothing
-    computed."""
+    computed. ``count``: the remat's first layers only (remat none's policy on the
+    rest)."""
     config = dataclasses.replace(models.resolve(spec), layers=layers)
     graphdef, state = nnx.split(models.abstract(config))
     leaves, tree = jax.tree.flatten(state)
@@ -133,7 +134,7 @@ def _vjp_residual_bytes(spec, layers, samples, remat):
                          attention="flash", interpret=True)
     st, wrap = split.stages[0], remat_wrap(remat, pipelined=True)
     vjp = jax.eval_shape(
-        lambda p, f, b: st.forward(p, f, b, [], None if wrap is None else (wrap, None))[2],
+        lambda p, f, b: st.forward(p, f, b, [], (wrap, count))[2],
         [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
         [batch[i] for i in st.batch])
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp))
@@ -472,30 +473,12 @@ def test_a_pipeline_stages_residuals_are_priced_whole_and_partial_remat(remat, c
     adds)."""
     spec = ("gpt:layers=3,hidden=64,heads=4,vocab=128,seq=32,mlp=swiglu,norm=rmsnorm,"
             "pos=rope,tied=false,bias=false,dtype=bfloat16")
-
-    def kept(samples):
-        config = models.resolve(spec)
-        graphdef, state = nnx.split(models.abstract(config))
-        leaves, tree = jax.tree.flatten(state)
-        batch, btree = jax.tree.flatten(example_batch(config, samples, 32))
-
-        def loss(sl, bl):
-            return loss_of(config)(nnx.merge(graphdef, jax.tree.unflatten(tree, sl)),
-                                   jax.tree.unflatten(btree, bl))
-        split = split_stages(loss, leaves, batch, [(0, config.layers + 2)],
-                             list(range(len(leaves))), attention="flash", interpret=True)
-        st = split.stages[0]
-        vjp = jax.eval_shape(
-            lambda p, f, b: st.forward(p, f, b, [],
-                                       (remat_wrap(remat, pipelined=True), count))[2],
-            [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],
-            [batch[i] for i in st.batch])
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp))
     prof = profile_model(spec, 32, "bfloat16")
     gpu = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
     c = stage_cost(prof, 0, prof.num_layers, gpu, mbs=1, remat=remat, remat_layers=count,
                    cal=DEFAULT)
-    measured = kept(2) - kept(1)
+    measured = _vjp_residual_bytes(spec, 3, 2, remat, count) - \
+        _vjp_residual_bytes(spec, 3, 1, remat, count)
     assert c.memory_per_microbatch_bytes == pytest.approx(measured, rel=0.03)
     if remat == "none":
         # exact; the elementwise values jax.vjp keeps unchecked are recomputed instead
