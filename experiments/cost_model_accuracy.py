@@ -7,10 +7,10 @@ Sets (each row a published configuration and its measured step time):
   Narayanan et al. 2021 (SC'21), Table 1 (weak scaling 1.7B..1T, full recomputation:
   achieved TFLOP/s per GPU counted with 96*B*s*l*h^2*(1 + s/6h + V/16lh)); Korthikanti
   et al. 2022 and Megatron-LM's README (MFU with selective recomputation and sequence
-  parallelism, counted with 72*...). Micro-batch sizes of the first table are not
-  published: each row takes the size (1, 2, 4, 8) hetshard predicts fastest among those
-  that fit, as the authors tuned theirs. Priced with the roofline (no per-layer profile
-  exists) as shipped. Three rows (FIT_ROWS) are those the catalog's Ampere
+  parallelism, counted with 72*...). The first table's micro-batch sizes and
+  interleaved schedules (virtual stages on the 76B-530B rows) are those of the paper's
+  own scripts (Megatron-LM's examples/sc21/run_table_1.sh). Priced with the roofline
+  (no per-layer profile exists) as shipped. Three rows (FIT_ROWS) are those the catalog's Ampere
   ``matmul_eff`` was fitted on (``fit_matmul_eff``: the mean log error zeroed); the
   other 11 are held out, and torchtitan's A100 rows below are held out entirely.
 * ``sailor-mit`` (9), ``sailor-gh200-opt350`` (15), ``sailor-gh200-gptneo`` (12):
@@ -85,18 +85,21 @@ from models import profile as profile_model
 # ---- megatron ------------------------------------------------------------------------
 
 SEQ, VOCAB, PEAK = 2048, 51200, 312e12
-# name, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU
+# name, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU, micro-batch
+# size, virtual stages per pipeline stage (the last two from the paper's own scripts,
+# Megatron-LM's examples/sc21/run_table_1.sh: MBS and --num-layers-per-virtual-
+# pipeline-stage, layers per stage over layers per virtual stage)
 NARAYANAN = [
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
-    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
-    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
-    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 ]
 # name, heads, hidden, layers, tp, pp, gpus, batch, published MFU
 KORTHIKANTI = [
@@ -114,10 +117,10 @@ def _formula(b, layers, h):
 
 def megatron_rows():
     out = []
-    for name, heads, h, layers, tp, pp, gpus, batch, tflops in NARAYANAN:
+    for name, heads, h, layers, tp, pp, gpus, batch, tflops, mbs, vpp in NARAYANAN:
         flops = 4 / 3 * _formula(batch, layers, h)  # their count includes recomputation
         out.append(dict(row=f"narayanan {name}", heads=heads, hidden=h, layers=layers, tp=tp,
-                        pp=pp, gpus=gpus, batch=batch, remat="full", mbs=None,
+                        pp=pp, vpp=vpp, gpus=gpus, batch=batch, remat="full", mbs=mbs,
                         attention="reference", published=f"{tflops} TFLOP/s/GPU",
                         measured_step_s=flops / (tflops * 1e12 * gpus)))
     for name, heads, h, layers, tp, pp, gpus, batch, mfu in KORTHIKANTI:
@@ -152,7 +155,8 @@ def megatron_predict(row, cal, clusters):
     for mbs in ([row["mbs"]] if row["mbs"] else [1, 2, 4, 8]):
         if row["batch"] % (dp * mbs):
             continue
-        fix = Fix(dp=dp, tp=row["tp"], pp=row["pp"], mbs=mbs, remat=row["remat"])
+        fix = Fix(dp=dp, tp=row["tp"], pp=row["pp"], mbs=mbs, remat=row["remat"],
+                  vpp=row.get("vpp", 1))
         plan = uniform_plan(spec, prof, cluster, global_batch=row["batch"], seq_len=SEQ,
                             fix=fix, attention=row["attention"])
         r = simulate(plan, prof, cluster, cal, trace=False)
