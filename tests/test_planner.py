@@ -6,6 +6,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -178,38 +179,40 @@ def _brute_force(profile, cluster, global_batch, opts, partial=True):
                                                 caf[m] - caf[lo] + can[hi] - can[m],
                                                 max(wf[lo:m].max(), wn[m:hi].max())))
                         per_stage.append(choices)
+                    # Transfers: the pipeline's sends priced like the simulator's, and
+                    # 1F1B's loop bound (stage s: p - s micro-batches in flight).
+                    used, links = {}, []
+                    devs = []
+                    for g in groups_of:
+                        first = cluster.group_device_ids(g.name).start + used.get(g.name, 0)
+                        used[g.name] = used.get(g.name, 0) + r * tp
+                        devs.append(range(first, first + r * tp))
+                    for s in range(p - 1):
+                        nbytes = profile.layers[b[s][1] - 1].boundary_bytes_per_sample * \
+                            mbs * r
+                        links.append(p2p_time(nbytes, cluster, devs[s], devs[s + 1], DEFAULT))
+                    # Extra 1F1B warm-up e_s per stage (up to 5), never growing along the
+                    # pipeline: every such vector, one row each.
+                    extras = np.array([e for e in itertools.product(range(6), repeat=p)
+                                       if all(e[s + 1] <= e[s] + 1 for s in range(p - 1))])
                     for chosen in itertools.product(*per_stage):
                         if any(st + (p - s) * act + w > cap[s]
                                for s, (_, st, act, w) in enumerate(chosen)):
                             continue
                         times = [c[0] for c in chosen]
-                        # Transfers: the pipeline's sends priced like the simulator's,
-                        # and 1F1B's loop bound (stage s: p - s micro-batches in flight).
-                        used, links = {}, []
-                        devs = []
-                        for g in groups_of:
-                            first = cluster.group_device_ids(g.name).start + used.get(g.name, 0)
-                            used[g.name] = used.get(g.name, 0) + r * tp
-                            devs.append(range(first, first + r * tp))
-                        for s in range(p - 1):
-                            nbytes = profile.layers[b[s][1] - 1].boundary_bytes_per_sample * \
-                                mbs * r
-                            links.append(p2p_time(nbytes, cluster, devs[s], devs[s + 1], DEFAULT))
-                        # Extra 1F1B warm-up e_s per stage (up to 5): memory for p - s + e_s
-                        # micro-batches in flight, warm-up p - s - 1 + e_s never growing.
+                        # Memory for p - s + e_s micro-batches in flight on stage s.
+                        fits = np.ones(len(extras), bool)
+                        for s, (_, static, act, w) in enumerate(chosen):
+                            fits &= static + (p - s + extras[:, s]) * act + w <= cap[s]
+                        rows = extras[fits]
+                        # Every cycle: forwards from s down to q, back up the backwards;
+                        # it spans q - s + 1 + e_s - e_q micro-batches.
                         period = float("inf")
-                        for extra in itertools.product(range(6), repeat=p):
-                            if any(extra[s + 1] > extra[s] + 1 for s in range(p - 1)):
-                                continue
-                            if any(st + (p - s + extra[s]) * act + w > cap[s]
-                                   for s, (_, st, act, w) in enumerate(chosen)):
-                                continue
-                            # Every cycle: forwards from s down to q, back up the
-                            # backwards; it spans q - s + 1 + e_s - e_q micro-batches.
-                            period = min(period, max(
-                                (sum(times[s:q + 1]) + 2 * sum(links[s:q])) /
-                                (q - s + 1 + extra[s] - extra[q])
-                                for s in range(p) for q in range(s, p)))
+                        if len(rows):
+                            cycles = np.max([(sum(times[s:q + 1]) + 2 * sum(links[s:q])) /
+                                             (q - s + 1 + rows[:, s] - rows[:, q])
+                                             for s in range(p) for q in range(s, p)], axis=0)
+                            period = float(cycles.min())
                         opts_f.append((mbs * r, sum(times) + 2 * sum(links), period))
             options.append(opts_f)
         for combo in itertools.product(*options):
