@@ -132,7 +132,7 @@ def _vjp_residual_bytes(spec, layers, samples, remat, count=None):
                                jax.tree.unflatten(btree, bl))
     split = split_stages(loss, leaves, batch, [(0, layers + 2)], list(range(len(leaves))),
                          attention="flash", interpret=True)
-    st, wrap = split.stages[0], remat_wrap(remat, pipelined=True)
+    st, wrap = split.stages[0], remat_wrap(remat, checkpoint_none=True)
     vjp = jax.eval_shape(
         lambda p, f, b: st.forward(p, f, b, [], (wrap, count))[2],
         [leaves[i] for i in st.params], [leaves[i] for i in st.frozen],

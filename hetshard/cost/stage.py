@@ -510,8 +510,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = host_act = largest_param = fused_saving = 0.0
     fusable = 0.0  # the activations of the layers without remat
-    # per layer, parameter bytes per device (its tensor shard) and whether it is
-    # checkpointed
+    # per layer, parameter bytes per device (its tensor shard)
     layer_params: list[float] = []
     working = 0.0
     inside = {layer.name for layer in profile.layers[start:end]}

@@ -147,19 +147,16 @@ class StageProgram:
                            autocast=autocast)
         else:
             # The layers the remat leaves are checkpointed by remat none's policy.
-            none = getattr(remat[0], "remat", None) == "none"
-            key = ("segments", remat[1], none)
+            key = ("segments", remat[1], getattr(remat[0], "remat", None))
             if key not in self._memo:
-                last = self.layers[0] if none else self.layers[1] if remat[1] is None \
-                    else self.layers[0] + remat[1]
-                self._memo[key] = layer_segments(jaxpr, self.eqns, sp.eqn_layer,
-                                                 (self.layers[0], last), self.sends,
-                                                 rest=True)
+                self._memo[key] = remat_segments(jaxpr, self.eqns, sp.eqn_layer,
+                                                 self.layers, remat[1], self.sends,
+                                                 remat[0], rest=True)
             if "static" not in self._memo:
                 self._memo["static"] = static_values(jaxpr, jaxpr.invars[:sp.num_state])
-            eval_segments(jaxpr, env, run, self._memo[key], remat[0], constrain=constrain,
-                          autocast=autocast, rest=remat[0] if none else Remat("none"),
-                          static=self._memo["static"])
+            segments, rest = self._memo[key]
+            eval_segments(jaxpr, env, run, segments, remat[0], constrain=constrain,
+                          autocast=autocast, rest=rest, static=self._memo["static"])
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
     def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None,
@@ -372,14 +369,29 @@ def equation_roles(jaxpr, ids: Sequence[int]) -> dict[int, str]:
 
 
 def remat_wrap(remat: str, offload: tuple[str, ...] = (),
-               pipelined: bool = False) -> Remat | None:
+               checkpoint_none: bool = False) -> Remat | None:
     """The :class:`Remat` of a stage's remat and offload (``Stage.offload``: its kept
-    values in host memory where it lists "activations"); for remat none, None (the
-    stage is one program with its backward) or, ``pipelined`` (its forward a program
-    of its own, whose vjp the backward gets), ``Remat("none")``."""
+    values in host memory where it lists "activations"); for remat none, None (XLA
+    keeps what one program needs) or, ``checkpoint_none``, ``Remat("none")``: a pipeline
+    stage (its forward a program of its own, whose vjp the backward gets) and an FSDP
+    stage (whose backward gathers the weights again)."""
     if remat == "none":
-        return Remat(remat) if pipelined else None
+        return Remat(remat) if checkpoint_none else None
     return Remat(remat, "activations" in offload)
+
+
+def remat_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],
+                   layers: tuple[int, int], count: int | None, live: Sequence, wrap,
+                   rest: bool) -> tuple[list, Remat]:
+    """:func:`layer_segments` of a stage's layers ``[first, end)`` under ``wrap``, which
+    recomputes its first ``count`` (None: all), and the wrapper of the others
+    (``rest``: they are checkpointed by remat none's policy): under ``Remat("none")``
+    itself every layer is one of the others."""
+    first, end = layers
+    none = getattr(wrap, "remat", None) == "none"
+    last = first if none else end if count is None else first + count
+    return (layer_segments(jaxpr, ids, eqn_layer, (first, last), live, rest=rest or none),
+            wrap if none else Remat("none"))
 
 
 def layer_segments(jaxpr, ids: Sequence[int], eqn_layer: Sequence[int],

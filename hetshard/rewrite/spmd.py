@@ -34,11 +34,10 @@ from hetshard.layout import batch_axes_for, boundary_layout, leaf_spec
 from hetshard.plan import Stage
 from hetshard.rewrite.attention import attention_runner
 from hetshard.rewrite.pipeline import (
-    Remat,
     StageSplitError,
     eval_segments,
-    layer_segments,
     layer_sequence,
+    remat_segments,
     remat_wrap,
     static_values,
 )
@@ -286,7 +285,7 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
         # policy too: their backward gathers the weights again instead of keeping every
         # layer's gathered from its forward (PyTorch FSDP's reshard after forward).
         fsdp = mesh.shape.get("fsdp", 1) > 1
-        wrap = remat_wrap(stage.remat, stage.offload, pipelined=fsdp)
+        wrap = remat_wrap(stage.remat, stage.offload, checkpoint_none=fsdp)
         if wrap is None:
             eval_equations(jaxpr, env, run, constrain=constrain, autocast=autocast)
         else:
@@ -296,15 +295,13 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                 names, eqn_layer = layer_sequence(closed, split_blocks)
             except StageSplitError:
                 names, eqn_layer = [""], [0] * len(jaxpr.eqns)
-            count = len(names) if stage.remat_layers is None else stage.remat_layers
-            none = wrap.remat == "none"
-            segments = layer_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
-                                      (0, 0 if none else count), jaxpr.outvars, rest=fsdp)
+            segments, rest = remat_segments(jaxpr, range(len(jaxpr.eqns)), eqn_layer,
+                                            (0, len(names)), stage.remat_layers,
+                                            jaxpr.outvars, wrap, rest=fsdp)
             weights = [var for var, (path, _) in zip(jaxpr.invars, leaves, strict=True)
                        if path and getattr(path[0], "idx", None) == 0]
             eval_segments(jaxpr, env, run, segments, wrap, constrain=constrain,
-                          autocast=autocast, rest=wrap if none else Remat("none"),
-                          static=static_values(jaxpr, weights))
+                          autocast=autocast, rest=rest, static=static_values(jaxpr, weights))
         outs = [v.val if isinstance(v, ext.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 

@@ -259,7 +259,7 @@ class PipelineRunner:
             mesh, overlap=self.plan.tp_overlap)
         run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program,
                                              remat_wrap(stage.remat, stage.offload,
-                                                        pipelined=True),
+                                                        checkpoint_none=True),
                                              stage.remat_layers, mesh, layouts,
                                              stage_autocast(self.plan, stage),
                                              self.plan.context_chunks(stage) or None),

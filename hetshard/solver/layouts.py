@@ -37,14 +37,19 @@ AHEADS = (0, 1, 2)
 
 
 def segments(pipe: Pipeline, cluster: Cluster) -> list[tuple[int, int]]:
-    """Stage ranges ``[i, j)`` of ``pipe`` that run on one GPU group, in order."""
+    """Stage ranges ``[i, j)`` of ``pipe`` that run on one GPU group, in order. A stage
+    whose devices span groups (a context group across GPU types: ``solver.context``) is
+    in none."""
     out: list[tuple[int, int]] = []
+    last = None  # the group of the stage before, None where it spans groups
     for j, st in enumerate(pipe.stages):
-        g = cluster.slot(st.devices[0]).group
-        if out and cluster.slot(pipe.stages[out[-1][0]].devices[0]).group == g:
+        groups = {cluster.slot(d).group for d in st.devices}
+        g = groups.pop() if len(groups) == 1 else None
+        if g is not None and g == last and out and out[-1][1] == j:
             out[-1] = (out[-1][0], j + 1)
-        else:
+        elif g is not None:
             out.append((j, j + 1))
+        last = g
     return out
 
 
@@ -153,8 +158,6 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
         for seg in segments(pipe, cluster):
             a, b = seg
             st = pipe.stages[a]
-            if len({cluster.slot(d).group for s in pipe.stages[a:b] for d in s.devices}) > 1:
-                continue  # a context group across GPU types (solver.context): kept as is
             group = cluster.group(cluster.slot(st.devices[0]).group)
             n = sum(len(s.devices) for s in pipe.stages[a:b])
             current = (data_ways(st), st.axis("tensor"))
