@@ -19,7 +19,8 @@ default gives) and ``nnx.jit`` donating the model and optimizer (what "apply" is
 with: on the CPU client a call that donates waits, now and then, for the step before it,
 so both run fewer steps ahead than a loop that donates nothing).
 
-For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds:
+For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds (the
+variants compared take turns, round by round):
 
 * ``dispatch_over_finish``: when the loop's last call returned over when every output
   was ready (a loop that waits for each step is at 1.0; one that runs ahead below);
@@ -34,7 +35,7 @@ For each: ``--steps`` steps dispatched back to back, best of ``--rounds`` rounds
 
 Targets (issue 47): dispatch/finish within 0.1 of the reference's; step <= 1.05x.
 
-Usage: python experiments/runtime_overhead.py [--steps 20] [--rounds 3] [--quick]
+Usage: python experiments/runtime_overhead.py [--steps 20] [--rounds 5] [--quick]
        [--host-only]
 Writes experiments/results/runtime_overhead.json.
 """
@@ -148,32 +149,39 @@ def plan_for(program, n_devices: int, pipeline: bool) -> Plan:
                 attention="reference")
 
 
-def timed(call, steps: int, rounds: int) -> dict:
-    """Best of ``rounds``: ``steps`` calls back to back (dispatch, finish), and one
-    call's host time with the devices idle."""
-    jax.block_until_ready(call(0))  # compiled
-    jax.block_until_ready(call(1))
-    best = None
+def timed(calls: dict, steps: int, rounds: int) -> dict:
+    """Per named call, best of ``rounds``: ``steps`` calls back to back (dispatch,
+    finish), and one call's host time with the devices idle. The calls compared take
+    turns round by round (on 2 shared cores a run's speed drifts by a tenth over a
+    minute: timed one after the other, the drift lands on the ratio)."""
+    for call in calls.values():
+        jax.block_until_ready(call(0))  # compiled
+        jax.block_until_ready(call(1))
+    best = {}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        outs = [call(i) for i in range(steps)]
-        dispatch = time.perf_counter() - t0
-        jax.block_until_ready(outs)
-        finish = time.perf_counter() - t0
-        if best is None or finish < best[1]:
-            best = (dispatch, finish)
-    hosts = []
-    for i in range(max(rounds, 5)):
-        t0 = time.perf_counter()
-        out = call(i)
-        hosts.append(time.perf_counter() - t0)
-        jax.block_until_ready(out)
-    dispatch, finish = best
-    step = finish / steps
-    return {"dispatch_s": dispatch, "finish_s": finish,
-            "dispatch_over_finish": dispatch / finish, "step_s": step,
-            "host_s": float(np.median(hosts)),
-            "steps_ahead": (finish - dispatch) / step}
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            outs = [call(i) for i in range(steps)]
+            dispatch = time.perf_counter() - t0
+            jax.block_until_ready(outs)
+            finish = time.perf_counter() - t0
+            if name not in best or finish < best[name][1]:
+                best[name] = (dispatch, finish)
+    got = {}
+    for name, call in calls.items():
+        hosts = []
+        for i in range(max(rounds, 5)):
+            t0 = time.perf_counter()
+            out = call(i)
+            hosts.append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+        dispatch, finish = best[name]
+        step = finish / steps
+        got[name] = {"dispatch_s": dispatch, "finish_s": finish,
+                     "dispatch_over_finish": dispatch / finish, "step_s": step,
+                     "host_s": float(np.median(hosts)),
+                     "steps_ahead": (finish - dispatch) / step}
+    return got
 
 
 def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
@@ -183,13 +191,13 @@ def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
     mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
     rep, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     out = {"devices": n_devices}
+    calls = {}
     for name, policy in (("hetshard", "skip"), ("hetshard_apply", "apply")):
         model, opt = fresh()
         program = hetshard.Program(train_step, (model, opt, data[0]))
         step = hetshard.jit(train_step, cluster=cluster(n_devices), nan_policy=policy,
                             plan=plan_for(program, n_devices, False), quiet=True)
-        out[name] = timed(lambda i, s=step, m=model, o=opt: s(m, o, data[i % len(data)]),
-                          steps, rounds)
+        calls[name] = lambda i, s=step, m=model, o=opt: s(m, o, data[i % len(data)])
     for name, guarded, donate in (("nnx_jit", False, False),
                                   ("nnx_jit_apply_if_finite", True, False),
                                   ("nnx_jit_donated", False, True)):
@@ -198,8 +206,9 @@ def single_stage(n_devices: int, data, steps: int, rounds: int) -> dict:
         ref = nnx.jit(train_step, donate_argnums=(0, 1) if donate else ())
         # (the batch split over the devices in the call, as hetshard.jit does it: the
         # same numpy batches go in, the same layout comes out)
-        out[name] = timed(lambda i, r=ref, m=model2, o=opt2: r(
-            m, o, jax.device_put(data[i % len(data)], rows)), steps, rounds)
+        calls[name] = lambda i, r=ref, m=model2, o=opt2: r(
+            m, o, jax.device_put(data[i % len(data)], rows))
+    out.update(timed(calls, steps, rounds))
     h, r = out["hetshard"], out["nnx_jit"]
     out.update(step_ratio=h["step_s"] / r["step_s"],
                dispatch_over_finish_gap=h["dispatch_over_finish"] - r["dispatch_over_finish"],
@@ -315,9 +324,10 @@ def pipeline(data, steps: int, rounds: int) -> dict:
     program = hetshard.Program(train_step, (model, opt, data[0]))
     plan = plan_for(program, 8, True)
     step = hetshard.jit(train_step, cluster=cluster(8), plan=plan, quiet=True)
-    h = timed(lambda i: step(model, opt, data[i % len(data)]), steps, rounds)
     hand = HandPipeline(fresh()[0])
-    r = timed(lambda i: hand(data[i % len(data)]), steps, rounds)
+    got = timed({"hetshard": lambda i: step(model, opt, data[i % len(data)]),
+                 "hand_written": lambda i: hand(data[i % len(data)])}, steps, rounds)
+    h, r = got["hetshard"], got["hand_written"]
     tasks = sum(2 * MICRO + 1 for _ in plan.pipelines[0].stages)
     h["host_task_s"] = h["host_s"] / tasks
     r["host_task_s"] = r["host_s"] / tasks
@@ -369,7 +379,7 @@ def host_per_task(rounds: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 rounds of 6 steps (a check)")
     ap.add_argument("--host-only", action="store_true",
                     help="only the host time per task (host_per_task), printed")

@@ -65,6 +65,7 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
     Carry,
     Guard,
     NonFiniteLossError,
+    branches,
     find_loss,
 )
 from hetshard.runtime.ownership import pipeline_obstacle
@@ -649,8 +650,9 @@ class HetshardJit:
             state = hit[2] if hit is not None and _same_arrays(hit[0], others) else \
                 put(step_state(program, others), home)
             if sig not in self._apply:
-                self._apply[sig] = jax.jit(settled(program, self.guard, self._carry,
-                                                   providing(program)))
+                self._apply[sig] = jax.jit(settled(
+                    program, self.guard, self._carry, providing(program),
+                    branches(home.device_set)))
             # (the carry follows the home devices: async, and free where it is already)
             halted = jax.device_put(self._carry.halted, home)
             out, new_state, halted, _, report = self._apply[sig](

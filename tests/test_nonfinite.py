@@ -1,6 +1,7 @@
 """A step with a non-finite loss or gradient is caught whatever it returns (issue 23, 1):
 ``nan_policy`` skips, applies or raises on every plan kind, NNX and pytree steps alike."""
 
+import sys
 import warnings
 
 import jax
@@ -37,11 +38,14 @@ def _plan(program, stages):
 
 def _poisoned(model, batch, how):
     """The tiny LM's loss with a NaN loss (``how="loss"``) or a finite loss whose gradient
-    is NaN (``how="grad"``: d sqrt(x)/dx at 0 is infinite, times 0)."""
+    is NaN (``how="grad"``: d sqrt(x)/dx at 0 is infinite, times 0); ``"none"``: as it
+    is."""
     loss = user_models.lm_loss(model, batch)
     w = model.head.kernel[...]
     if how == "loss":
         return loss * jnp.nan
+    if how == "none":
+        return loss
     return loss + 0.0 * jnp.sqrt(jnp.sum(w * 0.0))
 
 
@@ -64,9 +68,23 @@ def _params(model):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
+@pytest.fixture(params=["branch", "select"])
+def guard_path(request, monkeypatch):
+    """The two ways a step keeps or refuses its update (``hetshard.runtime.guard.branches``
+    picks one by the devices): the update in a ``lax.cond``'s true branch, or a select
+    per state leaf; each test taking this fixture runs under both."""
+    import hetshard.runtime.executable as hexe
+    import hetshard.runtime.pipeline as hpipe
+    hjit = sys.modules["hetshard.jit"]  # (the module: ``hetshard.jit`` is the function)
+    branch = request.param == "branch"
+    for module in (hexe, hpipe, hjit):
+        monkeypatch.setattr(module, "branches", lambda devices: branch)
+    return request.param
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("how", ["loss", "grad"])
-def test_dict_output_nan_is_skipped_and_weights_kept(stages, how):
+def test_dict_output_nan_is_skipped_and_weights_kept(stages, how, guard_path):
     model, opt, batch = _tiny()
     step = _nnx_step(how)
     before = _params(model)
@@ -93,6 +111,42 @@ def _jitted(how, **kw):
     return hetshard.jit(step, cluster=CLUSTER, plan=plan, **kw), (model, opt, batch)
 
 
+def _compiled_text(jitted, args) -> str:
+    from hetshard.runtime.executable import put, step_state
+    entry = next(iter(jitted._compiled.values()))
+    state = put(step_state(entry.program, args[:2]), entry.shardings)
+    return entry.step.lower(state, put(args[2], entry.batch_shardings),
+                            *entry.carry.values()).compile().as_text()
+
+
+def test_the_update_runs_in_a_branch_and_matches_the_selects(monkeypatch):
+    """A finite step's new weights are the same whether the update runs in the cond's
+    true branch or beside selects, and the branch's program does hold the optimizer's
+    update inside its conditional (no select per state leaf outside it)."""
+    import hetshard.runtime.executable as hexe
+    got, texts = {}, {}
+    for branch in (True, False):
+        monkeypatch.setattr(hexe, "branches", lambda devices, b=branch: b)
+        model, opt, batch = _tiny()
+        step = _nnx_step("none")
+        plan = _plan(hetshard.Program(step, (model, opt, batch)), 1)
+        jitted = hetshard.jit(step, cluster=CLUSTER, plan=plan)
+        for _ in range(2):
+            jitted(model, opt, batch)
+        jitted.wait()
+        got[branch] = _params(model)
+        texts[branch] = _compiled_text(jitted, (model, opt, batch))
+    for a, b in zip(got[True], got[False], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not np.array_equal(a, b) for a, b in zip(got[True], _params(_tiny()[0]),
+                                                         strict=True))  # (it trained)
+    entry = texts[True][texts[True].index("ENTRY"):]
+    assert " conditional(" in entry
+    n_state = len(jax.tree.leaves(nnx.state(_tiny()[:2])))
+    selects = lambda t: t.count(" select(")  # noqa: E731
+    assert selects(texts[False]) - selects(texts[True]) >= n_state // 2
+
+
 def test_raise_names_the_gradients():
     jitted, args = _jitted("grad", nan_policy="raise")
     jitted(*args)  # dispatched: the error comes once the step has finished
@@ -109,7 +163,7 @@ def test_apply_policy_applies_and_warns():
 
 
 @pytest.mark.parametrize("marked", [True, False])
-def test_pytree_step_gets_its_own_state_back(marked):
+def test_pytree_step_gets_its_own_state_back(marked, guard_path):
     # A functional step (params dict, optax.lion) returning (params, opt_state, metrics):
     # skipped, it returns the state it was given. Without hetshard.value_and_grad the
     # NaN shows in the new parameters, which are checked.

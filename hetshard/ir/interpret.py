@@ -99,6 +99,22 @@ def _autocast_in(x, autocast):
     return x.astype(autocast[1]) if jnp.result_type(x) == autocast[0] else x
 
 
+def needed_equations(jaxpr, wants, before: int | None = None,
+                     effects: bool = False) -> list[int]:
+    """Indices, in order, of the equations of ``jaxpr`` (those before index ``before``,
+    or all) that the variables ``wants`` depend on. ``effects``: equations with side
+    effects (a callback, a print) count as wanted too."""
+    need = {v for v in wants if not isinstance(v, ext.Literal)}
+    idx = []
+    end = len(jaxpr.eqns) if before is None else before
+    for i in range(end - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        if any(v in need for v in e.outvars) or (effects and e.effects):
+            idx.append(i)
+            need.update(v for v in e.invars if not isinstance(v, ext.Literal))
+    return idx[::-1]
+
+
 def evaluate_jaxpr(jaxpr, consts, args, run, autocast=None):
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))

@@ -32,7 +32,7 @@ from jax.extend import core as ext
 
 from hetshard.ir.attention_patterns import inner_jaxpr
 from hetshard.ir.dependencies import _body
-from hetshard.ir.interpret import eval_equations
+from hetshard.ir.interpret import eval_equations, needed_equations
 
 # A value's relation to the samples: None (does not read them), an int (per sample
 # along that axis), ("reduced", how) or MIXED.
@@ -167,17 +167,6 @@ def denominator(closed, path: tuple, args: list):
     return _evaluate_path(closed.jaxpr, closed.consts, list(args), path)
 
 
-def _needed(jaxpr, k: int, wants: set) -> list[int]:
-    """Indices of the equations before ``k`` that the variables ``wants`` depend on."""
-    need, idx = set(wants), []
-    for i in range(k - 1, -1, -1):
-        e = jaxpr.eqns[i]
-        if any(v in need for v in e.outvars):
-            idx.append(i)
-            need.update(v for v in e.invars if not isinstance(v, ext.Literal))
-    return idx[::-1]
-
-
 def equation_at(jaxpr, path: tuple):
     """The equation at ``path`` (:func:`normalized_outputs`), or None where ``jaxpr``
     has none there."""
@@ -210,7 +199,7 @@ def needed_inputs(jaxpr, path: tuple) -> set:
     (:func:`denominator` reads no other)."""
     k, wants = path[0], _wants(jaxpr.eqns[path[0]], path[1:])
     need = set(wants)
-    for i in _needed(jaxpr, k, wants):
+    for i in needed_equations(jaxpr, wants, k):
         need.update(v for v in jaxpr.eqns[i].invars if not isinstance(v, ext.Literal))
     return need & set(jaxpr.invars)
 
@@ -218,7 +207,7 @@ def needed_inputs(jaxpr, path: tuple) -> set:
 def _evaluate_path(jaxpr, consts, args, path):
     k, rest = path[0], path[1:]
     eqn = jaxpr.eqns[k]
-    idx = _needed(jaxpr, k, _wants(eqn, rest))
+    idx = needed_equations(jaxpr, _wants(eqn, rest), k)
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update((v, a) for v, a in zip(jaxpr.invars, args, strict=True) if a is not None)
     eval_equations(jaxpr, env, None, indices=idx)

@@ -52,6 +52,7 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
     Carry,
     Guard,
     NonFiniteLossError,
+    branches,
     donates,
     find_loss,
 )
@@ -181,20 +182,24 @@ class SpmdStep:
             scale = scale_state["scale"] if carry.loss_scale is not None else None
             state = jax.tree.map(on_device, state, s_shard)
             old = jax.tree.leaves(state)
-            with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
-                out, objs = call_step(program, state, batch)
-                used_vg[:] = [bool(ctx.used)]  # known when traced: no value to read later
-                finite, value = ctx.finite, ctx.value
-            new = None
-            if program.kind == "nnx":
-                new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_dev)
-            ok, loss = guard.health(program, out, new, finite, value)
-            out, new, *rest = guard.guarded(program, out, new, old, ok, loss, halted,
-                                            scale_state, carry.loss_scale)
+
+            def body(state, batch):
+                with entered(used=False, finite=None, value=None, loss_scale=scale) as ctx:
+                    out, objs = call_step(program, state, batch)
+                    used_vg[:] = [bool(ctx.used)]  # known when traced: nothing read later
+                    finite, value = ctx.finite, ctx.value
+                new = None
+                if program.kind == "nnx":
+                    new = jax.lax.with_sharding_constraint(nnx.state(tuple(objs)), s_dev)
+                return (out, new, *guard.health(program, out, new, finite, value))
+            out, new, *rest = guard.run(program, body, (state, batch), old, halted,
+                                        scale_state, carry.loss_scale, branch)
             if new is not None:
                 new = jax.tree.map(at_home, new, s_shard)
             return (out, new, *rest)
-        donate = donates(program.kind, guard.nan_policy, mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        branch = branches(mesh.devices.flat)
+        donate = donates(program.kind, guard.nan_policy, platform)
         jitted = jax.jit(rewriting(pure, plan, mesh), in_shardings=(s_shard, b_shard, rep,
                                                                        rep),
                          donate_argnums=(0,) if donate else ())
@@ -304,9 +309,10 @@ class SharesStep:
         # step hands every pipeline a copy of the updated state.
         carry = Carry(loss_scale=_loss_scale(plan)).place(
             NamedSharding(shares[0].mesh, PartitionSpec()))
-        apply = combining(program, settled(program, guard, carry, providing_whole(program),
-                                           shares[0].shardings))
         platform = shares[0].mesh.devices.flat[0].platform
+        apply = combining(program, settled(program, guard, carry, providing_whole(program),
+                                           branches(shares[0].mesh.devices.flat),
+                                           shares[0].shardings))
         return cls(plan, program, shares, jax.jit(apply, donate_argnums=(0,) if donates(
             program.kind, guard.nan_policy, platform) else ()), guard, carry)
 
@@ -505,7 +511,8 @@ def combining(program: Program, apply):
     return fn
 
 
-def settled(program: Program, guard: Guard, carry: Carry, apply, shardings=None):
+def settled(program: Program, guard: Guard, carry: Carry, apply, branch: bool,
+            shardings=None):
     """``apply`` (``(state, ..., provided) -> (output, new NNX state or None)``, the step
     run on value and gradients computed elsewhere) with its ``provided`` value and
     gradients checked and the update kept only where the guard applies it:
@@ -518,12 +525,15 @@ def settled(program: Program, guard: Guard, carry: Carry, apply, shardings=None)
         if shardings is not None:
             state = jax.tree.map(on_device, state, shardings)
         old = jax.tree.leaves(state)
-        out, new = apply(state, *args, provided)
-        value, grads = provided
-        value = value[0] if program.call.has_aux else value
-        ok, loss = guard.health(program, out, new, all_finite((value, grads)), value)
-        out, new, *rest = guard.guarded(program, out, new, old, ok, loss, halted,
-                                        scale_state, carry.loss_scale)
+
+        def body(state, args, provided):
+            out, new = apply(state, *args, provided)
+            value, grads = provided
+            value = value[0] if program.call.has_aux else value
+            return (out, new, *guard.health(program, out, new, all_finite((value, grads)),
+                                            value))
+        out, new, *rest = guard.run(program, body, (state, args, provided), old, halted,
+                                    scale_state, carry.loss_scale, branch)
         if shardings is not None and new is not None:
             new = jax.tree.map(at_home, new, shardings)
         return (out, new, *rest)

@@ -7,8 +7,11 @@ A step never reads a device value on the host (DESIGN.md, runtime principles): t
 * ``ok``: its loss and every gradient are finite;
 * ``overflow``: a loss-scaled step's gradients overflowed under a finite loss (the scale
   is halved and the step skipped; ``hetshard.runtime.precision``);
-* ``apply``: whether its update is kept; every state leaf is ``where(apply, new, old)``,
-  so a refused step leaves the state bit-identical.
+* ``apply``: whether its update is kept; a refused step leaves the state bit-identical.
+  On GPUs every state leaf is ``where(apply, new, old)``, which XLA folds into the
+  update's own fusions (they read the old value anyway). On CPU devices that occupy
+  every core, the update itself runs in the true branch of a ``lax.cond`` on ``apply``
+  and the false branch returns the old state (:meth:`Guard.run`, :func:`branches`).
 
 What the host says about it (a warning, ``NonFiniteLossError``, the loss scale's log
 line) comes later, without waiting: each step's small report (``ok``, ``overflow``, the
@@ -27,15 +30,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as ext
 
 from hetshard.autodiff import all_finite
 from hetshard.errors import HetshardError, SpecError
+from hetshard.ir.interpret import eval_equations, needed_equations
 from hetshard.ir.program import Program, path_string
 from hetshard.runtime.precision import DynamicLossScale, log
 
@@ -100,6 +106,80 @@ class Carry:
         if self.loss_scale is not None:
             self.loss_scale.state = jax.device_put(self.loss_scale.state, sharding)
         return self
+
+
+def branches(devices) -> bool:
+    """Whether a step on ``devices`` (the devices its program runs on) keeps or refuses
+    its update with a ``lax.cond`` whose true branch computes it (:meth:`Guard.run`),
+    else with a select per state leaf. Accelerators select: XLA folds the select into
+    the update's fusions, and a branch would make the device wait while the host reads
+    its flag. CPU devices branch where they are at least as many as this process's cores:
+    there XLA's CPU fusions recompute each optimizer moment in the parameter's select and
+    in its own (``experiments/runtime_overhead.py``, 8 devices on 2 cores: selects 1.22x
+    ``nnx.jit``'s step, the branch 1.10x). With fewer devices than cores the branch costs
+    more than the selects (1 device: 1.12x against 1.03x): XLA runs a branch's fusions one
+    after another, where the step's own fusions spread over the idle cores."""
+    devices = list(devices)
+    if devices[0].platform != "cpu":
+        return False
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    return local >= _cores()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
+def branched(body, args: tuple, keep, decide):
+    """In-graph: ``body(*args)`` (a pytree) with some of its leaves computed in the true
+    branch of a ``lax.cond``. ``keep(shapes)`` (``shapes``: the output's, as
+    ``jax.eval_shape`` gives it) names them: ``(positions among the output's leaves,
+    their values when refused)``. ``decide(values)`` (the output's leaves, None at those
+    positions) gives the cond's flag. ``body``'s jaxpr is split: the equations the other
+    leaves need (and those with side effects) run first; the equations only the kept
+    leaves need run in the branch, given the values they read from before; the false
+    branch returns the refused values."""
+    closed, shapes = jax.make_jaxpr(body, return_shape=True)(*args)
+    tree = jax.tree.structure(shapes)
+    kept, olds = keep(shapes)
+    jaxpr = closed.jaxpr
+    kept_set = set(kept)
+    rest = [v for k, v in enumerate(jaxpr.outvars) if k not in kept_set]
+    before = needed_equations(jaxpr, rest, effects=True)
+    done = set(before)
+    update = [i for i in needed_equations(jaxpr, [jaxpr.outvars[k] for k in kept])
+              if i not in done]
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, jax.tree.leaves(args), strict=True))
+    eval_equations(jaxpr, env, None, indices=before)
+
+    def read(e, v):
+        return v.val if isinstance(v, ext.Literal) else e[v]
+
+    values = [None if k in kept_set else read(env, v) for k, v in enumerate(jaxpr.outvars)]
+    flag = decide(values)
+    made = {v for i in update for v in jaxpr.eqns[i].outvars}
+    crossing = list(dict.fromkeys(
+        v for v in [*(v for i in update for v in jaxpr.eqns[i].invars),
+                    *(jaxpr.outvars[k] for k in kept)]
+        if not isinstance(v, ext.Literal) and v not in made))
+
+    def computed(vals, _):
+        e = dict(zip(crossing, vals, strict=True))
+        eval_equations(jaxpr, e, None, indices=update)
+        return [read(e, jaxpr.outvars[k]) for k in kept]
+
+    def refused(_, old):
+        return [jnp.asarray(o).astype(jaxpr.outvars[k].aval.dtype)
+                for k, o in zip(kept, old, strict=True)]
+
+    got = jax.lax.cond(flag, computed, refused, [env[v] for v in crossing], list(olds))
+    for k, x in zip(kept, got, strict=True):
+        values[k] = x
+    return jax.tree.unflatten(tree, values)
 
 
 def _select(apply, new, old_leaves: list):
@@ -183,6 +263,37 @@ class Guard:
                     leaves[m] = jnp.where(apply, leaves[m], old_leaves[i])
             out = jax.tree.unflatten(tree, leaves)
         return out, new_state, halted, scale_state, report
+
+    def run(self, program: Program, body, args: tuple, old_leaves: list, halted,
+            scale_state, loss_scale, branch: bool):
+        """In-graph: ``body(*args)`` (the step: ``(out, new NNX state or None, ok,
+        loss)``, :meth:`health` applied) with its update kept only where :meth:`decide`
+        applies it; what :meth:`guarded` returns. ``branch`` (:func:`branches`): the
+        equations that only the new state needs (the optimizer's update) run in the true
+        branch of a ``lax.cond`` on the decision, whose false branch returns
+        ``old_leaves``; the output, the checks and whatever they read run before it.
+        Else every state leaf is a select (:meth:`guarded`)."""
+        if not branch or (self.nan_policy == "apply" and loss_scale is None):
+            out, new, ok, loss = body(*args)
+            return self.guarded(program, out, new, old_leaves, ok, loss, halted,
+                                scale_state, loss_scale)
+        got = {}
+
+        def keep(shapes):
+            n_out = len(jax.tree.leaves(shapes[0]))
+            if program.kind == "nnx":  # the new state's leaves, all kept or refused
+                return list(range(n_out, n_out + len(jax.tree.leaves(shapes[1])))), \
+                    list(old_leaves)
+            mapping = program.state_outputs()[1]  # (a pytree step returns its state)
+            return [m for m in mapping if m is not None], \
+                [old_leaves[i] for i, m in enumerate(mapping) if m is not None]
+
+        def decide(values):
+            apply, *got["rest"] = self.decide(values[-2], values[-1], halted, scale_state,
+                                              loss_scale)
+            return apply
+        out, new, _, _ = branched(body, args, keep, decide)
+        return (out, new, *got["rest"])
 
     @staticmethod
     def report_avals(loss_scale: DynamicLossScale | None) -> dict:

@@ -72,7 +72,7 @@ from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
 from hetshard.runtime.exchange import evaluate
-from hetshard.runtime.guard import Carry, Guard, donates, scalar
+from hetshard.runtime.guard import Carry, Guard, branched, branches, donates, scalar
 from hetshard.runtime.ownership import PipelineSetupError, ownership
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
 from hetshard.runtime.walk import PipelineWalk, samples_per_micro_batch
@@ -96,6 +96,7 @@ class _StageRun:
     bwd_input: Callable = None  # ZB-H1's B pass
     bwd_weight: Callable = None  # ZB-H1's W pass
     apply: Callable = None  # the optimizer update of the leaves it owns
+    branch: bool = False  # the update refused by a branch, not selects (guard.branches)
     rounds: list = dataclasses.field(default_factory=list)  # its values to trade, by round
     owned_params: list[int] = dataclasses.field(default_factory=list)  # owned, with gradients
 
@@ -272,6 +273,7 @@ class PipelineRunner:
         # memory.
         donate = donates(self.program.kind, self.guard.nan_policy,
                          mesh.devices.flat[0].platform) and not stage.offload
+        run.branch = branches(mesh.devices.flat)
         run.apply = jax.jit(self._stage_apply(run, pi, si),
                             donate_argnums=(0,) if donate else ())
         ex = self.exchanges[pi]
@@ -314,26 +316,44 @@ class PipelineRunner:
             batch = [jnp.zeros(a.shape, a.dtype) for a in self.batch_avals]
             for i, v in zip(reads, batch_vals, strict=True):
                 batch[i] = v
-            if ex is None:
-                out, new = apply(leaves, grads, loss_leaves, batch)
-            else:
+            if ex is not None and round_ is not None:
                 j = ex.closed.jaxpr
-                known = dict(zip(ex.published_before(len(ex.rounds) if round_ is None
-                                                     else round_), published, strict=True))
-                args = [*leaves, *grads, *loss_leaves, *batch]
-                if round_ is not None:
-                    mine = [v for v, st in ex.rounds[round_] if st == si]
-                    return evaluate(j, ex.closed.consts, args, known, mine)
-                flat = evaluate(j, ex.closed.consts, args, known, j.outvars)
-                n_out = self._out_tree.num_leaves
-                out = jax.tree.unflatten(self._out_tree, flat[:n_out])
-                new = flat[n_out:]
+                known = dict(zip(ex.published_before(round_), published, strict=True))
+                mine = [v for v, st in ex.rounds[round_] if st == si]
+                return evaluate(j, ex.closed.consts, [*leaves, *grads, *loss_leaves,
+                                                      *batch], known, mine)
+
+            def update(leaves, grads, loss_leaves, batch, published):
+                if ex is None:
+                    out, new = apply(leaves, grads, loss_leaves, batch)
+                else:
+                    j = ex.closed.jaxpr
+                    known = dict(zip(ex.published_before(len(ex.rounds)), published,
+                                     strict=True))
+                    flat = evaluate(j, ex.closed.consts,
+                                    [*leaves, *grads, *loss_leaves, *batch], known,
+                                    j.outvars)
+                    n_out = self._out_tree.num_leaves
+                    out = jax.tree.unflatten(self._out_tree, flat[:n_out])
+                    new = flat[n_out:]
+                return out, [new[i] for i in owned + shared]
             # The state keeps its layout across steps (under ZeRO-1 the update runs on
             # each data way's optimizer shard and the parameters are all-gathered).
-            # A step the guard refuses keeps the old values (decided on the device).
+            # A step the guard refuses keeps the old values (decided on the device):
+            # its new values in a branch where the devices branch
+            # (``hetshard.runtime.guard.branches``), else a select per leaf.
             olds = [*owned_vals, *shared_vals]
-            keep = [at_home(jnp.where(apply_flag, new[i], old), run.shardings[i])
-                    for i, old in zip(owned + shared, olds, strict=True)]
+            args = (leaves, grads, loss_leaves, batch, list(published))
+            if isinstance(apply_flag, bool) or not run.branch:
+                out, new = update(*args)
+                new = [jnp.where(apply_flag, n, o) for n, o in zip(new, olds, strict=True)]
+            else:
+                def keep(shapes):
+                    n_out = len(jax.tree.leaves(shapes[0]))
+                    return list(range(n_out, n_out + len(olds))), olds
+                out, new = branched(update, args, keep, lambda values: apply_flag)
+            keep = [at_home(n, run.shardings[i])
+                    for i, n in zip(owned + shared, new, strict=True)]
             return out, keep[:len(owned)], keep[len(owned):]
         run.owned_params = owned_params
         return fn
