@@ -763,7 +763,8 @@ def test_a_phase_cut_by_the_limit_leaves_the_later_phases_their_share(monkeypatc
     # good as a search that lacks the same seed without overrunning. (A sticky "late"
     # flag once cut every later phase.)
     import hetshard.solver.inter_op as inter_op
-    program = models.program("gpt-1.3b", seq_len=2048, dtype="bfloat16")
+    program = models.program("gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=512",
+                             seq_len=512, dtype="bfloat16")
     from hetshard.solver import make_plan as plan_program
     cluster = Cluster.load("metis-4types")
     opts = PlannerOptions(time_limit_s=60.0, gpu_dtypes="fastest")
