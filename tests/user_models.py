@@ -562,3 +562,86 @@ def rolled_gradients(tx):
         return unravel(0.5 * (flat + jnp.roll(flat, 1))), state
     return optax.chain(optax.GradientTransformation(lambda params: optax.EmptyState(),
                                                     update), tx)
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts feed-forward layer written from scratch: a router, top-``k``,
+    experts stacked on a leading axis, and one of three dispatches: ``"dropless"``
+    (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"capacity"`` (one-hot positions
+    into per-expert buffers of ``capacity_factor * tokens * k / experts`` rows; a token
+    past them is dropped) or ``"dense"`` (every expert on every token, gated after).
+    ``shared``: a dense expert every token also goes through."""
+
+    def __init__(self, d, f, experts, k, dispatch, rngs, shared=False, capacity_factor=2.0):
+        init = nnx.initializers.lecun_normal()
+        self.router = nnx.Linear(d, experts, use_bias=False, rngs=rngs)
+        self.w_in = nnx.Param(init(rngs.params(), (experts, d, f)))
+        self.w_out = nnx.Param(init(rngs.params(), (experts, f, d)))
+        self.k, self.experts, self.dispatch = k, experts, dispatch
+        self.capacity_factor = capacity_factor
+        self.shared = nnx.Linear(d, d, rngs=rngs) if shared else None
+
+    def __call__(self, x):
+        b, s, d = x.shape
+        t = x.reshape(b * s, d)
+        gates, idx = jax.lax.top_k(jax.nn.softmax(self.router(t), axis=-1), self.k)
+        gates = gates / gates.sum(-1, keepdims=True)
+        if self.dispatch == "dropless":
+            flat = idx.reshape(-1)
+            order = jnp.argsort(flat)
+            sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
+            h = jax.nn.gelu(jax.lax.ragged_dot(t[order // self.k], self.w_in[...], sizes))
+            y = jax.lax.ragged_dot(h, self.w_out[...], sizes)
+            out = jnp.zeros((b * s * self.k, d), y.dtype).at[order].set(y)
+            out = (out.reshape(b * s, self.k, d) * gates[..., None]).sum(1)
+        elif self.dispatch == "capacity":
+            cap = int(self.capacity_factor * b * s * self.k / self.experts)
+            mask = jax.nn.one_hot(idx, self.experts)  # [tokens, k, experts]
+            pos = (jnp.cumsum(mask.reshape(-1, self.experts), 0).reshape(mask.shape)
+                   - 1).astype(jnp.int32)
+            kept = (pos < cap) & (mask > 0)
+            slots = jax.nn.one_hot(jnp.where(kept, pos, -1), cap) * kept[..., None]
+            h = jax.nn.gelu(jnp.einsum("ecd,edf->ecf",
+                                       jnp.einsum("tkec,td->ecd", slots, t), self.w_in[...]))
+            y = jnp.einsum("ecf,efd->ecd", h, self.w_out[...])
+            out = jnp.einsum("tkec,tk,ecd->td", slots, gates, y)
+        else:
+            weights = jnp.zeros((b * s, self.experts), gates.dtype).at[
+                jnp.arange(b * s)[:, None], idx].set(gates)
+            h = jax.nn.gelu(jnp.einsum("td,edf->tef", t, self.w_in[...]))
+            out = jnp.einsum("tef,efd,te->td", h, self.w_out[...], weights)
+        if self.shared is not None:
+            out = out + self.shared(t)
+        return out.reshape(b, s, d)
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, d, rngs, **moe):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.moe = MoE(d, 2 * d, rngs=rngs, **moe)
+
+    def __call__(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class MoELM(nnx.Module):
+    """Embedding, ``layers`` MoE blocks, head: the MoE tests' model."""
+
+    def __init__(self, rngs, layers=2, d=16, **moe):
+        self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
+        self.blocks = nnx.List([MoEBlock(d, rngs, **moe) for _ in range(layers)])
+        self.head = nnx.Linear(d, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_moe(seed=0, experts=4, k=2, dispatch="dropless", shared=False, layers=2):
+    model = MoELM(nnx.Rngs(seed), layers=layers, experts=experts, k=k, dispatch=dispatch,
+                  shared=shared)
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    batches = _text_batches(np.random.default_rng(seed))
+    return nnx_step(lm_loss), (model, opt, batches[0]), batches

@@ -40,6 +40,7 @@ from hetshard.ir.dependencies import output_dependencies
 from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations, named_attention
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
+from hetshard.ir.moe import MoeLayer, moe_layers
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
 from hetshard.ir.samples import (
     batch_shaped_draw,
@@ -655,6 +656,13 @@ class Program:
         dims = [self.state_avals[i].shape[-1] for k in blocks for i in reads[k]
                 if i in params and len(self.state_avals[i].shape) >= 2]
         return math.gcd(*dims) if dims else None
+
+    @functools.cached_property
+    def moe_layers(self) -> list[MoeLayer]:
+        """The loss's mixture-of-experts layers (``hetshard.ir.moe``), found in its trace;
+        their router and expert weights are indices of state leaves
+        (:meth:`param_path` names them)."""
+        return moe_layers(self.loss_jaxpr(2)[0].jaxpr)
 
     @functools.cached_property
     def dtype(self) -> str:

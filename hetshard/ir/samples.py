@@ -25,9 +25,12 @@ no answer (None), never a false alarm.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from numbers import Integral
 
+import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as ext
 
 from hetshard.ir.attention_patterns import inner_jaxpr
@@ -244,6 +247,170 @@ def _traced(closed, batch_inputs, twin, ratio: float, denominators: bool = False
     return None if got[1] else got
 
 
+# A dropless mixture-of-experts dispatch (``hetshard.ir.moe``): token rows sorted by
+# their experts, computed row by row (grouped matmuls), and put back where they came from.
+# Inside it a value's rows are the tokens' in the sort's order: PERMUTED. Only the
+# equations of such a region may read it; the scatter that puts the rows back makes a
+# value per sample again.
+PERMUTED = "permuted"
+# Row-wise primitives a region may apply to its permuted rows (each output row reads the
+# same row of its permuted operands; other operands read no sample).
+_ROWWISE = ("add", "sub", "mul", "div", "neg", "max", "min", "select_n", "clamp", "abs",
+            "sign", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt",
+            "rsqrt", "integer_pow", "square", "erf", "erf_inv", "sin", "cos", "pow", "rem",
+            "floor", "ceil", "round", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not",
+            "convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision",
+            "broadcast_in_dim", "floor_divide", "clip", "nextafter", "is_finite")
+
+
+@dataclasses.dataclass
+class _Region:
+    """One dropless dispatch: the equations inside it (``inside``), the gather that reads
+    the token rows (``gather``), the scatter that puts the expert outputs back
+    (``exit``), and the ragged matmuls' group sizes (operands that read every token,
+    allowed: a row's group is its own expert)."""
+
+    inside: set
+    gather: int
+    exit: int
+
+
+def _regions(jaxpr) -> dict[int, _Region]:
+    """The dropless dispatches of ``jaxpr`` by the index of their first equation (the
+    sort). A region is taken only where its index arithmetic is checked: for a random
+    permutation, the row each position gathers is the token of the row the scatter puts
+    it back to (``k`` rows a token, ``k`` the router's top-k)."""
+    found: dict[int, _Region] = {}
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    for r, top in enumerate(jaxpr.eqns):
+        if top.primitive.name != "top_k":
+            continue
+        k = int(top.params["k"])
+        tokens = int(top.invars[0].aval.shape[0]) if top.invars[0].aval.shape else 0
+        # the sort of the expert ids: the first sort after the router reading its indices
+        ids = {top.outvars[1]}
+        sort = None
+        for i in range(r + 1, len(jaxpr.eqns)):
+            e = jaxpr.eqns[i]
+            ins = [v for v in e.invars if not isinstance(v, ext.Literal)]
+            if not any(v in ids for v in ins):
+                continue
+            if _is_argsort(e) and all(v in ids or v not in producer and
+                                      v not in jaxpr.invars for v in ins):
+                sort = i
+                break
+            if e.primitive.name in ("reshape", "convert_element_type", "copy"):
+                ids.update(e.outvars)
+        if sort is None:
+            continue
+        region = _region(jaxpr, sort, k, tokens)
+        if region is not None:
+            found[sort] = region
+    return found
+
+
+def _is_argsort(eqn) -> bool:
+    if eqn.primitive.name in ("jit", "pjit"):
+        return str(eqn.params.get("name", "")) == "argsort" and len(eqn.outvars) == 1
+    return False
+
+
+def _region(jaxpr, sort: int, k: int, tokens: int) -> _Region | None:
+    perm = jaxpr.eqns[sort].outvars[0]
+    n = int(perm.aval.shape[0])
+    if n != tokens * k:
+        return None
+    permuted = {perm}
+    inside, gather, exit_ = {sort}, None, None
+    for i in range(sort + 1, len(jaxpr.eqns)):
+        e = jaxpr.eqns[i]
+        ins = [v for v in e.invars if not isinstance(v, ext.Literal)]
+        if not any(v in permuted for v in ins):
+            continue
+        name = e.primitive.name
+        if name == "gather" and e.invars[0] not in permuted and gather is None:
+            gather = i
+        elif name == "ragged_dot_general" and e.invars[0] in permuted and \
+                e.invars[1] not in permuted:
+            pass
+        elif name == "scatter" and e.invars[0] not in permuted and \
+                e.invars[1] in permuted and e.invars[2] in permuted:
+            exit_ = i
+            inside.add(i)
+            break
+        elif name in _ROWWISE or (name in ("jit", "pjit") and _rowwise_body(e)):
+            if name == "broadcast_in_dim" and tuple(e.params["broadcast_dimensions"][:1]) \
+                    != (0,):
+                return None
+        else:
+            return None
+        inside.add(i)
+        permuted.update(e.outvars)
+    if gather is None or exit_ is None or \
+            jaxpr.eqns[gather].invars[0].aval.shape[:1] != (tokens,):
+        return None
+    region = _Region(inside, gather, exit_)
+    return region if _rows_return(jaxpr, region, perm, k, tokens) else None
+
+
+def _rowwise_body(eqn) -> bool:
+    body = _body(eqn)
+    return body is not None and all(
+        e.primitive.name in _ROWWISE or (e.primitive.name in ("jit", "pjit") and
+                                         _rowwise_body(e)) for e in body.eqns)
+
+
+def _rows_return(jaxpr, region: _Region, perm, k: int, tokens: int) -> bool:
+    """For random permutations ``p`` (and the identity), the scatter puts position ``i``
+    back to row ``p[i]`` (whose expert the sort put there) and the gather reads it from
+    token ``p[i] // k`` (row ``j`` of the ``k`` per token holds token ``j // k``):
+    evaluated on the region's own index arithmetic, which must read the permutation
+    alone."""
+    g, x = jaxpr.eqns[region.gather], jaxpr.eqns[region.exit]
+    sort = min(region.inside)
+    need = {v for v in (g.invars[1], x.invars[1]) if not isinstance(v, ext.Literal)}
+    idx = []
+    for i in range(region.exit - 1, sort, -1):
+        e = jaxpr.eqns[i]
+        if any(v in need for v in e.outvars):
+            idx.append(i)
+            need.update(v for v in e.invars if not isinstance(v, ext.Literal))
+    idx.reverse()
+    made = {v for i in idx for v in jaxpr.eqns[i].outvars}
+    if need - made - {perm}:
+        return False  # the indices read something besides the permutation
+    rng = np.random.default_rng(0)
+    n = tokens * k
+    for p in (np.arange(n), rng.permutation(n), rng.permutation(n)):
+        env = {perm: jnp.asarray(p, perm.aval.dtype)}
+        eval_equations(jaxpr, env, None, indices=idx)
+        rows = np.asarray(env[g.invars[1]]).reshape(-1)
+        dest = np.asarray(env[x.invars[1]]).reshape(-1)
+        if rows.shape != (n,) or not np.array_equal(dest, p) or \
+                not np.array_equal(rows, p // k):
+            return False
+    return True
+
+
+def _permuted(eqn, k: int, region: _Region, states: list) -> list:
+    """The outputs' relation to the samples for an equation inside a dropless dispatch:
+    PERMUTED rows, or (the scatter putting them back) per sample along axis 0; MIXED
+    where an operand is not what the region's rows allow."""
+    n = len(eqn.outvars)
+    name = eqn.primitive.name
+    if k == min(region.inside):  # the sort of the expert ids, per sample along axis 0
+        return [PERMUTED] * n if states == [0] else [MIXED] * n
+    if k == region.gather:
+        return [PERMUTED] if states[0] == 0 and states[1] == PERMUTED else [MIXED]
+    if name == "ragged_dot_general":  # the group sizes read every token: any but mixed
+        ok = states[0] == PERMUTED and states[1] is None and states[2] not in (MIXED,
+                                                                                PERMUTED)
+        return [PERMUTED] if ok else [MIXED]
+    if k == region.exit:
+        return [0] if states[0] is None and states[1:] == [PERMUTED, PERMUTED] else [MIXED]
+    return [PERMUTED] * n if all(s in (None, PERMUTED) for s in states) else [MIXED] * n
+
+
 def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
           dens: _Dens | None = None) -> tuple[list, str | None, list | None, list | None]:
     """(The outputs' relation to the samples, why the samples mix or None, their powers
@@ -268,11 +435,26 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
     def reading(v):
         return False if isinstance(v, ext.Literal) else reads.get(v, False)
 
+    inside = {i: r for r in (_regions(jaxpr) if any(
+        e.primitive.name == "top_k" for e in jaxpr.eqns) else {}).values() for i in r.inside}
     for k, eqn in enumerate(jaxpr.eqns):
         states = [read(v) for v in eqn.invars]
         state_in = [reading(v) for v in eqn.invars]
         for v in eqn.outvars:  # (conservative for calls: any input's)
             reads[v] = any(state_in)
+        if k in inside:
+            outs = _permuted(eqn, k, inside[k], states)
+            if MIXED in outs:
+                return [], _mixed(eqn, outer), None, None
+            if scales is not None:
+                scales.rule(k, eqn, states, outs)
+            if dens is not None:
+                dens.rule(k, eqn, states, outs, any(state_in))
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+            continue
+        if PERMUTED in states:  # rows in the dispatch's order, read outside it
+            return [], _mixed(eqn, outer), None, None
         if all(s is None for s in states):
             for v in eqn.outvars:
                 env[v] = None
@@ -416,6 +598,8 @@ class _Scales:
             data = [x for i, x in enumerate(ins) if i != 1 and not literal[i]]
             value = (None if None in data else MIXED_POWERS if len(set(data)) > 1 or
                      any(x != x for x in data) else (data[0] if data else 0.0))
+            if value is not None and isinstance(outs[0], tuple) and outs[0][1] == "sum":
+                value += 1.0  # the samples' terms added up (scatter-add by sample)
         elif name in _SAME:
             data = ins[1:] if name == "select_n" else ins
             lit = literal[1:] if name == "select_n" else literal
@@ -785,6 +969,17 @@ def _scatter(eqn, states) -> object:
     op, idx, upd = states[0], states[1], states[2]
     dn = eqn.params["dimension_numbers"]
     if idx is not None:
+        if eqn.primitive.name in ("scatter-add", "scatter_add") and op is None and \
+                isinstance(idx, Integral):
+            # x.at[idx].add(v), idx per sample along a scatter dimension: each sample
+            # adds its own terms (a count of tokens per expert): a sum over the samples
+            ivd = len(_shape(eqn.invars[1])) - 1  # (JAX: the indices' last axis)
+            if idx != ivd:
+                scatter_dims = [d for d in range(len(_shape(eqn.invars[2])))
+                                if d not in dn.update_window_dims]
+                pos = idx - (1 if idx > ivd else 0)
+                if pos < len(scatter_dims) and upd in (None, scatter_dims[pos]):
+                    return ("reduced", "sum")
         raise _Unknown(eqn.primitive.name)
     rank = len(_shape(eqn.invars[0]))
     window = [d for d in range(rank) if d not in dn.inserted_window_dims and
