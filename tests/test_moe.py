@@ -139,3 +139,20 @@ def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device():
         warnings.simplefilter("error")
         got = train(hetshard.jit(step, cluster=cluster, plan=plan), args, batches)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_count_by_expert_is_a_sum_over_the_samples_and_a_per_sample_one_is_not():
+    """``zeros.at[ids].add(1)`` over every sample's ids (a dropless layer's tokens per
+    expert) is a sum over the samples; the same under ``jax.vmap`` (one count per
+    sample) is not taken for one (the analysis stops there instead)."""
+    from hetshard.ir.samples import summed_outputs, unfollowed
+
+    def counts(ids):
+        return jnp.zeros(4).at[ids.reshape(-1)].add(1.0)[0]
+    ids = jnp.zeros((3, 5), jnp.int32)
+    closed = jax.make_jaxpr(counts)(ids)
+    twin = jax.make_jaxpr(counts)(jnp.zeros((6, 5), jnp.int32))
+    assert unfollowed(closed, [0]) is None
+    assert summed_outputs(closed, twin, 2.0, [0]) == [True]
+    per_sample = jax.make_jaxpr(jax.vmap(lambda i: jnp.zeros(4).at[i].add(1.0)))(ids)
+    assert "scatter-add" in unfollowed(per_sample, [0])

@@ -974,7 +974,8 @@ def _scatter(eqn, states) -> object:
             # x.at[idx].add(v), idx per sample along a scatter dimension: each sample
             # adds its own terms (a count of tokens per expert): a sum over the samples
             ivd = len(_shape(eqn.invars[1])) - 1  # (JAX: the indices' last axis)
-            if idx != ivd:
+            # (a batched scatter's batch axis keeps the samples apart: not this rule)
+            if idx != ivd and idx not in getattr(dn, "scatter_indices_batching_dims", ()):
                 scatter_dims = [d for d in range(len(_shape(eqn.invars[2])))
                                 if d not in dn.update_window_dims]
                 pos = idx - (1 if idx > ivd else 0)
