@@ -156,3 +156,25 @@ def test_a_count_by_expert_is_a_sum_over_the_samples_and_a_per_sample_one_is_not
     assert summed_outputs(closed, twin, 2.0, [0]) == [True]
     per_sample = jax.make_jaxpr(jax.vmap(lambda i: jnp.zeros(4).at[i].add(1.0)))(ids)
     assert "scatter-add" in unfollowed(per_sample, [0])
+
+
+def test_a_grouped_matmul_is_priced_as_the_tokens_it_routes():
+    """``ragged_dot`` and its two gradients each cost 2 * rows * K * N flops (JAX's
+    roofline counts none), as matmuls, and their shape for the GEMM efficiency is the
+    groups' (the tokens per expert set the tiles)."""
+    from hetshard.cost.profile import _dims
+    from hetshard.ir.graph import MATMULS
+    from hetshard.ir.trace import trace
+
+    def f(x, w, g):
+        return jax.lax.ragged_dot(x, w, g).sum()
+    shapes = (jax.ShapeDtypeStruct((64, 16), jnp.float32),
+              jax.ShapeDtypeStruct((4, 16, 32), jnp.float32),
+              jax.ShapeDtypeStruct((4,), jnp.int32))
+    ops = [o for o in trace(jax.grad(f, argnums=(0, 1)), *shapes).ops
+           if o.primitive == "ragged_dot_general"]
+    assert [o.flops for o in ops] == [2.0 * 64 * 16 * 32] * 3
+    assert all(o.primitive in MATMULS for o in ops)
+    # forward: 4 groups of 16 rows, N 32, K 16; weight gradient: K (the rows) split
+    assert sorted(_dims(o) for o in ops) == sorted(
+        [(4.0, 16.0, 32.0, 16.0), (4.0, 16.0, 32.0, 16.0), (4.0, 16.0, 16.0, 32.0)])

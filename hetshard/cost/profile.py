@@ -23,6 +23,7 @@ import numpy as np
 from hetshard.errors import SpecError
 from hetshard.ir.graph import MATMULS, OpGraph
 from hetshard.ir.program import reduced_graph
+from hetshard.ir.trace import ragged_dims
 from hetshard.remat import SAVING
 
 
@@ -423,7 +424,14 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
 
 
 def _dims(op) -> tuple[float, float, float, float]:
-    """(batch, M, N, K) of a ``dot_general`` from its operands' shapes; zeros otherwise."""
+    """(batch, M, N, K) of a ``dot_general`` from its operands' shapes, of a grouped
+    matmul its equal groups' (``hetshard.ir.trace.ragged_dims``: the tokens per expert
+    set its tiles); zeros otherwise."""
+    if op.primitive == "ragged_dot_general" and len(op.inputs) == 3 and \
+            op.params.get("ragged_dot_dimension_numbers") is not None:
+        b, m, n, k = ragged_dims(op.params["ragged_dot_dimension_numbers"],
+                                 op.inputs[0][1], op.inputs[1][1], op.inputs[2][1][-1])
+        return (b * op.repeat, m, n, k)
     dims = op.params.get("dimension_numbers") if op.primitive == "dot_general" else None
     if dims is None or len(op.inputs) < 2:
         return (0.0, 0.0, 0.0, 0.0)

@@ -359,7 +359,7 @@ class OpGraph:
         return np.array([op.flops for op in self.ops])
 
 
-MATMULS = ("dot_general", "conv_general_dilated")
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # Equations XLA does not fuse with their neighbours (each its own kernel).
 _OWN_KERNEL = MATMULS + ("sort", "scatter", "scatter-add", "scatter_add", "scatter-mul",
                           "scatter_mul", "scatter-min", "scatter-max", "cumsum", "cummax",

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.experimental.roofline  # noqa: F401  (registers the per-primitive rules)
+import numpy as np
 from jax.extend import core as jcore
 
 from hetshard.ir.graph import Op, OpGraph
@@ -59,7 +60,34 @@ def _nbytes(aval) -> float:
     return float(n * dtype.itemsize)
 
 
+def ragged_dims(dn, lhs: tuple, rhs: tuple, groups: int) -> tuple[float, ...]:
+    """``(batch, M, N, K)`` of a grouped matmul (``ragged_dot_general`` with dimension
+    numbers ``dn``, operand shapes ``lhs`` and ``rhs``, ``groups`` groups) as ``groups``
+    matmuls of equal groups (each expert's tokens): its flops are ``2 * batch * M * N *
+    K``, whichever dimension is ragged (the rows, as in the forward and the input
+    gradient; the contraction, as in the weight gradient)."""
+    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+
+    def size(shape, axes):
+        return float(np.prod([shape[a] for a in axes], dtype=float))
+    free_l = [a for a in range(len(lhs)) if a not in (*lc, *lb)]
+    free_r = [a for a in range(len(rhs)) if a not in (*rc, *rb, *dn.rhs_group_dimensions)]
+    m, n, k = size(lhs, free_l), size(rhs, free_r), size(lhs, lc)
+    g = float(max(groups, 1))
+    if any(a in lc for a in dn.lhs_ragged_dimensions):
+        k /= g  # the contraction is split among the groups
+    else:
+        m /= g  # the rows are
+    return size(lhs, lb) * g, m, n, k
+
+
 def _roofline(eqn, name_stack) -> tuple[float, float]:
+    if eqn.primitive.name == "ragged_dot_general":  # (JAX's rule counts no flops)
+        b, m, n, k = ragged_dims(eqn.params["ragged_dot_dimension_numbers"],
+                                 _aval(eqn.invars[0]).shape, _aval(eqn.invars[1]).shape,
+                                 _aval(eqn.invars[2]).shape[-1])
+        return 2.0 * b * m * n * k, sum(_nbytes(_aval(v))
+                                         for v in (*eqn.invars, *eqn.outvars))
     rule = _rl._rooflines.get(eqn.primitive)
     if rule is None:
         _warn_once(f"no roofline rule for {eqn.primitive.name}: counted as 0 flops, "
@@ -93,7 +121,7 @@ def _warn_once(msg: str) -> None:
 
 
 _KEPT_PARAMS = ("dimension_numbers", "axes", "new_sizes", "dimensions", "permutation",
-                "broadcast_dimensions", "shape")
+                "broadcast_dimensions", "shape", "ragged_dot_dimension_numbers")
 
 
 def _rule_params(eqn) -> dict:
