@@ -105,10 +105,12 @@ def test_a_dropless_dispatch_cuts_by_token_and_one_that_moves_rows_does_not():
     assert "mixes samples" in sample_coupling(moved, [2])
 
 
-def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device():
+@pytest.mark.parametrize("balance", [None, "sequence"])
+def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device(balance):
     """A top-2 dropless MoE (sort, ragged_dot, scatter back), pinned to two stages on two
     GPU types with 2 micro-batches: no warning that the loss mixes samples, and the
-    same losses as one device."""
+    same losses as one device; with DeepSeek-V3's sequence-level balance loss (one per
+    sample) too."""
     import warnings
 
     import numpy as np
@@ -124,9 +126,11 @@ def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device():
             out.append(float(step(*args)))
         return out
 
-    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=4)
+    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=4,
+                                               balance=balance)
     want = train(nnx.jit(step), args, batches)
-    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=4)
+    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=4,
+                                               balance=balance)
     program = hetshard.Program(step, args)
     assert program.sample_coupling is None and program.sample_gap is None
     n = program.layering(2).num_layers

@@ -570,21 +570,31 @@ class MoE(nnx.Module):
     (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"capacity"`` (one-hot positions
     into per-expert buffers of ``capacity_factor * tokens * k / experts`` rows; a token
     past them is dropped) or ``"dense"`` (every expert on every token, gated after).
-    ``shared``: a dense expert every token also goes through."""
+    ``shared``: a dense expert every token also goes through. ``balance="sequence"``:
+    the call also returns DeepSeek-V3's sequence-level balance loss, one per sample
+    (experts x the sum over experts of the fraction of the sequence's routed tokens
+    times its mean router probability), else None."""
 
-    def __init__(self, d, f, experts, k, dispatch, rngs, shared=False, capacity_factor=2.0):
+    def __init__(self, d, f, experts, k, dispatch, rngs, shared=False, capacity_factor=2.0,
+                 balance=None):
         init = nnx.initializers.lecun_normal()
         self.router = nnx.Linear(d, experts, use_bias=False, rngs=rngs)
         self.w_in = nnx.Param(init(rngs.params(), (experts, d, f)))
         self.w_out = nnx.Param(init(rngs.params(), (experts, f, d)))
         self.k, self.experts, self.dispatch = k, experts, dispatch
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.balance = capacity_factor, balance
         self.shared = nnx.Linear(d, d, rngs=rngs) if shared else None
 
     def __call__(self, x):
         b, s, d = x.shape
         t = x.reshape(b * s, d)
-        gates, idx = jax.lax.top_k(jax.nn.softmax(self.router(t), axis=-1), self.k)
+        probs = jax.nn.softmax(self.router(t), axis=-1)
+        gates, idx = jax.lax.top_k(probs, self.k)
+        aux = None
+        if self.balance == "sequence":
+            routed = jax.nn.one_hot(idx, self.experts).sum(1).reshape(b, s, self.experts)
+            share = routed.mean(1) / self.k
+            aux = self.experts * (share * probs.reshape(b, s, self.experts).mean(1)).sum(-1)
         gates = gates / gates.sum(-1, keepdims=True)
         if self.dispatch == "dropless":
             flat = idx.reshape(-1)
@@ -612,7 +622,7 @@ class MoE(nnx.Module):
             out = jnp.einsum("tef,efd,te->td", h, self.w_out[...], weights)
         if self.shared is not None:
             out = out + self.shared(t)
-        return out.reshape(b, s, d)
+        return out.reshape(b, s, d), aux
 
 
 class MoEBlock(nnx.Module):
@@ -621,11 +631,13 @@ class MoEBlock(nnx.Module):
         self.moe = MoE(d, 2 * d, rngs=rngs, **moe)
 
     def __call__(self, x):
-        return x + self.moe(self.norm(x))
+        out, aux = self.moe(self.norm(x))
+        return x + out, aux
 
 
 class MoELM(nnx.Module):
-    """Embedding, ``layers`` MoE blocks, head: the MoE tests' model."""
+    """Embedding, ``layers`` MoE blocks, head: the MoE tests' model. Returns the logits,
+    and with a balance loss also its mean over the blocks, per sample."""
 
     def __init__(self, rngs, layers=2, d=16, **moe):
         self.embed = nnx.Embed(VOCAB, d, rngs=rngs)
@@ -633,15 +645,26 @@ class MoELM(nnx.Module):
         self.head = nnx.Linear(d, VOCAB, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.embed(tokens)
+        x, balance = self.embed(tokens), []
         for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+            x, aux = block(x)
+            if aux is not None:
+                balance.append(aux)
+        logits = self.head(x)
+        return (logits, sum(balance) / len(balance)) if balance else logits
 
 
-def make_moe(seed=0, experts=4, k=2, dispatch="dropless", shared=False, layers=2):
+def moe_balanced_loss(model, batch):
+    logits, balance = model(batch["tokens"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return ce + 0.01 * balance.mean()
+
+
+def make_moe(seed=0, experts=4, k=2, dispatch="dropless", shared=False, layers=2,
+             balance=None):
     model = MoELM(nnx.Rngs(seed), layers=layers, experts=experts, k=k, dispatch=dispatch,
-                  shared=shared)
+                  shared=shared, balance=balance)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     batches = _text_batches(np.random.default_rng(seed))
-    return nnx_step(lm_loss), (model, opt, batches[0]), batches
+    loss = moe_balanced_loss if balance else lm_loss
+    return nnx_step(loss), (model, opt, batches[0]), batches
