@@ -45,7 +45,14 @@ from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
 from hetshard.errors import HetshardError, SpecError
-from hetshard.ir.program import Program, batch_of, batch_positions, check_batch, path_string
+from hetshard.ir.program import (
+    BATCH_REDUCTIONS,
+    Program,
+    batch_of,
+    batch_positions,
+    check_batch,
+    path_string,
+)
 from hetshard.layout import batch_sharding, leaf_spec, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
 from hetshard.plan import Plan
@@ -117,12 +124,14 @@ def _raised_in_user_code(e: BaseException) -> bool:
 
 
 def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = None,
-         global_batch: int | None = None, calibration=None, **planner_options) -> Plan:
+         global_batch: int | None = None, calibration=None, batch_reductions: str = "whole",
+         **planner_options) -> Plan:
     """The plan ``hetshard.jit`` would run ``step(*args)`` with on ``cluster``.
 
     ``args`` are the step's arguments (NNX objects or pytrees, shape-only ones included:
     ``nnx.eval_shape``/``jax.ShapeDtypeStruct``, so a 175B model plans without weights);
-    the batch is ``args[batch_argnums]`` (as ``hetshard.jit``'s ``batch_argnums``), and
+    the batch is ``args[batch_argnums]`` (as ``hetshard.jit``'s ``batch_argnums`` and
+    ``batch_reductions``), and
     ``global_batch``
     defaults to its leading size. ``planner_options`` are ``PlannerOptions`` fields.
 
@@ -137,7 +146,8 @@ def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = Non
     batch = batch_of(args, batch_positions(args, batch_argnums, "hetshard.plan")) \
         if args else None
     with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
-        program = Program(step, args, batch_argnums=batch_argnums)
+        program = Program(step, args, batch_argnums=batch_argnums,
+                          batch_reductions=batch_reductions)
         options, why = _restricted(options, program)
         if why:
             warnings.warn(why, stacklevel=2)
@@ -194,7 +204,7 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
         batch_argnums: int | tuple[int, ...] | None = None,
         plan: Plan | str | None = None, nan_policy: str = "skip",
         loss_output: str | int | None = None, quiet: bool = False, elastic: bool = False,
-        **planner_options):
+        batch_reductions: str = "whole", **planner_options):
     """Compiles ``fn`` (a train step) for ``cluster``; usable as ``@hetshard.jit(...)``.
 
     Args:
@@ -228,15 +238,28 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
         there (``Cluster.shrunk``) instead of failing to bind; a pinned ``plan`` that
         needs a missing device is set aside for a new plan, with a warning. Restore a
         checkpoint into the new plan with ``state_shardings`` (``hetshard.checkpoint``).
+      batch_reductions: how a loss that puts values reduced over the batch through a
+        non-linear function (a mixture-of-experts balance loss: the product of the
+        batch's mean routing share and mean router probability per expert) is taken
+        when a plan cuts the batch. ``"whole"`` (default): such a loss keeps its step to
+        one single-stage pipeline, which runs the batch whole (a pinned plan that cuts
+        it warns). ``"per_piece"``: each micro-batch and batch share computes those
+        values from its own samples and the pieces' losses and gradients are weighted by
+        their shares, as Megatron-LM and MaxText take the auxiliary loss per
+        micro-batch; the step's loss is then the share-weighted mean of the pieces'
+        losses, not the whole batch's (a piece's balance term sees only its own tokens).
+        A loss that mixes samples otherwise (batch statistics, in-batch negatives) is
+        kept whole either way.
       planner_options: PlannerOptions fields (time_limit_s, tp_options, ...).
     """
     if fn is None:
         return functools.partial(jit, cluster=cluster, global_batch=global_batch,
                                  batch_argnums=batch_argnums, plan=plan,
                                  nan_policy=nan_policy, loss_output=loss_output,
-                                 quiet=quiet, elastic=elastic, **planner_options)
+                                 quiet=quiet, elastic=elastic,
+                                 batch_reductions=batch_reductions, **planner_options)
     return HetshardJit(fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                       planner_options, loss_output, quiet, elastic)
+                       planner_options, loss_output, quiet, elastic, batch_reductions)
 
 
 def _signature(args) -> str:
@@ -306,7 +329,12 @@ class _Signatures:
 
 class HetshardJit:
     def __init__(self, fn, cluster, global_batch, batch_argnums, plan, nan_policy,
-                 planner_options, loss_output=None, quiet=False, elastic=False):
+                 planner_options, loss_output=None, quiet=False, elastic=False,
+                 batch_reductions="whole"):
+        if batch_reductions not in BATCH_REDUCTIONS:
+            raise SpecError("batch_reductions", batch_reductions,
+                            f"one of {BATCH_REDUCTIONS}", where="hetshard.jit")
+        self.batch_reductions = batch_reductions
         self.fn = fn
         self.cluster = Cluster.load(cluster)
         self.global_batch = global_batch
@@ -494,7 +522,8 @@ class HetshardJit:
         entry = self._compiled.get(sig)
         if entry is None:
             with _tracing(self.fn, batch, "hetshard.jit"):
-                program = Program(self.fn, args, batch_argnums=pos)
+                program = Program(self.fn, args, batch_argnums=pos,
+                                  batch_reductions=self.batch_reductions)
                 if self.guard.loss_output is not None:  # a wrong path: refused before planning
                     find_loss(program.output_shape, self.guard.loss_output)
                 plan = self._plan_for(program, size)
@@ -548,7 +577,8 @@ class HetshardJit:
             pos, batch, _ = self._split_args(args)
             args = self._with_untyped(args, pos)
             with _tracing(self.fn, batch, "hetshard.jit"):
-                got = Program(self.fn, args, batch_argnums=pos)
+                got = Program(self.fn, args, batch_argnums=pos,
+                                  batch_reductions=self.batch_reductions)
             if got.call is None:
                 raise PlanNotExecutableError(
                     f"micro-steps need a step whose loss call hetshard sees, and "

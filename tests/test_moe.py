@@ -182,3 +182,55 @@ def test_a_grouped_matmul_is_priced_as_the_tokens_it_routes():
     # forward: 4 groups of 16 rows, N 32, K 16; weight gradient: K (the rows) split
     assert sorted(_dims(o) for o in ops) == sorted(
         [(4.0, 16.0, 32.0, 16.0), (4.0, 16.0, 32.0, 16.0), (4.0, 16.0, 16.0, 32.0)])
+
+
+def test_a_whole_batch_balance_loss_is_taken_per_micro_batch_when_asked():
+    """Switch's balance loss (a product of two batch means) keeps its step whole by
+    default. With ``batch_reductions="per_piece"`` a pinned 2-stage plan of 2
+    micro-batches runs without that warning, and trains as the per-micro-batch
+    reference does: each half of the batch's loss and gradients from its own tokens,
+    averaged, one AdamW update."""
+    import warnings
+
+    import numpy as np
+
+    from hetshard.cluster import Cluster
+    from hetshard.errors import SpecError
+    from hetshard.plan import Pipeline, Plan, Stage
+
+    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=2,
+                                               balance="batch")
+    assert "non-linear function" in hetshard.Program(step, args).sample_coupling
+    with pytest.raises(SpecError, match="batch_reductions"):
+        hetshard.jit(step, cluster="h100-a100-v100-x8", batch_reductions="micro")
+    program = hetshard.Program(step, args, batch_reductions="per_piece")
+    assert program.sample_coupling is None
+
+    model, opt, _ = args
+    want = []
+    for i in range(3):
+        batch = batches[i % len(batches)]
+        halves = [jax.tree.map(lambda x, a=a: x[a:a + 4], batch) for a in (0, 4)]
+        got = [nnx.value_and_grad(user_models.moe_balanced_loss)(model, h) for h in halves]
+        want.append(float(sum(v for v, _ in got) / 2))
+        opt.update(model, jax.tree.map(lambda a, b: (a + b) / 2, got[0][1], got[1][1]))
+
+    step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=2,
+                                               balance="batch")
+    n = program.layering(2).num_layers
+    stages = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
+              Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
+    cluster = "h100-a100-v100-x8"
+    plan = Plan(program.name, Cluster.load(cluster).to_dict(), 8, program.seq_len,
+                (Pipeline(stages, 8, 2, 2),), dtype=program.dtype, attention="reference")
+    jitted = hetshard.jit(step, cluster=cluster, plan=plan, batch_reductions="per_piece")
+    got, args = [], list(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            args[-1] = batches[i % len(batches)]
+            got.append(float(jitted(*args)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    whole = float(user_models.moe_balanced_loss(user_models.make_moe(
+        dispatch="dropless", k=2, layers=2, balance="batch")[1][0], batches[0]))
+    assert abs(whole - want[0]) > 1e-6  # (the pieces' loss is not the whole batch's)

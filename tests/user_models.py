@@ -573,7 +573,8 @@ class MoE(nnx.Module):
     ``shared``: a dense expert every token also goes through. ``balance="sequence"``:
     the call also returns DeepSeek-V3's sequence-level balance loss, one per sample
     (experts x the sum over experts of the fraction of the sequence's routed tokens
-    times its mean router probability), else None."""
+    times its mean router probability); ``"batch"``: Switch's, the same over the whole
+    batch (one value); else None."""
 
     def __init__(self, d, f, experts, k, dispatch, rngs, shared=False, capacity_factor=2.0,
                  balance=None):
@@ -595,6 +596,9 @@ class MoE(nnx.Module):
             routed = jax.nn.one_hot(idx, self.experts).sum(1).reshape(b, s, self.experts)
             share = routed.mean(1) / self.k
             aux = self.experts * (share * probs.reshape(b, s, self.experts).mean(1)).sum(-1)
+        elif self.balance == "batch":  # Switch's: the whole batch's share and probability
+            share = jax.nn.one_hot(idx, self.experts).sum(1).mean(0) / self.k
+            aux = self.experts * (share * probs.mean(0)).sum()
         gates = gates / gates.sum(-1, keepdims=True)
         if self.dispatch == "dropless":
             flat = idx.reshape(-1)

@@ -59,6 +59,11 @@ from hetshard.plan import DTYPES
 from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
 
 _INT_KINDS = ("i", "u")
+# How a loss's values reduced over the batch and put through a non-linear function (a
+# mixture-of-experts balance loss of batch means) are taken when a plan cuts the batch:
+# "whole" (such a loss keeps its step whole) or "per_piece" (each micro-batch or batch
+# share computes them from its own samples: Megatron-LM's per-micro-batch aux loss).
+BATCH_REDUCTIONS = ("whole", "per_piece")
 
 
 def _aval(x) -> jax.ShapeDtypeStruct:
@@ -158,6 +163,7 @@ class Program:
       args: its arguments; ``args[batch_argnums]`` is the batch (an index or a tuple of
         them: several arguments make one batch; default: ``batch_positions``).
       name: a label for plans and tables (default: the step's qualified name).
+      batch_reductions: ``"whole"`` or ``"per_piece"`` (``hetshard.jit``'s).
 
     Raises:
       SpecError: a batch without one common leading size, a batch_argnums out of range.
@@ -166,7 +172,11 @@ class Program:
     """
 
     def __init__(self, step, args, *, batch_argnums: int | None = None,
-                 name: str | None = None):
+                 name: str | None = None, batch_reductions: str = "whole"):
+        if batch_reductions not in BATCH_REDUCTIONS:
+            raise SpecError("batch_reductions", batch_reductions,
+                            f"one of {BATCH_REDUCTIONS}", where="hetshard.jit")
+        self.batch_reductions = batch_reductions
         args = tuple(args)
         if not args:
             raise SpecError("args", "()", "the step's arguments, the batch among them",
@@ -477,7 +487,7 @@ class Program:
             return None
         closed, _ = self.loss_jaxpr(2)
         batch = range(len(self.state_avals), len(closed.jaxpr.invars))
-        why = sample_coupling(closed, batch)
+        why = sample_coupling(closed, batch, per_piece=self.batch_reductions == "per_piece")
         if why:
             return why
         twin, _ = self.loss_jaxpr(4)
@@ -716,7 +726,8 @@ class Program:
         """A hash of everything a plan depends on: ``model_fingerprint``, the loss's
         equations and every state leaf's shape, dtype and path (the optimizer's state
         among them: its kind and size, not its hyperparameters, which no plan depends
-        on). The plan cache's key."""
+        on), and ``batch_reductions`` where it is not the default. The plan cache's
+        key."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.model_fingerprint.encode())
         closed, _ = self.loss_jaxpr(2)
@@ -725,6 +736,8 @@ class Program:
         for p, a in zip(self.paths, self.state_avals, strict=True):
             h.update(f"{p}:{a.shape}:{a.dtype};".encode())
         h.update(f"call {self.call is not None}".encode())
+        if self.batch_reductions != "whole":  # (it decides which plans may cut the batch)
+            h.update(f"batch_reductions {self.batch_reductions}".encode())
         return h.hexdigest()
 
     def update_jaxpr(self):

@@ -70,10 +70,14 @@ class _Unknown(Exception):  # noqa: N818 (control flow inside this module)
     pass
 
 
-def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
+def sample_coupling(closed, batch_inputs: Sequence[int],
+                    per_piece: bool = False) -> str | None:
     """Why cutting the batch changes ``closed``'s outputs (a ClosedJaxpr of the loss whose
     inputs at ``batch_inputs`` are batch leaves, samples along axis 0), or None: the
-    loss treats its samples one by one, or the analysis cannot tell."""
+    loss treats its samples one by one, or the analysis cannot tell. ``per_piece``: the
+    user takes values reduced over the batch and put through a non-linear function (a
+    mixture-of-experts balance loss of batch means) per piece, as Megatron-LM's
+    per-micro-batch auxiliary loss is: such outputs are not a reason."""
     try:
         outs, why = _relations(closed, batch_inputs)[:2]
     except _Unknown:
@@ -81,7 +85,7 @@ def sample_coupling(closed, batch_inputs: Sequence[int]) -> str | None:
     if why:
         return why
     for k, o in enumerate(outs):
-        if isinstance(o, tuple) and o[1] == "curved":
+        if isinstance(o, tuple) and o[1] == "curved" and not per_piece:
             return (f"output {k} of the loss puts values reduced over the batch through a "
                     f"non-linear function{o[2]} (a product of two batch means, as a "
                     f"mixture-of-experts load-balancing loss is, or the exp of a mean "
