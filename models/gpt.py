@@ -15,7 +15,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hetshard.errors import SpecError, check_positive
-from models.layers import MLPS, NORMS, Block, block_params, make_norm, norm_params, run_layers
+from models.layers import (
+    MLPS,
+    NORMS,
+    Block,
+    block_params,
+    make_norm,
+    moe_params,
+    norm_params,
+    run_layers,
+)
 
 POSITIONS = ("learned", "rope")
 
@@ -28,6 +37,11 @@ class GPTConfig:
     (2/3 * 4 * hidden rounded up to a multiple of 256). ``kv_heads`` defaults to
     ``heads`` (multi-head attention). ``seq`` is the longest sequence the model
     accepts (the size of the learned position table).
+
+    ``experts`` > 0 makes it a mixture of experts (``models.layers.MoE``, dropless):
+    every block after the first ``dense_layers`` routes each token to ``top_k`` of
+    ``experts`` experts of ``expert_ffn`` units (default ``ffn``), plus
+    ``shared_experts`` always-on ones (DeepSeekMoE's fine-grained and shared experts).
     """
 
     layers: int
@@ -47,6 +61,11 @@ class GPTConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     name: str = "gpt"
+    experts: int = 0
+    top_k: int = 2
+    expert_ffn: int | None = None
+    shared_experts: int = 0
+    dense_layers: int = 0
 
     family = "gpt"
 
@@ -62,6 +81,22 @@ class GPTConfig:
         if self.heads % self.num_kv_heads:
             raise SpecError("kv_heads", self.kv_heads, f"a divisor of heads={self.heads}",
                             where=where)
+        if self.experts:
+            if self.experts < 2:
+                raise SpecError("experts", self.experts, "0 (a dense model) or at least 2",
+                                where=where)
+            check_positive("top_k", self.top_k, integer=True, where=where)
+            if self.top_k > self.experts:
+                raise SpecError("top_k", self.top_k, f"at most experts={self.experts}",
+                                where=where)
+            if self.expert_ffn is not None:
+                check_positive("expert_ffn", self.expert_ffn, integer=True, where=where)
+            if self.shared_experts < 0:
+                raise SpecError("shared_experts", self.shared_experts,
+                                "a count of at least 0", where=where)
+            if not 0 <= self.dense_layers < self.layers:
+                raise SpecError("dense_layers", self.dense_layers,
+                                f"0 to layers - 1 = {self.layers - 1}", where=where)
         if self.pos not in POSITIONS:
             raise SpecError("pos", self.pos, f"one of {POSITIONS}", where=where)
         if self.norm not in NORMS:
@@ -94,14 +129,30 @@ class GPTConfig:
             return -(-int(2 * 4 * self.hidden / 3) // 256) * 256
         return 4 * self.hidden
 
+    @property
+    def moe(self) -> tuple | None:
+        """``(expert_ffn, experts, top_k, shared)`` of its MoE blocks, or None."""
+        if not self.experts:
+            return None
+        return (self.expert_ffn or self.ffn_dim, self.experts, self.top_k,
+                self.shared_experts)
+
     def num_params(self) -> int:
         """Closed-form parameter count (equal to the NNX model's; tests check)."""
         n = self.vocab * self.hidden
         if self.pos == "learned":
             n += self.seq * self.hidden
-        n += self.layers * block_params(self.hidden, self.heads, self.num_kv_heads,
-                                        self.ffn_dim, norm=self.norm, mlp=self.mlp,
-                                        bias=self.bias)
+        dense = self.layers if not self.experts else self.dense_layers
+        n += dense * block_params(self.hidden, self.heads, self.num_kv_heads,
+                                  self.ffn_dim, norm=self.norm, mlp=self.mlp,
+                                  bias=self.bias)
+        if self.experts:  # a block's attention and norms, and the MoE for its MLP
+            mixed = block_params(self.hidden, self.heads, self.num_kv_heads, 0,
+                                 norm=self.norm, mlp=self.mlp, bias=self.bias) - \
+                (self.hidden if self.bias else 0)
+            mixed += moe_params(self.hidden, self.moe[0], self.experts,
+                                self.shared_experts, self.mlp)
+            n += (self.layers - dense) * mixed
         n += norm_params(self.norm, self.hidden, self.bias)
         if not self.tied:
             n += self.vocab * self.hidden
@@ -129,8 +180,9 @@ class GPT(nnx.Module):
         self.layers = nnx.List([
             Block(c.hidden, c.heads, c.num_kv_heads, c.ffn_dim, norm=c.norm, mlp=c.mlp,
                   bias=c.bias, eps=c.eps, rope_theta=c.rope_theta if c.pos == "rope" else None,
-                  dtype=dtype, param_dtype=pdtype, rngs=rngs)
-            for _ in range(c.layers)])
+                  dtype=dtype, param_dtype=pdtype, rngs=rngs,
+                  moe=c.moe if i >= c.dense_layers else None)
+            for i in range(c.layers)])
         self.final_norm = make_norm(c.norm, c.hidden, eps=c.eps, bias=c.bias, dtype=dtype,
                                     param_dtype=pdtype, rngs=rngs)
         self.lm_head = (None if c.tied else

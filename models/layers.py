@@ -87,19 +87,74 @@ class MLP(nnx.Module):
         return self.down(h)
 
 
+class MoE(nnx.Module):
+    """A dropless mixture-of-experts feed-forward layer (Mixtral, DeepSeekMoE): a router
+    (no bias), softmax over the experts, the ``top_k`` kept and renormalized; experts of
+    ``expert_ffn`` units stacked on a leading axis, the tokens sorted by expert and
+    computed with grouped matmuls (``jax.lax.ragged_dot``), put back and weighted by
+    their gates; ``shared`` always-on experts (DeepSeekMoE's) as one dense MLP of
+    ``shared * expert_ffn`` units."""
+
+    def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, shared: int,
+                 *, kind: str, dtype, param_dtype, rngs: nnx.Rngs):
+        self.kind, self.experts, self.top_k, self.dtype = kind, experts, top_k, dtype
+        self.router = nnx.Linear(hidden, experts, use_bias=False, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
+
+        def stack(d_in, d_out):
+            return nnx.Param(init(rngs.params(), (experts, d_in, d_out), param_dtype))
+        self.up = stack(hidden, expert_ffn)
+        self.gate = stack(hidden, expert_ffn) if kind == "swiglu" else None
+        self.down = stack(expert_ffn, hidden)
+        self.shared = (MLP(hidden, shared * expert_ffn, kind=kind, bias=False, dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs) if shared else None)
+
+    def __call__(self, x_bsd):
+        b, s, d = x_bsd.shape
+        t = x_bsd.reshape(b * s, d)
+        probs = jax.nn.softmax(self.router(t).astype(jnp.float32), axis=-1)
+        gates, idx = jax.lax.top_k(probs, self.top_k)
+        gates = gates / gates.sum(-1, keepdims=True)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
+        rows = t[order // self.top_k]
+        up = jax.lax.ragged_dot(rows, self.up[...].astype(self.dtype), sizes)
+        if self.kind == "swiglu":
+            h = nnx.silu(jax.lax.ragged_dot(rows, self.gate[...].astype(self.dtype),
+                                            sizes)) * up
+        else:
+            h = nnx.gelu(up, approximate=True)
+        y = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), sizes)
+        out = jnp.zeros((b * s * self.top_k, d), y.dtype).at[order].set(y)
+        out = (out.reshape(b * s, self.top_k, d) *
+               gates[..., None].astype(y.dtype)).sum(1).reshape(b, s, d)
+        return out if self.shared is None else out + self.shared(x_bsd)
+
+
+def moe_params(hidden: int, expert_ffn: int, experts: int, shared: int, mlp: str) -> int:
+    """Closed-form parameter count of one :class:`MoE` (checked against NNX in tests)."""
+    n_in = 3 if mlp == "swiglu" else 2
+    return hidden * experts + (experts + shared) * n_in * hidden * expert_ffn
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``moe``
+    (``(expert_ffn, experts, top_k, shared)``): a :class:`MoE` in place of the MLP."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, *, norm: str,
                  mlp: str, bias: bool, eps: float, rope_theta: float | None, dtype,
-                 param_dtype, rngs: nnx.Rngs):
+                 param_dtype, rngs: nnx.Rngs, moe: tuple | None = None):
         nkw = dict(eps=eps, bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn_norm = make_norm(norm, hidden, **nkw)
         self.attn = Attention(hidden, heads, kv_heads, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = make_norm(norm, hidden, **nkw)
-        self.mlp = MLP(hidden, ffn, kind=mlp, bias=bias, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+        self.mlp = (MLP(hidden, ffn, kind=mlp, bias=bias, dtype=dtype,
+                        param_dtype=param_dtype, rngs=rngs) if moe is None else
+                    MoE(hidden, *moe, kind=mlp, dtype=dtype, param_dtype=param_dtype,
+                        rngs=rngs))
 
     def __call__(self, x_bsd, *, causal: bool, positions_bs=None, segment_ids_bs=None):
         # Each residual branch under its own scope: the halves a stage boundary may fall

@@ -16,6 +16,13 @@ Sources:
   [CLIP]  Radford et al. 2021, CLIP; ViT-L/14 image encoder at 224px (~304M).
   [LLAVA] Liu et al. 2023, "Improved Baselines with Visual Instruction Tuning"
           (LLaVA-1.5: CLIP ViT-L/14 + 2-layer MLP projector + Vicuna-7B, 7.06B).
+  [MIXTRAL] Jiang et al. 2024, "Mixtral of Experts", Table 1 and the released config
+          (32 layers, 4096 hidden, 32 heads, 8 KV heads, 8 experts of FFN 14336, top-2,
+          vocab 32000, rope theta 1e6; 46.7B parameters, 12.9B active).
+  [DSMOE] Dai et al. 2024, "DeepSeekMoE", Section 5 and the released 16B config (28
+          layers, 2048 hidden, 16 heads, vocab 102400; the first layer dense with FFN
+          10944; then 64 fine-grained experts of FFN 1408, top-6, and 2 shared
+          experts; 16.4B parameters, 2.8B active).
 """
 
 from __future__ import annotations
@@ -60,11 +67,17 @@ PRESETS = {c.name: c for c in [
     ViTConfig(layers=12, hidden=768, heads=12, ffn=3072, patch=16, image=224, name="vit-b16"),
     _VIT_L14,
     MLLMConfig(vision=_VIT_L14, text=_LLAMA_7B, name="llava-7b"),
+    _llama("mixtral-8x7b", 32, 4096, 32, 14336, 32768, kv_heads=8, rope_theta=1e6,
+           experts=8, top_k=2, eps=1e-5),
+    _llama("deepseekmoe-16b", 28, 2048, 16, 10944, 4096, vocab=102400, experts=64,
+           top_k=6, expert_ffn=1408, shared_experts=2, dense_layers=1),
     # Tiny variants: run for real on CPU in tests and the quickstart.
     GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq=64, name="gpt-tiny"),
     _LLAMA_TINY,
     _VIT_TINY,
     MLLMConfig(vision=_VIT_TINY, text=_LLAMA_TINY, name="llava-tiny"),
+    _llama("moe-tiny", 2, 64, 4, 128, 64, kv_heads=2, vocab=256, experts=4, top_k=2,
+           expert_ffn=64, shared_experts=1, dense_layers=1),
 ]}
 
 # Published parameter counts and where they come from (see the module docstring).
@@ -74,7 +87,8 @@ PUBLISHED_PARAMS = {
     "gpt-13b": (13.0e9, "GPT3"), "gpt-39b": (39.1e9, "MEG"), "gpt-175b": (175.0e9, "GPT3"),
     "llama-7b": (6.74e9, "LLAMA"), "llama-13b": (13.0e9, "LLAMA"),
     "llama-70b": (69.0e9, "LLAMA2"), "vit-b16": (86e6, "VIT"), "vit-l14": (304e6, "CLIP"),
-    "llava-7b": (7.06e9, "LLAVA"),
+    "llava-7b": (7.06e9, "LLAVA"), "mixtral-8x7b": (46.7e9, "MIXTRAL"),
+    "deepseekmoe-16b": (16.4e9, "DSMOE"),
 }
 
 

@@ -13,7 +13,7 @@ from hetshard.kernels.reference import attention_reference
 from models import data
 from models.mllm import IMAGE_TOKEN, pack
 
-TINY_LM = ["gpt-tiny", "llama-tiny"]
+TINY_LM = ["gpt-tiny", "llama-tiny", "moe-tiny"]
 
 
 def lm_loss(model, batch):
@@ -135,7 +135,8 @@ def test_preset_parameter_counts_match_published(name):
     assert abs(counted / published - 1) <= 0.02, (counted, published)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "vit-tiny", "llava-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "vit-tiny", "llava-tiny",
+                                  "moe-tiny"])
 def test_abstract_model_matches_real_model(name):
     shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m, nnx.Param))
     real, abst = shapes(models.build(name)), shapes(models.abstract(name))
@@ -235,9 +236,28 @@ def test_model_spec_parsing():
     ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,pos=alibi", "pos"),
     ("gpt:layers=0,hidden=64,heads=4,vocab=100,seq=8", "layers"),
     ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,tied=maybe", "tied"),
+    ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,experts=1", "experts"),
+    ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,experts=4,top_k=5", "top_k"),
+    ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,experts=4,dense_layers=2",
+     "dense_layers"),
+    ("gpt:layers=2,hidden=64,heads=4,vocab=100,seq=8,experts=4,expert_ffn=0",
+     "expert_ffn"),
     ("bert:layers=2", "bert"),
     ("gpt-7b", "gpt-6.7b"),
 ])
 def test_model_spec_errors(spec, match):
     with pytest.raises(hetshard.HetshardError, match=match):
         models.resolve(spec)
+
+
+def test_the_zoos_mixture_of_experts_is_found_and_cuts_by_token():
+    """moe-tiny (a dense first block, then a dropless MoE with a shared expert): hetshard
+    finds its one MoE layer in the trace, stacked experts and all, and its loss treats
+    the samples one by one."""
+    from models.steps import program
+    prog = program("moe-tiny", seq_len=16)
+    (layer,) = prog.moe_layers
+    assert (layer.experts, layer.k, layer.dispatch) == (4, 2, "dropless")
+    assert sorted(prog.param_path(i).rsplit("/", 1)[-1] for i in layer.expert_weights) == \
+        ["down", "gate", "up"]
+    assert prog.sample_coupling is None and prog.sample_gap is None
