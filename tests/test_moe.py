@@ -11,6 +11,20 @@ from flax import nnx
 import hetshard
 from hetshard.ir.moe import moe_layers
 
+CLUSTER = "h100-a100-v100-x8"
+
+
+def _two_stages(program):
+    """A pinned plan: half the layers on the two H100s, half on the four V100s, global
+    batch 8 in 2 micro-batches."""
+    from hetshard.cluster import Cluster
+    from hetshard.plan import Pipeline, Plan, Stage
+    n = program.layering(2).num_layers
+    stages = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
+              Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
+    return Plan(program.name, Cluster.load(CLUSTER).to_dict(), 8, program.seq_len,
+                (Pipeline(stages, 8, 2, 2),), dtype=program.dtype, attention="reference")
+
 
 def _program(**kw):
     step, args, _ = user_models.make_moe(**kw)
@@ -116,9 +130,6 @@ def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device(balance):
     import numpy as np
     from flax import nnx
 
-    from hetshard.cluster import Cluster
-    from hetshard.plan import Pipeline, Plan, Stage
-
     def train(step, args, batches):
         args, out = list(args), []
         for i in range(3):
@@ -133,12 +144,7 @@ def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device(balance):
                                                balance=balance)
     program = hetshard.Program(step, args)
     assert program.sample_coupling is None and program.sample_gap is None
-    n = program.layering(2).num_layers
-    stages = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
-              Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
-    cluster = "h100-a100-v100-x8"
-    plan = Plan(program.name, Cluster.load(cluster).to_dict(), 8, program.seq_len,
-                (Pipeline(stages, 8, 2, 2),), dtype=program.dtype, attention="reference")
+    cluster, plan = CLUSTER, _two_stages(program)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = train(hetshard.jit(step, cluster=cluster, plan=plan), args, batches)
@@ -194,15 +200,13 @@ def test_a_whole_batch_balance_loss_is_taken_per_micro_batch_when_asked():
 
     import numpy as np
 
-    from hetshard.cluster import Cluster
     from hetshard.errors import SpecError
-    from hetshard.plan import Pipeline, Plan, Stage
 
     step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=2,
                                                balance="batch")
     assert "non-linear function" in hetshard.Program(step, args).sample_coupling
     with pytest.raises(SpecError, match="batch_reductions"):
-        hetshard.jit(step, cluster="h100-a100-v100-x8", batch_reductions="micro")
+        hetshard.jit(step, cluster=CLUSTER, batch_reductions="micro")
     program = hetshard.Program(step, args, batch_reductions="per_piece")
     assert program.sample_coupling is None
 
@@ -217,12 +221,7 @@ def test_a_whole_batch_balance_loss_is_taken_per_micro_batch_when_asked():
 
     step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=2,
                                                balance="batch")
-    n = program.layering(2).num_layers
-    stages = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
-              Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))
-    cluster = "h100-a100-v100-x8"
-    plan = Plan(program.name, Cluster.load(cluster).to_dict(), 8, program.seq_len,
-                (Pipeline(stages, 8, 2, 2),), dtype=program.dtype, attention="reference")
+    cluster, plan = CLUSTER, _two_stages(program)
     jitted = hetshard.jit(step, cluster=cluster, plan=plan, batch_reductions="per_piece")
     got, args = [], list(args)
     with warnings.catch_warnings():
