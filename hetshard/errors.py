@@ -65,6 +65,10 @@ class SpecParseError(HetshardError, ValueError):
         super().__init__(f"cannot parse {where}: {message}")
 
 
+class PlanNotExecutableError(HetshardError, ValueError):
+    """The plan cannot run this step (the message says why and what would)."""
+
+
 class DeviceBindingError(HetshardError, RuntimeError):
     """A cluster spec cannot be mapped onto the JAX devices that exist."""
 

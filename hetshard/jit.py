@@ -77,7 +77,7 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
 )
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
-from hetshard.solver.shardings import fill_missing_shardings
+from hetshard.solver.shardings import expert_shardings, fill_missing_shardings
 
 
 class StepTraceError(HetshardError, RuntimeError):
@@ -378,6 +378,7 @@ class HetshardJit:
             # A stage with a tensor axis and no parameter layouts gets the ones make_plan
             # would write, so it runs tensor-parallel as the simulator prices it.
             self.pinned = fill_missing_shardings(self.pinned, program, self.cluster)
+            self.pinned = expert_shardings(self.pinned, program)
             if program.call is not None:  # (a step run whole has no layers to price)
                 self.pinned = self._repriced(self.pinned, program)
             return self.pinned

@@ -29,7 +29,7 @@ from hetshard.fileio import parse_json, read_text, write_atomic
 from hetshard.offload import check_offload
 from hetshard.remat import check_remat
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 # Versions this hetshard reads: 1 lacks ``Pipeline.virtual_stages`` (read as 1), 1 and 2
 # lack ``Plan.distributed_optimizer`` (read as False); 4 adds the "zbh1" schedule, 5
 # ``Stage.remat_layers`` (absent: the remat covers the whole stage), 6
@@ -44,11 +44,16 @@ SCHEMA_VERSION = 15
 # ``Context.shard_state`` (absent: the state is replicated over the context axis), 13
 # ``attention`` "auto" and "cudnn", "auto" the default (absent before 13: "flash", the
 # default those plans ran), 14 the named remat policies (``hetshard.remat.POLICIES``), 15
-# ``Stage.offload`` (absent: nothing offloaded to host memory).
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+# ``Stage.offload`` (absent: nothing offloaded to host memory), 16 the ``expert`` mesh axis,
+# ``Stage.experts`` (absent: experts split evenly) and ``Plan.capacity_factor`` (absent:
+# dropless).
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 _ACTIVATION_PREFIX = "activation:"  # schema <= 9
-MESH_AXES = ("data", "fsdp", "tensor", "context")
-BATCH_AXES = ("data", "fsdp")  # a stage's batch splits over these, in order (hetshard.layout)
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+# A stage's batch splits over these, in order (hetshard.layout): the ``expert`` ranks hold
+# different experts and, outside the mixture-of-experts layers, different samples (as
+# MaxText's and Megatron-Core's expert parallelism carve it out of data parallelism).
+BATCH_AXES = ("data", "fsdp", "expert")
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 # ``Plan.attention``'s values, as ``hetshard.kernel_choice.IMPLEMENTATIONS`` (which decides
 # what each runs); here for what reads plans without JAX (``hetshard --help``).
@@ -77,6 +82,9 @@ class Stage:
     # What the stage keeps in host memory (``hetshard.offload.OFFLOADS``): its optimizer
     # state between steps, the values its remat keeps between forward and backward
     offload: tuple[str, ...] = ()
+    # Experts held per rank of the ``expert`` axis (contiguous runs of the stacked expert
+    # axis, in rank order; uneven where ranks differ); empty: an even split
+    experts: tuple[int, ...] = ()
     predicted_fwd_s: float = 0.0
     predicted_bwd_s: float = 0.0
     predicted_memory_bytes: float = 0.0
@@ -209,6 +217,11 @@ class Plan:
     # dtype (its other values keep the program's), and the runtime scales the loss
     # dynamically while any stage computes in float16.
     gpu_dtypes: tuple[tuple[str, str], ...] = ()
+    # Expert parallelism's token exchange for dropless mixture-of-experts layers: None
+    # sends every routed token (exact; buffers sized for the worst case); a factor c > 0
+    # sends at most c * (tokens * top_k / expert ranks) rows to each rank and drops the
+    # rest (MaxText's and GShard's capacity factor): less memory and traffic, not exact
+    capacity_factor: float | None = None
     predicted: Predicted = Predicted()
     solver: SolverStats = SolverStats()
     version: int = SCHEMA_VERSION
@@ -601,6 +614,10 @@ def validate(plan: Plan) -> None:
             raise SpecError(name, getattr(plan, name), "true or false")
     if not isinstance(plan.context.shard_state, bool):
         raise SpecError("context.shard_state", plan.context.shard_state, "true or false")
+    c = plan.capacity_factor
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or
+                          not math.isfinite(c) or c <= 0):
+        raise SpecError("capacity_factor", c, "null (dropless) or a number > 0")
     shares = sum(p.batch_share for p in plan.pipelines)
     if shares != plan.global_batch:
         raise SpecError("pipelines[*].batch_share", shares,
@@ -633,6 +650,7 @@ def validate(plan: Plan) -> None:
             if size != len(s.devices):
                 raise SpecError(f"pipelines[{i}].stages[{j}].mesh_shape", s.mesh_shape,
                                 f"a shape whose product is its {len(s.devices)} devices")
+            _check_experts(s, f"pipelines[{i}].stages[{j}]")
             if j >= p.num_workers:
                 continue  # a later virtual stage on stage j mod p's submesh (checked above)
             dup = seen.intersection(s.devices)
@@ -675,6 +693,22 @@ def _check_remat(s: Stage, where: str) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= s.num_layers:
         raise SpecError(f"{where}.remat_layers", k,
                         f"null or a count of the stage's layers, 1 to {s.num_layers}")
+
+
+def _check_experts(s: Stage, where: str) -> None:
+    """``Stage.experts``: empty, or a count per rank of an expert axis of more than one."""
+    e = s.experts
+    if not isinstance(e, tuple):
+        raise SpecError(f"{where}.experts", e, "a list of expert counts")
+    if not e:
+        return
+    n = s.axis("expert")
+    if n < 2 or len(e) != n or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                                   for x in e) or not sum(e):
+        raise SpecError(f"{where}.experts", list(e),
+                        f"empty (an even split), or one count >= 0 per rank of the "
+                        f"stage's expert axis ({n})" + ("" if n > 1 else
+                                                          ": the stage has no expert axis"))
 
 
 def _check_virtual(p: Pipeline, i: int) -> None:

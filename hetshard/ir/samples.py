@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from numbers import Integral
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 from jax.extend import core as ext
 
@@ -386,8 +386,9 @@ def _rows_return(jaxpr, region: _Region, perm, k: int, tokens: int) -> bool:
     rng = np.random.default_rng(0)
     n = tokens * k
     for p in (np.arange(n), rng.permutation(n), rng.permutation(n)):
-        env = {perm: jnp.asarray(p, perm.aval.dtype)}
-        eval_equations(jaxpr, env, None, indices=idx)
+        env = {perm: np.asarray(p, perm.aval.dtype)}
+        with jax.ensure_compile_time_eval():  # concrete even while a step is traced
+            eval_equations(jaxpr, env, None, indices=idx)
         rows = np.asarray(env[g.invars[1]]).reshape(-1)
         dest = np.asarray(env[x.invars[1]]).reshape(-1)
         if rows.shape != (n,) or not np.array_equal(dest, p) or \

@@ -33,6 +33,7 @@ from hetshard.ir.paths import path_string
 from hetshard.layout import batch_axes_for, boundary_layout, leaf_spec
 from hetshard.plan import Stage
 from hetshard.rewrite.attention import attention_runner
+from hetshard.rewrite.experts import expert_layouts
 from hetshard.rewrite.pipeline import (
     StageSplitError,
     eval_segments,
@@ -242,14 +243,16 @@ def layer_boundaries(closed) -> list:
 
 def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                      split_blocks: bool = False, sequence_parallel: bool = True,
-                     tp_overlap: bool = False, autocast=None,
+                     tp_overlap: bool = False, autocast=None, capacity_factor=None,
                      **options):
     """``fn`` with its layer boundaries constrained to the stage's activation layout (see
     the module docstring); a function without layer scopes is only re-interpreted.
     ``split_blocks``: the plan counts block halves as layers (its remat_layers too);
     ``sequence_parallel`` (on a stage with a tensor axis and parameter layouts): the
     ``sequence_layouts``, with ``tp_overlap`` as collective matmuls; ``autocast``: the
-    stage's matmul dtype where it differs from the program's (``eval_equations``)."""
+    stage's matmul dtype where it differs from the program's (``eval_equations``). On a
+    stage with an ``expert`` axis the dropless mixture-of-experts layers run
+    expert-parallel (``hetshard.rewrite.experts``, with the plan's ``capacity_factor``)."""
     context = mesh.shape.get("context", 1) > 1
     if attention != "reference" or context:
         # a kernel per device (``_flash_on_mesh``), the ring over ``context``
@@ -279,6 +282,8 @@ def constrain_layers(fn, mesh: Mesh, stage: Stage, attention: str = "reference",
                        if path and getattr(path[0], "idx", None) == 0}
             constrain.update(stage_sequence_layouts(closed, range(len(jaxpr.eqns)), weights,
                                                     mesh, tp_overlap))
+        constrain.update(expert_layouts(closed, range(len(jaxpr.eqns)), mesh, stage,
+                                        capacity_factor))
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, [x for _, x in leaves], strict=True))
         # Under FSDP the layers no remat recomputes are checkpointed by remat none's

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
-from hetshard.errors import HetshardError
+from hetshard.errors import HetshardError, PlanNotExecutableError  # noqa: F401 (re-exported)
 from hetshard.ir.program import Program
 from hetshard.layout import (
     at_home,
@@ -58,10 +58,6 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
 )
 from hetshard.runtime.pipeline import PipelineRunner
 from hetshard.runtime.precision import DynamicLossScale, stage_autocast
-
-
-class PlanNotExecutableError(HetshardError, ValueError):
-    """The plan cannot run this step (the message says why and what would)."""
 
 
 class Executable(Protocol):
@@ -422,6 +418,7 @@ def rewriting(fn, plan: Plan, mesh=None):
             return constrain_layers(loss, mesh, stage, attention=plan.attention,
                                     split_blocks=plan.split_blocks,
                                     tp_overlap=plan.tp_overlap, zigzag=plan.context.zigzag,
+                                    capacity_factor=plan.capacity_factor,
                                     autocast=stage_autocast(plan, stage),
                                     chunk_lengths=plan.context_chunks(stage) or None,
                                     sequence=plan.seq_len)

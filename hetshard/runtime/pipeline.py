@@ -68,6 +68,7 @@ from hetshard.errors import SpecError
 from hetshard.ir.program import Program
 from hetshard.layout import at_home, home, leaf_spec, mesh_of, on_device
 from hetshard.plan import Plan
+from hetshard.rewrite.experts import expert_layouts
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
@@ -258,6 +259,9 @@ class PipelineRunner:
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
+        layouts.update(expert_layouts(self.splits[pi].closed, program.eqns, mesh, stage,
+                                      self.plan.capacity_factor,
+                                      f"pipelines[{pi}].stages[{si}]"))
         run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program,
                                              remat_wrap(stage.remat, stage.offload,
                                                         checkpoint_none=True),

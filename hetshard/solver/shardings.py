@@ -109,3 +109,52 @@ def fill_missing_shardings(plan: Plan, program: Program, cluster: Cluster,
                        for j, st in enumerate(pipe.stages))
         pipes.append(dataclasses.replace(pipe, stages=stages))
     return dataclasses.replace(plan, pipelines=tuple(pipes))
+
+
+def expert_shardings(plan: Plan, program: Program) -> Plan:
+    """``plan`` with the stacked expert weights of every stage with an ``expert`` axis
+    split along their expert axis over it (each rank stores the experts it computes,
+    and their optimizer state follows), where the stage's placement is even; an uneven
+    placement (``Stage.experts``) keeps them whole on every rank, each computing with its
+    own. Checks what expert parallelism needs of the program: mixture-of-experts layers
+    (a ``PlanNotExecutableError`` for a dense model) whose expert count the placement
+    holds (``hetshard.rewrite.experts.placement``)."""
+    from hetshard.errors import PlanNotExecutableError
+    from hetshard.rewrite.experts import placement
+
+    staged = [(i, j, st) for i, pipe in enumerate(plan.pipelines)
+              for j, st in enumerate(pipe.stages) if st.axis("expert") > 1]
+    if not staged:
+        return plan
+    layers = program.moe_layers
+    if not layers:
+        i, j, st = staged[0]
+        raise PlanNotExecutableError(
+            f"pipelines[{i}].stages[{j}].mesh_shape {dict(st.mesh_shape)} has an expert "
+            f"axis of {st.axis('expert')}, but {program.name} has no mixture-of-experts "
+            f"layer (a top_k router whose experts' weights are stacked on a leading "
+            f"axis): a dense model takes no expert axis (use data, fsdp, tensor or "
+            f"context)")
+    weights: dict[str, int] = {}
+    for layer in layers:
+        for w in layer.expert_weights:
+            weights[program.param_path(w)] = len(program.state_avals[w].shape)
+    pipes = []
+    for i, pipe in enumerate(plan.pipelines):
+        stages = list(pipe.stages)
+        for j, st in enumerate(stages):
+            if st.axis("expert") == 1:
+                continue
+            counts = {placement(st, layer.experts, f"pipelines[{i}].stages[{j}]")
+                      for layer in layers}
+            if any(len(set(c)) > 1 for c in counts):
+                continue
+            named = dict(st.shardings)
+            for path, rank in weights.items():
+                spec = list(named.get(path, (None,) * rank)) + [None] * rank
+                if spec[0] is None:
+                    spec[0] = "expert"
+                named[path] = tuple(spec[:rank])
+            stages[j] = dataclasses.replace(st, shardings=tuple(sorted(named.items())))
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes))

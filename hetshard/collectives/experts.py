@@ -1,0 +1,168 @@
+"""Expert parallelism's token exchange: a dropless mixture-of-experts region run with its
+experts split over a mesh's ``expert`` axis (``hetshard.rewrite.experts`` finds the
+regions and calls :func:`expert_parallel`).
+
+Inside ``jax.shard_map`` each device holds its own tokens (split over the stage's batch
+axes: ``data``, ``fsdp`` and ``expert``) and the experts of its rank of the ``expert``
+axis (a contiguous run of the stacked expert axis; ``counts[j]`` on rank ``j``, uneven
+where the plan says so):
+
+1. its routed rows (``k`` per token) are sorted by expert, so each rank's rows are one
+   run, and written into a send buffer of one slot block per rank;
+2. an all-to-all over ``expert`` hands each rank the rows of its experts from every rank
+   of its group, with each row's local expert;
+3. the received rows are sorted by local expert and the user's expert equations run on
+   them (``hetshard.ir.samples``' row-wise chain: grouped matmuls with the local group
+   sizes and the local expert weights);
+4. a second all-to-all returns each row's result to the device it came from, where it is
+   put back in token order.
+
+Dropless (``capacity_factor`` None), a slot block holds every row a device could send a
+rank (all of its ``T * k``): exact, with buffers ``ranks`` times the routed rows. With a
+capacity factor ``c`` a block holds ``ceil(c * T * k / ranks)`` rows; rows past it are
+dropped (their output is zero, as a capacity-based layer drops a token), as MaxText's and
+GShard's capacity factor do. On GPUs the exchange could be a ``ragged_all_to_all`` sized by
+the counts; XLA:CPU has no such instruction, so the padded all-to-all is what runs
+everywhere here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as ext
+from jax.sharding import PartitionSpec as P
+
+from hetshard.errors import PlanNotExecutableError
+from hetshard.ir.attention_patterns import inner_jaxpr
+from hetshard.layout import batch_axes
+from hetshard.meshes import laid_out
+
+
+def slots(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(rank of each expert, its slot on that rank, slots per rank) for a placement of
+    ``counts[j]`` experts on rank ``j`` (contiguous runs, in rank order)."""
+    owner = np.repeat(np.arange(len(counts)), counts).astype(np.int32)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = (np.arange(sum(counts)) - start[owner]).astype(np.int32)
+    return owner, slot, max(counts)
+
+
+def padded_weights(w, counts: tuple[int, ...]):
+    """The stacked expert weight ``w`` ([E, ...]) laid out as ``ranks * max(counts)``
+    slots: rank ``j``'s experts first in its block, empty slots repeating expert 0 (no
+    row reaches them, so they add nothing to the result or the gradient)."""
+    m = max(counts)
+    if len(set(counts)) == 1:
+        return w
+    idx = np.zeros(len(counts) * m, np.int32)
+    start = 0
+    for j, c in enumerate(counts):
+        idx[j * m:j * m + c] = np.arange(start, start + c)
+        start += c
+    return jnp.take(w, jnp.asarray(idx), axis=0)
+
+
+def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_factor=None):
+    """``run(tokens, ids, *weights, *others)``: the region's output (every routed row's
+    expert result, in token order, [T * k, d_out]) computed expert-parallel on ``mesh``
+    (see the module docstring)."""
+    axes = batch_axes(mesh)
+    ranks = mesh.shape["expert"]
+    owner, slot, per_rank = slots(counts)
+    k, experts = region.k, region.experts
+    n_w, chain = len(region.weights), region.chain
+
+    def body(tokens, ids, *rest):
+        weights, others = rest[:n_w], rest[n_w:]
+        rows_n = ids.shape[0]
+        block = rows_n if capacity_factor is None else \
+            max(1, math.ceil(capacity_factor * rows_n / ranks))
+        order = jnp.argsort(ids, stable=True)
+        sorted_ids = ids[order]
+        rows = tokens[order // k]
+        dest = jnp.asarray(owner)[sorted_ids]
+        per_dest = jax.ops.segment_sum(jnp.ones_like(dest), dest, ranks)
+        first = jnp.cumsum(per_dest) - per_dest
+        pos = jnp.arange(rows_n, dtype=jnp.int32) - first[dest]
+        # a row's place in the send buffer; past its block's capacity: nowhere (dropped)
+        where = jnp.where(pos < block, dest * block + pos, ranks * block)
+        send = jnp.zeros((ranks * block,) + rows.shape[1:], rows.dtype) \
+            .at[where].set(rows, mode="drop")
+        send_slot = jnp.full((ranks * block,), per_rank, jnp.int32) \
+            .at[where].set(jnp.asarray(slot)[sorted_ids], mode="drop")
+        got = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
+        got_slot = jax.lax.all_to_all(send_slot, "expert", 0, 0, tiled=True)
+        by_slot = jnp.argsort(got_slot, stable=True)  # empty slots (per_rank) last
+        sizes = jnp.bincount(got_slot, length=per_rank + 1)[:per_rank].astype(jnp.int32)
+        y = _run_chain(jaxpr, region, chain, got[by_slot], sizes, weights, others)
+        back = jnp.zeros_like(y).at[by_slot].set(y)
+        mine = jax.lax.all_to_all(back, "expert", 0, 0, tiled=True)
+        done = jnp.take(mine, where, axis=0, mode="fill", fill_value=0)
+        return jnp.zeros_like(done).at[order].set(done)
+
+    token_spec = P(axes or None)
+    weight_spec = P("expert")
+
+    def run(tokens, ids, *rest):
+        weights = [padded_weights(w, counts) for w in rest[:n_w]]
+        others = list(rest[n_w:])
+        ways = int(np.prod([mesh.shape[a] for a in axes]))
+        if tokens.shape[0] % ways:
+            raise PlanNotExecutableError(
+                f"expert parallelism splits the {tokens.shape[0]} tokens of a "
+                f"mixture-of-experts layer over the stage's batch axes {axes} ({ways} "
+                f"ways), which must divide them; use a micro-batch whose tokens they divide")
+        specs = (token_spec, token_spec) + (weight_spec,) * n_w + (P(),) * len(others)
+        args = [tokens, ids, *weights, *others]
+        args = [laid_out(a, mesh, s) for a, s in zip(args, specs, strict=True)]
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=token_spec,
+                             check_vma=False)(*args)
+
+    del experts
+    return run
+
+
+def _run_chain(jaxpr, region, chain, rows, sizes, weights, others):
+    """The region's expert equations evaluated on this device's received ``rows`` with
+    the local group ``sizes`` and expert ``weights``: what the scatter would put back."""
+    env = {region.rows: rows}
+    env.update({s: sizes for s in region.sizes})
+    env.update(zip(region.weights, weights, strict=True))
+    env.update(zip(region.others, others, strict=True))
+    _eval_rows(jaxpr, env, chain)
+    return env[region.result]
+
+
+def _eval_rows(jaxpr, env: dict, indices) -> None:
+    """``jaxpr``'s equations ``indices`` evaluated on values whose leading (row) axis may
+    differ from the traced one: calls are evaluated through their bodies, broadcasts keep
+    the operand's row count."""
+    def read(v):
+        return v.val if isinstance(v, ext.Literal) else env[v]
+
+    for i in indices:
+        e = jaxpr.eqns[i]
+        ins = [read(v) for v in e.invars]
+        inner = inner_jaxpr(e)
+        if inner is not None:
+            body, consts = inner[0], inner[1] if len(inner) > 1 else ()
+            sub = dict(zip(body.constvars, consts, strict=False))
+            sub.update(zip(body.invars, ins, strict=True))
+            _eval_rows(body, sub, range(len(body.eqns)))
+            outs = [v.val if isinstance(v, ext.Literal) else sub[v] for v in body.outvars]
+        else:
+            params = dict(e.primitive.get_bind_params(e.params))
+            if e.primitive.name == "broadcast_in_dim" and np.ndim(ins[0]) and \
+                    tuple(params["broadcast_dimensions"])[:1] == (0,):
+                params["shape"] = (np.shape(ins[0])[0],) + tuple(params["shape"][1:])
+            with e.ctx.manager:
+                outs = e.primitive.bind(*ins, **params)
+            if not e.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(e.outvars, outs, strict=True):
+            if not isinstance(v, ext.Literal):
+                env[v] = x
