@@ -116,6 +116,18 @@ class LayerProfile:
     bwd_kernels: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
     fwd_dims: tuple[np.ndarray, np.ndarray] = (np.zeros((0, 4)), np.zeros((0, 4)))
     bwd_dims: tuple[np.ndarray, np.ndarray] = (np.zeros((0, 4)), np.zeros((0, 4)))
+    # A mixture-of-experts layer (``Program.moe_traffic``): its expert count (0: none),
+    # the bytes of its stacked expert weights, its routed rows per sample and a routed
+    # row's bytes as sent to its expert, as returned, and as made by the expert
+    # equations; per equation whether it is an expert's grouped matmul
+    experts: int = 0
+    expert_param_bytes: float = 0.0
+    routed_rows_per_sample: float = 0.0
+    routed_row_bytes: float = 0.0
+    routed_out_bytes: float = 0.0
+    routed_chain_bytes: float = 0.0
+    fwd_expert: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    bwd_expert: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float, float, float]:
@@ -151,6 +163,10 @@ class ModelProfile:
     heads: int | None = None
     fingerprint: str = ""
     layering: str = ""
+    # The busiest expert's routed tokens over the mean, per mixture-of-experts layer
+    # (1: balanced routing): a skew parameter, or ``routing_skew`` of a measured
+    # histogram. Expert parallelism's stages run at their busiest rank's pace.
+    router_skew: float = 1.0
 
     @property
     def num_layers(self) -> int:
@@ -367,6 +383,8 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
             arrays[f"{phase}_matmul"] = np.array([o.primitive in MATMULS for o in o1], bool)
             arrays[f"{phase}_attention"] = np.array(
                 [o.region == "hetshard_attention" for o in o1], bool)
+            arrays[f"{phase}_expert"] = np.array(
+                [o.primitive == "ragged_dot_general" for o in o1], bool)
         t1n, t2n = t1.get(name, {}), t2.get(name, {})
         res = _linear(t1n.get("residual_bytes", 0.0), t2n.get("residual_bytes", 0.0))
         attn = _linear(t1n.get("attention_residual_bytes", 0.0),
@@ -410,7 +428,8 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
         param_count=sum(n for _, _, n, _ in sizes[k]),
         param_shares=tuple((path, b) for path, b, _, _ in sizes[k]),
         tp_whole_bytes=float(sum(b for _, b, _, rank in sizes[k]
-                                 if lay.stacks[k] < 0 or rank <= 1)))
+                                 if lay.stacks[k] < 0 or rank <= 1)),
+        **_experts_of(program, sizes[k]))
         for k, name in enumerate(lay.names))
     opt_ratio = program.opt_state_bytes / max(program.param_bytes, 1)
     return ModelProfile(
@@ -421,6 +440,39 @@ def _profile(program, split_blocks: bool) -> ModelProfile:
         opt_update_bytes_per_param_byte=3.0 + 2.0 * opt_ratio,
         tokens_per_sample=program.seq_len, split_blocks=split_blocks,
         heads=program.heads, fingerprint=program.model_fingerprint, layering=lay.source)
+
+
+def routing_skew(histogram) -> float:
+    """The router's skew from a measured routing histogram (tokens routed to each expert,
+    any shape whose last axis is the experts: per layer, per step): the largest count
+    over the mean, the worst row's (a layer or step whose busiest expert waits longest)."""
+    from hetshard.errors import SpecError
+    h = np.asarray(histogram, float)
+    if h.ndim == 0 or h.shape[-1] < 2 or not np.isfinite(h).all() or (h < 0).any():
+        raise SpecError("routing histogram", h.shape if h.ndim else histogram,
+                        "non-negative finite token counts, the experts (2 or more) on "
+                        "the last axis")
+    rows = h.reshape(-1, h.shape[-1])
+    mean = rows.mean(-1)
+    if not (mean > 0).all():
+        raise SpecError("routing histogram", "a row with no routed token",
+                        "at least one routed token per row")
+    return float((rows.max(-1) / mean).max())
+
+
+def _experts_of(program, shares) -> dict:
+    """The mixture-of-experts fields of the layer owning parameters ``shares`` (those of
+    ``Program.moe_traffic``'s layer whose expert weights it owns; none: not one)."""
+    for info in program.moe_traffic:
+        owned = sum(b for path, b, _, _ in shares if path in info["paths"])
+        if owned:
+            return dict(experts=info["experts"], expert_param_bytes=float(owned),
+                        routed_rows_per_sample=info["rows"],
+                        routed_row_bytes=info["row_bytes"],
+                        routed_out_bytes=info["out_bytes"],
+                        routed_chain_bytes=info["chain_bytes"])
+    return dict(experts=0, expert_param_bytes=0.0, routed_rows_per_sample=0.0,
+                routed_row_bytes=0.0, routed_out_bytes=0.0, routed_chain_bytes=0.0)
 
 
 def _dims(op) -> tuple[float, float, float, float]:

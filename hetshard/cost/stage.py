@@ -34,6 +34,17 @@ a row-parallel matmul one for both its gradients (its weight gradient then runs 
 Not measured on a GPU.
 Context parallelism divides activations by ``cp`` and adds the K/V ring exchange, hidden
 behind compute where it is shorter (Liu et al. 2023).
+Expert parallelism (``ep`` ranks of an ``expert`` axis, themselves data ways: ``mbs`` is
+already per device) divides a mixture-of-experts layer's expert weights, their gradients
+and optimizer state by ``ep`` (an uneven ``expert_counts`` placement keeps them whole, as
+the runtime stores them), multiplies its grouped matmuls by the busiest rank's load over
+the mean (its share of the experts, times ``router_skew``: a measured routing histogram's
+max over mean, or a skew parameter) and adds the runtime's four all-to-alls a step
+(dispatch and combine, forward and backward; six under full remat), each of the padded
+send buffer ``hetshard.collectives.experts`` sends: ``ep`` blocks of every local routed
+row dropless, ``capacity_factor`` times the routed rows with a capacity. The received
+rows (that buffer) are what the expert equations' backward keeps in place of the local
+rows, and the exchange's buffers are live during the layer.
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
 overlapped with the layer's compute (slowed by ``overlap_interference`` of the hidden
 part), and turns the gradient all-reduce into a
@@ -443,6 +454,52 @@ def _exposed(transfer: float, matmuls: float, tp: int, e) -> float:
     return max(0.0, transfer - hide) + e.tp_overlap_interference * min(transfer, hide)
 
 
+class _ExpertShare:
+    """What expert parallelism changes in one layer's price (the module docstring)."""
+
+    def __init__(self, layer: LayerProfile, ep: int, mbs: float, capacity_factor,
+                 counts: tuple[int, ...], skew: float):
+        self.layer, self.ep = layer, ep
+        self.active = bool(layer.experts) and ep > 1
+        if not self.active:
+            self.load, self.buffer_bytes, self.extra_residual_bytes = 1.0, 0.0, 0.0
+            self.even, self.send_rows = True, 0.0
+            return
+        mean = layer.experts / ep
+        self.even = not counts or len(set(counts)) == 1
+        self.load = max(1.0, float(skew)) * (max(counts) / mean if counts else 1.0)
+        rows = layer.routed_rows_per_sample * mbs  # this device's routed rows
+        factor = ep if capacity_factor is None else float(capacity_factor)
+        self.send_rows = factor * rows
+        width = layer.routed_row_bytes + layer.routed_out_bytes
+        # send and receive buffers of both directions, live during the layer
+        self.buffer_bytes = 2 * self.send_rows * width
+        self.extra_residual_bytes = max(0.0, self.send_rows - rows) * (
+            layer.routed_chain_bytes + layer.routed_row_bytes)
+
+    def saved_param_bytes(self, own: float) -> float:
+        """Of the layer's ``own`` bytes on a device, the expert weights other ranks
+        hold (even placements: all but a rank's ``1/ep``)."""
+        if not self.active or not self.even or not self.layer.param_bytes:
+            return 0.0
+        share = own / self.layer.param_bytes  # (the tensor split, as ``own`` has it)
+        return self.layer.expert_param_bytes * share * (1 - 1 / self.ep)
+
+    def loaded(self, flops: np.ndarray, expert: np.ndarray) -> np.ndarray:
+        if not self.active or self.load == 1.0 or len(expert) != len(flops):
+            return flops
+        return np.where(expert, flops * self.load, flops)
+
+    def exchange_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
+        """Dispatch and combine: two all-to-alls of the send buffer (each row's expert
+        slot, an int32, rides with the dispatch)."""
+        layer = self.layer
+        go = self.send_rows * (layer.routed_row_bytes + 4)
+        back = self.send_rows * layer.routed_out_bytes
+        return collective_time("all_to_all", go, topo, cal, gpu) + \
+            collective_time("all_to_all", back, topo, cal, gpu)
+
+
 def tensor_rank_bytes(layer: LayerProfile, tp: int,
                       shardings: tuple[tuple[str, tuple], ...] | None) -> float:
     """``layer``'s parameter bytes on one of ``tp`` tensor ranks: given the stage's
@@ -468,7 +525,10 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                tp_overlap: bool = False, dtype: str | None = None,
                shard_context: bool = False, optimizer_ways: int | None = None,
                offload: tuple[str, ...] = (), host_link_gbs: float | None = None,
-               shardings: tuple[tuple[str, tuple], ...] | None = None) -> StageCost:
+               shardings: tuple[tuple[str, tuple], ...] | None = None, ep: int = 1,
+               ep_topo: Topology | None = None, capacity_factor: float | None = None,
+               expert_counts: tuple[int, ...] = (), router_skew: float | None = None
+               ) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
@@ -482,7 +542,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     link of ``host_link_gbs`` per device (None: the GPU type's); ``shardings``: the
     stage's per-parameter layouts (``Stage.shardings``), where solved: a parameter they do
     not split over ``tensor`` is whole on every tensor rank (None: layouts not solved
-    yet, as in the planner's search: ``tensor_rank_bytes``)."""
+    yet, as in the planner's search: ``tensor_rank_bytes``); ``ep``, ``ep_topo``,
+    ``capacity_factor``, ``expert_counts``, ``router_skew``: expert parallelism (see the
+    module docstring)."""
     check_remat(remat)
     offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -523,6 +585,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             if owner not in inside:
                 read_copies[key] = (owner, nbytes / tp)
         own = tensor_rank_bytes(layer, tp, shardings)  # its parameters on one tensor rank
+        moe = _ExpertShare(layer, ep, mbs, capacity_factor, expert_counts,
+                           profile.router_skew if router_skew is None else router_skew)
+        own -= moe.saved_param_bytes(own)
         mode = remat if index < last_remat else "none"
         save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
         weight_before = weight
@@ -538,6 +603,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         fb = np.where(layer.fwd_matmul, layer.fwd_bytes[0] / tp, 0.0) + \
             layer.fwd_bytes[1] * mbs / cp * _tp_share(layer.fwd_dims, layer.fwd_bytes, mbs, tp)
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
+        ff, bf = moe.loaded(ff, layer.fwd_expert), moe.loaded(bf, layer.bwd_expert)
         bb = np.where(layer.bwd_matmul, layer.bwd_bytes[0] / tp, 0.0) + \
             layer.bwd_bytes[1] * mbs / cp * _tp_share(layer.bwd_dims, layer.bwd_bytes, mbs, tp)
         pf = np.where(layer.fwd_attention, peak_attn,
@@ -605,6 +671,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             t_b += 2 * max(0.0, ring - t_attn)
             layer_att_f += max(0.0, ring - t_attn)
             layer_att_b += 2 * max(0.0, ring - t_attn)
+        if moe.active and ep_topo is not None:
+            a2a = moe.exchange_s(ep_topo, cal, gpu.name)
+            t_f += a2a
+            t_b += a2a
+            working = max(working, moe.buffer_bytes)
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
         if timed is None:
             cast_s += layer_cast_s
@@ -706,6 +777,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
                     if index else 0.0)
             working = max(working, whole)
+        if mode == "none":
+            kept += moe.extra_residual_bytes
         act += kept
         if mode != "none":
             # A W pass reads the weight matmuls' inputs, which B recomputed: kept until W.

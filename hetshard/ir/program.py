@@ -675,6 +675,48 @@ class Program:
         return moe_layers(self.loss_jaxpr(2)[0].jaxpr)
 
     @functools.cached_property
+    def moe_traffic(self) -> list[dict]:
+        """Per mixture-of-experts layer, what expert parallelism moves and keeps (at a
+        micro-batch of 2 samples, per sample): ``paths`` (its stacked expert weights'
+        ``param_path``s), ``experts``, ``dispatch``, ``rows`` (routed rows per sample:
+        tokens x top-k for a dropless layer, experts x capacity for a capacity one, none
+        for a dense one), ``row_bytes`` and ``out_bytes`` (a routed row's bytes as sent
+        and as returned) and ``chain_bytes`` (per routed row, what its expert equations
+        make: the values their backward may keep)."""
+        from hetshard.errors import PlanNotExecutableError
+        from hetshard.rewrite.experts import expert_regions
+        jaxpr = self.loss_jaxpr(2)[0].jaxpr
+        try:
+            regions = expert_regions(jaxpr)
+        except PlanNotExecutableError:
+            regions = []
+        out = []
+        for layer in self.moe_layers:
+            info = dict(paths=tuple(self.param_path(w) for w in layer.expert_weights),
+                        experts=layer.experts, dispatch=layer.dispatch, rows=0.0,
+                        row_bytes=0.0, out_bytes=0.0, chain_bytes=0.0)
+            mine = [r for r in regions if layer.level == () and r.sort > layer.top_k]
+            if layer.dispatch == "dropless" and mine:
+                r = min(mine, key=lambda r: r.sort)
+                eqns = jaxpr.eqns
+
+                def row(aval):
+                    return math.prod(aval.shape[1:]) * aval.dtype.itemsize
+                info.update(rows=r.rows.aval.shape[0] / 2, row_bytes=row(r.rows.aval),
+                            out_bytes=row(r.result.aval),
+                            chain_bytes=sum(row(v.aval) for i in r.chain
+                                            for v in eqns[i].outvars if v.aval.shape))
+            elif layer.dispatch == "capacity" and layer.capacity:
+                w = self.state_avals[layer.expert_weights[0]] if layer.expert_weights \
+                    else None
+                width = (w.shape[1] if w is not None and len(w.shape) >= 3 else 0)
+                size = np.dtype(self.dtype).itemsize if self.dtype in DTYPES else 4
+                info.update(rows=layer.experts * layer.capacity / 2,
+                            row_bytes=width * size, out_bytes=width * size)
+            out.append(info)
+        return out
+
+    @functools.cached_property
     def dtype(self) -> str:
         """The compute dtype: that of the matmuls with the most flops."""
         weights: dict[str, float] = {}

@@ -189,14 +189,16 @@ def stage_costs_for(plan: Plan, profile: ModelProfile, cluster: Cluster,
             key = (st.start, st.end, st.devices, st.mesh_shape, st.remat, st.remat_layers,
                    st.offload, fsdp,
                    mbs, plan.attention, plan.distributed_optimizer, plan.tp_overlap, dtype,
-                   plan.context_chunks(st), plan.context.shard_state)
+                   plan.context_chunks(st), plan.context.shard_state, st.experts,
+                   plan.capacity_factor)
             if cache is not None and key in cache:
                 cost = cache[key]
             else:
                 cost = layers_cost(st, st.start, st.end, mbs, fsdp,
                                    plan.attention, profile, cluster, cal,
                                    plan.distributed_optimizer, plan.tp_overlap, dtype,
-                                   plan.context_chunks(st), plan.context.shard_state)
+                                   plan.context_chunks(st), plan.context.shard_state,
+                                   capacity_factor=plan.capacity_factor)
                 if cache is not None:
                     cache[key] = cost
             costs.append(cost)
@@ -214,7 +216,8 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
                        profile: ModelProfile, cluster: Cluster, cal: Calibration,
                        shard_optimizer: bool = False, tp_overlap: bool = False,
                        dtype: str | None = None, chunks: tuple[int, ...] = (),
-                       shard_context: bool = False) -> dict[str, StageCost]:
+                       shard_context: bool = False, capacity_factor: float | None = None
+                       ) -> dict[str, StageCost]:
     """Per GPU type of stage ``st`` with uneven context ``chunks`` (``Plan.context_chunks``): what
     its devices spend on layers ``[start, end)``, as the runtime runs them: the layers
     around attention keep the sequence's even split, attention takes each device's chunk
@@ -227,7 +230,8 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
     Without ``chunks``: every type at equal chunks."""
     if not chunks:
         return {t.name: _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                                shard_optimizer, tp_overlap, dtype, t, shard_context)
+                                shard_optimizer, tp_overlap, dtype, t, shard_context,
+                                capacity_factor)
                 for t in {cluster.gpu_of(d).name: cluster.gpu_of(d)
                           for d in st.devices}.values()}
     tp, cp = st.axis("tensor"), st.axis("context")
@@ -240,7 +244,8 @@ def typed_layers_costs(st, start: int, end: int, mbs: int, fsdp: bool, attention
         types[t.name] = t
         share[t.name] = max(share.get(t.name, 0.0), chunks[(i // tp) % cp] / equal)
     return {name: _scaled(_priced(st, start, end, mbs, fsdp, attention, profile, cluster,
-                                  cal, shard_optimizer, tp_overlap, dtype, types[name]),
+                                  cal, shard_optimizer, tp_overlap, dtype, types[name],
+                                  capacity_factor=capacity_factor),
                           share[name], pad)
             for name in types}
 
@@ -261,7 +266,8 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
                 profile: ModelProfile, cluster: Cluster, cal: Calibration,
                 shard_optimizer: bool = False, tp_overlap: bool = False,
                 dtype: str | None = None, chunks: tuple[int, ...] = (),
-                shard_context: bool = False) -> StageCost:
+                shard_context: bool = False, capacity_factor: float | None = None
+                ) -> StageCost:
     """Layers ``[start, end)`` priced on stage ``st``'s submesh (its devices, mesh, remat:
     the part of ``st``'s recomputed layers among them); ``shard_optimizer``: ZeRO-1 over
     the stage's data ways; ``tp_overlap``: collective matmuls (``Plan.tp_overlap``);
@@ -272,22 +278,24 @@ def layers_cost(st, start: int, end: int, mbs: int, fsdp: bool, attention: str,
     if chunks:
         return max(typed_layers_costs(st, start, end, mbs, fsdp, attention, profile,
                                       cluster, cal, shard_optimizer, tp_overlap, dtype,
-                                      chunks, shard_context).values(),
+                                      chunks, shard_context, capacity_factor).values(),
                    key=lambda c: c.fwd_s + c.bwd_s)
     types = {cluster.gpu_of(d).name: cluster.gpu_of(d) for d in st.devices}
     if len(types) == 1:
         return _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
                        shard_optimizer, tp_overlap, dtype, next(iter(types.values())),
-                       shard_context)
+                       shard_context, capacity_factor)
     # A stage spanning types runs at the pace of the type that takes longest as priced
     # (not the lowest peak: a type's attention kernel may be the slower one).
     return max((_priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal,
-                        shard_optimizer, tp_overlap, dtype, t, shard_context)
+                        shard_optimizer, tp_overlap, dtype, t, shard_context,
+                        capacity_factor)
                 for t in types.values()), key=lambda c: c.fwd_s + c.bwd_s)
 
 
 def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_optimizer,
-            tp_overlap, dtype, gpu, shard_context: bool = False) -> StageCost:
+            tp_overlap, dtype, gpu, shard_context: bool = False,
+            capacity_factor: float | None = None) -> StageCost:
     """``layers_cost`` with the stage's work priced on GPU type ``gpu``."""
     tp, cp = st.axis("tensor"), st.axis("context")
     dp = data_ways(st)
@@ -325,7 +333,20 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                       if st.offload else None,
                       # (a stage whose layouts are not solved yet: the runtime solves
                       # them, ``fill_missing_shardings``; ``tensor_rank_bytes``' prior)
-                      shardings=st.shardings or None)
+                      shardings=st.shardings or None, ep=st.axis("expert"),
+                      ep_topo=_slowest_group(cluster, axis_groups(st, "expert"))
+                      if st.axis("expert") > 1 else None,
+                      capacity_factor=capacity_factor, expert_counts=st.experts)
+
+
+def axis_groups(st, axis: str) -> list[list[int]]:
+    """The device groups along mesh axis ``axis`` of stage ``st`` (one per position of
+    the other axes; devices laid out in ``mesh_shape`` order, the last axis fastest)."""
+    import numpy as np
+    names = [a for a, _ in st.mesh_shape]
+    grid = np.array(st.devices).reshape([n for _, n in st.mesh_shape])
+    moved = np.moveaxis(grid, names.index(axis), -1)
+    return [list(map(int, row)) for row in moved.reshape(-1, st.axis(axis))]
 
 
 def is_hybrid(st) -> bool:
@@ -504,7 +525,8 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
     typed = {}
     for s in mine:
         st = pipe.stages[s]
-        key = ("typed", st, pipe.stage_micro_batch(s), plan.fsdp, plan.attention,
+        key = ("typed", st, plan.capacity_factor, pipe.stage_micro_batch(s), plan.fsdp,
+               plan.attention,
                plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
                plan.context_chunks(st))
         if cache is None or key not in cache:
@@ -512,7 +534,7 @@ def _typed_peaks(plan: Plan, pi: int, w: int, act, profile: ModelProfile, cluste
                 st, st.start, st.end, pipe.stage_micro_batch(s),
                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile, cluster, cal,
                 plan.distributed_optimizer, plan.tp_overlap, priced_dtype(plan, profile, st),
-                plan.context_chunks(st))
+                plan.context_chunks(st), capacity_factor=plan.capacity_factor)
             if cache is None:
                 typed[s] = got
                 continue

@@ -113,13 +113,15 @@ def layer_times(plan: Plan, profile, cluster, cal, cache: dict):
             mbs = pipe.stage_micro_batch(w)
             key = ("layer", profile.layers[layer].kind, st.devices, st.mesh_shape, st.remat,
                    recomputed_among(st, layer, layer + 1), mbs, plan.fsdp, plan.attention,
-                   plan.tp_overlap, priced_dtype(plan, profile, st), plan.context_chunks(st))
+                   plan.tp_overlap, priced_dtype(plan, profile, st), plan.context_chunks(st),
+                   st.experts, plan.capacity_factor)
             if key not in cache:
                 c = layers_cost(st, layer, layer + 1, mbs,
                                 plan.fsdp or st.axis("fsdp") > 1, plan.attention, profile,
                                 cluster, cal, tp_overlap=plan.tp_overlap,
                                 dtype=priced_dtype(plan, profile, st),
-                                chunks=plan.context_chunks(st))
+                                chunks=plan.context_chunks(st),
+                                capacity_factor=plan.capacity_factor)
                 cache[key] = c.fwd_s + c.bwd_s
             out.append(cache[key])
         return out
