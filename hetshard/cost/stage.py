@@ -506,11 +506,15 @@ def tensor_rank_bytes(layer: LayerProfile, tp: int,
     per-parameter layouts, split only where its layout names the ``tensor`` axis
     (``hetshard.layout`` keeps the others whole on every rank: norms, biases, a weight
     the intra-op solver left replicated, embeddings and heads); without them (layouts not
-    solved yet), every weight split but what no layout splits (``tp_whole_bytes``)."""
+    solved yet), every weight split but what no layout splits (``tp_whole_bytes``, and
+    the stacked expert weights of a mixture-of-experts layer)."""
     if tp == 1:
         return float(layer.param_bytes)
     if shardings is None or not layer.param_shares:
-        return (layer.param_bytes - layer.tp_whole_bytes) / tp + layer.tp_whole_bytes
+        # (the intra-op solver has no rule splitting grouped matmuls' stacked expert
+        # weights over ``tensor``: they stay whole, split by expert parallelism instead)
+        whole = min(layer.param_bytes, layer.tp_whole_bytes + layer.expert_param_bytes)
+        return (layer.param_bytes - whole) / tp + whole
     return float(sum(nbytes / tp if "tensor" in spec_axes(named_spec(shardings, path))
                      else nbytes for path, nbytes in layer.param_shares))
 

@@ -25,7 +25,7 @@ from hetshard.solver.options import (
     PlannerOptions,
     PlannerTimeLimitWarning,
 )
-from hetshard.solver.shardings import attach_shardings
+from hetshard.solver.shardings import attach_shardings, expert_shardings
 from hetshard.solver.uniform import parse_fix
 
 
@@ -102,7 +102,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     t0 = time.perf_counter()
     split = opts.split_blocks
     progress.phase("tracing and pricing the program's layers")
-    profile = profile_program(program, split_blocks=bool(split))
+    profile = _skewed(profile_program(program, split_blocks=bool(split)), opts)
     heads = profile.heads or 1
     if opts.min_stages > min(profile.num_layers, cluster.num_devices):
         halves = not split and any(x.block for x in profile.layers)
@@ -143,7 +143,16 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
         result = attach_shardings(result, program, cluster, cal, time_limit_s=max(0.5, left))
         if any(st.shardings for pipe in result.pipelines for st in pipe.stages):
             result = _repriced(result, profile, cluster, cal)
+    # the expert weights split over each expert axis (and checked against the program)
+    result = expert_shardings(result, program)
     return dataclasses.replace(result, fingerprint=program.model_fingerprint)
+
+
+def _skewed(profile, opts):
+    """``profile`` with the options' router skew (``PlannerOptions.router_skew``)."""
+    if opts.router_skew == profile.router_skew:
+        return profile
+    return dataclasses.replace(profile, router_skew=float(opts.router_skew))
 
 
 def _repriced(plan, profile, cluster, cal):
@@ -180,7 +189,7 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
         # Where it offloads to host memory, the best plan without is refined too (its
         # refinement can end ahead), each in half the time left.
         progress.phase("stage boundaries inside blocks")
-        halves = profile_program(program, split_blocks=True)
+        halves = _skewed(profile_program(program, split_blocks=True), narrowed)
         starts = ([bare] if bare is not None else []) + [result]  # (ties: without offload)
         cut = result.solver.status == "time_limit"
         best_refined = None

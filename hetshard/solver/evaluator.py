@@ -25,7 +25,7 @@ from hetshard.sim.simulator import (
     warmup_short_of_memory,
 )
 from hetshard.solver.options import PlannerOptions, PlannerTimeLimitWarning
-from hetshard.solver.variants import SHARDINGS, sharded_state, zero_bubble
+from hetshard.solver.variants import SHARDINGS, expert_parallel, sharded_state, zero_bubble
 
 
 class Candidate(NamedTuple):
@@ -110,7 +110,26 @@ class Evaluator:
             other = self.price(other)
             if other.key < best.key:
                 best = other
+        best = self.experts(best)
         return self.without_needless_offload(best)
+
+    def experts(self, best: Candidate) -> Candidate:
+        """``best`` also priced under expert parallelism (each of the options' degrees and
+        capacity factors, ``hetshard.solver.variants.expert_parallel``), alone and with
+        the state sharded; the fastest kept (one that fits ahead of one that does not)."""
+        if not any(layer.experts for layer in self.profile.layers):
+            return best
+        start = best.plan
+        for ep in self.opts.ep_options:
+            for factor in self.opts.capacity_factors:
+                plan = expert_parallel(start, self.profile, ep, factor)
+                if plan is None:
+                    continue
+                for other in [self.tuned(plan), *self.sharded(plan)]:
+                    other = self.price(other)
+                    if other.key < best.key:
+                        best = other
+        return best
 
     def without_needless_offload(self, best: Candidate) -> Candidate:
         """``best`` with each stage's offload to host memory dropped where the plan is

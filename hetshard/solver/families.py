@@ -17,7 +17,13 @@ from hetshard.cost.profile import ModelProfile
 from hetshard.offload import split_key
 from hetshard.plan import Context, Pipeline, Plan, Stage
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
-from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
+from hetshard.solver.options import (
+    PlannerOptions,
+    data_axes,
+    ep_ways,
+    fsdp_ways,
+    planned_gpu_dtypes,
+)
 from hetshard.solver.splits import (
     LayerTables,
     choice_parts,
@@ -252,11 +258,13 @@ def build_plan(model: str, profile: ModelProfile, cluster: Cluster, families, co
         for (a, b), g in zip(f.bounds, f.stage_groups, strict=True):
             first = next(next_free[g])
             devices = tuple(range(first, first + f.stage_devices))
-            ways = fsdp_ways(opts.state_sharding, f.r, f.tp, f.cp,
-                             cluster.group(g).gpus_per_node)
-            data = (("data", f.r),) if ways == 1 else \
-                (("data", f.r // ways),) * (f.r > ways) + (("fsdp", ways),)
-            mesh = data + ((("context", f.cp),) if f.cp > 1 else ()) + (("tensor", f.tp),)
+            per_node = cluster.group(g).gpus_per_node
+            ways = fsdp_ways(opts.state_sharding, f.r, f.tp, f.cp, per_node)
+            holds = any(layer.experts for layer in profile.layers[a:b])
+            ep = ep_ways(profile, opts.ep_options, f.r, f.tp, f.cp, per_node, ways) \
+                if holds else 1
+            mesh = data_axes(f.r, ways, ep) + ((("context", f.cp),) if f.cp > 1 else ()) + \
+                (("tensor", f.tp),)
             stages.append(Stage(a, b, devices, cluster.group(g).gpu.name, mesh,
                                 **stage_memory(f.stage_remats[len(stages)] if f.stage_remats
                                                else f.remat)))

@@ -31,6 +31,7 @@ from hetshard.solver.splits import (
     stage_memory,
     with_partial,
 )
+from hetshard.solver.variants import with_experts
 
 # Extra warm-up forwards the layout moves keep memory for (each a split of its own).
 AHEADS = (0, 1, 2)
@@ -120,8 +121,8 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
         if res is None:
             break
         bounds, _, chosen = res
-        stages = tuple(dataclasses.replace(st, start=lo, end=hi, shardings=(),
-                                           **stage_memory(c))
+        stages = tuple(_experts(tables, cluster, dataclasses.replace(
+            st, start=lo, end=hi, shardings=(), **stage_memory(c)))
                        for st, (lo, hi), c in zip(shells, bounds, chosen, strict=True))
         try:
             new = dataclasses.replace(pipe, stages=stages, extra_warmup=(),
@@ -133,6 +134,16 @@ def relayout(plan: Plan, pi: int, seg: tuple[int, int], layout: tuple[int, int],
         pipes = plan.pipelines[:pi] + (new,) + plan.pipelines[pi + 1:]
         out.append(dataclasses.replace(plan, pipelines=pipes))
     return out
+
+
+def _experts(tables: LayerTables, cluster: Cluster, st: Stage) -> Stage:
+    """A new stage with the expert axis the tables priced it with (``ep_of``)."""
+    if st.axis("fsdp") > 1:
+        return st
+    group = cluster.group(cluster.slot(st.devices[0]).group)
+    r = st.axis("data") * st.axis("expert")
+    return with_experts(st, tables.profile,
+                        tables.ep_of(group, r, st.axis("tensor"), st.axis("context")))
 
 
 def _has_room(rows, caps, split, ahead: int) -> bool:

@@ -103,6 +103,16 @@ class PlannerOptions:
     # also plans whose context groups span the types, each device attending a chunk
     # sized to its speed (``hetshard.solver.context``).
     mixed_context: bool = True
+    # Mixture-of-experts models: expert-parallel degrees the best plans are also priced
+    # with (each stage holding an MoE layer turns that many of its data ways into an
+    # ``expert`` axis, where they divide its data ways and the experts), and the
+    # exchange's capacity factors (``Plan.capacity_factor``; None: dropless, exact). A
+    # factor drops routed tokens past it, so the default offers dropless alone.
+    ep_options: tuple[int, ...] = (1, 2, 4, 8)
+    capacity_factors: tuple[float | None, ...] = (None,)
+    # The router's skew (``ModelProfile.router_skew``: busiest expert over the mean, 1
+    # balanced; ``hetshard.cost.profile.routing_skew`` of a measured histogram)
+    router_skew: float = 1.0
 
     @classmethod
     def from_fields(cls, given: dict, where: str) -> PlannerOptions:
@@ -140,6 +150,25 @@ class PlannerOptions:
             raise SpecError("state_sharding", self.state_sharding, f"one of {STATE_SHARDINGS}")
         if self.gpu_dtypes not in GPU_DTYPE_POLICIES:
             raise SpecError("gpu_dtypes", self.gpu_dtypes, f"one of {GPU_DTYPE_POLICIES}")
+        if (not isinstance(self.ep_options, tuple) or not self.ep_options or any(
+                isinstance(e, bool) or not isinstance(e, int) or e < 1
+                for e in self.ep_options)):
+            raise SpecError("ep_options", self.ep_options,
+                            "a non-empty tuple of positive integers (expert-parallel "
+                            "degrees)", where="PlannerOptions")
+        if (not isinstance(self.capacity_factors, tuple) or not self.capacity_factors or any(
+                c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                                   or not math.isfinite(c) or c <= 0)
+                for c in self.capacity_factors)):
+            raise SpecError("capacity_factors", self.capacity_factors,
+                            "a non-empty tuple of None (dropless) and numbers > 0",
+                            where="PlannerOptions")
+        if isinstance(self.router_skew, bool) or not isinstance(
+                self.router_skew, (int, float)) or not math.isfinite(self.router_skew) or \
+                self.router_skew < 1:
+            raise SpecError("router_skew", self.router_skew,
+                            "a number >= 1 (the busiest expert's tokens over the mean)",
+                            where="PlannerOptions")
         if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
                 any(o not in STAGE_ORDERS for o in self.stage_orders)):
             raise SpecError("stage_orders", self.stage_orders,
@@ -177,6 +206,32 @@ def fsdp_ways(sharding: str, r: int, tp: int, cp: int, per_node: int) -> int:
     if sharding == "all":
         return r
     return math.gcd(r, max(per_node // (tp * cp), 1))
+
+
+def ep_ways(profile: ModelProfile, ep_options: tuple[int, ...], r: int, tp: int, cp: int,
+            per_node: int, fsdp: int = 1) -> int:
+    """The expert-parallel degree the search gives a stage of ``r`` data ways holding a
+    mixture-of-experts layer: the largest of ``ep_options`` that divides ``r`` and every
+    layer's expert count with its expert groups (``ep x cp x tp`` adjacent devices)
+    inside a node, where the state is not FSDP-sharded (``fsdp`` ways); 1 (none) for a
+    dense model. The best plans are also priced with the other degrees
+    (``Evaluator.experts``)."""
+    counts = {layer.experts for layer in profile.layers if layer.experts}
+    if not counts or fsdp > 1:
+        return 1
+    fits = [e for e in ep_options if e >= 1 and r % e == 0 and
+            all(n % e == 0 for n in counts) and e * tp * cp <= max(per_node, 1)]
+    return max(fits, default=1)
+
+
+def data_axes(r: int, fsdp: int, ep: int) -> tuple[tuple[str, int], ...]:
+    """A stage's batch axes for ``r`` data ways of which ``fsdp`` shard the state (FSDP)
+    or ``ep`` hold different experts (one or the other)."""
+    if fsdp > 1:
+        return (("data", r // fsdp),) * (r > fsdp) + (("fsdp", fsdp),)
+    if ep > 1:
+        return (("data", r // ep),) * (r > ep) + (("expert", ep),)
+    return (("data", r),)
 
 
 @dataclasses.dataclass(frozen=True)

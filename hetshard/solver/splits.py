@@ -29,7 +29,7 @@ from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.offload import split_key
 from hetshard.plan import stage_dtype
-from hetshard.solver.options import PlannerOptions, fsdp_ways, planned_gpu_dtypes
+from hetshard.solver.options import PlannerOptions, ep_ways, fsdp_ways, planned_gpu_dtypes
 
 
 class LayerTables:
@@ -38,7 +38,7 @@ class LayerTables:
     def __init__(self, profile: ModelProfile, cluster: Cluster, cal: Calibration,
                  attention: str, shard_optimizer: bool = False, tp_overlap: bool = False,
                  gpu_dtypes: tuple = (), state_sharding: str = "none",
-                 global_batch: int | None = None):
+                 global_batch: int | None = None, ep_options: tuple[int, ...] = (1,)):
         self.profile, self.cluster, self.cal, self.attention = profile, cluster, cal, attention
         # The step's samples: a stage that streams its optimizer state from host memory
         # pays that once a step, spread here over the most micro-batches a step can have
@@ -49,6 +49,9 @@ class LayerTables:
         self.state_sharding = state_sharding
         self.tp_overlap = tp_overlap  # collective matmuls (Plan.tp_overlap)
         self.gpu_dtypes = gpu_dtypes  # compute dtypes per GPU type (Plan.gpu_dtypes)
+        # expert-parallel degrees a stage holding a mixture-of-experts layer may take
+        # (``options.ep_ways`` picks one per data ways)
+        self.ep_options = ep_options
         self._cache: dict = {}
 
     @classmethod
@@ -59,7 +62,7 @@ class LayerTables:
         a step of ``global_batch`` samples."""
         return cls(profile, cluster, cal, opts.attention, opts.distributed_optimizer is not False,
                    opts.tp_overlap, planned_gpu_dtypes(profile, cluster, opts),
-                   opts.state_sharding, global_batch)
+                   opts.state_sharding, global_batch, opts.ep_options)
 
     def get(self, group: Group, tp: int, mbs: int, remat: str, r: int, cp: int = 1):
         key = (group.name, tp, mbs, remat, r, cp)
@@ -69,6 +72,9 @@ class LayerTables:
         tp_topo = topology(self.cluster, ids[:tp]) if tp > 1 else None
         cp_topo = topology(self.cluster, ids[:tp * cp:tp]) if cp > 1 else None
         f = fsdp_ways(self.state_sharding, r, tp, cp, group.gpus_per_node)
+        e = self.ep_of(group, r, tp, cp)
+        experts = dict(ep=e, ep_topo=topology(self.cluster, ids[:e * tp * cp:tp * cp])) \
+            if e > 1 else {}
         # a sharded stage gathers each layer from its group's f ranks; the distributed
         # optimizer splits the optimizer state over the groups too
         sharded = dict(fsdp=True, dp=f, dp_topo=topology(self.cluster, ids[:f * tp * cp:
@@ -87,7 +93,7 @@ class LayerTables:
                                cal=self.cal, tp_topo=tp_topo, cp_topo=cp_topo,
                                tp_overlap=self.tp_overlap,
                                dtype=self.dtype_of(group.gpu), offload=offload,
-                               host_link_gbs=group.host_link)
+                               host_link_gbs=group.host_link, **experts)
                 # The layer's optimizer state through the host link, once a step
                 spread = c.host_stream_s / max(1, self.global_batch // (mbs * r)) \
                     if self.global_batch else 0.0
@@ -100,6 +106,12 @@ class LayerTables:
                np.concatenate([[0.0], np.cumsum(a[:, 2])]), a[:, 3])
         self._cache[key] = out
         return out
+
+    def ep_of(self, group: Group, r: int, tp: int, cp: int) -> int:
+        """The expert-parallel degree of a stage of ``r`` data ways on ``group``
+        (``options.ep_ways``)."""
+        f = fsdp_ways(self.state_sharding, r, tp, cp, group.gpus_per_node)
+        return ep_ways(self.profile, self.ep_options, r, tp, cp, group.gpus_per_node, f)
 
     def dtype_of(self, gpu) -> str:
         """The compute dtype of stages on ``gpu`` (a DeviceType)."""

@@ -3,16 +3,18 @@ virtual stages, Narayanan et al., SC'21, sec. 2.2), with stages cut by layer cou
 by time and micro-batch counts rounded to multiples of the submeshes, zero-bubble
 pipelines (ZB-H1, Qi et al., ICLR'24), and stages whose data ways shard the state:
 FSDP over all of them, or inside each node with data parallelism across the nodes
-(hybrid sharding, PyTorch's HSDP, MaxText's ICI-FSDP x DCN-data)."""
+(hybrid sharding, PyTorch's HSDP, MaxText's ICI-FSDP x DCN-data), and expert
+parallelism for mixture-of-experts models (MaxText's and Megatron-Core's: expert ranks
+carved out of the data ways)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
-from hetshard.plan import Plan
+from hetshard.plan import Plan, Stage
 from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
-from hetshard.solver.options import fsdp_ways
+from hetshard.solver.options import data_axes, fsdp_ways
 
 
 def interleave(plan: Plan, v: int, layer_times=None) -> Plan | None:
@@ -202,3 +204,43 @@ def interleaved_as(plan: Plan, options) -> bool:
     when 1 is not among them at least one pipeline is interleaved (it was asked for)."""
     pipes = [p for p in plan.pipelines if p.num_workers > 1]
     return all(p.virtual_stages in options for p in pipes) and (1 in options or bool(pipes))
+
+
+
+def with_experts(st: Stage, profile, ep: int) -> Stage:
+    """Stage ``st`` with ``ep`` of its data ways (``data x expert``) as an ``expert``
+    axis where it holds a mixture-of-experts layer of ``profile`` (1: none), else all of
+    them plain ``data``; a stage sharding its state (``fsdp``) as it is. Its placement
+    becomes even."""
+    if st.axis("fsdp") > 1:
+        return st
+    holds = any(layer.experts for layer in profile.layers[st.start:st.end])
+    r = st.axis("data") * st.axis("expert")
+    e = ep if holds and r % max(ep, 1) == 0 else 1
+    mesh, placed = [], False
+    for name, n in st.mesh_shape:
+        if name in ("data", "expert"):
+            if not placed:
+                mesh += data_axes(r, 1, e)
+                placed = True
+        else:
+            mesh.append((name, n))
+    if not placed:
+        mesh = list(data_axes(r, 1, e)) + mesh
+    return dataclasses.replace(st, mesh_shape=tuple(mesh), experts=())
+
+
+def expert_parallel(plan: Plan, profile, ep: int, capacity_factor=None) -> Plan | None:
+    """``plan`` with each stage that holds a mixture-of-experts layer and ``ep``-divisible
+    data ways running ``ep`` of them as an ``expert`` axis (after ``data``: each expert
+    group a run of adjacent devices, inside a node where it fits; 1: none), the experts
+    split evenly (``ep`` must divide every layer's expert count), and the exchange's
+    ``capacity_factor``; None when nothing changes."""
+    counts = {layer.experts for layer in profile.layers if layer.experts}
+    if not counts or any(n % ep for n in counts):
+        return None
+    pipes = tuple(dataclasses.replace(pipe, stages=tuple(with_experts(st, profile, ep)
+                                                         for st in pipe.stages))
+                  for pipe in plan.pipelines)
+    out = dataclasses.replace(plan, pipelines=pipes, capacity_factor=capacity_factor)
+    return None if out == plan else out
