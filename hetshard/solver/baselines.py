@@ -15,16 +15,18 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import HetshardError
-from hetshard.plan import Plan
+from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim.simulator import annotate, simulate
 from hetshard.solver.batch import assign_batch
 from hetshard.solver.evaluator import zero1_choice
 from hetshard.solver.families import Family, build_plan, divisors, family_configs
-from hetshard.solver.options import planned_gpu_dtypes
+from hetshard.solver.options import data_axes, planned_gpu_dtypes
 from hetshard.solver.splits import LayerTables, split_layers
 from hetshard.solver.uniform import Fix, stage_bounds, uniform_plan
 
 BASELINES = ("megatron-uniform", "fastest-only", "metis-like", "amp-like", "alpa-homogeneous")
+# Mixture-of-experts baselines (``experiments/moe.py``)
+MOE_BASELINES = ("ep-type-blind", "zebra")
 
 
 def _blocks(profile: ModelProfile) -> int:
@@ -229,11 +231,119 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     return _best(plans, profile, cluster, cal, margin=opts.memory_margin)
 
 
+def ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """Expert parallelism that ignores GPU types: the best uniform dp x tp x pp plan over
+    the whole cluster (``uniform_candidates``: even layers per stage, devices in id order,
+    a stage mixing types at its slowest's pace) with each of ``opts.ep_options`` of its
+    data ways holding different experts, evenly (MaxText's or Megatron-Core's EP on a
+    cluster taken as homogeneous); None where no such plan can be built."""
+    n, blocks = cluster.num_devices, _blocks(profile)
+    heads = profile.tensor_divisor
+    max_tp = min(g.gpus_per_node for g in cluster.groups)
+    plans = []
+    for tp in opts.tp_options:
+        if n % tp or heads % tp or tp > max_tp:
+            continue
+        # (blocks that pp does not divide spread as ``stage_bounds`` does)
+        for pp in range(1, min(blocks, n // tp) + 1):
+            if (n // tp) % pp:
+                continue
+            dp = n // (tp * pp)
+            for ep, factor, mbs, remat in itertools.product(
+                    sorted(e for e in set(opts.ep_options) if e > 1), opts.capacity_factors,
+                    opts.mbs_options, opts.remat_options):
+                if global_batch % (dp * mbs) or dp % ep:
+                    continue
+                try:
+                    plans.append(uniform_plan(
+                        model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                        fix=Fix(dp, tp, pp, 1, False, mbs, remat, opts.schedule,
+                                zero1=opts.distributed_optimizer is not False,
+                                tp_overlap=opts.tp_overlap, ep=ep, capacity=factor or 0.0),
+                        attention=opts.attention,
+                        gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts)))
+                except HetshardError:
+                    continue
+    return _best(plans, profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None,
+                 margin=opts.memory_margin) if plans else None
+
+
+def zebra_candidates(model, profile, cluster, global_batch, seq_len, opts) -> list[Plan]:
+    """HeterMoE's "zebra" split (2025), on hetshard's plan: the attention (and every
+    dense) half of each block on the newer GPU type, each mixture-of-experts half on the
+    older, as one interleaved pipeline of two submeshes (stage ``j`` on submesh ``j mod
+    2``, block halves as layers: ``profile`` must be traced with ``split_blocks``). The
+    newer type's devices run data parallelism, the older's data x expert parallelism
+    (each of ``opts.ep_options`` that divides them); micro-batch sizes, remats and
+    capacity factors from the options. Simplified: HeterMoE also overlaps the two halves
+    of different micro-batches in its own schedule; here the interleaved 1F1B schedule
+    does that. Empty when the
+    cluster has one GPU type or the profile no expert half."""
+    if not profile.split_blocks or len(cluster.groups) < 2 or \
+            not any(layer.experts for layer in profile.layers):
+        return []
+    groups = sorted(cluster.groups, key=lambda g: -g.gpu.peak_flops(profile.dtype))
+    new, old = groups[0], groups[1]
+    runs: list[list[int]] = []  # alternating runs of layers: newer, older, newer, ...
+    for i, layer in enumerate(profile.layers):
+        side = 1 if layer.experts else 0
+        if not runs and side:
+            return []
+        if not runs or (len(runs) - 1) % 2 != side:  # (run k is on side k mod 2)
+            runs.append([])
+        runs[-1].append(i)
+    if len(runs) % 2:  # (the head after the last expert half: with it, on the older)
+        runs[-2].extend(runs.pop())
+    v = len(runs) // 2
+    n_new = cluster.group(new.name).num_devices
+    n_old = cluster.group(old.name).num_devices
+    dev_new = tuple(cluster.group_device_ids(new.name))
+    dev_old = tuple(cluster.group_device_ids(old.name))
+    experts = {layer.experts for layer in profile.layers if layer.experts}
+    out = []
+    for ep in sorted(set(opts.ep_options) | {1}):
+        if n_old % ep or any(n % ep for n in experts) or ep > old.gpus_per_node:
+            continue
+        meshes = ((("data", n_new),), data_axes(n_old, 1, ep))
+        for mbs, remat, factor in itertools.product(opts.mbs_options, opts.remat_options,
+                                                    opts.capacity_factors):
+            samples = mbs * n_new
+            m = global_batch // samples
+            if global_batch % samples or m < 2 or m % 2 or samples % n_old:
+                continue
+            stages = []
+            for j, run in enumerate(runs):
+                w = j % 2
+                stages.append(Stage(run[0], run[-1] + 1, (dev_new, dev_old)[w],
+                                    (new, old)[w].gpu.name, meshes[w], remat=remat))
+            try:
+                pipe = Pipeline(tuple(stages), global_batch, mbs, m, "1f1b",
+                                virtual_stages=v)
+                out.append(Plan(model=model, cluster=cluster, global_batch=global_batch,
+                                seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype,
+                                distributed_optimizer=opts.distributed_optimizer is not False,
+                                attention=opts.attention, split_blocks=True,
+                                fingerprint=profile.fingerprint,
+                                gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts),
+                                capacity_factor=factor if ep > 1 else None))
+            except HetshardError:
+                continue
+    return out
+
+
+def zebra(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """The best of ``zebra_candidates`` (None when there is none)."""
+    plans = zebra_candidates(model, profile, cluster, global_batch, seq_len, opts)
+    return _best(plans, profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None,
+                 margin=opts.memory_margin) if plans else None
+
+
 def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts,
                  cal: Calibration = DEFAULT):
     fn = {"megatron-uniform": megatron_uniform, "fastest-only": fastest_only,
           "metis-like": metis_like, "amp-like": amp_like,
-          "alpa-homogeneous": alpa_homogeneous}[name]
+          "alpa-homogeneous": alpa_homogeneous, "ep-type-blind": ep_type_blind,
+          "zebra": zebra}[name]
     if name not in ("megatron-uniform", "fastest-only"):
         # Megatron-LM has the distributed optimizer (ZeRO-1); Metis, AMP and Alpa keep a
         # full optimizer state per data-parallel replica, as published.
@@ -241,4 +351,4 @@ def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts
     return fn(model, profile, cluster, global_batch, seq_len, opts, cal)
 
 
-__all__ = ["BASELINES", "run_baseline", "uniform_candidates", "stage_bounds"]
+__all__ = ["BASELINES", "MOE_BASELINES", "run_baseline", "uniform_candidates", "stage_bounds"]

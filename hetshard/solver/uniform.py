@@ -27,10 +27,12 @@ from hetshard.errors import SpecError, check_positive
 from hetshard.offload import check_offload
 from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 from hetshard.remat import check_remat
+from hetshard.solver.options import data_axes
 
 FIX_KEYS = {"dp": int, "tp": int, "pp": int, "cp": int, "fsdp": bool, "mbs": int,
             "remat": str, "schedule": str, "vpp": int, "zero1": bool, "tp_overlap": bool,
-            "layers": tuple, "hsdp": int, "offload": "names"}
+            "layers": tuple, "hsdp": int, "offload": "names", "ep": int,
+            "capacity": float}
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -52,6 +54,11 @@ class Fix:
     # What every stage keeps in host memory (``hetshard.offload``): "optimizer",
     # "activations" or both as "optimizer+activations"; empty: nothing
     offload: tuple[str, ...] = ()
+    # expert parallelism: ``ep`` of the ``dp`` data ways hold different experts (an
+    # ``expert`` axis on every stage holding a mixture-of-experts layer; 1: none), the
+    # exchange's capacity factor (0: dropless)
+    ep: int = 1
+    capacity: float = 0.0
 
 
 def parse_fix(text: str) -> Fix:
@@ -79,6 +86,14 @@ def parse_fix(text: str) -> Fix:
                 raise SpecError(f"--fix {key}", value, "a positive integer") from None
             if kw[key] < 1:
                 raise SpecError(f"--fix {key}", value, "a positive integer")
+        elif kind is float:
+            try:
+                kw[key] = float(value)
+            except ValueError:
+                raise SpecError(f"--fix {key}", value, "a number > 0") from None
+            if not kw[key] > 0 or kw[key] == float("inf"):
+                raise SpecError(f"--fix {key}", value, "a number > 0 (the exchange's "
+                                "capacity factor; leave it out for dropless)")
         elif kind is tuple:
             kw[key] = _counts(value)
         elif kind == "names":
@@ -102,6 +117,9 @@ def parse_fix(text: str) -> Fix:
     if fix.hsdp and fix.fsdp:
         raise SpecError("--fix hsdp", fix.hsdp, "no hsdp with fsdp=true (fsdp=true shards "
                         "over every data way; hsdp=k inside groups of k of them)")
+    if fix.ep > 1 and (fix.fsdp or fix.hsdp):
+        raise SpecError("--fix ep", fix.ep, "1 with fsdp or hsdp (expert ranks hold "
+                        "different experts; FSDP shards every parameter over the data ways)")
     if fix.zero1 and fix.fsdp:
         raise SpecError("--fix zero1", True, "false with fsdp=true (FSDP already shards the "
                         "optimizer state, and the parameters)")
@@ -182,6 +200,15 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                         f"a divisor of dp={fix.dp} (FSDP inside groups of hsdp data ways, "
                         f"data parallelism across the dp/hsdp groups), e.g. "
                         f"{[k for k in range(2, fix.dp + 1) if fix.dp % k == 0][:4]}")
+    if fix.ep > 1 and fix.dp % fix.ep:
+        raise SpecError("--fix ep", fix.ep,
+                        f"a divisor of dp={fix.dp} (expert ranks are data ways), e.g. "
+                        f"{[k for k in range(2, fix.dp + 1) if fix.dp % k == 0][:4]}")
+    experts = sorted({layer.experts for layer in profile.layers if layer.experts})
+    if fix.ep > 1 and not experts:
+        raise SpecError("--fix ep", fix.ep, "1: the model has no mixture-of-experts layer")
+    if fix.ep > 1 and any(n % fix.ep for n in experts):
+        raise SpecError("--fix ep", fix.ep, f"a divisor of the model's {experts[0]} experts")
     heads = profile.heads or 1
     if heads % fix.tp:
         raise SpecError("--fix tp", fix.tp, f"a divisor of the model's {heads} heads")
@@ -199,8 +226,10 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
         w = s % fix.pp
         devices = tuple(range(w * per_stage, (w + 1) * per_stage))
         gpus = sorted({cluster.gpu_of(d).name for d in devices})
+        holds = any(layer.experts for layer in profile.layers[a:b])
         data = ((("data", fix.dp // fix.hsdp), ("fsdp", fix.hsdp)) if fix.hsdp else
-                (("fsdp" if fix.fsdp else "data", fix.dp),))
+                data_axes(fix.dp, 1, fix.ep if holds else 1) if not fix.fsdp else
+                (("fsdp", fix.dp),))
         mesh = (*data, ("context", fix.cp), ("tensor", fix.tp))
         stages.append(Stage(start=a, end=b, devices=devices, gpu="+".join(gpus),
                             mesh_shape=mesh, remat=fix.remat, offload=fix.offload))
@@ -210,4 +239,5 @@ def uniform_plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_
                 seq_len=seq_len, pipelines=(pipe,), dtype=profile.dtype, fsdp=fix.fsdp,
                 distributed_optimizer=fix.zero1, attention=attention,
                 split_blocks=profile.split_blocks, tp_overlap=fix.tp_overlap,
-                fingerprint=profile.fingerprint, gpu_dtypes=tuple(gpu_dtypes))
+                fingerprint=profile.fingerprint, gpu_dtypes=tuple(gpu_dtypes),
+                capacity_factor=fix.capacity or None)
