@@ -12,15 +12,15 @@ priced by the same simulator.
   on the older type (``hetshard.solver.baselines.zebra``).
 
 Clusters: ``h100+a100`` (a DGX H100 node and a DGX A100-80GB node) and ``a100+v100``
-(the ``a100-v100-x16`` preset: a DGX A100-80GB node and a DGX-1 node of V100-32GB),
-100 Gb/s between the types, and ``h100+a100`` again with 400 Gb/s between them (zebra
-sends every block's activations across twice each way). Models: DeepSeekMoE-16B (fine-grained: 64 experts, top-6,
-2 shared) and Mixtral-8x7B (8 experts, top-2) on 32 GPUs of each pair (two nodes of
-each type). Sequence 4096, global batch 256; float16 where a V100 is in the cluster
-(no bfloat16 units there), bfloat16 elsewhere. Every method is priced twice: dropless
-(every routed token computed: the exact exchange, buffers sized for the worst case)
-and with a capacity factor of 1.25 (``Plan.capacity_factor``: tokens past it dropped,
-as MaxText and GShard do), the same for all three.
+(the ``a100-v100-x16`` preset: a DGX A100-80GB node and a DGX-1 node of V100-32GB), 100
+Gb/s between the types, and ``h100+a100`` again with 400 Gb/s between them (zebra sends
+every block's activations across twice each way). Models: DeepSeekMoE-16B (fine-grained:
+64 experts, top-6, 2 shared) on 16 GPUs and Mixtral-8x7B (8 experts, top-2) on 32 GPUs
+of each pair (two nodes of each type). Sequence 4096, global batch 256; float16 where a
+V100 is in the cluster (no bfloat16 units there), bfloat16 elsewhere. Every method is
+priced twice: dropless (every routed token computed: the exact exchange, buffers sized
+for the worst case) and with a capacity factor of 1.25 (``Plan.capacity_factor``: tokens
+past it dropped, as MaxText and GShard do), the same for all three.
 
 These are the simulator's numbers: no GPU was at hand. ``tests/test_expert_parallel.py``
 checks on 8 fake CPU devices that expert-parallel plans train equal to one device.
