@@ -174,3 +174,178 @@ def test_an_expert_plan_round_trips_and_older_plans_load():
     del old["pipelines"][0]["stages"][0]["experts"]
     loaded = Plan.from_dict(old)
     assert loaded.capacity_factor is None and loaded.pipelines[0].stages[0].experts == ()
+
+
+# ---- pricing and planning ---------------------------------------------------------------
+
+def _profile(**kw):
+    from hetshard.cost.profile import profile_program
+    step, args, _ = user_models.make_moe(**kw)
+    return profile_program(hetshard.Program(step, args))
+
+
+def _cost(profile, **kw):
+    from hetshard.cluster.catalog import device_type
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.cost.comm import topology
+    from hetshard.cost.stage import stage_cost
+    cluster = Cluster.load(A100)
+    ep = kw.get("ep", 1)
+    return stage_cost(profile, 0, profile.num_layers, device_type("A100-80GB"), mbs=4,
+                      cal=DEFAULT, ep_topo=topology(cluster, list(range(ep))) if ep > 1
+                      else None, **kw)
+
+
+def test_expert_parallelism_is_priced_as_the_runtime_runs_it():
+    """The user MoE's two layers, on A100s: expert parallelism over 4 ranks divides the
+    stacked expert weights (and their gradients and AdamW state) by 4, adds the padded
+    all-to-alls (dropless: 4 blocks of every local routed row, each way, forward and
+    backward; a capacity factor of 1 sends a quarter of that), and a skewed router
+    stretches the grouped matmuls alone."""
+    from hetshard.cluster.catalog import device_type
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.cost.comm import collective_time, topology
+    profile = _profile(layers=2)
+    moe = [layer for layer in profile.layers if layer.experts]
+    assert len(moe) == 2 and all(layer.experts == 4 for layer in moe)
+    # rows: 16 tokens a sample x top-2; rows of d=16 float32 sent and returned
+    assert {(layer.routed_rows_per_sample, layer.routed_row_bytes, layer.routed_out_bytes)
+            for layer in moe} == {(32.0, 64, 64)}
+    expert_bytes = sum(layer.expert_param_bytes for layer in moe)
+    assert expert_bytes == 2 * 2 * 4 * 16 * 32 * 4  # w_in, w_out: [4, 16, 32] float32
+    plain, ep4 = _cost(profile), _cost(profile, ep=4)
+    state = 2 + profile.opt_bytes_per_param_byte  # weight, gradient, optimizer state
+    # (and the expert weights' share of the copies autodiff keeps of the weights)
+    copies = sum(layer.weight_copy_bytes * layer.expert_param_bytes / layer.param_bytes
+                 for layer in moe)
+    saved = plain.memory_static_bytes - ep4.memory_static_bytes
+    assert saved == pytest.approx((expert_bytes * state + copies) * 0.75, rel=1e-6)
+    topo, gpu = topology(Cluster.load(A100), [0, 1, 2, 3]), device_type("A100-80GB")
+
+    def a2a(nbytes):
+        return collective_time("all_to_all", nbytes, topo, DEFAULT, gpu.name)
+    rows = 4 * 32  # the device's routed rows: 4 samples
+    per_layer = a2a(4 * rows * (64 + 4)) + a2a(4 * rows * 64)
+    extra = (ep4.fwd_s + ep4.bwd_s) - (plain.fwd_s + plain.bwd_s)
+    assert extra == pytest.approx(2 * 2 * per_layer, rel=1e-6)
+    capped = _cost(profile, ep=4, capacity_factor=1.0)
+    per_layer = a2a(rows * (64 + 4)) + a2a(rows * 64)
+    assert (capped.fwd_s + capped.bwd_s) - (plain.fwd_s + plain.bwd_s) == \
+        pytest.approx(2 * 2 * per_layer, rel=1e-6)
+    skewed = _cost(profile, ep=4, router_skew=3.0)
+    assert skewed.fwd_s > ep4.fwd_s and skewed.model_flops == ep4.model_flops
+    assert _cost(profile, router_skew=3.0).fwd_s == plain.fwd_s  # (no EP: one rank)
+
+
+def test_an_uneven_placement_prices_each_type_by_its_busiest_rank():
+    """A stage of 2 A100s and 2 V100s on one expert axis, 8 experts: placed by speed, the
+    A100 ranks get more (``speed_placement``); each type is priced by its own ranks'
+    share, so the V100s' expert matmuls shrink against an even placement."""
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.sim.simulator import layers_cost
+    from hetshard.solver.variants import speed_placement
+    profile = _profile(layers=2, experts=8)
+    cluster = Cluster.load("a100-v100-x16")
+    st = Stage(0, profile.num_layers, (6, 7, 8, 9), "A100-80GB+V100-32GB",
+               (("expert", 4),))
+    counts = speed_placement(st, cluster, 8, "float16")
+    assert counts == (3, 3, 1, 1)  # 312 vs 125 TFLOP/s in float16: 2.86 vs 1.14 each
+    even = layers_cost(st, 0, profile.num_layers, 2, False, "reference", profile, cluster,
+                       DEFAULT)
+    placed = layers_cost(dataclasses.replace(st, experts=counts), 0, profile.num_layers, 2,
+                         False, "reference", profile, cluster, DEFAULT)
+    assert placed.fwd_s < even.fwd_s  # (the slower type, which paces the stage, waits less)
+
+
+def test_routing_skew_reads_a_measured_histogram():
+    from hetshard.cost.profile import routing_skew
+    assert routing_skew([10, 10, 10, 10]) == 1.0
+    assert routing_skew([[10, 10, 10, 10], [40, 0, 0, 0]]) == 4.0
+    for bad in ([5], [[1, -1]], [0, 0], [1.0, float("nan")]):
+        with pytest.raises(SpecError, match="routing histogram"):
+            routing_skew(bad)
+
+
+@pytest.mark.parametrize("field,value", [("ep_options", ()), ("ep_options", (0,)),
+                                         ("capacity_factors", (0.0,)),
+                                         ("capacity_factors", ()),
+                                         ("router_skew", 0.5)])
+def test_bad_expert_planner_options_are_refused(field, value):
+    from hetshard.solver import PlannerOptions
+    with pytest.raises(SpecError, match=field):
+        PlannerOptions(**{field: value})
+
+
+def test_fix_ep_builds_an_expert_axis_and_refuses_what_does_not_divide():
+    from hetshard.solver.uniform import parse_fix, uniform_plan
+    profile = _profile(layers=2, experts=4)
+    cluster = Cluster.load(A100)
+    fix = parse_fix("dp=8,ep=4,mbs=1,capacity=1.5")
+    plan = uniform_plan("moe", profile, cluster, global_batch=8, seq_len=16, fix=fix)
+    (st,) = plan.pipelines[0].stages
+    assert dict(st.mesh_shape)["expert"] == 4 and dict(st.mesh_shape)["data"] == 2
+    assert plan.capacity_factor == 1.5
+    with pytest.raises(SpecError, match="--fix ep.*divisor of dp=8"):
+        uniform_plan("moe", profile, cluster, global_batch=8, seq_len=16,
+                     fix=parse_fix("dp=8,ep=3"))
+    with pytest.raises(SpecError, match="--fix ep.*divisor of the model's 4 experts"):
+        uniform_plan("moe", profile, cluster, global_batch=8, seq_len=16,
+                     fix=parse_fix("dp=8,ep=8"))
+    with pytest.raises(SpecError, match="--fix capacity"):
+        parse_fix("dp=8,ep=2,capacity=0")
+    from hetshard.cost.profile import profile_program
+    step, args, _ = user_models.make_transformer()
+    dense = profile_program(hetshard.Program(step, args))
+    with pytest.raises(SpecError, match="no mixture-of-experts layer"):
+        uniform_plan("dense", dense, cluster, global_batch=8, seq_len=dense.seq_len,
+                     fix=parse_fix("dp=8,ep=2"))
+
+
+def test_zebra_puts_every_expert_half_on_the_older_type():
+    from hetshard.solver import PlannerOptions
+    from hetshard.solver.baselines import zebra_candidates
+    from models import steps
+    program = steps.program("deepseekmoe-16b", seq_len=256, dtype="bfloat16")
+    from hetshard.cost.profile import profile_program
+    halves = profile_program(program, split_blocks=True)
+    cluster = Cluster.load("a100-v100-x16")
+    plans = zebra_candidates(program.name, halves, cluster, 64, 256,
+                             PlannerOptions(mbs_options=(1,), remat_options=("full",)))
+    assert plans
+    for plan in plans:
+        pipe = plan.pipelines[0]
+        assert pipe.num_workers == 2 and pipe.virtual_stages == len(pipe.stages) // 2
+        for st in pipe.stages:
+            experts = [halves.layers[i].experts for i in range(st.start, st.end)]
+            if st.gpu == "V100-32GB":
+                assert experts[0] > 0  # (the head rides with the last expert half)
+            else:
+                assert st.gpu == "A100-80GB" and not any(experts)
+
+
+@pytest.mark.slow
+def test_the_planner_chooses_expert_parallelism_where_experts_are_large():
+    """Mixtral-8x7B (45 B of its 46.7 B parameters in experts) on two A100 nodes and two
+    V100 nodes, planned shape-only: the plan gives its stages an expert axis and fits;
+    without expert parallelism (ep_options=(1,)) the best plan is slower or does not
+    fit."""
+    import warnings
+
+    from hetshard.solver import PlannerOptions, make_plan
+    from models import steps
+    program = steps.program("mixtral-8x7b", seq_len=4096, dtype="float16")
+    group = {"nodes": 2, "gpus_per_node": 8}
+    cluster = Cluster.load({"name": "a100+v100-x32", "inter_group_gbs": 12.5, "groups": [
+        {"name": "a100", "gpu": "A100-80GB", **group},
+        {"name": "v100", "gpu": "V100-32GB", **group}]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(program, cluster, global_batch=256, shardings=False,
+                         options=PlannerOptions(time_limit_s=10))
+        without = make_plan(program, cluster, global_batch=256, shardings=False,
+                            options=PlannerOptions(time_limit_s=10, ep_options=(1,)))
+    assert plan.predicted.fits
+    assert any(st.axis("expert") > 1 for p in plan.pipelines for st in p.stages)
+    assert not any(st.axis("expert") > 1 for p in without.pipelines for st in p.stages)
+    assert not without.predicted.fits or \
+        without.predicted.step_time_s > plan.predicted.step_time_s

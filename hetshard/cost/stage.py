@@ -458,7 +458,7 @@ class _ExpertShare:
     """What expert parallelism changes in one layer's price (the module docstring)."""
 
     def __init__(self, layer: LayerProfile, ep: int, mbs: float, capacity_factor,
-                 counts: tuple[int, ...], skew: float):
+                 counts: tuple[int, ...], skew: float, load: float | None = None):
         self.layer, self.ep = layer, ep
         self.active = bool(layer.experts) and ep > 1
         if not self.active:
@@ -467,7 +467,8 @@ class _ExpertShare:
             return
         mean = layer.experts / ep
         self.even = not counts or len(set(counts)) == 1
-        self.load = max(1.0, float(skew)) * (max(counts) / mean if counts else 1.0)
+        share = load if load is not None else (max(counts) / mean if counts else 1.0)
+        self.load = max(1.0, float(skew)) * share
         rows = layer.routed_rows_per_sample * mbs  # this device's routed rows
         factor = ep if capacity_factor is None else float(capacity_factor)
         self.send_rows = factor * rows
@@ -531,8 +532,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                offload: tuple[str, ...] = (), host_link_gbs: float | None = None,
                shardings: tuple[tuple[str, tuple], ...] | None = None, ep: int = 1,
                ep_topo: Topology | None = None, capacity_factor: float | None = None,
-               expert_counts: tuple[int, ...] = (), router_skew: float | None = None
-               ) -> StageCost:
+               expert_counts: tuple[int, ...] = (), router_skew: float | None = None,
+               expert_load: float | None = None) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
@@ -548,7 +549,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     not split over ``tensor`` is whole on every tensor rank (None: layouts not solved
     yet, as in the planner's search: ``tensor_rank_bytes``); ``ep``, ``ep_topo``,
     ``capacity_factor``, ``expert_counts``, ``router_skew``: expert parallelism (see the
-    module docstring)."""
+    module docstring); ``expert_load``: the priced ranks' busiest share of the experts
+    over the mean, where not ``expert_counts``' largest (a stage spanning GPU types
+    prices each type's ranks)."""
     check_remat(remat)
     offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -590,7 +593,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                 read_copies[key] = (owner, nbytes / tp)
         own = tensor_rank_bytes(layer, tp, shardings)  # its parameters on one tensor rank
         moe = _ExpertShare(layer, ep, mbs, capacity_factor, expert_counts,
-                           profile.router_skew if router_skew is None else router_skew)
+                           profile.router_skew if router_skew is None else router_skew,
+                           expert_load)
         own -= moe.saved_param_bytes(own)
         mode = remat if index < last_remat else "none"
         save = layer.saves.get(mode)  # a remat keeping some values: what it keeps

@@ -336,7 +336,20 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                       shardings=st.shardings or None, ep=st.axis("expert"),
                       ep_topo=_slowest_group(cluster, axis_groups(st, "expert"))
                       if st.axis("expert") > 1 else None,
-                      capacity_factor=capacity_factor, expert_counts=st.experts)
+                      capacity_factor=capacity_factor, expert_counts=st.experts,
+                      expert_load=_expert_load(st, cluster, gpu))
+
+
+def _expert_load(st, cluster: Cluster, gpu) -> float | None:
+    """Under an uneven placement (``Stage.experts``), the busiest of ``gpu``'s expert
+    ranks over the mean (a stage spanning GPU types prices each type with its own
+    ranks' experts: HeterMoE's uneven placement gives the faster more); None: even."""
+    if not st.experts:
+        return None
+    ranks = {r for g in axis_groups(st, "expert") for r, d in enumerate(g)
+             if cluster.gpu_of(d).name == gpu.name}
+    mean = sum(st.experts) / len(st.experts)
+    return max(st.experts[r] for r in ranks) / mean if ranks else None
 
 
 def axis_groups(st, axis: str) -> list[list[int]]:

@@ -23,10 +23,11 @@ from hetshard.solver.families import Family, build_plan, divisors, family_config
 from hetshard.solver.options import data_axes, planned_gpu_dtypes
 from hetshard.solver.splits import LayerTables, split_layers
 from hetshard.solver.uniform import Fix, stage_bounds, uniform_plan
+from hetshard.solver.variants import speed_placement
 
 BASELINES = ("megatron-uniform", "fastest-only", "metis-like", "amp-like", "alpa-homogeneous")
 # Mixture-of-experts baselines (``experiments/moe.py``)
-MOE_BASELINES = ("ep-type-blind", "zebra")
+MOE_BASELINES = ("ep-type-blind", "ep-by-speed", "zebra")
 
 
 def _blocks(profile: ModelProfile) -> int:
@@ -231,7 +232,17 @@ def alpa_homogeneous(model, profile, cluster, global_batch, seq_len, opts, cal=D
     return _best(plans, profile, cluster, cal, margin=opts.memory_margin)
 
 
-def ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+def ep_by_speed(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT):
+    """``ep_type_blind``'s plans with each stage that spans GPU types placing its experts
+    in proportion to its ranks' speed (``variants.speed_placement``: uneven experts per
+    device, the faster types holding more); the rest of the stage (attention, dense
+    layers) still runs at its slowest type's pace. None where no plan can be built."""
+    return ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal,
+                         by_speed=True)
+
+
+def ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal=DEFAULT,
+                  by_speed: bool = False):
     """Expert parallelism that ignores GPU types: the best uniform dp x tp x pp plan over
     the whole cluster (``uniform_candidates``: even layers per stage, devices in id order,
     a stage mixing types at its slowest's pace) with each of ``opts.ep_options`` of its
@@ -255,17 +266,41 @@ def ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal=DEFA
                 if global_batch % (dp * mbs) or dp % ep:
                     continue
                 try:
-                    plans.append(uniform_plan(
+                    plan = uniform_plan(
                         model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
                         fix=Fix(dp, tp, pp, 1, False, mbs, remat, opts.schedule,
                                 zero1=opts.distributed_optimizer is not False,
                                 tp_overlap=opts.tp_overlap, ep=ep, capacity=factor or 0.0),
                         attention=opts.attention,
-                        gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts)))
+                        gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts))
+                    if by_speed:
+                        plan = _placed_by_speed(plan, profile, cluster)
+                        if plan is None:
+                            continue
+                    plans.append(plan)
                 except HetshardError:
                     continue
     return _best(plans, profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None,
                  margin=opts.memory_margin) if plans else None
+
+
+def _placed_by_speed(plan: Plan, profile, cluster) -> Plan | None:
+    """``plan`` with its expert stages spanning GPU types placed by speed; None when no
+    stage spans types."""
+    experts = min(layer.experts for layer in profile.layers if layer.experts)
+    changed = False
+    pipes = []
+    for pipe in plan.pipelines:
+        stages = []
+        for st in pipe.stages:
+            if st.axis("expert") > 1 and "+" in st.gpu:
+                counts = speed_placement(st, cluster, experts, plan.stage_dtype(st))
+                if len(set(counts)) > 1:
+                    st = dataclasses.replace(st, experts=counts)
+                    changed = True
+            stages.append(st)
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipes)) if changed else None
 
 
 def zebra_candidates(model, profile, cluster, global_batch, seq_len, opts) -> list[Plan]:
@@ -343,6 +378,7 @@ def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts
     fn = {"megatron-uniform": megatron_uniform, "fastest-only": fastest_only,
           "metis-like": metis_like, "amp-like": amp_like,
           "alpa-homogeneous": alpa_homogeneous, "ep-type-blind": ep_type_blind,
+          "ep-by-speed": ep_by_speed,
           "zebra": zebra}[name]
     if name not in ("megatron-uniform", "fastest-only"):
         # Megatron-LM has the distributed optimizer (ZeRO-1); Metis, AMP and Alpa keep a

@@ -244,3 +244,21 @@ def expert_parallel(plan: Plan, profile, ep: int, capacity_factor=None) -> Plan 
                   for pipe in plan.pipelines)
     out = dataclasses.replace(plan, pipelines=pipes, capacity_factor=capacity_factor)
     return None if out == plan else out
+
+
+def speed_placement(st: Stage, cluster, experts: int, dtype: str) -> tuple[int, ...]:
+    """Experts per rank of stage ``st``'s ``expert`` axis in proportion to each rank's
+    speed (its slowest device's peak in ``dtype``, over the expert groups), rounded by
+    largest remainder to sum to ``experts``: on a stage spanning GPU types the faster
+    ranks hold (and compute) more experts, as HeterMoE places them. Even where every
+    rank is as fast."""
+    from hetshard.sim.simulator import axis_groups
+    groups = axis_groups(st, "expert")
+    speed = [min(cluster.gpu_of(g[r]).peak_flops(dtype) for g in groups)
+             for r in range(st.axis("expert"))]
+    share = [experts * v / sum(speed) for v in speed]
+    counts = [int(x) for x in share]
+    for r in sorted(range(len(share)), key=lambda r: counts[r] - share[r])[
+            :experts - sum(counts)]:
+        counts[r] += 1
+    return tuple(counts)
