@@ -7,6 +7,9 @@ priced by the same simulator.
 * (a) ``ep-type-blind``: the best uniform dp x tp x pp plan over the whole cluster with
   an expert axis of 2, 4 or 8 of its data ways, experts even, as a framework that takes
   the cluster as homogeneous runs it (``hetshard.solver.baselines.ep_type_blind``);
+* (a') ``ep-by-speed``: (a) with the experts of each stage that spans GPU types placed in
+  proportion to its ranks' speed (uneven experts per device,
+  ``hetshard.solver.variants.speed_placement``); attention still at the slowest pace;
 * (b) ``zebra``: attention and dense halves of every block on the newer GPU type, the
   expert halves on the older, one interleaved pipeline between them, expert parallelism
   on the older type (``hetshard.solver.baselines.zebra``).
@@ -41,7 +44,7 @@ import warnings
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_program
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan
-from hetshard.solver.baselines import ep_type_blind, zebra
+from hetshard.solver.baselines import ep_by_speed, ep_type_blind, zebra
 from models import steps
 
 
@@ -115,12 +118,15 @@ def _row(model, cname, factor, time_limit) -> dict:
         row["ep_type_blind"] = _summary(ep_type_blind(program.name, whole, cluster, BATCH,
                                                       SEQ, opts), cluster,
                                         time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        row["ep_by_speed"] = _summary(ep_by_speed(program.name, whole, cluster, BATCH, SEQ,
+                                                  opts), cluster, time.perf_counter() - t0)
         halves = profile_program(program, split_blocks=True)
         t0 = time.perf_counter()
         row["zebra"] = _summary(zebra(program.name, halves, cluster, BATCH, SEQ, opts),
                                 cluster, time.perf_counter() - t0)
     ours = row["hetshard"]["tokens_per_s"] if row["hetshard"]["fits"] else 0.0
-    for base in ("ep_type_blind", "zebra"):
+    for base in ("ep_type_blind", "ep_by_speed", "zebra"):
         b = row[base]
         row[f"over_{base}"] = ours / b["tokens_per_s"] if b["fits"] and b["tokens_per_s"] \
             else None
@@ -132,13 +138,14 @@ def _plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(2.2 * len(rows) + 2, 4.5))
-    names = ("hetshard", "ep_type_blind", "zebra")
+    names = ("hetshard", "ep_type_blind", "ep_by_speed", "zebra")
     for k, name in enumerate(names):
-        xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
+        xs = [i + (k - 1.5) * 0.2 for i in range(len(rows))]
         ys = [r[name]["tokens_per_s"] if r[name]["fits"] else 0.0 for r in rows]
-        ax.bar(xs, ys, 0.27, label={"hetshard": "hetshard",
-                                    "ep_type_blind": "(a) type-blind EP",
-                                    "zebra": "(b) zebra (HeterMoE-style)"}[name])
+        ax.bar(xs, ys, 0.2, label={"hetshard": "hetshard",
+                                   "ep_type_blind": "(a) type-blind EP",
+                                   "ep_by_speed": "(a') type-blind, experts by speed",
+                                   "zebra": "(b) zebra (HeterMoE-style)"}[name])
         for x, y, r in zip(xs, ys, rows, strict=True):
             if not y:
                 ax.text(x, 0, "does\nnot fit", ha="center", va="bottom", fontsize=7)
@@ -176,6 +183,8 @@ def main(argv=None):
               f"{'' if row['hetshard']['fits'] else ' (does not fit)'}  "
               f"(a) {row['ep_type_blind']['tokens_per_s']:9.0f}"
               f"{'' if row['ep_type_blind']['fits'] else ' (does not fit)'}  "
+              f"(a') {row['ep_by_speed']['tokens_per_s']:9.0f}"
+              f"{'' if row['ep_by_speed']['fits'] else ' (does not fit)'}  "
               f"(b) {row['zebra']['tokens_per_s']:9.0f}"
               f"{'' if row['zebra']['fits'] else ' (does not fit)'}  "
               f"over (a) {a and f'{a:.2f}x'}  over (b) {b and f'{b:.2f}x'}", flush=True)
@@ -186,6 +195,8 @@ def main(argv=None):
                                      default=None),
                "rows_hetshard_fits": sum(r["hetshard"]["fits"] for r in rows),
                "rows": len(rows)}
+    summary["min_over_ep_by_speed"] = min(
+        (r["over_ep_by_speed"] for r in rows if r["over_ep_by_speed"]), default=None)
     summary["meets_targets"] = bool(
         summary["min_over_ep_type_blind"] is not None and
         summary["min_over_ep_type_blind"] >= 1.3 and

@@ -564,6 +564,10 @@ def rolled_gradients(tx):
                                                     update), tx)
 
 
+class RouterBias(nnx.Variable):
+    """The router's load-balancing bias: state the step updates, not a parameter."""
+
+
 class MoE(nnx.Module):
     """A mixture-of-experts feed-forward layer written from scratch: a router, top-``k``,
     experts stacked on a leading axis, and one of three dispatches: ``"dropless"``
@@ -574,7 +578,9 @@ class MoE(nnx.Module):
     the call also returns DeepSeek-V3's sequence-level balance loss, one per sample
     (experts x the sum over experts of the fraction of the sequence's routed tokens
     times its mean router probability); ``"batch"``: Switch's, the same over the whole
-    batch (one value); else None."""
+    batch (one value); ``"bias"``: no loss, DeepSeek-V3's auxiliary-loss-free balancing
+    (a router bias for choosing experts, updated each step outside the gradient); else
+    None."""
 
     def __init__(self, d, f, experts, k, dispatch, rngs, shared=False, capacity_factor=2.0,
                  balance=None):
@@ -585,12 +591,22 @@ class MoE(nnx.Module):
         self.k, self.experts, self.dispatch = k, experts, dispatch
         self.capacity_factor, self.balance = capacity_factor, balance
         self.shared = nnx.Linear(d, d, rngs=rngs) if shared else None
+        # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the
+        # scores for choosing experts only, nudged each step toward the underloaded
+        # experts, outside the gradient (a state variable, not a parameter)
+        self.bias = RouterBias(jnp.zeros(experts)) if balance == "bias" else None
 
     def __call__(self, x):
         b, s, d = x.shape
         t = x.reshape(b * s, d)
         probs = jax.nn.softmax(self.router(t), axis=-1)
-        gates, idx = jax.lax.top_k(probs, self.k)
+        if self.bias is not None:
+            _, idx = jax.lax.top_k(probs + self.bias[...], self.k)
+            gates = jnp.take_along_axis(probs, idx, axis=-1)
+            load = jnp.bincount(idx.reshape(-1), length=self.experts).astype(jnp.float32)
+            self.bias[...] = self.bias[...] + 1e-2 * jnp.sign(load.mean() - load)
+        else:
+            gates, idx = jax.lax.top_k(probs, self.k)
         aux = None
         if self.balance == "sequence":
             routed = jax.nn.one_hot(idx, self.experts).sum(1).reshape(b, s, self.experts)
@@ -670,5 +686,5 @@ def make_moe(seed=0, experts=4, k=2, dispatch="dropless", shared=False, layers=2
                   shared=shared, balance=balance)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     batches = _text_batches(np.random.default_rng(seed))
-    loss = moe_balanced_loss if balance else lm_loss
+    loss = moe_balanced_loss if balance in ("sequence", "batch") else lm_loss
     return nnx_step(loss), (model, opt, batches[0]), batches
