@@ -84,7 +84,7 @@ def test_expert_parallel_steps_equal_one_device(monkeypatch, dispatch, k, shared
              jax.tree_util.tree_flatten_with_path(jitted.state_shardings(*args))[0]}
     w_in = [s for p, s in specs.items() if "w_in" in p]  # the weight and its moments
     assert len(w_in) == 6  # 2 layers x (weight, AdamW's mu and nu)
-    assert all(tuple(s)[:1] == (() if placement else ("expert",)) for s in w_in)
+    assert all(tuple(s)[:1] == ("expert",) for s in w_in)  # (stored evenly: 4 experts)
 
 
 def test_expert_parallelism_with_pipeline_and_data_parallelism_equals_one_device(
@@ -239,10 +239,15 @@ def test_expert_parallelism_is_priced_as_the_runtime_runs_it():
 
 def test_an_uneven_placement_prices_each_type_by_its_busiest_rank():
     """A stage of 2 A100s and 2 V100s on one expert axis, 8 experts: placed by speed, the
-    A100 ranks get more (``speed_placement``); each type is priced by its own ranks'
-    share, so the V100s' expert matmuls shrink against an even placement."""
+    A100 ranks get more (``speed_placement``). Each type is priced by its own ranks'
+    share of the experts (V100: 1 of a mean 2, A100: 3 of 2), so the V100s' grouped
+    matmuls take a third of the A100s'. The weights stay stored evenly (the ranks divide
+    the experts), each rank's gathered every step: an all-gather more than even."""
+    from hetshard.cluster.catalog import device_type
     from hetshard.cost.calibration import DEFAULT
-    from hetshard.sim.simulator import layers_cost
+    from hetshard.cost.comm import collective_time, topology
+    from hetshard.cost.stage import stage_cost
+    from hetshard.sim.simulator import _expert_load
     from hetshard.solver.variants import speed_placement
     profile = _profile(layers=2, experts=8)
     cluster = Cluster.load("a100-v100-x16")
@@ -250,11 +255,23 @@ def test_an_uneven_placement_prices_each_type_by_its_busiest_rank():
                (("expert", 4),))
     counts = speed_placement(st, cluster, 8, "float16")
     assert counts == (3, 3, 1, 1)  # 312 vs 125 TFLOP/s in float16: 2.86 vs 1.14 each
-    even = layers_cost(st, 0, profile.num_layers, 2, False, "reference", profile, cluster,
-                       DEFAULT)
-    placed = layers_cost(dataclasses.replace(st, experts=counts), 0, profile.num_layers, 2,
-                         False, "reference", profile, cluster, DEFAULT)
-    assert placed.fwd_s < even.fwd_s  # (the slower type, which paces the stage, waits less)
+    placed = dataclasses.replace(st, experts=counts)
+    v100, a100 = device_type("V100-32GB"), device_type("A100-80GB")
+    assert _expert_load(placed, cluster, v100) == 0.5
+    assert _expert_load(placed, cluster, a100) == 1.5
+    topo = topology(cluster, list(st.devices))
+
+    def cost(gpu, **kw):
+        return stage_cost(profile, 0, profile.num_layers, gpu, mbs=2, cal=DEFAULT, ep=4,
+                          ep_topo=topo, attention="reference", **kw)
+    even, light, heavy = (cost(v100), cost(v100, expert_counts=counts, expert_load=0.5),
+                          cost(v100, expert_counts=counts, expert_load=1.5))
+    gather = sum(collective_time("all_gather", layer.expert_param_bytes, topo, DEFAULT,
+                                 "V100-32GB") for layer in profile.layers if layer.experts)
+    assert light.fwd_s - gather < even.fwd_s < heavy.fwd_s - gather
+    matmuls = even.fwd_s - (light.fwd_s - gather)  # half of the grouped matmuls' time
+    assert (heavy.fwd_s - gather) - even.fwd_s == pytest.approx(matmuls, rel=1e-6)
+    assert light.memory_static_bytes == even.memory_static_bytes  # (stored evenly)
 
 
 def test_routing_skew_reads_a_measured_histogram():

@@ -36,8 +36,10 @@ Context parallelism divides activations by ``cp`` and adds the K/V ring exchange
 behind compute where it is shorter (Liu et al. 2023).
 Expert parallelism (``ep`` ranks of an ``expert`` axis, themselves data ways: ``mbs`` is
 already per device) divides a mixture-of-experts layer's expert weights, their gradients
-and optimizer state by ``ep`` (an uneven ``expert_counts`` placement keeps them whole, as
-the runtime stores them), multiplies its grouped matmuls by the busiest rank's load over
+and optimizer state by ``ep`` where it divides the experts (stored evenly; an uneven
+``expert_counts`` placement gathers each rank's experts from that storage every step: an
+all-gather forward and backward and a reduce-scatter of their gradients, the gathered
+weights live during the layer), multiplies its grouped matmuls by the busiest rank's load over
 the mean (its share of the experts, times ``router_skew``: a measured routing histogram's
 max over mean, or a skew parameter) and adds the runtime's four all-to-alls a step
 (dispatch and combine, forward and backward; six under full remat), each of the padded
@@ -463,10 +465,14 @@ class _ExpertShare:
         self.active = bool(layer.experts) and ep > 1
         if not self.active:
             self.load, self.buffer_bytes, self.extra_residual_bytes = 1.0, 0.0, 0.0
-            self.even, self.send_rows = True, 0.0
+            self.even, self.send_rows, self.divides, self.gathers = True, 0.0, True, False
             return
         mean = layer.experts / ep
         self.even = not counts or len(set(counts)) == 1
+        # stored evenly where the ranks divide the experts; an uneven placement then
+        # gathers each rank's experts from that storage every step
+        self.divides = layer.experts % ep == 0
+        self.gathers = not self.even and self.divides
         share = load if load is not None else (max(counts) / mean if counts else 1.0)
         self.load = max(1.0, float(skew)) * share
         rows = layer.routed_rows_per_sample * mbs  # this device's routed rows
@@ -480,8 +486,8 @@ class _ExpertShare:
 
     def saved_param_bytes(self, own: float) -> float:
         """Of the layer's ``own`` bytes on a device, the expert weights other ranks
-        hold (even placements: all but a rank's ``1/ep``)."""
-        if not self.active or not self.even or not self.layer.param_bytes:
+        store (all but a rank's ``1/ep``, where the ranks divide the experts)."""
+        if not self.active or not self.divides or not self.layer.param_bytes:
             return 0.0
         share = own / self.layer.param_bytes  # (the tensor split, as ``own`` has it)
         return self.layer.expert_param_bytes * share * (1 - 1 / self.ep)
@@ -490,6 +496,14 @@ class _ExpertShare:
         if not self.active or self.load == 1.0 or len(expert) != len(flops):
             return flops
         return np.where(expert, flops * self.load, flops)
+
+    def gather_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
+        """An uneven placement's gather of the layer's experts from their even storage
+        (an all-gather of its expert weights; the backward's gradients go back as a
+        reduce-scatter of the same size): 0 otherwise."""
+        if not self.active or not self.gathers:
+            return 0.0
+        return collective_time("all_gather", self.layer.expert_param_bytes, topo, cal, gpu)
 
     def exchange_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
         """Dispatch and combine: two all-to-alls of the send buffer (each row's expert
@@ -611,9 +625,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         fb = np.where(layer.fwd_matmul, layer.fwd_bytes[0] / tp, 0.0) + \
             layer.fwd_bytes[1] * mbs / cp * _tp_share(layer.fwd_dims, layer.fwd_bytes, mbs, tp)
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
-        ff, bf = moe.loaded(ff, layer.fwd_expert), moe.loaded(bf, layer.bwd_expert)
         bb = np.where(layer.bwd_matmul, layer.bwd_bytes[0] / tp, 0.0) + \
             layer.bwd_bytes[1] * mbs / cp * _tp_share(layer.bwd_dims, layer.bwd_bytes, mbs, tp)
+        # the busiest expert rank's grouped matmuls: its rows and its experts' weights
+        ff, bf = moe.loaded(ff, layer.fwd_expert), moe.loaded(bf, layer.bwd_expert)
+        fb, bb = moe.loaded(fb, layer.fwd_expert), moe.loaded(bb, layer.bwd_expert)
         pf = np.where(layer.fwd_attention, peak_attn,
                       peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, gpu.sms))
         pb = np.where(layer.bwd_attention, peak_attn,
@@ -681,9 +697,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             layer_att_b += 2 * max(0.0, ring - t_attn)
         if moe.active and ep_topo is not None:
             a2a = moe.exchange_s(ep_topo, cal, gpu.name)
-            t_f += a2a
-            t_b += a2a
-            working = max(working, moe.buffer_bytes)
+            gather = moe.gather_s(ep_topo, cal, gpu.name)
+            t_f += a2a + gather
+            t_b += a2a + 2 * gather
+            working = max(working, moe.buffer_bytes + (
+                layer.expert_param_bytes if moe.gathers else 0.0))
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
         if timed is None:
             cast_s += layer_cast_s

@@ -113,11 +113,13 @@ def fill_missing_shardings(plan: Plan, program: Program, cluster: Cluster,
 
 def expert_shardings(plan: Plan, program: Program) -> Plan:
     """``plan`` with the stacked expert weights of every stage with an ``expert`` axis
-    split along their expert axis over it (each rank stores the experts it computes,
-    and their optimizer state follows), where the stage's placement is even; an uneven
-    placement (``Stage.experts``) keeps them whole on every rank, each computing with its
-    own. Checks what expert parallelism needs of the program: mixture-of-experts layers
-    (a ``PlanNotExecutableError`` for a dense model) whose expert count the placement
+    split along their expert axis over it, evenly (their optimizer state follows): under
+    an even placement each rank stores the experts it computes; under an uneven one
+    (``Stage.experts``) each step gathers a rank's experts from that even storage (JAX
+    arrays split evenly; ``hetshard.collectives.experts.padded_weights``), and where the
+    axis does not divide the experts they stay whole on every rank. Checks what expert
+    parallelism needs of the program: mixture-of-experts layers (a
+    ``PlanNotExecutableError`` for a dense model) whose expert count the placement
     holds (``hetshard.rewrite.experts.placement``)."""
     from hetshard.errors import PlanNotExecutableError
     from hetshard.rewrite.experts import placement
@@ -145,9 +147,9 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
         for j, st in enumerate(stages):
             if st.axis("expert") == 1:
                 continue
-            counts = {placement(st, layer.experts, f"pipelines[{i}].stages[{j}]")
-                      for layer in layers}
-            if any(len(set(c)) > 1 for c in counts):
+            for layer in layers:
+                placement(st, layer.experts, f"pipelines[{i}].stages[{j}]")
+            if any(layer.experts % st.axis("expert") for layer in layers):
                 continue
             named = dict(st.shardings)
             for path, rank in weights.items():
