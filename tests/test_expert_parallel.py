@@ -56,6 +56,7 @@ CASES = [  # (dispatch, k, shared, mesh, placement)
     ("dropless", 2, False, (("data", 4), ("expert", 2)), (3, 1)),
     ("capacity", 2, False, (("data", 2), ("expert", 2)), ()),
     ("capacity", 1, True, (("expert", 4),), ()),
+    ("dropless", 2, True, (("data", 2), ("expert", 2), ("tensor", 2)), ()),
 ]
 
 
@@ -63,8 +64,9 @@ CASES = [  # (dispatch, k, shared, mesh, placement)
 def test_expert_parallel_steps_equal_one_device(monkeypatch, dispatch, k, shared, mesh,
                                                 placement):
     """Top-1 and top-2, with and without a shared expert, dropless and with capacity,
-    expert parallelism alone and with data parallelism, even and uneven experts per
-    rank: the losses of two AdamW steps equal one device's. A dropless layer runs its
+    expert parallelism alone and with data and tensor parallelism (the tensor ranks
+    splitting the routed tokens too), even and uneven experts per rank: the losses of
+    two AdamW steps equal one device's. A dropless layer runs its
     exchange (one expert-parallel region per layer, with the plan's placement); even
     placements store each rank's experts only."""
     kw = dict(dispatch=dispatch, k=k, shared=shared, layers=2)

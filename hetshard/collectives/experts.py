@@ -3,7 +3,8 @@ experts split over a mesh's ``expert`` axis (``hetshard.rewrite.experts`` finds 
 regions and calls :func:`expert_parallel`).
 
 Inside ``jax.shard_map`` each device holds its own tokens (split over the stage's batch
-axes: ``data``, ``fsdp`` and ``expert``) and the experts of its rank of the ``expert``
+axes, ``data``, ``fsdp`` and ``expert``, and over ``tensor`` and ``context`` where they
+divide them: those ranks hold the same experts whole) and the experts of its rank of the ``expert``
 axis (a contiguous run of the stacked expert axis; ``counts[j]`` on rank ``j``, uneven
 where the plan says so):
 
@@ -70,7 +71,11 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     """``run(tokens, ids, *weights, *others)``: the region's output (every routed row's
     expert result, in token order, [T * k, d_out]) computed expert-parallel on ``mesh``
     (see the module docstring)."""
-    axes = batch_axes(mesh)
+    # Every device its own tokens: the batch axes, and the tensor and context ranks too
+    # (they hold the same expert weights, whole): each computes its share of the routed
+    # rows, not all of them again.
+    axes = batch_axes(mesh) + tuple(a for a in ("tensor", "context")
+                                    if mesh.shape.get(a, 1) > 1)
     ranks = mesh.shape["expert"]
     owner, slot, per_rank = slots(counts)
     k, experts = region.k, region.experts
@@ -104,22 +109,26 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
         done = jnp.take(mine, where, axis=0, mode="fill", fill_value=0)
         return jnp.zeros_like(done).at[order].set(done)
 
-    token_spec = P(axes or None)
     weight_spec = P("expert")
 
     def run(tokens, ids, *rest):
         weights = [padded_weights(w, counts) for w in rest[:n_w]]
         others = list(rest[n_w:])
-        ways = int(np.prod([mesh.shape[a] for a in axes]))
-        if tokens.shape[0] % ways:
+        split = axes
+        while split and tokens.shape[0] % int(np.prod([mesh.shape[a] for a in split])):
+            split = split[:-1]  # (tensor and context ranks share tokens they cannot split)
+        if split[:len(batch_axes(mesh))] != batch_axes(mesh):
+            ways = int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))
             raise PlanNotExecutableError(
                 f"expert parallelism splits the {tokens.shape[0]} tokens of a "
-                f"mixture-of-experts layer over the stage's batch axes {axes} ({ways} "
-                f"ways), which must divide them; use a micro-batch whose tokens they divide")
-        specs = (token_spec, token_spec) + (weight_spec,) * n_w + (P(),) * len(others)
+                f"mixture-of-experts layer over the stage's batch axes "
+                f"{batch_axes(mesh)} ({ways} ways), which must divide them; use a "
+                f"micro-batch whose tokens they divide")
+        spec = P(split or None)
+        specs = (spec, spec) + (weight_spec,) * n_w + (P(),) * len(others)
         args = [tokens, ids, *weights, *others]
         args = [laid_out(a, mesh, s) for a, s in zip(args, specs, strict=True)]
-        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=token_spec,
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                              check_vma=False)(*args)
 
     del experts
