@@ -478,6 +478,39 @@ def offload(lines, data):
     lines.append("")
 
 
+def moe(lines, data):
+    lines += ["## Mixture of experts", "",
+              "`python experiments/moe.py`: hetshard's plan against (a) type-blind expert "
+              "parallelism (uniform dp x tp x pp, 2-8 expert ranks, experts even), (a') the "
+              "same with each mixed stage's experts placed by speed, and (b) HeterMoE-style "
+              "zebra (attention halves on the newer type, expert halves on the older), all "
+              "priced by the simulator (no GPU run). Sequence "
+              f"{data['seq_len']}, global batch {data['global_batch']}; `cap`: the "
+              "exchange's capacity factor (dropless: exact).", ""]
+
+    def cell(r, name):
+        b = r[name]
+        return f"{b['tokens_per_s']:,.0f}" if b.get("fits") else "does not fit"
+    rows = []
+    for r in data["rows"]:
+        over = [f"{r[k]:.2f}x" if r.get(k) else "-" for k in
+                ("over_ep_type_blind", "over_ep_by_speed", "over_zebra")]
+        ep = sorted({s["mesh"].get("expert", 1) for s in r["hetshard"].get("stages", [])})
+        rows.append([r["model"], r["cluster"], "dropless" if r["capacity_factor"] is None
+                     else str(r["capacity_factor"]), cell(r, "hetshard"),
+                     "/".join(map(str, ep)), f"{r['hetshard'].get('peak_memory_gb', 0):.1f}",
+                     cell(r, "ep_type_blind"), cell(r, "ep_by_speed"), cell(r, "zebra"),
+                     *over])
+    lines += _table(["model", "cluster", "cap", "hetshard tokens/s", "its EP degrees",
+                     "peak GB", "(a) tokens/s", "(a') tokens/s", "(b) tokens/s",
+                     "over (a)", "over (a')", "over (b)"], rows)
+    s = data["summary"]
+    lines += ["", f"At least {s['min_over_ep_type_blind']:.2f}x over (a) (target 1.3x) and "
+              + (f"{s['min_over_zebra']:.2f}x over (b) where it fits" if s["min_over_zebra"]
+                 else "(b) fitting nowhere")
+              + f"; targets met: {s['meets_targets']}.", ""]
+
+
 # The sections of docs/results.md in order: the JSON each reads, and how.
 SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accuracy),
             ("tp_overlap_whatif.json", whatif), ("gpu_dtypes.json", gpu_dtypes),
@@ -487,7 +520,8 @@ SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accura
             ("data_aware_attention_x0.25.json", attention_scaled),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("memory_fit.json", memory_fit),
-            ("multihost_bench.json", multihost), ("offload.json", offload))
+            ("multihost_bench.json", multihost), ("offload.json", offload),
+            ("moe.json", moe))
 
 
 def main() -> int:
