@@ -34,39 +34,46 @@ def _blocks(profile: ModelProfile) -> int:
     return len(profile.block_indices())
 
 
+def _degrees(profile, cluster, opts, spread: bool = False):
+    """``(tp, pp, dp)`` of every uniform layout of the whole cluster: tensor degrees of
+    the options dividing the heads within a node, stage counts dividing the rest and
+    (unless ``spread``: blocks spread as ``stage_bounds`` does) the blocks."""
+    n, blocks = cluster.num_devices, _blocks(profile)
+    heads = profile.tensor_divisor
+    max_tp = min(g.gpus_per_node for g in cluster.groups)
+    for tp in opts.tp_options:
+        if n % tp or heads % tp or tp > max_tp:
+            continue
+        for pp in range(1, min(blocks, n // tp) + 1):
+            if (n // tp) % pp or (blocks % pp and not spread):
+                continue
+            yield tp, pp, n // (tp * pp)
+
+
 def uniform_candidates(model, profile, cluster, global_batch, seq_len, opts,
                        deadline: float | None = None) -> list[Plan]:
     """Every uniform dp x tp x pp plan (with the options' micro-batch sizes and remats);
     past ``deadline`` (``time.perf_counter``) the ones built so far, at least one."""
-    n = cluster.num_devices
-    heads = profile.tensor_divisor
-    max_tp = min(g.gpus_per_node for g in cluster.groups)
     out = []
-    for tp in opts.tp_options:
-        if n % tp or heads % tp or tp > max_tp:
-            continue
-        for pp in range(1, min(_blocks(profile), n // tp) + 1):
-            if (n // tp) % pp or _blocks(profile) % pp:
+    for tp, pp, dp in _degrees(profile, cluster, opts):
+        for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
+            if global_batch % (dp * mbs):
                 continue
-            dp = n // (tp * pp)
-            for mbs, remat in itertools.product(opts.mbs_options, opts.remat_options):
-                if global_batch % (dp * mbs):
-                    continue
-                if deadline is not None and out and time.perf_counter() > deadline:
-                    return out
-                try:
-                    out.append(uniform_plan(model, profile, cluster, global_batch=global_batch,
-                                            seq_len=seq_len,
-                                            fix=Fix(dp, tp, pp, 1, False, mbs, remat,
-                                                    opts.schedule,
-                                                    zero1=opts.distributed_optimizer
-                                                    is not False,
-                                                    tp_overlap=opts.tp_overlap),
-                                            attention=opts.attention,
-                                            gpu_dtypes=planned_gpu_dtypes(profile, cluster,
-                                                                          opts)))
-                except HetshardError:
-                    continue
+            if deadline is not None and out and time.perf_counter() > deadline:
+                return out
+            try:
+                out.append(uniform_plan(model, profile, cluster, global_batch=global_batch,
+                                        seq_len=seq_len,
+                                        fix=Fix(dp, tp, pp, 1, False, mbs, remat,
+                                                opts.schedule,
+                                                zero1=opts.distributed_optimizer
+                                                is not False,
+                                                tp_overlap=opts.tp_overlap),
+                                        attention=opts.attention,
+                                        gpu_dtypes=planned_gpu_dtypes(profile, cluster,
+                                                                      opts)))
+            except HetshardError:
+                continue
     return out
 
 
@@ -248,38 +255,28 @@ def ep_type_blind(model, profile, cluster, global_batch, seq_len, opts, cal=DEFA
     a stage mixing types at its slowest's pace) with each of ``opts.ep_options`` of its
     data ways holding different experts, evenly (MaxText's or Megatron-Core's EP on a
     cluster taken as homogeneous); None where no such plan can be built."""
-    n, blocks = cluster.num_devices, _blocks(profile)
-    heads = profile.tensor_divisor
-    max_tp = min(g.gpus_per_node for g in cluster.groups)
     plans = []
-    for tp in opts.tp_options:
-        if n % tp or heads % tp or tp > max_tp:
-            continue
-        # (blocks that pp does not divide spread as ``stage_bounds`` does)
-        for pp in range(1, min(blocks, n // tp) + 1):
-            if (n // tp) % pp:
+    for tp, pp, dp in _degrees(profile, cluster, opts, spread=True):
+        for ep, factor, mbs, remat in itertools.product(
+                sorted(e for e in set(opts.ep_options) if e > 1), opts.capacity_factors,
+                opts.mbs_options, opts.remat_options):
+            if global_batch % (dp * mbs) or dp % ep:
                 continue
-            dp = n // (tp * pp)
-            for ep, factor, mbs, remat in itertools.product(
-                    sorted(e for e in set(opts.ep_options) if e > 1), opts.capacity_factors,
-                    opts.mbs_options, opts.remat_options):
-                if global_batch % (dp * mbs) or dp % ep:
-                    continue
-                try:
-                    plan = uniform_plan(
-                        model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
-                        fix=Fix(dp, tp, pp, 1, False, mbs, remat, opts.schedule,
-                                zero1=opts.distributed_optimizer is not False,
-                                tp_overlap=opts.tp_overlap, ep=ep, capacity=factor or 0.0),
-                        attention=opts.attention,
-                        gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts))
-                    if by_speed:
-                        plan = _placed_by_speed(plan, profile, cluster)
-                        if plan is None:
-                            continue
-                    plans.append(plan)
-                except HetshardError:
-                    continue
+            try:
+                plan = uniform_plan(
+                    model, profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                    fix=Fix(dp, tp, pp, 1, False, mbs, remat, opts.schedule,
+                            zero1=opts.distributed_optimizer is not False,
+                            tp_overlap=opts.tp_overlap, ep=ep, capacity=factor or 0.0),
+                    attention=opts.attention,
+                    gpu_dtypes=planned_gpu_dtypes(profile, cluster, opts))
+                if by_speed:
+                    plan = _placed_by_speed(plan, profile, cluster)
+                    if plan is None:
+                        continue
+                plans.append(plan)
+            except HetshardError:
+                continue
     return _best(plans, profile, cluster, cal, choose_zero1=opts.distributed_optimizer is None,
                  margin=opts.memory_margin) if plans else None
 
