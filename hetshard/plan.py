@@ -384,7 +384,9 @@ class Plan:
                    f"program has any)"
                  + (", FSDP" if self.fsdp else "")
                  + (", layers are block halves (attention, MLP)" if self.split_blocks else "")
-                 + (", distributed optimizer" if self.distributed_optimizer else "")]
+                 + (", distributed optimizer" if self.distributed_optimizer else "")
+                 + (f", expert exchange capacity {self.capacity_factor:g} (tokens past it "
+                    f"dropped)" if self.capacity_factor is not None else "")]
         stages = [s for p in self.pipelines for s in p.stages]
         t_unit, t_scale = _unit(max(max(s.predicted_fwd_s, s.predicted_bwd_s)
                                     for s in stages), _TIME_UNITS)
@@ -670,7 +672,10 @@ def validate(plan: Plan) -> None:
 
 
 def _mesh_text(s: Stage) -> str:
-    return "x".join(f"{a}={n}" for a, n in s.mesh_shape)
+    """``data=2xexpert=4``, with an uneven placement's experts per rank: ``expert=2[3,1]``."""
+    return "x".join(f"{a}={n}" + (f"[{','.join(map(str, s.experts))}]"
+                                  if a == "expert" and s.experts else "")
+                    for a, n in s.mesh_shape)
 
 
 def _remat_text(s: Stage) -> str:
