@@ -606,7 +606,7 @@ def test_plan_validation_and_load_errors(tmp_path):
     zero1 = dataclasses.replace(plan, distributed_optimizer=True)
     zero1.save(path)
     assert Plan.load(path) == zero1
-    assert json.loads(path.read_text())["version"] == SCHEMA_VERSION == 15
+    assert json.loads(path.read_text())["version"] == SCHEMA_VERSION == 16
     # Schema 11 (no context.shard_state: the state replicated over context) reads so.
     old = zero1.to_dict()
     del old["context"]["shard_state"]

@@ -279,7 +279,7 @@ class _Region:
     exit: int
 
 
-def _regions(jaxpr) -> dict[int, _Region]:
+def dropless_regions(jaxpr) -> dict[int, _Region]:
     """The dropless dispatches of ``jaxpr`` by the index of their first equation (the
     sort). A region is taken only where its index arithmetic is checked: for a random
     permutation, the row each position gathers is the token of the row the scatter puts
@@ -440,7 +440,7 @@ def _walk(jaxpr, ins: list, reads_in: list, outer=(), twin=None, scales_in=None,
     def reading(v):
         return False if isinstance(v, ext.Literal) else reads.get(v, False)
 
-    inside = {i: r for r in (_regions(jaxpr) if any(
+    inside = {i: r for r in (dropless_regions(jaxpr) if any(
         e.primitive.name == "top_k" for e in jaxpr.eqns) else {}).values() for i in r.inside}
     for k, eqn in enumerate(jaxpr.eqns):
         states = [read(v) for v in eqn.invars]

@@ -33,7 +33,7 @@ from jax.extend import core as ext
 from hetshard.errors import PlanNotExecutableError
 from hetshard.ir.attention_patterns import inner_jaxpr
 from hetshard.ir.interpret import Replace
-from hetshard.ir.samples import _regions
+from hetshard.ir.samples import dropless_regions
 from hetshard.plan import Stage
 
 
@@ -67,7 +67,7 @@ def expert_regions(jaxpr, indices=None) -> list[ExpertRegion]:
     keep = None if indices is None else set(indices)
     out = []
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    for sort, region in sorted(_regions(jaxpr).items()):
+    for sort, region in sorted(dropless_regions(jaxpr).items()):
         if keep is not None and sort not in keep:
             continue
         out.append(_describe(jaxpr, sort, region, producer))

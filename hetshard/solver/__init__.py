@@ -207,7 +207,29 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
         result = dataclasses.replace(result, solver=dataclasses.replace(
             result.solver, wall_time_s=time.perf_counter() - t0,
             status="time_limit" if cut else result.solver.status))
-    return result, profile
+    return _or_zebra(result, profile, program, cluster, global_batch, seq_len, cal,
+                     narrowed, t0)
+
+
+def _or_zebra(result, profile, program, cluster, global_batch, seq_len, cal, opts, t0):
+    """``(result, profile)``, or for a mixture-of-experts model on several GPU types
+    HeterMoE's zebra split (``baselines.zebra``: attention halves on the newest type,
+    expert halves on the next, one interleaved pipeline) where it fits and is faster:
+    the expert placement across types searched with the rest."""
+    if len(cluster.groups) < 2 or not any(layer.experts for layer in profile.layers) or \
+            opts.max_stages is not None or opts.min_stages > 2 or \
+            (opts.virtual_options and max(opts.virtual_options) < 2):
+        return result, profile
+    from hetshard.solver.baselines import zebra
+    halves = _skewed(profile_program(program, split_blocks=True), opts)
+    found = zebra(result.model, halves, cluster, global_batch, seq_len, opts, cal)
+    if found is None or not found.predicted.fits or (
+            result.predicted.fits and found.predicted.step_time_s >=
+            result.predicted.step_time_s):
+        return result, profile
+    found = dataclasses.replace(found, solver=dataclasses.replace(
+        result.solver, wall_time_s=time.perf_counter() - t0))
+    return found, halves
 
 
 __all__ = ["NoFeasiblePlanError", "PlannerMemoryWarning", "PlannerOptions",
