@@ -54,6 +54,7 @@ CASES = [  # (dispatch, k, shared, mesh, placement)
     ("dropless", 1, False, (("data", 2), ("expert", 4)), ()),
     ("dropless", 2, True, (("expert", 4),), ()),
     ("dropless", 2, False, (("data", 4), ("expert", 2)), (3, 1)),
+    ("dropless", 1, False, (("data", 2), ("expert", 4)), (1, 1, 2, 0)),
     ("capacity", 2, False, (("data", 2), ("expert", 2)), ()),
     ("capacity", 1, True, (("expert", 4),), ()),
     ("dropless", 2, True, (("data", 2), ("expert", 2), ("tensor", 2)), ()),
@@ -244,12 +245,12 @@ def test_an_uneven_placement_prices_each_type_by_its_busiest_rank():
     A100 ranks get more (``speed_placement``). Each type is priced by its own ranks'
     share of the experts (V100: 1 of a mean 2, A100: 3 of 2), so the V100s' grouped
     matmuls take a third of the A100s'. The weights stay stored evenly (the ranks divide
-    the experts), each rank's gathered every step: an all-gather more than even."""
+    the experts); each step moves each rank the experts it lacks (2 on the busiest)."""
     from hetshard.cluster.catalog import device_type
     from hetshard.cost.calibration import DEFAULT
     from hetshard.cost.comm import collective_time, topology
     from hetshard.cost.stage import stage_cost
-    from hetshard.sim.simulator import _expert_load
+    from hetshard.sim.simulator import _expert_ranks
     from hetshard.solver.variants import speed_placement
     profile = _profile(layers=2, experts=8)
     cluster = Cluster.load("a100-v100-x16")
@@ -259,17 +260,21 @@ def test_an_uneven_placement_prices_each_type_by_its_busiest_rank():
     assert counts == (3, 3, 1, 1)  # 312 vs 125 TFLOP/s in float16: 2.86 vs 1.14 each
     placed = dataclasses.replace(st, experts=counts)
     v100, a100 = device_type("V100-32GB"), device_type("A100-80GB")
-    assert _expert_load(placed, cluster, v100) == 0.5
-    assert _expert_load(placed, cluster, a100) == 1.5
+    assert _expert_ranks(placed, cluster, v100) == (2, 3)
+    assert _expert_ranks(placed, cluster, a100) == (0, 1)
     topo = topology(cluster, list(st.devices))
 
     def cost(gpu, **kw):
         return stage_cost(profile, 0, profile.num_layers, gpu, mbs=2, cal=DEFAULT, ep=4,
                           ep_topo=topo, attention="reference", **kw)
-    even, light, heavy = (cost(v100), cost(v100, expert_counts=counts, expert_load=0.5),
-                          cost(v100, expert_counts=counts, expert_load=1.5))
-    gather = sum(collective_time("all_gather", layer.expert_param_bytes, topo, DEFAULT,
-                                 "V100-32GB") for layer in profile.layers if layer.experts)
+    even, light, heavy = (cost(v100), cost(v100, expert_counts=counts, expert_ranks=(2, 3)),
+                          cost(v100, expert_counts=counts, expert_ranks=(0, 1)))
+    from hetshard.collectives.experts import moved_experts
+    moved = moved_experts(counts)  # rank 1 holds 3 of its own, takes 4 and 5 from rank 2
+    assert moved == 2
+    gather = sum(collective_time("all_to_all", moved * layer.expert_param_bytes / 8 * 4 / 3,
+                                 topo, DEFAULT, "V100-32GB")
+                 for layer in profile.layers if layer.experts)
     assert light.fwd_s - gather < even.fwd_s < heavy.fwd_s - gather
     matmuls = even.fwd_s - (light.fwd_s - gather)  # half of the grouped matmuls' time
     assert (heavy.fwd_s - gather) - even.fwd_s == pytest.approx(matmuls, rel=1e-6)
@@ -387,3 +392,92 @@ def test_auxiliary_loss_free_balancing_runs_expert_parallel(monkeypatch):
     for block, bias in zip(args[0].blocks, want_bias, strict=True):
         np.testing.assert_allclose(np.asarray(block.moe.bias[...]), bias, atol=1e-7)
     assert any(np.abs(b).max() > 0 for b in want_bias)
+
+
+def test_a_measured_histogram_prices_ranks_by_their_tokens_and_balances_them():
+    """Per-expert loads price each rank by the tokens its experts take
+    (``rank_load``), and ``balanced_placement`` (contiguous runs, at least one expert a
+    rank) minimises the busiest rank, as a brute force over every split finds."""
+    import itertools
+
+    from hetshard.cost.stage import balanced_placement, rank_load
+    loads = [8, 1, 1, 1, 1, 1, 1, 2]
+    assert rank_load(8, 4, (), loads) == pytest.approx(9 / 4)  # even: 8+1 on rank 0
+    assert rank_load(8, 4, (1, 3, 2, 2), loads) == pytest.approx(8 / 4)
+    assert rank_load(8, 4, (1, 3, 2, 2), loads, ranks=(1,)) == pytest.approx(3 / 4)
+    assert rank_load(8, 4, (3, 3, 1, 1)) == 1.5  # uniform loads: the share of experts
+    def busiest(counts, loads):
+        ends = np.cumsum(counts)
+        return max(sum(loads[e - c:e]) for c, e in zip(counts, ends, strict=True))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(2, 9))
+        ep = int(rng.integers(1, n + 1))
+        loads = rng.integers(0, 20, n).tolist()
+        got = balanced_placement(loads, ep)
+        assert sum(got) == n and len(got) == ep and min(got) >= 1
+        best = min(busiest([b - a for a, b in zip((0, *cut), (*cut, n), strict=True)], loads)
+                   for cut in itertools.combinations(range(1, n), ep - 1))
+        assert busiest(got, loads) == best
+
+
+def test_a_skewed_router_gets_its_experts_placed_to_balance_the_ranks_where_it_pays():
+    """DeepSeekMoE-16B (64 experts, four of them taking 8x the tokens) on two 8-A100
+    stages of data 4 x EP 2: the placement search (``Evaluator.experts``) prices the
+    even split (rank 0 busiest: 60 of 92 shares) against the balanced one (18 and 46
+    experts, 46 shares each) with the experts rank 1 lacks moved every micro-batch, and
+    keeps the faster. Here moving 14 experts a layer and micro-batch costs more than the
+    imbalance: the even split stays, priced 1.30x slower grouped matmuls than without
+    skew."""
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.cost.profile import profile_program
+    from hetshard.cost.stage import rank_load
+    from hetshard.solver import PlannerOptions
+    from hetshard.solver.evaluator import Evaluator
+    from hetshard.solver.uniform import parse_fix, uniform_plan
+    from hetshard.solver.variants import balanced_experts
+    from models import steps
+    program = steps.program("deepseekmoe-16b", seq_len=4096, dtype="bfloat16")
+    cluster = Cluster.load("dgx-a100-80gb-x16")
+    hist = (8.0,) * 4 + (1.0,) * 60
+    loads = tuple(x / sum(hist) for x in hist)
+    flat = profile_program(program)
+    profile = dataclasses.replace(flat, expert_loads=loads)
+    plan = uniform_plan(program.name, profile, cluster, global_batch=256, seq_len=4096,
+                        fix=parse_fix("dp=8,pp=2,ep=2,mbs=1,remat=full"))
+    assert rank_load(64, 2, (), loads) == pytest.approx(60 / 46)
+    placed = balanced_experts(plan, loads, 2)
+    assert [st.experts for st in placed.pipelines[0].stages] == [(18, 46)] * 2
+    ev = Evaluator(profile, cluster, DEFAULT, PlannerOptions(ep_options=(2,),
+                                                             routing_histogram=hist))
+    even, balanced = ev.price(plan), ev.price(placed)
+    chosen = ev.experts(even)
+    assert chosen.result.step_time_s == min(even.result.step_time_s,
+                                            balanced.result.step_time_s)
+    assert chosen.plan.pipelines[0].stages[0].experts == ()  # (moving costs more here)
+    unskewed = Evaluator(flat, cluster, DEFAULT, PlannerOptions()).price(plan)
+    assert even.result.step_time_s > unskewed.result.step_time_s
+
+
+def test_an_uneven_placement_moves_only_the_experts_a_rank_lacks():
+    """``moves``: for random placements of 8 experts on 4 ranks, each rank's slots,
+    from its even shard and what each shift's ppermute brings, are its own experts in
+    order; what moves is only what a rank lacks (none for an even placement)."""
+    from hetshard.collectives.experts import moved_experts, moves
+    rng = np.random.default_rng(1)
+    shards = np.arange(8).reshape(4, 2)  # rank q stores experts 2q, 2q + 1
+    assert moved_experts((2, 2, 2, 2)) == 0 and moved_experts((3, 1, 2, 2)) == 1
+    for _ in range(30):
+        cuts = np.sort(rng.choice(np.arange(0, 9), 3))
+        counts = tuple(int(c) for c in np.diff(np.concatenate([[0], cuts, [8]])))
+        plan = moves(counts)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        for r in range(4):
+            parts = [shards[r]]
+            for d, send, _ in plan:
+                if d and send.shape[1]:
+                    src = r + d
+                    parts.append(shards[src][send[src]] if 0 <= src < 4 else
+                                 np.full(send.shape[1], -1))
+            got = np.concatenate(parts)[plan[-1][2][r]]
+            assert list(got[:counts[r]]) == list(range(first[r], first[r] + counts[r]))

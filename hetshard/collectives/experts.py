@@ -67,6 +67,69 @@ def padded_weights(w, counts: tuple[int, ...]):
     return jnp.take(w, jnp.asarray(idx), axis=0)
 
 
+def moves(counts: tuple[int, ...]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """How an uneven placement's ranks get their experts from the even storage (rank
+    ``q`` storing experts ``[q * s, (q + 1) * s)``, ``s = E / ranks``): per rank shift
+    ``d != 0``, ``(d, send, take)``: ``send[q]`` the local indices rank ``q`` sends to
+    rank ``q - d`` (padded by repeating the first, ``k`` per rank), and the table
+    ``take[r, slot]`` of where each of rank ``r``'s ``max(counts)`` slots comes from in
+    the concatenation of its own shard and what each shift brought (one table, the
+    shifts in order; the last shift's entry returned alone)."""
+    ranks, experts = len(counts), sum(counts)
+    s = experts // ranks
+    owner, slot, m = slots(counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    need: dict[int, list[list[int]]] = {}  # shift -> per destination rank, global ids
+    for r in range(ranks):
+        for g in range(first[r], first[r] + counts[r]):
+            d = g // s - r
+            if d:
+                need.setdefault(d, [[] for _ in range(ranks)])[r].append(g)
+    out = []
+    base = s  # own shard first in the concatenation
+    take = np.zeros((ranks, m), np.int32)
+    for r in range(ranks):
+        for q in range(counts[r]):
+            g = first[r] + q
+            if g // s == r:
+                take[r, q] = g % s
+    for d in sorted(need):
+        k = max(len(x) for x in need[d])
+        send = np.zeros((ranks, k), np.int32)
+        for r in range(ranks):
+            src = r + d
+            for j, g in enumerate(need[d][r]):
+                send[src, j] = g % s
+                take[r, g - first[r]] = base + j
+        out.append((d, send, take.copy()))
+        base += k
+    del owner, slot
+    return out if out else [(0, np.zeros((ranks, 0), np.int32), take)]
+
+
+def _relaid(w, counts: tuple[int, ...], rank):
+    """Inside the shard_map: this rank's experts (``max(counts)`` slots) from its even
+    shard ``w`` and its neighbours' (one ``ppermute`` per shift, carrying only the
+    experts the receiving rank needs)."""
+    plan = moves(counts)
+    ranks = len(counts)
+    parts = [w]
+    for d, send, _ in plan:
+        if d == 0 or send.shape[1] == 0:
+            continue
+        out = jnp.take(w, jnp.asarray(send)[rank], axis=0)
+        perm = [(q, q - d) for q in range(ranks) if 0 <= q - d < ranks]
+        parts.append(jax.lax.ppermute(out, "expert", perm))
+    take = plan[-1][2]
+    return jnp.take(jnp.concatenate(parts, axis=0), jnp.asarray(take)[rank], axis=0)
+
+
+def moved_experts(counts: tuple[int, ...]) -> int:
+    """Experts the busiest rank receives a step to lay an uneven placement out from
+    the even storage (``moves``)."""
+    return sum(send.shape[1] for d, send, _ in moves(counts) if d)
+
+
 def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_factor=None):
     """``run(tokens, ids, *weights, *others)``: the region's output (every routed row's
     expert result, in token order, [T * k, d_out]) computed expert-parallel on ``mesh``
@@ -81,8 +144,16 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     k, experts = region.k, region.experts
     n_w, chain = len(region.weights), region.chain
 
+    # Uneven placements: from the even storage, each rank's experts brought over by
+    # ppermute inside the map (only those it needs); where the ranks do not divide the
+    # experts, from the whole weights (``padded_weights``).
+    relay = len(set(counts)) > 1 and sum(counts) % ranks == 0
+
     def body(tokens, ids, *rest):
         weights, others = rest[:n_w], rest[n_w:]
+        if relay:
+            rank = jax.lax.axis_index("expert")
+            weights = [_relaid(w, counts, rank) for w in weights]
         rows_n = ids.shape[0]
         block = rows_n if capacity_factor is None else \
             max(1, math.ceil(capacity_factor * rows_n / ranks))
@@ -112,7 +183,8 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     weight_spec = P("expert")
 
     def run(tokens, ids, *rest):
-        weights = [padded_weights(w, counts) for w in rest[:n_w]]
+        weights = list(rest[:n_w]) if relay else [padded_weights(w, counts)
+                                                   for w in rest[:n_w]]
         others = list(rest[n_w:])
         split = axes
         while split and tokens.shape[0] % int(np.prod([mesh.shape[a] for a in split])):

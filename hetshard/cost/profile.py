@@ -167,6 +167,10 @@ class ModelProfile:
     # (1: balanced routing): a skew parameter, or ``routing_skew`` of a measured
     # histogram. Expert parallelism's stages run at their busiest rank's pace.
     router_skew: float = 1.0
+    # A measured routing histogram, normalised: each expert's share of the routed tokens
+    # (empty: unknown). Where it covers a layer's experts it prices each expert rank by
+    # the tokens its experts take, in place of ``router_skew``.
+    expert_loads: tuple[float, ...] = ()
 
     @property
     def num_layers(self) -> int:

@@ -37,19 +37,19 @@ behind compute where it is shorter (Liu et al. 2023).
 Expert parallelism (``ep`` ranks of an ``expert`` axis, themselves data ways: ``mbs`` is
 already per device) divides a mixture-of-experts layer's expert weights, their gradients
 and optimizer state by ``ep`` where it divides the experts (stored evenly; an uneven
-``expert_counts`` placement gathers each rank's experts from that storage every step: an
-all-gather forward and backward and a reduce-scatter of their gradients, the gathered
-weights live during the layer), multiplies its grouped matmuls by the busiest rank's load over
-the mean (its share of the experts, times ``router_skew``: a measured routing histogram's
-max over mean, or a skew parameter) and adds the runtime's four all-to-alls a step
-(dispatch and combine, forward and backward; six under full remat), each of the padded
-send buffer ``hetshard.collectives.experts`` sends: ``ep`` blocks of every local routed
-row dropless, ``capacity_factor`` times the routed rows with a capacity. The received
-rows (that buffer) are what the expert equations' backward keeps in place of the local
-rows, and the exchange's buffers are live during the layer.
-FSDP (ZeRO-3) adds a per-layer all-gather of parameters in forward and backward,
-overlapped with the layer's compute (slowed by ``overlap_interference`` of the hidden
-part), and turns the gradient all-reduce into a
+``expert_counts`` placement moves to each rank the experts it lacks every step, a
+``ppermute`` forward and their gradients back in the backward, live during the layer),
+multiplies its grouped matmuls by the busiest rank's load over the mean (its share of
+the experts' tokens: from a measured routing histogram, ``ModelProfile.expert_loads``,
+else its share of the experts times ``router_skew``) and adds the runtime's four all-to-
+alls a step (dispatch and combine, forward and backward; six under full remat), each of
+the padded send buffer ``hetshard.collectives.experts`` sends: ``ep`` blocks of every
+local routed row dropless, ``capacity_factor`` times the routed rows with a capacity.
+The received rows (that buffer) are what the expert equations' backward keeps in place
+of the local rows, and the exchange's buffers are live during the layer.
+FSDP (ZeRO-3) adds a per-layer all-gather of parameters in
+forward and backward, overlapped with the layer's compute (slowed by
+``overlap_interference`` of the hidden part), and turns the gradient all-reduce into a
 reduce-scatter. The distributed optimizer (ZeRO-1, ``shard_optimizer``) divides the
 optimizer state and the update's work by ``dp`` (the gradient all-reduce becomes a
 reduce-scatter before the update and a parameter all-gather after it: the simulator
@@ -460,21 +460,25 @@ class _ExpertShare:
     """What expert parallelism changes in one layer's price (the module docstring)."""
 
     def __init__(self, layer: LayerProfile, ep: int, mbs: float, capacity_factor,
-                 counts: tuple[int, ...], skew: float, load: float | None = None):
+                 counts: tuple[int, ...], skew: float, ranks=None, loads=()):
         self.layer, self.ep = layer, ep
         self.active = bool(layer.experts) and ep > 1
         if not self.active:
             self.load, self.buffer_bytes, self.extra_residual_bytes = 1.0, 0.0, 0.0
             self.even, self.send_rows, self.divides, self.gathers = True, 0.0, True, False
             return
-        mean = layer.experts / ep
         self.even = not counts or len(set(counts)) == 1
         # stored evenly where the ranks divide the experts; an uneven placement then
-        # gathers each rank's experts from that storage every step
+        # moves each rank the experts it lacks from that storage every step
         self.divides = layer.experts % ep == 0
         self.gathers = not self.even and self.divides
-        share = load if load is not None else (max(counts) / mean if counts else 1.0)
-        self.load = max(1.0, float(skew)) * share
+        self.moved = 0
+        if self.gathers and sum(counts) == layer.experts:
+            from hetshard.collectives.experts import moved_experts
+            self.moved = moved_experts(tuple(counts))
+        self.load = rank_load(layer.experts, ep, counts, loads, ranks)
+        if len(loads) != layer.experts:  # (a measured histogram is its own skew)
+            self.load *= max(1.0, float(skew))
         rows = layer.routed_rows_per_sample * mbs  # this device's routed rows
         factor = ep if capacity_factor is None else float(capacity_factor)
         self.send_rows = factor * rows
@@ -498,12 +502,16 @@ class _ExpertShare:
         return np.where(expert, flops * self.load, flops)
 
     def gather_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
-        """An uneven placement's gather of the layer's experts from their even storage
-        (an all-gather of its expert weights; the backward's gradients go back as a
-        reduce-scatter of the same size): 0 otherwise."""
-        if not self.active or not self.gathers:
+        """An uneven placement's move of each rank's experts from their even storage
+        (``collectives.experts.moves``: a ``ppermute`` per shift carrying the experts a
+        rank lacks, ``moved`` at the most; their gradients go back the same way in the
+        backward), priced as an all-to-all that brings each rank those bytes: 0
+        otherwise."""
+        if not self.active or not self.gathers or not self.moved:
             return 0.0
-        return collective_time("all_gather", self.layer.expert_param_bytes, topo, cal, gpu)
+        layer = self.layer
+        moved = self.moved * layer.expert_param_bytes / layer.experts
+        return collective_time("all_to_all", moved * self.ep / (self.ep - 1), topo, cal, gpu)
 
     def exchange_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
         """Dispatch and combine: two all-to-alls of the send buffer (each row's expert
@@ -513,6 +521,49 @@ class _ExpertShare:
         back = self.send_rows * layer.routed_out_bytes
         return collective_time("all_to_all", go, topo, cal, gpu) + \
             collective_time("all_to_all", back, topo, cal, gpu)
+
+
+def rank_load(experts: int, ep: int, counts: tuple[int, ...] = (), loads=(),
+              ranks=None) -> float:
+    """The busiest of ``ranks`` (all by default) of ``ep`` expert ranks over the mean:
+    each holding ``counts[r]`` experts, a contiguous run (even by default), each expert
+    routed ``loads[e]`` of the tokens (a measured histogram, normalised; uniform when
+    ``loads`` does not cover the ``experts``)."""
+    counts = tuple(counts) or (experts // ep,) * ep
+    share = [float(x) for x in loads] if len(loads) == experts else [1.0] * experts
+    held, start = [], 0
+    for c in counts:
+        held.append(sum(share[start:start + c]))
+        start += c
+    mean = sum(held) / len(held)
+    picked = [held[r] for r in (range(len(held)) if ranks is None else ranks)]
+    return max(picked) / mean if picked and mean > 0 else 1.0
+
+
+def balanced_placement(loads, ep: int) -> tuple[int, ...]:
+    """Experts per rank (contiguous runs, each rank at least one) minimising the busiest
+    rank's routed tokens, for per-expert ``loads`` (a measured histogram): the linear
+    partition problem, solved exactly by dynamic programming."""
+    loads = [float(x) for x in loads]
+    n = len(loads)
+    if not 1 <= ep <= n:
+        raise SpecError("ep", ep, f"1 to the {n} experts")
+    prefix = np.concatenate([[0.0], np.cumsum(loads)])
+    best = np.full((ep + 1, n + 1), np.inf)
+    cut = np.zeros((ep + 1, n + 1), int)
+    best[0, 0] = 0.0
+    for k in range(1, ep + 1):
+        for j in range(k, n - (ep - k) + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1, i], prefix[j] - prefix[i])
+                if v < best[k, j] - 1e-12:
+                    best[k, j], cut[k, j] = v, i
+    counts, j = [], n
+    for k in range(ep, 0, -1):
+        i = cut[k, j]
+        counts.append(int(j - i))
+        j = int(i)
+    return tuple(counts[::-1])
 
 
 def tensor_rank_bytes(layer: LayerProfile, tp: int,
@@ -547,7 +598,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                shardings: tuple[tuple[str, tuple], ...] | None = None, ep: int = 1,
                ep_topo: Topology | None = None, capacity_factor: float | None = None,
                expert_counts: tuple[int, ...] = (), router_skew: float | None = None,
-               expert_load: float | None = None) -> StageCost:
+               expert_ranks: tuple[int, ...] | None = None) -> StageCost:
     """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
     ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
     the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
@@ -563,9 +614,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     not split over ``tensor`` is whole on every tensor rank (None: layouts not solved
     yet, as in the planner's search: ``tensor_rank_bytes``); ``ep``, ``ep_topo``,
     ``capacity_factor``, ``expert_counts``, ``router_skew``: expert parallelism (see the
-    module docstring); ``expert_load``: the priced ranks' busiest share of the experts
-    over the mean, where not ``expert_counts``' largest (a stage spanning GPU types
-    prices each type's ranks)."""
+    module docstring); ``expert_ranks``: the expert ranks priced, where not all (a stage
+    spanning GPU types prices each type at its own busiest rank)."""
     check_remat(remat)
     offload = check_offload(offload, remat)
     if remat_layers is not None and not 0 <= remat_layers <= end - start:
@@ -608,7 +658,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         own = tensor_rank_bytes(layer, tp, shardings)  # its parameters on one tensor rank
         moe = _ExpertShare(layer, ep, mbs, capacity_factor, expert_counts,
                            profile.router_skew if router_skew is None else router_skew,
-                           expert_load)
+                           expert_ranks, profile.expert_loads)
         own -= moe.saved_param_bytes(own)
         mode = remat if index < last_remat else "none"
         save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
@@ -699,9 +749,9 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             a2a = moe.exchange_s(ep_topo, cal, gpu.name)
             gather = moe.gather_s(ep_topo, cal, gpu.name)
             t_f += a2a + gather
-            t_b += a2a + 2 * gather
+            t_b += a2a + gather
             working = max(working, moe.buffer_bytes + (
-                layer.expert_param_bytes if moe.gathers else 0.0))
+                moe.moved * layer.expert_param_bytes / layer.experts))
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
         if timed is None:
             cast_s += layer_cast_s

@@ -337,19 +337,17 @@ def _priced(st, start, end, mbs, fsdp, attention, profile, cluster, cal, shard_o
                       ep_topo=_slowest_group(cluster, axis_groups(st, "expert"))
                       if st.axis("expert") > 1 else None,
                       capacity_factor=capacity_factor, expert_counts=st.experts,
-                      expert_load=_expert_load(st, cluster, gpu))
+                      expert_ranks=_expert_ranks(st, cluster, gpu))
 
 
-def _expert_load(st, cluster: Cluster, gpu) -> float | None:
-    """Under an uneven placement (``Stage.experts``), the busiest of ``gpu``'s expert
-    ranks over the mean (a stage spanning GPU types prices each type with its own
-    ranks' experts: HeterMoE's uneven placement gives the faster more); None: even."""
-    if not st.experts:
+def _expert_ranks(st, cluster: Cluster, gpu) -> tuple[int, ...] | None:
+    """The ranks of stage ``st``'s expert axis that have a device of type ``gpu``, where
+    the stage spans types (each type priced at its own busiest rank: HeterMoE's uneven
+    placement gives the faster more); None: every rank."""
+    if st.axis("expert") < 2 or "+" not in st.gpu:
         return None
-    ranks = {r for g in axis_groups(st, "expert") for r, d in enumerate(g)
-             if cluster.gpu_of(d).name == gpu.name}
-    mean = sum(st.experts) / len(st.experts)
-    return max(st.experts[r] for r in ranks) / mean if ranks else None
+    return tuple(sorted({r for g in axis_groups(st, "expert") for r, d in enumerate(g)
+                         if cluster.gpu_of(d).name == gpu.name}))
 
 
 def axis_groups(st, axis: str) -> list[list[int]]:

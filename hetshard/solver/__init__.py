@@ -149,10 +149,14 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
 
 
 def _skewed(profile, opts):
-    """``profile`` with the options' router skew (``PlannerOptions.router_skew``)."""
-    if opts.router_skew == profile.router_skew:
+    """``profile`` with the options' router skew and routing histogram
+    (``PlannerOptions.router_skew``, ``routing_histogram``, normalised)."""
+    h = opts.routing_histogram
+    loads = tuple(float(x) / sum(h) for x in h) if h else ()
+    if opts.router_skew == profile.router_skew and loads == profile.expert_loads:
         return profile
-    return dataclasses.replace(profile, router_skew=float(opts.router_skew))
+    return dataclasses.replace(profile, router_skew=float(opts.router_skew),
+                               expert_loads=loads)
 
 
 def _repriced(plan, profile, cluster, cal):

@@ -25,7 +25,13 @@ from hetshard.sim.simulator import (
     warmup_short_of_memory,
 )
 from hetshard.solver.options import PlannerOptions, PlannerTimeLimitWarning
-from hetshard.solver.variants import SHARDINGS, expert_parallel, sharded_state, zero_bubble
+from hetshard.solver.variants import (
+    SHARDINGS,
+    balanced_experts,
+    expert_parallel,
+    sharded_state,
+    zero_bubble,
+)
 
 
 class Candidate(NamedTuple):
@@ -120,12 +126,20 @@ class Evaluator:
         if not any(layer.experts for layer in self.profile.layers):
             return best
         start = best.plan
+        loads = self.profile.expert_loads
         for ep in self.opts.ep_options:
             for factor in self.opts.capacity_factors:
                 plan = expert_parallel(start, self.profile, ep, factor)
+                plans = [] if plan is None else [self.tuned(plan), *self.sharded(plan)]
+                if plan is None and factor == start.capacity_factor:
+                    plan = start  # (already at this degree: its placement still open)
                 if plan is None:
                     continue
-                for other in [self.tuned(plan), *self.sharded(plan)]:
+                if ep > 1 and len(loads) > ep:
+                    # a measured routing histogram: experts placed to even out the ranks
+                    placed = balanced_experts(plan, loads, ep)
+                    plans += [self.tuned(placed)] if placed is not None else []
+                for other in plans:
                     other = self.price(other)
                     if other.key < best.key:
                         best = other

@@ -113,6 +113,11 @@ class PlannerOptions:
     # The router's skew (``ModelProfile.router_skew``: busiest expert over the mean, 1
     # balanced; ``hetshard.cost.profile.routing_skew`` of a measured histogram)
     router_skew: float = 1.0
+    # A measured routing histogram: tokens routed to each expert (summed over layers and
+    # steps; ``hetshard.cost.profile.routing_skew`` reads its skew). Given, each expert
+    # rank is priced by the tokens its experts take, and the best plans are also priced
+    # with experts placed unevenly to balance them (``cost.stage.balanced_placement``).
+    routing_histogram: tuple[float, ...] | None = None
 
     @classmethod
     def from_fields(cls, given: dict, where: str) -> PlannerOptions:
@@ -169,6 +174,13 @@ class PlannerOptions:
             raise SpecError("router_skew", self.router_skew,
                             "a number >= 1 (the busiest expert's tokens over the mean)",
                             where="PlannerOptions")
+        h = self.routing_histogram
+        if h is not None and (not isinstance(h, tuple) or len(h) < 2 or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or
+                not math.isfinite(x) or x < 0 for x in h) or not sum(h)):
+            raise SpecError("routing_histogram", h,
+                            "None or a tuple of token counts >= 0, one per expert (2 or "
+                            "more), not all zero", where="PlannerOptions")
         if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
                 any(o not in STAGE_ORDERS for o in self.stage_orders)):
             raise SpecError("stage_orders", self.stage_orders,

@@ -262,3 +262,18 @@ def speed_placement(st: Stage, cluster, experts: int, dtype: str) -> tuple[int, 
             :experts - sum(counts)]:
         counts[r] += 1
     return tuple(counts)
+
+
+def balanced_experts(plan: Plan, loads, ep: int) -> Plan | None:
+    """``plan`` with each stage of an ``ep``-rank expert axis placing its experts to even
+    out the ranks' routed tokens under per-expert ``loads`` (a measured histogram:
+    ``cost.stage.balanced_placement``); None when the even placement is as balanced."""
+    from hetshard.cost.stage import balanced_placement
+    counts = balanced_placement(loads, ep)
+    if len(set(counts)) == 1:
+        return None
+    pipes = tuple(dataclasses.replace(pipe, stages=tuple(
+        dataclasses.replace(st, experts=counts) if st.axis("expert") == ep else st
+        for st in pipe.stages)) for pipe in plan.pipelines)
+    out = dataclasses.replace(plan, pipelines=pipes)
+    return None if out == plan else out
