@@ -305,7 +305,7 @@ def cmd_compare(args) -> int:
     from hetshard.cost.profile import profile_program
     from hetshard.sim import upper_bound_tokens_per_s
     from hetshard.solver import make_plan
-    from hetshard.solver.baselines import BASELINES, run_baseline
+    from hetshard.solver.baselines import BASELINES, MOE_BASELINES, run_baseline
     cal = Calibration.load_all(args.calibration) if args.calibration else DEFAULT
     cluster = Cluster.load(args.cluster)
     opts = _planner_options(args)
@@ -317,9 +317,12 @@ def cmd_compare(args) -> int:
         ours = make_plan(program, cluster, global_batch=args.global_batch, options=opts,
                          calibration=cal)
     rows.append(("hetshard", ours))
-    for name in BASELINES:
+    # a mixture-of-experts model: expert-parallel baselines too (zebra on block halves)
+    moe = MOE_BASELINES if any(layer.experts for layer in profile.layers) else ()
+    for name in BASELINES + moe:
+        priced = profile_program(program, split_blocks=True) if name == "zebra" else profile
         with _progress(f"planning as {name}", opts.time_limit_s):
-            rows.append((name, run_baseline(name, program.name, profile, cluster,
+            rows.append((name, run_baseline(name, program.name, priced, cluster,
                                             args.global_batch, seq_len, opts, cal)))
     upper = upper_bound_tokens_per_s(profile, cluster, cal, attention=opts.attention,
                                      gpu_dtypes=ours.gpu_dtypes)

@@ -481,3 +481,25 @@ def test_an_uneven_placement_moves_only_the_experts_a_rank_lacks():
                                  np.full(send.shape[1], -1))
             got = np.concatenate(parts)[plan[-1][2][r]]
             assert list(got[:counts[r]]) == list(range(first[r], first[r] + counts[r]))
+
+
+def test_compare_prices_the_expert_parallel_baselines_for_a_moe_model(tmp_path):
+    """``hetshard compare`` on a mixture-of-experts model adds type-blind EP, EP with
+    experts placed by speed and zebra to the baselines (a dense model's list is
+    unchanged: test_planner), and hetshard's plan is at least as fast as every one
+    that fits."""
+    import json
+
+    from hetshard.cli import main
+    from hetshard.solver.baselines import BASELINES, MOE_BASELINES
+    out = tmp_path / "cmp.json"
+    assert main(["compare", "--model", "moe-tiny", "--cluster", "h100-a100-v100-x8",
+                 "--global-batch", "16", "--seq-len", "64", "--dtype", "float16",
+                 "--time-limit", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["results"]] == ["hetshard", *BASELINES, *MOE_BASELINES]
+    ours = data["results"][0]
+    assert ours["fits"] and all(ours["tokens_per_s"] >= r["tokens_per_s"] * (1 - 1e-9)
+                                for r in data["results"][1:] if r["fits"])
+    zebra = data["results"][-1]["plan"]
+    assert zebra is not None and len(zebra["pipelines"][0]["stages"]) >= 2

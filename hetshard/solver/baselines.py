@@ -377,9 +377,10 @@ def run_baseline(name: str, model, profile, cluster, global_batch, seq_len, opts
           "alpa-homogeneous": alpa_homogeneous, "ep-type-blind": ep_type_blind,
           "ep-by-speed": ep_by_speed,
           "zebra": zebra}[name]
-    if name not in ("megatron-uniform", "fastest-only"):
-        # Megatron-LM has the distributed optimizer (ZeRO-1); Metis, AMP and Alpa keep a
-        # full optimizer state per data-parallel replica, as published.
+    if name not in ("megatron-uniform", "fastest-only", *MOE_BASELINES):
+        # Megatron-LM (and MaxText's and Megatron-Core's expert parallelism) have the
+        # distributed optimizer (ZeRO-1); Metis, AMP and Alpa keep a full optimizer state
+        # per data-parallel replica, as published.
         opts = dataclasses.replace(opts, distributed_optimizer=False)
     return fn(model, profile, cluster, global_batch, seq_len, opts, cal)
 
