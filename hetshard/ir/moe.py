@@ -20,15 +20,26 @@ Each ``top_k`` owns the expert matmuls after it, up to the next ``top_k`` of the
 expert count (layers run one after another). Calls (``jit``, ``remat``,
 custom-derivative wrappers) are searched inside; a layer found there names the
 program's inputs its weights come from where the call passes them through.
+
+``expert_regions`` reads a dropless layer as expert parallelism runs it
+(``hetshard.rewrite.experts``): the tokens, the routed rows' experts, the expert
+equations between the token gather and the scatter back, and their operands. Those
+equations may be row-wise primitives (as the sample analysis allows inside a region),
+calls of them, and the grouped matmuls; their other operands must be the stacked expert
+weights, the group sizes, or values that read no token. Anything else is a
+``PlanNotExecutableError`` naming the equation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from jax.extend import core as ext
 
+from hetshard.errors import PlanNotExecutableError
 from hetshard.ir.attention_patterns import inner_jaxpr
+from hetshard.ir.samples import dropless_regions
 
 # Equations that hand a weight on unchanged but for its type or layout.
 _VIEWS = ("convert_element_type", "copy", "copy_p", "reshape", "transpose", "squeeze",
@@ -198,3 +209,133 @@ def _combine(jaxpr, r: int, matmuls: list[int]) -> int | None:
         if from_experts:
             expert.update(e.outvars)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRegion:
+    """One dropless dispatch of a jaxpr, as the rewrite needs it: ``tokens`` ([T, d],
+    what the gather reads), ``ids`` ([T * k], each routed row's expert, what the sort
+    orders), ``rows`` (the gathered rows the expert equations start from), ``out`` (the
+    scatter's result: every routed row's expert output, in token order), the expert
+    equations ``chain`` (indices, in order) ending at ``result`` (the rows the scatter
+    puts back), and their operands: ``sizes`` (group sizes), ``weights`` (stacked on the
+    expert axis) and ``others`` (reading no token)."""
+
+    sort: int
+    experts: int
+    k: int
+    tokens: object
+    ids: object
+    rows: object
+    out: object
+    result: object
+    chain: tuple[int, ...]
+    sizes: tuple
+    weights: tuple
+    others: tuple
+
+
+def expert_regions(jaxpr, indices=None) -> list[ExpertRegion]:
+    """The dropless mixture-of-experts regions among ``jaxpr``'s equations ``indices``
+    (all by default), in program order."""
+    keep = None if indices is None else set(indices)
+    out = []
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    for sort, region in sorted(dropless_regions(jaxpr).items()):
+        if keep is not None and sort not in keep:
+            continue
+        out.append(_describe(jaxpr, sort, region, producer))
+    return out
+
+
+def _describe(jaxpr, sort: int, region, producer) -> ExpertRegion:
+    eqns = jaxpr.eqns
+    g, x = eqns[region.gather], eqns[region.exit]
+    rows = g.outvars[0]
+    ids = eqns[sort].invars[0]
+    tokens = g.invars[0]
+    n_rows = int(ids.aval.shape[0])
+    k = n_rows // int(tokens.aval.shape[0])
+    chain, made = [], {rows}
+    for i in sorted(region.inside - {sort, region.gather, region.exit}):
+        e = eqns[i]
+        if any(not isinstance(v, ext.Literal) and v in made for v in e.invars):
+            chain.append(i)
+            made.update(e.outvars)
+    result = x.invars[2]
+    if result not in made:
+        raise _refused(jaxpr, region.exit, "the rows it puts back are not computed from "
+                       "the gathered tokens")
+    _check_zeros(jaxpr, x.invars[0], producer, region.exit)
+    sizes, weights, others = [], [], []
+    experts = None
+    for i in chain:
+        e = eqns[i]
+        if e.primitive.name == "ragged_dot_general":
+            s, w = e.invars[2], e.invars[1]
+            n = int(s.aval.shape[0])
+            if experts not in (None, n):
+                raise _refused(jaxpr, i, f"grouped matmuls of {experts} and {n} groups")
+            experts = n
+            if s not in made and s not in sizes:
+                sizes.append(s)
+            if w in made:
+                raise _refused(jaxpr, i, "its grouped weight is computed from the tokens")
+        for v in e.invars:
+            if isinstance(v, ext.Literal) or v in made or v in sizes or v in weights \
+                    or v in others:
+                continue
+            if e.primitive.name == "ragged_dot_general" and v is e.invars[1]:
+                weights.append(v)
+            elif v.aval.shape and v.aval.shape[0] == n_rows:
+                raise _refused(jaxpr, i, "it reads another value per routed row")
+            elif v is not e.invars[2] or e.primitive.name != "ragged_dot_general":
+                others.append(v)
+        if e.primitive.name not in ("ragged_dot_general",):
+            _check_rowwise(jaxpr, i, e)
+    if experts is None:
+        raise _refused(jaxpr, region.exit, "its experts run no grouped matmul")
+    for w in others:  # an expert-stacked value read row-wise (a per-expert bias)
+        if w.aval.shape and w.aval.shape[0] == experts and len(w.aval.shape) >= 2:
+            raise _refused(jaxpr, chain[0], "a per-expert value is read outside a grouped "
+                           "matmul")
+    return ExpertRegion(sort=sort, experts=experts, k=k, tokens=tokens, ids=ids, rows=rows,
+                        out=x.outvars[0], result=result, chain=tuple(chain),
+                        sizes=tuple(sizes), weights=tuple(weights), others=tuple(others))
+
+
+def _check_zeros(jaxpr, var, producer, at: int) -> None:
+    """The scatter's operand (where rows not put back would stay) must be zeros."""
+    e = jaxpr.eqns[producer[var]] if not isinstance(var, ext.Literal) and \
+        var in producer else None
+    ok = e is not None and e.primitive.name == "broadcast_in_dim" and \
+        isinstance(e.invars[0], ext.Literal) and float(np.asarray(e.invars[0].val)) == 0.0
+    if not ok:
+        raise _refused(jaxpr, at, "the rows are put back into something other than zeros")
+
+
+_SHAPED = ("broadcast_in_dim",)  # row-wise, with the row count in their parameters
+
+
+def _check_rowwise(jaxpr, i: int, e) -> None:
+    inner = inner_jaxpr(e)
+    if inner is not None:
+        for j, sub in enumerate(inner[0].eqns):
+            _check_rowwise(inner[0], j, sub)
+        return
+    if e.primitive.name in _SHAPED:
+        dims = tuple(e.params["broadcast_dimensions"])
+        if not dims or dims[0] != 0:
+            raise _refused(jaxpr, i, "a broadcast that does not keep the rows first")
+
+
+def _refused(jaxpr, i: int, why: str) -> PlanNotExecutableError:
+    e = jaxpr.eqns[i]
+    where = e.source_info.name_stack
+    return PlanNotExecutableError(
+        f"expert parallelism cannot run the mixture-of-experts layer at equation {i} "
+        f"({e.primitive.name}{' in ' + str(where) if str(where) else ''}): {why}. It "
+        f"runs dropless layers whose expert equations between the token gather and the "
+        f"scatter back are grouped matmuls (jax.lax.ragged_dot) of weights stacked on a "
+        f"leading expert axis and row-wise operations; use a plan without an expert axis "
+        f"for this model")

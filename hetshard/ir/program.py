@@ -40,7 +40,7 @@ from hetshard.ir.dependencies import output_dependencies
 from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations, named_attention
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
-from hetshard.ir.moe import MoeLayer, moe_layers
+from hetshard.ir.moe import MoeLayer, expert_regions, moe_layers
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
 from hetshard.ir.samples import (
     batch_shaped_draw,
@@ -684,7 +684,6 @@ class Program:
         and as returned) and ``chain_bytes`` (per routed row, what its expert equations
         make: the values their backward may keep)."""
         from hetshard.errors import PlanNotExecutableError
-        from hetshard.rewrite.experts import expert_regions
         jaxpr = self.loss_jaxpr(2)[0].jaxpr
         try:
             regions = expert_regions(jaxpr)
