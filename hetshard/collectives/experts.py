@@ -29,6 +29,7 @@ everywhere here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -67,67 +68,66 @@ def padded_weights(w, counts: tuple[int, ...]):
     return jnp.take(w, jnp.asarray(idx), axis=0)
 
 
-def moves(counts: tuple[int, ...]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+@dataclasses.dataclass(frozen=True)
+class Relayout:
     """How an uneven placement's ranks get their experts from the even storage (rank
     ``q`` storing experts ``[q * s, (q + 1) * s)``, ``s = E / ranks``): per rank shift
-    ``d != 0``, ``(d, send, take)``: ``send[q]`` the local indices rank ``q`` sends to
-    rank ``q - d`` (padded by repeating the first, ``k`` per rank), and the table
-    ``take[r, slot]`` of where each of rank ``r``'s ``max(counts)`` slots comes from in
-    the concatenation of its own shard and what each shift brought (one table, the
-    shifts in order; the last shift's entry returned alone)."""
-    ranks, experts = len(counts), sum(counts)
-    s = experts // ranks
-    owner, slot, m = slots(counts)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    need: dict[int, list[list[int]]] = {}  # shift -> per destination rank, global ids
+    ``d`` (``shifts``), ``send[q]``, the local indices rank ``q`` sends to rank ``q - d``
+    (``k`` per rank, padded by repeating index 0); and ``take[r, slot]``, where each of
+    rank ``r``'s ``max(counts)`` slots comes from in the concatenation of its own shard
+    and what each shift brought, in order."""
+
+    shifts: tuple[tuple[int, np.ndarray], ...]
+    take: np.ndarray
+
+    @property
+    def moved(self) -> int:
+        """Experts a rank receives at the most (the shifts' widths summed)."""
+        return sum(send.shape[1] for _, send in self.shifts)
+
+
+def relayout(counts: tuple[int, ...]) -> Relayout:
+    """The :class:`Relayout` of placement ``counts`` (contiguous runs, in rank order;
+    their sum a multiple of the ranks)."""
+    ranks, s = len(counts), sum(counts) // len(counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+    need: dict[int, list[list[int]]] = {}  # shift -> per receiving rank, global ids
+    take = np.zeros((ranks, max(counts)), np.int32)
     for r in range(ranks):
         for g in range(first[r], first[r] + counts[r]):
-            d = g // s - r
-            if d:
-                need.setdefault(d, [[] for _ in range(ranks)])[r].append(g)
-    out = []
-    base = s  # own shard first in the concatenation
-    take = np.zeros((ranks, m), np.int32)
-    for r in range(ranks):
-        for q in range(counts[r]):
-            g = first[r] + q
             if g // s == r:
-                take[r, q] = g % s
+                take[r, g - first[r]] = g % s
+            else:
+                need.setdefault(g // s - r, [[] for _ in range(ranks)])[r].append(g)
+    shifts, base = [], s  # (own shard first in the concatenation)
     for d in sorted(need):
-        k = max(len(x) for x in need[d])
-        send = np.zeros((ranks, k), np.int32)
-        for r in range(ranks):
-            src = r + d
-            for j, g in enumerate(need[d][r]):
-                send[src, j] = g % s
+        send = np.zeros((ranks, max(len(x) for x in need[d])), np.int32)
+        for r, wanted in enumerate(need[d]):
+            for j, g in enumerate(wanted):
+                send[r + d, j] = g % s
                 take[r, g - first[r]] = base + j
-        out.append((d, send, take.copy()))
-        base += k
-    del owner, slot
-    return out if out else [(0, np.zeros((ranks, 0), np.int32), take)]
+        shifts.append((d, send))
+        base += send.shape[1]
+    return Relayout(tuple(shifts), take)
 
 
 def _relaid(w, counts: tuple[int, ...], rank):
     """Inside the shard_map: this rank's experts (``max(counts)`` slots) from its even
     shard ``w`` and its neighbours' (one ``ppermute`` per shift, carrying only the
     experts the receiving rank needs)."""
-    plan = moves(counts)
-    ranks = len(counts)
+    plan, ranks = relayout(counts), len(counts)
     parts = [w]
-    for d, send, _ in plan:
-        if d == 0 or send.shape[1] == 0:
-            continue
+    for d, send in plan.shifts:
         out = jnp.take(w, jnp.asarray(send)[rank], axis=0)
         perm = [(q, q - d) for q in range(ranks) if 0 <= q - d < ranks]
         parts.append(jax.lax.ppermute(out, "expert", perm))
-    take = plan[-1][2]
-    return jnp.take(jnp.concatenate(parts, axis=0), jnp.asarray(take)[rank], axis=0)
+    return jnp.take(jnp.concatenate(parts, axis=0), jnp.asarray(plan.take)[rank], axis=0)
 
 
 def moved_experts(counts: tuple[int, ...]) -> int:
-    """Experts the busiest rank receives a step to lay an uneven placement out from
-    the even storage (``moves``)."""
-    return sum(send.shape[1] for d, send, _ in moves(counts) if d)
+    """Experts a rank receives a step, at the most, to lay an uneven placement out from
+    the even storage (``relayout``)."""
+    return relayout(counts).moved
 
 
 def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_factor=None):

@@ -503,7 +503,7 @@ class _ExpertShare:
 
     def gather_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
         """An uneven placement's move of each rank's experts from their even storage
-        (``collectives.experts.moves``: a ``ppermute`` per shift carrying the experts a
+        (``collectives.experts.relayout``: a ``ppermute`` per shift carrying the experts a
         rank lacks, ``moved`` at the most; their gradients go back the same way in the
         backward), priced as an all-to-all that brings each rank those bytes: 0
         otherwise."""

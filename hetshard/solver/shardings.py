@@ -116,7 +116,7 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
     split along their expert axis over it, evenly (their optimizer state follows): under
     an even placement each rank stores the experts it computes; under an uneven one
     (``Stage.experts``) each step moves each rank the experts it lacks from that even
-    storage (JAX arrays split evenly; ``hetshard.collectives.experts.moves``), and where the
+    storage (JAX arrays split evenly; ``hetshard.collectives.experts.relayout``), and where the
     axis does not divide the experts they stay whole on every rank. Checks what expert
     parallelism needs of the program: mixture-of-experts layers (a
     ``PlanNotExecutableError`` for a dense model) whose expert count the placement
