@@ -37,7 +37,7 @@ _EXPORTS = {
     "Program": "hetshard.ir.program",
     "NonFiniteLossError": "hetshard.jit",
     "StepTraceError": "hetshard.jit",
-    "PlanNotExecutableError": "hetshard.jit",
+    "PlanNotExecutableError": "hetshard.errors",
     "jit": "hetshard.jit",
     "plan": "hetshard.jit",
     "Plan": "hetshard.plan",
@@ -97,10 +97,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from hetshard.errors import (  # noqa: F401
         DeviceBindingError,
         HetshardError,
+        PlanNotExecutableError,
         SpecError,
         SpecParseError,
         UnknownNameError,
     )
     from hetshard.ir.program import Program  # noqa: F401
-    from hetshard.jit import NonFiniteLossError, PlanNotExecutableError, jit, plan  # noqa: F401
+    from hetshard.jit import NonFiniteLossError, jit, plan  # noqa: F401
     from hetshard.plan import Plan  # noqa: F401
