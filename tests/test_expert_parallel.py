@@ -480,3 +480,27 @@ def test_an_uneven_placement_moves_only_the_experts_a_rank_lacks():
                              np.full(send.shape[1], -1))
             got = np.concatenate(parts)[plan.take[r]]
             assert list(got[:counts[r]]) == list(range(first[r], first[r] + counts[r]))
+
+
+def test_a_layer_the_rewrite_cannot_reach_is_said_and_still_trains(monkeypatch):
+    """A dropless layer called through ``nnx.remat`` (a checkpoint body the step keeps)
+    is found, but the exchange cannot replace it: an expert-parallel plan warns, naming
+    how many layers run without it, and the step still equals one device."""
+    import warnings
+
+    call = user_models.MoE.__call__
+    monkeypatch.setattr(user_models.MoE, "__call__", lambda self, x: nnx.remat(call)(self, x))
+    kw = dict(dispatch="dropless", k=2, layers=2)
+    want = _train(nnx.jit(user_models.make_moe(**kw)[0]), *user_models.make_moe(**kw)[1:])
+    step, args, batches = user_models.make_moe(**kw)
+    program = hetshard.Program(step, args)
+    assert [layer.level != () for layer in program.moe_layers] == [True, True]
+    plan = _one_stage(program, (("data", 2), ("expert", 4)))
+    calls = _spy(monkeypatch)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _train(hetshard.jit(step, cluster=A100, plan=plan), args, batches)
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    assert calls == []
+    assert any("2 of" in str(w.message) and "without the all-to-all" in str(w.message)
+               for w in seen)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import topology
+from hetshard.ir.moe import expert_regions
 from hetshard.ir.program import Program, reduced_graph
 from hetshard.plan import Plan
 from hetshard.solver.intra_op import solve, spec_of
@@ -137,6 +139,18 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
             f"layer (a top_k router whose experts' weights are stacked on a leading "
             f"axis): a dense model takes no expert axis (use data, fsdp, tensor or "
             f"context)")
+    # Dropless layers the rewrite cannot reach (inside a jax.checkpoint, jit or loop
+    # body the step keeps) run under XLA's partitioner instead: said, not hidden.
+    dropless = [layer for layer in layers if layer.dispatch == "dropless"]
+    reached = expert_regions(program.loss_jaxpr(2)[0].jaxpr)  # (refuses what it cannot run)
+    if len(reached) < len(dropless):
+        warnings.warn(
+            f"{len(dropless) - len(reached)} of {program.name}'s {len(dropless)} dropless "
+            f"mixture-of-experts layers sit inside a call hetshard does not rewrite (a "
+            f"jax.checkpoint, jit or loop body): they run under XLA's partitioner with "
+            f"their expert weights split over the expert axis, without the all-to-all "
+            f"exchange the plan prices; call the layer outside such a wrapper",
+            stacklevel=4)
     weights: dict[str, int] = {}
     for layer in layers:
         for w in layer.expert_weights:
