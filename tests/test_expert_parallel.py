@@ -504,3 +504,22 @@ def test_a_layer_the_rewrite_cannot_reach_is_said_and_still_trains(monkeypatch):
     assert calls == []
     assert any("2 of" in str(w.message) and "without the all-to-all" in str(w.message)
                for w in seen)
+
+
+def test_the_planner_offers_no_expert_axis_for_layers_the_exchange_cannot_run(monkeypatch):
+    """The layers of ``test_a_layer_the_rewrite_cannot_reach...`` are priced as having
+    no experts to split (``Program.moe_traffic``'s ``parallel``), so the planner's
+    search gives no stage an expert axis for them."""
+    from hetshard.cost.profile import profile_program
+    from hetshard.solver.options import ep_ways
+    call = user_models.MoE.__call__
+    monkeypatch.setattr(user_models.MoE, "__call__", lambda self, x: nnx.remat(call)(self, x))
+    step, args, _ = user_models.make_moe(dispatch="dropless", k=2, layers=2)
+    program = hetshard.Program(step, args)
+    assert [info["parallel"] for info in program.moe_traffic] == [False, False]
+    profile = profile_program(program)
+    assert not any(layer.experts for layer in profile.layers)
+    assert ep_ways(profile, (2, 4), 8, 1, 1, 8) == 1
+    monkeypatch.undo()  # (the layer called plainly: the exchange reaches it)
+    reachable = profile_program(hetshard.Program(*user_models.make_moe(layers=2)[:2]))
+    assert ep_ways(reachable, (2, 4), 8, 1, 1, 8) == 4

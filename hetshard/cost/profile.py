@@ -469,7 +469,7 @@ def _experts_of(program, shares) -> dict:
     ``Program.moe_traffic``'s layer whose expert weights it owns; none: not one)."""
     for info in program.moe_traffic:
         owned = sum(b for path, b, _, _ in shares if path in info["paths"])
-        if owned:
+        if owned and info["parallel"]:  # (one expert parallelism cannot run: none)
             return dict(experts=info["experts"], expert_param_bytes=float(owned),
                         routed_rows_per_sample=info["rows"],
                         routed_row_bytes=info["row_bytes"],

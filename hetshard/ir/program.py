@@ -682,19 +682,22 @@ class Program:
         tokens x top-k for a dropless layer, experts x capacity for a capacity one, none
         for a dense one), ``row_bytes`` and ``out_bytes`` (a routed row's bytes as sent
         and as returned) and ``chain_bytes`` (per routed row, what its expert equations
-        make: the values their backward may keep)."""
+        make: the values their backward may keep); ``parallel``: whether expert
+        parallelism runs the layer as priced (a dropless layer the exchange reaches and
+        can run; every capacity and dense layer), so the planner offers it."""
         from hetshard.errors import PlanNotExecutableError
         jaxpr = self.loss_jaxpr(2)[0].jaxpr
         try:
-            regions = expert_regions(jaxpr)
+            regions, runnable = expert_regions(jaxpr), True
         except PlanNotExecutableError:
-            regions = []
+            regions, runnable = [], False  # (a pinned plan is told why: expert_shardings)
         out = []
         for layer in self.moe_layers:
+            mine = [r for r in regions if layer.level == () and r.sort > layer.top_k]
             info = dict(paths=tuple(self.param_path(w) for w in layer.expert_weights),
                         experts=layer.experts, dispatch=layer.dispatch, rows=0.0,
-                        row_bytes=0.0, out_bytes=0.0, chain_bytes=0.0)
-            mine = [r for r in regions if layer.level == () and r.sort > layer.top_k]
+                        row_bytes=0.0, out_bytes=0.0, chain_bytes=0.0,
+                        parallel=runnable and (layer.dispatch != "dropless" or bool(mine)))
             if layer.dispatch == "dropless" and mine:
                 r = min(mine, key=lambda r: r.sort)
                 eqns = jaxpr.eqns
