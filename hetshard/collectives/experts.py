@@ -141,7 +141,7 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
                                     if mesh.shape.get(a, 1) > 1)
     ranks = mesh.shape["expert"]
     owner, slot, per_rank = slots(counts)
-    k, experts = region.k, region.experts
+    k = region.k
     n_w, chain = len(region.weights), region.chain
 
     # Uneven placements: from the even storage, each rank's experts brought over by
@@ -203,7 +203,6 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                              check_vma=False)(*args)
 
-    del experts
     return run
 
 
