@@ -111,17 +111,49 @@ def relayout(counts: tuple[int, ...]) -> Relayout:
     return Relayout(tuple(shifts), take)
 
 
-def _relaid(w, counts: tuple[int, ...], rank):
-    """Inside the shard_map: this rank's experts (``max(counts)`` slots) from its even
-    shard ``w`` and its neighbours' (one ``ppermute`` per shift, carrying only the
-    experts the receiving rank needs)."""
+def _brought(w, counts: tuple[int, ...], rank):
+    """Inside the shard_map: the experts this rank lacks, from its neighbours' even
+    shards (one ``ppermute`` per shift of :func:`relayout`, carrying only what the
+    receiving rank needs), concatenated in shift order."""
     plan, ranks = relayout(counts), len(counts)
-    parts = [w]
+    parts = []
     for d, send in plan.shifts:
         out = jnp.take(w, jnp.asarray(send)[rank], axis=0)
         perm = [(q, q - d) for q in range(ranks) if 0 <= q - d < ranks]
         parts.append(jax.lax.ppermute(out, "expert", perm))
-    return jnp.take(jnp.concatenate(parts, axis=0), jnp.asarray(plan.take)[rank], axis=0)
+    return jnp.concatenate(parts, axis=0) if parts else w[:0]
+
+
+def _placed(w, brought, counts: tuple[int, ...], rank):
+    """This rank's ``max(counts)`` expert slots from its even shard ``w`` and what
+    :func:`_brought` brought it (empty slots repeat a stored expert: no row reaches
+    them)."""
+    take = jnp.asarray(relayout(counts).take)[rank]
+    return jnp.take(jnp.concatenate([w, brought], axis=0), take, axis=0)
+
+
+def brought_experts(counts: tuple[int, ...], mesh):
+    """``(bring, give_back)``, jitted, for an uneven placement ``counts`` whose ranks
+    divide the experts: ``bring`` takes a stacked expert weight as the state stores it
+    ([E, ...] split evenly over ``expert``) to what each rank lacks of its experts
+    ([ranks * moved, ...] split over ``expert``: :func:`_brought`); ``give_back`` takes
+    gradients of those back to the stored experts (``bring``'s transpose: the
+    ``ppermute`` calls reversed). A pipeline stage brings them once per step and gives
+    their summed gradients back after its last micro-batch, so the micro-batches'
+    exchanges only copy them into place (``expert_parallel``'s ``prelaid``)."""
+    spec = P("expert")
+
+    def bring(w):
+        return jax.shard_map(
+            lambda x: _brought(x, counts, jax.lax.axis_index("expert")), mesh=mesh,
+            in_specs=spec, out_specs=spec, check_vma=False)(laid_out(w, mesh, spec))
+
+    def give_back(g):
+        stored = jax.ShapeDtypeStruct((sum(counts),) + g.shape[1:], g.dtype)
+        (w,) = jax.linear_transpose(bring, stored)(g)
+        return w
+
+    return jax.jit(bring), jax.jit(give_back)
 
 
 def moved_experts(counts: tuple[int, ...]) -> int:
@@ -130,10 +162,14 @@ def moved_experts(counts: tuple[int, ...]) -> int:
     return relayout(counts).moved
 
 
-def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_factor=None):
+def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_factor=None,
+                    prelaid: frozenset = frozenset()):
     """``run(tokens, ids, *weights, *others)``: the region's output (every routed row's
     expert result, in token order, [T * k, d_out]) computed expert-parallel on ``mesh``
-    (see the module docstring)."""
+    (see the module docstring). ``prelaid``: positions in ``weights`` whose experts
+    from other ranks come ready, as one more argument each (after ``others``, in
+    position order: :func:`brought_experts`' ``bring``), so the exchange only copies
+    them into place."""
     # Every device its own tokens: the batch axes, and the tensor and context ranks too
     # (they hold the same expert weights, whole): each computes its share of the routed
     # rows, not all of them again.
@@ -149,11 +185,15 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     # experts, from the whole weights (``padded_weights``).
     relay = len(set(counts)) > 1 and sum(counts) % ranks == 0
 
+    laid = sorted(prelaid)
+
     def body(tokens, ids, *rest):
-        weights, others = rest[:n_w], rest[n_w:]
+        weights, others = list(rest[:n_w]), rest[n_w:len(rest) - len(laid)]
         if relay:
             rank = jax.lax.axis_index("expert")
-            weights = [_relaid(w, counts, rank) for w in weights]
+            brought = dict(zip(laid, rest[len(rest) - len(laid):], strict=True))
+            weights = [_placed(w, brought[j] if j in brought else _brought(w, counts, rank),
+                               counts, rank) for j, w in enumerate(weights)]
         rows_n = ids.shape[0]
         block = rows_n if capacity_factor is None else \
             max(1, math.ceil(capacity_factor * rows_n / ranks))
@@ -185,7 +225,7 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     def run(tokens, ids, *rest):
         weights = list(rest[:n_w]) if relay else [padded_weights(w, counts)
                                                    for w in rest[:n_w]]
-        others = list(rest[n_w:])
+        others, brought = list(rest[n_w:len(rest) - len(laid)]), rest[len(rest) - len(laid):]
         split = axes
         while split and tokens.shape[0] % int(np.prod([mesh.shape[a] for a in split])):
             split = split[:-1]  # (tensor and context ranks share tokens they cannot split)
@@ -197,8 +237,9 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
                 f"{batch_axes(mesh)} ({ways} ways), which must divide them; use a "
                 f"micro-batch whose tokens they divide")
         spec = P(split or None)
-        specs = (spec, spec) + (weight_spec,) * n_w + (P(),) * len(others)
-        args = [tokens, ids, *weights, *others]
+        specs = (spec, spec) + (weight_spec,) * n_w + (P(),) * len(others) + \
+            (weight_spec,) * len(brought)
+        args = [tokens, ids, *weights, *others, *brought]
         args = [laid_out(a, mesh, s) for a, s in zip(args, specs, strict=True)]
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec,
                              check_vma=False)(*args)

@@ -37,8 +37,9 @@ behind compute where it is shorter (Liu et al. 2023).
 Expert parallelism (``ep`` ranks of an ``expert`` axis, themselves data ways: ``mbs`` is
 already per device) divides a mixture-of-experts layer's expert weights, their gradients
 and optimizer state by ``ep`` where it divides the experts (stored evenly; an uneven
-``expert_counts`` placement moves to each rank the experts it lacks every step, a
-``ppermute`` forward and their gradients back in the backward, live during the layer),
+``expert_counts`` placement moves to each rank the experts it lacks once a step, by
+``ppermute``, and their summed gradients back after the last micro-batch; the laid-out
+copy and its gradient are held for the step),
 multiplies its grouped matmuls by the busiest rank's load over the mean (its share of
 the experts' tokens: from a measured routing histogram, ``ModelProfile.expert_loads``,
 else its share of the experts times ``router_skew``) and adds the runtime's four all-to-
@@ -112,8 +113,12 @@ class StageCost:
     # (owner layer, bytes per device). Their gradient goes to the owner every step, and
     # the updated copy comes back.
     read_copies: tuple[tuple[str, float], ...] = ()
-    # Per step, with the update: the weights' and their gradients' dtype casts
+    # Per step, outside the micro-batches (priced with the update): the weights' and
+    # their gradients' dtype casts, and unevenly placed experts laid out and their
+    # gradients taken back (``collectives.experts.placed_weights``)
     cast_s: float = 0.0
+    # of cast_s, the experts brought and their gradients given back
+    brought_s: float = 0.0
     # Of fwd_s and bwd_s, attention's (its kernels, the flash backward's recompute of the
     # scores, the context ring's exposed transfers), and the flash kernel's inputs and
     # outputs kept per micro-batch: what uneven context chunks redistribute
@@ -468,8 +473,9 @@ class _ExpertShare:
             self.even, self.send_rows, self.divides, self.gathers = True, 0.0, True, False
             return
         self.even = not counts or len(set(counts)) == 1
+        self.counts = tuple(counts)
         # stored evenly where the ranks divide the experts; an uneven placement then
-        # moves each rank the experts it lacks from that storage every step
+        # moves each rank the experts it lacks from that storage once a step
         self.divides = layer.experts % ep == 0
         self.gathers = not self.even and self.divides
         self.moved = 0
@@ -504,14 +510,38 @@ class _ExpertShare:
     def gather_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
         """An uneven placement's move of each rank's experts from their even storage
         (``collectives.experts.relayout``: a ``ppermute`` per shift carrying the experts a
-        rank lacks, ``moved`` at the most; their gradients go back the same way in the
-        backward), priced as an all-to-all that brings each rank those bytes: 0
-        otherwise."""
+        rank lacks, ``moved`` at the most), priced as an all-to-all that brings each
+        rank those bytes: 0 otherwise. Once per step each way: the experts out, their
+        summed gradients back."""
         if not self.active or not self.gathers or not self.moved:
             return 0.0
         layer = self.layer
         moved = self.moved * layer.expert_param_bytes / layer.experts
         return collective_time("all_to_all", moved * self.ep / (self.ep - 1), topo, cal, gpu)
+
+    def _expert_copy_bytes(self) -> float:
+        """One expert's weights in the compute dtype (the layer's weight copies' share
+        where it casts them, else as stored)."""
+        layer = self.layer
+        copy = layer.weight_copy_bytes / layer.param_bytes \
+            if layer.weight_copy_bytes and layer.param_bytes else 1.0
+        return layer.expert_param_bytes / layer.experts * copy
+
+    def brought_bytes(self) -> float:
+        """Per device, held for the step by an uneven placement stored evenly: the
+        experts brought from other ranks and their gradients, accumulated beside them
+        (``collectives.experts.brought_experts``; 0 otherwise)."""
+        if not self.active or not self.gathers or not self.moved:
+            return 0.0
+        return 2 * self.moved * self._expert_copy_bytes()
+
+    def placed_working_bytes(self) -> float:
+        """Per device, while the layer's exchange runs under an uneven placement: its
+        rank's experts copied into place (``max(counts)`` of them; 0 for an even
+        placement, which reads the stored ones)."""
+        if not self.active or self.even:
+            return 0.0
+        return max(self.counts) * self._expert_copy_bytes()
 
     def exchange_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
         """Dispatch and combine: two all-to-alls of the send buffer (each row's expert
@@ -564,6 +594,23 @@ def balanced_placement(loads, ep: int) -> tuple[int, ...]:
         counts.append(int(j - i))
         j = int(i)
     return tuple(counts[::-1])
+
+
+def planned_placement(profile: ModelProfile, ep: int) -> tuple[int, ...]:
+    """Experts per rank the planner gives an ``ep``-rank expert axis over ``profile``'s
+    mixture-of-experts layers: :func:`balanced_placement` under a measured routing
+    histogram (``ModelProfile.expert_loads``) where it evens the ranks out more than the
+    even split does, else the even split (``()``). Whether bringing the experts a rank
+    lacks pays is for the price to say (the evaluator tries both)."""
+    sizes = {layer.experts for layer in profile.layers if layer.experts}
+    loads = profile.expert_loads
+    if ep <= 1 or len(sizes) != 1 or len(loads) != next(iter(sizes)) or \
+            ep > len(loads) or len(loads) % ep:
+        return ()
+    counts = balanced_placement(loads, ep)
+    if rank_load(len(loads), ep, counts, loads) >= rank_load(len(loads), ep, (), loads) - 1e-9:
+        return ()
+    return counts
 
 
 def tensor_rank_bytes(layer: LayerProfile, tp: int,
@@ -638,7 +685,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
     shard = tp * cp
     # The ways FSDP splits the state over (gathered for each layer's use).
     gathered = (dp if fsdp else 1) * (cp if shard_context else 1)
-    fwd = bwd = recompute = weight = carry = cast_s = 0.0
+    fwd = bwd = recompute = weight = carry = cast_s = brought_s = 0.0
     att_f = att_b = att_mem = 0.0
     model_flops = hw_flops = 0.0
     act = static_copy = param_bytes = host_act = largest_param = fused_saving = 0.0
@@ -747,11 +794,14 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             layer_att_b += 2 * max(0.0, ring - t_attn)
         if moe.active and ep_topo is not None:
             a2a = moe.exchange_s(ep_topo, cal, gpu.name)
-            gather = moe.gather_s(ep_topo, cal, gpu.name)
-            t_f += a2a + gather
-            t_b += a2a + gather
-            working = max(working, moe.buffer_bytes + (
-                moe.moved * layer.expert_param_bytes / layer.experts))
+            t_f += a2a
+            t_b += a2a
+            working = max(working, moe.buffer_bytes + moe.placed_working_bytes())
+            # An uneven placement's missing experts are brought once per step and their
+            # gradients given back once (the pipeline runtime's ``brought_experts``; a
+            # single-stage step's one program does the same).
+            brought_s += 2 * moe.gather_s(ep_topo, cal, gpu.name)
+            static_copy += moe.brought_bytes()
         timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
         if timed is None:
             cast_s += layer_cast_s
@@ -918,7 +968,8 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
                      memory_static_bytes=static, memory_per_microbatch_bytes=act,
                      memory_working_bytes=working, bwd_weight_s=weight,
                      memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
-                     read_copies=tuple(sorted(read_copies.values())), cast_s=cast_s,
+                     read_copies=tuple(sorted(read_copies.values())),
+                     cast_s=cast_s + brought_s, brought_s=brought_s,
                      attention_fwd_s=att_f, attention_bwd_s=att_b,
                      attention_memory_bytes=att_mem, host_static_bytes=host_static,
                      host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s,

@@ -22,6 +22,8 @@ What the expert equations may be is checked where the regions are found
 
 from __future__ import annotations
 
+from jax.extend.core import Literal
+
 from hetshard.errors import PlanNotExecutableError
 from hetshard.ir.interpret import Replace
 from hetshard.ir.moe import expert_regions
@@ -49,11 +51,61 @@ def placement(stage: Stage, experts: int, where: str = "stage") -> tuple[int, ..
     return (experts // n,) * n
 
 
+def brought(var) -> tuple:
+    """The key under which a stage's forward holds, for one step, the experts each rank
+    lacks of the stacked expert weight ``var`` (see :func:`prelaid_weights`)."""
+    return ("experts brought", var)
+
+
+def prelaid_weights(closed, program, mesh, stage: Stage,
+                    where: str = "stage") -> dict[int, tuple[tuple[int, ...], object]]:
+    """The stacked expert weights whose missing experts a pipeline stage brings once per
+    step: position in ``program.params`` -> (the placement, the region's weight
+    variable), for each weight of an unevenly placed dropless region (whose ranks divide
+    the experts: stored evenly) that the stage reads only in that region's expert
+    equations, as is or through the one cast it hoists (``StageProgram.cast_params``).
+    The runtime brings each rank the experts it lacks before the first micro-batch
+    (``collectives.experts.brought_experts``) and gives their summed gradients back
+    after the last; other weights bring them inside each micro-batch's exchange."""
+    if mesh.shape.get("expert", 1) == 1:
+        return {}
+    jaxpr = closed.jaxpr
+    position = {jaxpr.invars[idx]: k for k, idx in enumerate(program.params)}
+    readers: dict = {}
+    for i in program.eqns:
+        for v in jaxpr.eqns[i].invars:
+            if not isinstance(v, Literal):
+                readers.setdefault(v, set()).add(i)
+    kept = {v for v in [*program.sends, *jaxpr.outvars] if not isinstance(v, Literal)}
+    producer = {v: i for i in program.eqns for v in jaxpr.eqns[i].outvars}
+    out = {}
+    for r in expert_regions(jaxpr, program.eqns):
+        counts = placement(stage, r.experts, where)
+        if len(set(counts)) == 1 or r.experts % len(counts):
+            continue
+        for w in r.weights:
+            if w in kept or not readers.get(w, set()) <= set(r.chain):
+                continue
+            k = position.get(w)
+            if k is None and w in producer:  # the hoisted cast of a parameter
+                e = jaxpr.eqns[producer[w]]
+                src = e.invars[0]
+                if e.primitive.name == "convert_element_type" and \
+                        not isinstance(src, Literal) and position.get(src) in \
+                        program.cast_params:
+                    k = position[src]
+            if k is not None:
+                out[k] = (counts, w)
+    return out
+
+
 def expert_layouts(closed, indices, mesh, stage: Stage, capacity_factor=None,
-                   where: str = "stage") -> dict:
+                   where: str = "stage", prelaid=frozenset()) -> dict:
     """``var -> Replace`` for ``eval_equations``: each dropless region among the
     equations ``indices`` of ``closed`` computed expert-parallel over ``mesh``'s
-    ``expert`` axis (see the module docstring); nothing on a stage without one."""
+    ``expert`` axis (see the module docstring); nothing on a stage without one.
+    ``prelaid``: weight variables whose missing experts the stage's forward holds
+    ready, under :func:`brought` of the variable (:func:`prelaid_weights`)."""
     from hetshard.collectives.experts import expert_parallel
 
     if mesh.shape.get("expert", 1) == 1:
@@ -61,7 +113,10 @@ def expert_layouts(closed, indices, mesh, stage: Stage, capacity_factor=None,
     out = {}
     for r in expert_regions(closed.jaxpr, indices):
         counts = placement(stage, r.experts, where)
-        run = expert_parallel(closed.jaxpr, r, mesh, counts, capacity_factor)
+        laid = sorted(j for j, w in enumerate(r.weights) if w in prelaid)
+        run = expert_parallel(closed.jaxpr, r, mesh, counts, capacity_factor,
+                              frozenset(laid))
         out[r.out] = Replace(lambda *xs, run=run: [run(*xs)],
-                             [r.tokens, r.ids, *r.weights, *r.others])
+                             [r.tokens, r.ids, *r.weights, *r.others,
+                              *(brought(r.weights[j]) for j in laid)])
     return out

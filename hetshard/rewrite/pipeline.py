@@ -121,7 +121,7 @@ class StageProgram:
         return out
 
     def evaluate(self, params, frozen, batch, recvs, remat=None, mesh=None,
-                 constrain=None, autocast=None, chunk_lengths=None) -> list:
+                 constrain=None, autocast=None, chunk_lengths=None, extras=None) -> list:
         """The stage's sends from its inputs (lists in the orders above). ``remat`` =
         (wrap, count): the equations of each of the stage's first ``count`` layers (None:
         all) run as one function wrapped by ``wrap`` (``jax.checkpoint`` with a policy),
@@ -142,6 +142,7 @@ class StageProgram:
             env[jaxpr.invars[sp.num_state + idx]] = val
         for var, val in zip(self.recvs, recvs, strict=True):
             env[var] = val
+        env.update(extras or {})
         if remat is None:
             eval_equations(jaxpr, env, run, self.eqns, constrain=constrain,
                            autocast=autocast)
@@ -156,25 +157,30 @@ class StageProgram:
                 self._memo["static"] = static_values(jaxpr, jaxpr.invars[:sp.num_state])
             segments, rest = self._memo[key]
             eval_segments(jaxpr, env, run, segments, remat[0], constrain=constrain,
-                          autocast=autocast, rest=rest, static=self._memo["static"])
+                          autocast=autocast, rest=rest, static=self._memo["static"],
+                          extras=tuple(extras or ()))
         return [v.val if isinstance(v, ext.Literal) else env[v] for v in self.sends]
 
     def forward(self, params, frozen, batch, recvs, remat=None, mesh=None, constrain=None,
-                autocast=None, chunk_lengths=None):
+                autocast=None, chunk_lengths=None, extra_keys=()):
         """``(float_sends, other_sends, vjp)``; ``vjp(float_send_cts)`` gives
         ``(param_cts, float_recv_cts)``. ``remat`` = (wrap, count): the stage's
         rematerialisation, each of its first ``count`` layers (None: all) wrapped by
         ``wrap``; ``mesh``, ``constrain``, ``autocast`` and ``chunk_lengths``: the
-        stage's (see ``evaluate``)."""
+        stage's (see ``evaluate``). ``params`` may end with values the stage's
+        ``constrain`` entries read under ``extra_keys`` (one each: the experts a rank
+        lacks, brought once per step), differentiated as parameters are."""
         d_in, d_out = self.diff_recvs, self.diff_sends
         fixed = [None if i in d_in else r for i, r in enumerate(recvs)]
+        n = len(params) - len(extra_keys)
 
         def f(p, fr):
             full = list(fixed)
             for i, val in zip(d_in, fr, strict=True):
                 full[i] = val
-            outs = self.evaluate(p, frozen, batch, full, remat, mesh, constrain, autocast,
-                                 chunk_lengths)
+            outs = self.evaluate(p[:n], frozen, batch, full, remat, mesh, constrain,
+                                 autocast, chunk_lengths,
+                                 dict(zip(extra_keys, p[n:], strict=True)))
             return ([outs[i] for i in d_out],
                     [o for i, o in enumerate(outs) if i not in set(d_out)])
         float_outs, vjp, other = jax.vjp(f, list(params), [recvs[i] for i in d_in],
@@ -461,24 +467,27 @@ def attention_equations(jaxpr, ids: Sequence[int]) -> set[int]:
 
 
 def eval_segments(jaxpr, env: dict, run, segments, wrap, constrain=None,
-                  autocast=None, rest=None, static=frozenset()) -> None:
+                  autocast=None, rest=None, static=frozenset(), extras=()) -> None:
     """``eval_equations`` over ``layer_segments``: each recomputed layer's run as one
     function wrapped by ``wrap`` (``remat_wrap``), so the backward recomputes it alone;
     the other checkpointed runs (``layer_segments``' ``rest``) wrapped by ``rest``.
-    ``static``: the variables made from the parameters alone (:func:`static_values`)."""
+    ``static``: the variables made from the parameters alone (:func:`static_values`);
+    ``extras``: keys of ``env`` that ``constrain``'s entries read besides the jaxpr's
+    variables (given to every layer function)."""
     for ids, reads, outs, inside in segments:
         if reads is None:
             eval_equations(jaxpr, env, run, ids, constrain=constrain, autocast=autocast)
             continue
         by = wrap if inside else rest
         names = by.names(jaxpr, ids, static) if isinstance(by, Remat) else None
+        keys = [*reads, *extras]
 
-        def layer(*values, ids=ids, reads=reads, outs=outs, names=names):
-            inner = dict(zip(reads, values, strict=True))
+        def layer(*values, ids=ids, keys=keys, outs=outs, names=names):
+            inner = dict(zip(keys, values, strict=True))
             eval_equations(jaxpr, inner, run, ids, constrain=constrain, autocast=autocast,
                            names=names)
             return [inner[v] for v in outs]
-        env.update(zip(outs, by(layer)(*[env[v] for v in reads]), strict=True))
+        env.update(zip(outs, by(layer)(*[env[v] for v in keys]), strict=True))
 
 
 def layer_sequence(closed, split_blocks: bool = False,

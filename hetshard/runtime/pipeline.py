@@ -64,11 +64,12 @@ from hetshard.collectives import (
     takes_part,
     transfer,
 )
+from hetshard.collectives.experts import brought_experts
 from hetshard.errors import SpecError
 from hetshard.ir.program import Program
 from hetshard.layout import at_home, home, leaf_spec, mesh_of, on_device
 from hetshard.plan import Plan
-from hetshard.rewrite.experts import expert_layouts
+from hetshard.rewrite.experts import brought, expert_layouts, prelaid_weights
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts
 from hetshard.runtime import stage_fns
@@ -259,16 +260,23 @@ class PipelineRunner:
             self.splits[pi].closed, program.eqns,
             {invars[i]: tuple(shardings[i].spec) for i in program.params + program.frozen},
             mesh, overlap=self.plan.tp_overlap)
+        where = f"pipelines[{pi}].stages[{si}]"
+        prelaid = prelaid_weights(self.splits[pi].closed, program, mesh, stage, where)
         layouts.update(expert_layouts(self.splits[pi].closed, program.eqns, mesh, stage,
-                                      self.plan.capacity_factor,
-                                      f"pipelines[{pi}].stages[{si}]"))
+                                      self.plan.capacity_factor, where,
+                                      frozenset(w for _, w in prelaid.values())))
+        prelaid = dict(sorted(prelaid.items()))  # (the order the forward takes them in)
         run.fwd = stage_fns.Forward(functools.partial(stage_fns.stage_forward, program,
                                              remat_wrap(stage.remat, stage.offload,
                                                         checkpoint_none=True),
                                              stage.remat_layers, mesh, layouts,
                                              stage_autocast(self.plan, stage),
-                                             self.plan.context_chunks(stage) or None),
-                           program.cast_params)
+                                             self.plan.context_chunks(stage) or None,
+                                             extra_keys=tuple(brought(w) for _, w in
+                                                              prelaid.values())),
+                           program.cast_params,
+                           {k: brought_experts(counts, mesh)
+                            for k, (counts, _) in prelaid.items()})
         run.bwd = jax.jit(functools.partial(stage_fns.backward, program))
         run.bwd_input = jax.jit(functools.partial(stage_fns.backward_input, program))
         run.bwd_weight = jax.jit(functools.partial(stage_fns.backward_weight, program))

@@ -13,15 +13,17 @@ from hetshard.rewrite.backward import input_backward, weight_backward
 
 
 def stage_forward(program, wrap, remat_layers, mesh, layouts, autocast, chunks, params, frozen,
-                  batch, recvs):
-    """The stage's forward on its ``mesh`` with its sequence-parallel ``layouts``,
+                  batch, recvs, extra_keys=()):
+    """The stage's forward on its ``mesh`` with its sequence-parallel and expert
+    ``layouts`` (``params`` ending with the values they read under ``extra_keys``),
     ``autocast`` (``stage_autocast``) and uneven context ``chunks`` for attention
     (``Plan.context_chunks``); under a remat (``wrap``: ``remat_wrap`` of the stage's
     remat and offload; None: none) each of its first ``remat_layers`` layers (None:
     all) is checkpointed on its own, so the backward recomputes one layer at a time."""
     return program.forward(params, frozen, batch, recvs,
                            remat=None if wrap is None else (wrap, remat_layers), mesh=mesh,
-                           constrain=layouts, autocast=autocast, chunk_lengths=chunks)
+                           constrain=layouts, autocast=autocast, chunk_lengths=chunks,
+                           extra_keys=extra_keys)
 
 
 class Forward:
@@ -37,27 +39,53 @@ class Forward:
     reads only through a cast (``casts``: position -> dtype; the compute-dtype copy of
     a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
     that copy instead of keeping one each (their gradients come back in the cast dtype;
-    ``backward`` converts them back, as the cast's transpose would)."""
+    ``backward`` converts them back, as the cast's transpose would). Where a rank of an
+    unevenly placed expert axis lacks some experts of a weight (``relays``: position ->
+    ``(bring, give_back)``, ``hetshard.collectives.experts.brought_experts``), they are
+    brought once per step too, after the cast, and given to the forward after the
+    parameters (``fn`` reads them there); their gradients accumulate beside the
+    parameters' and :meth:`unlay` gives the sum back once, after the last
+    micro-batch."""
 
-    def __init__(self, fn, casts: dict | None = None):
+    def __init__(self, fn, casts: dict | None = None, relays: dict | None = None):
         self.fn = fn
         self.casts = dict(casts or {})
+        self.relays = dict(sorted((relays or {}).items()))
         # per argument signature: (vjp treedef, per vjp leaf: the parameter's index or None)
         self.layouts: dict = {}
         self.jitted = jax.jit(self._traced)
         self._cast = jax.jit(lambda xs: [x.astype(self.casts[k]) for k, x in xs.items()])
-        self._held = ((), {})  # (the step's parameter arrays that were cast, the casts)
+        # (the step's parameter arrays cast or brought from, (the casts, what was brought))
+        self._held = ((), ({}, []))
 
     def _cast_once(self, params) -> list:
-        if not self.casts:
+        """The step's parameters cast, then the experts brought (after them), once per
+        step (held while the step's parameter arrays are the same)."""
+        changed = sorted(set(self.casts) | set(self.relays))
+        if not changed:
             return params
-        src = tuple(params[k] for k in sorted(self.casts))
-        held, casts = self._held
+        src = tuple(params[k] for k in changed)
+        held = self._held[0]
         if len(held) != len(src) or any(a is not b for a, b in zip(held, src, strict=True)):
-            casts = self._cast({k: params[k] for k in sorted(self.casts)})
-            casts = dict(zip(sorted(self.casts), casts, strict=True))
-            self._held = (src, casts)
-        return [casts.get(k, p) for k, p in enumerate(params)]
+            cast = sorted(self.casts)
+            casts = dict(zip(cast, self._cast({k: params[k] for k in cast}), strict=True)) \
+                if cast else {}
+            extra = [bring(casts.get(k, params[k])) for k, (bring, _) in self.relays.items()]
+            self._held = (src, (casts, extra))
+        casts, extra = self._held[1]
+        return [casts.get(k, p) for k, p in enumerate(params)] + extra
+
+    def unlay(self, grads):
+        """Accumulated gradients (the parameters' and, after them, the brought
+        experts') as the parameters' alone: each brought expert's gradient given back
+        to the rank storing it and added to its weight's (None: no gradient yet)."""
+        if grads is None or not self.relays:
+            return grads
+        n = len(grads) - len(self.relays)
+        out = list(grads[:n])
+        for j, (k, (_, give_back)) in enumerate(self.relays.items()):
+            out[k] = add(out[k], give_back(grads[n + j]).astype(out[k].dtype))
+        return out
 
     def _traced(self, params, frozen, batch, recvs):
         float_outs, other, vjp = self.fn(params, frozen, batch, recvs)
@@ -68,7 +96,7 @@ class Forward:
         return float_outs, other, [x for x, k in zip(leaves, where, strict=True) if k is None]
 
     def release(self) -> None:
-        self._held = ((), {})
+        self._held = ((), ({}, []))
 
     def _cache_size(self) -> int:
         """Compilations of the forward (as ``jax.jit``'s)."""
@@ -103,9 +131,11 @@ def _seeded(program, incoming, seeds) -> list:
 
 def _param_dtypes(program, pcts) -> list:
     """Parameter cotangents in the parameters' dtypes (those of parameters given cast,
-    ``Forward``, come in the cast dtype; converting is the cast's transpose)."""
+    ``Forward``, come in the cast dtype; converting is the cast's transpose); those of
+    the values after the parameters (experts brought, ``Forward``) as they are."""
+    n = len(program.param_dtypes)
     return [g if g.dtype == dt else g.astype(dt)
-            for g, dt in zip(pcts, program.param_dtypes, strict=True)]
+            for g, dt in zip(pcts[:n], program.param_dtypes, strict=True)] + list(pcts[n:])
 
 
 def backward(program, vjp, incoming, seeds, acc):

@@ -93,7 +93,9 @@ class PipelineWalk:
         """After every task ran (:meth:`run`, or a walk driving :meth:`forward` and
         :meth:`backward` itself): (per stage, parameter leaf -> gradient; the loss
         outputs on the loss stage)."""
-        for run in self.runs:
+        for s, run in enumerate(self.runs):
+            if run.here:  # uneven experts' gradients back to their stored layout
+                self.acc[s] = run.fwd.unlay(self.acc[s])
             run.fwd.release()  # the step's casts (the vjps that read them are gone)
         return self._tied_gradients(), self._outputs()
 

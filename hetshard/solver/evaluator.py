@@ -28,6 +28,7 @@ from hetshard.solver.options import PlannerOptions, PlannerTimeLimitWarning
 from hetshard.solver.variants import (
     SHARDINGS,
     balanced_experts,
+    even_experts,
     expert_parallel,
     sharded_state,
     zero_bubble,
@@ -136,9 +137,13 @@ class Evaluator:
                 if plan is None:
                     continue
                 if ep > 1 and len(loads) > ep:
-                    # a measured routing histogram: experts placed to even out the ranks
+                    # a measured routing histogram: experts placed to even out the ranks,
+                    # and evenly (bringing a rank the experts it lacks may cost more
+                    # than the balance buys)
                     placed = balanced_experts(plan, loads, ep)
                     plans += [self.tuned(placed)] if placed is not None else []
+                    plans += [self.tuned(even_experts(plan))] if any(
+                        st.experts for p in plan.pipelines for st in p.stages) else []
                 for other in plans:
                     other = self.price(other)
                     if other.key < best.key:

@@ -115,8 +115,9 @@ class PlannerOptions:
     router_skew: float = 1.0
     # A measured routing histogram: tokens routed to each expert (summed over layers and
     # steps; ``hetshard.cost.profile.routing_skew`` reads its skew). Given, each expert
-    # rank is priced by the tokens its experts take, and the best plans are also priced
-    # with experts placed unevenly to balance them (``cost.stage.balanced_placement``).
+    # rank is priced by the tokens its experts take; the search prices expert-parallel
+    # stages with their experts placed unevenly to balance them
+    # (``cost.stage.planned_placement``), and the best plans both so and evenly.
     routing_histogram: tuple[float, ...] | None = None
 
     @classmethod

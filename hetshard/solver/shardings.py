@@ -117,12 +117,13 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
     """``plan`` with the stacked expert weights of every stage with an ``expert`` axis
     split along their expert axis over it, evenly (their optimizer state follows): under
     an even placement each rank stores the experts it computes; under an uneven one
-    (``Stage.experts``) each step moves each rank the experts it lacks from that even
-    storage (JAX arrays split evenly; ``hetshard.collectives.experts.relayout``), and where the
-    axis does not divide the experts they stay whole on every rank. Checks what expert
-    parallelism needs of the program: mixture-of-experts layers (a
-    ``PlanNotExecutableError`` for a dense model) whose expert count the placement
-    holds (``hetshard.rewrite.experts.placement``)."""
+    (``Stage.experts``) each rank is brought the experts it lacks from that even storage
+    (JAX arrays split evenly; ``hetshard.collectives.experts.brought_experts``), and
+    where the axis does not divide the experts they stay whole on every rank. On a stage
+    sharding its state (``fsdp``) each expert is split over that axis too, and gathered
+    for its layer's exchange. Checks what expert parallelism needs of the program:
+    mixture-of-experts layers (a ``PlanNotExecutableError`` for a dense model) whose
+    expert count the placement holds (``hetshard.rewrite.experts.placement``)."""
     from hetshard.errors import PlanNotExecutableError
     from hetshard.rewrite.experts import placement
 
@@ -151,10 +152,11 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
             f"their expert weights split over the expert axis, without the all-to-all "
             f"exchange the plan prices; call the layer outside such a wrapper",
             stacklevel=4)
-    weights: dict[str, int] = {}
+    weights: dict[str, tuple[int, tuple]] = {}
     for layer in layers:
         for w in layer.expert_weights:
-            weights[program.param_path(w)] = len(program.state_avals[w].shape)
+            shape = tuple(program.state_avals[w].shape)
+            weights[program.param_path(w)] = (len(shape), shape)
     pipes = []
     for i, pipe in enumerate(plan.pipelines):
         stages = list(pipe.stages)
@@ -166,10 +168,18 @@ def expert_shardings(plan: Plan, program: Program) -> Plan:
             if any(layer.experts % st.axis("expert") for layer in layers):
                 continue
             named = dict(st.shardings)
-            for path, rank in weights.items():
+            fsdp = st.axis("fsdp")
+            for path, (rank, shape) in weights.items():
                 spec = list(named.get(path, (None,) * rank)) + [None] * rank
                 if spec[0] is None:
                     spec[0] = "expert"
+                if fsdp > 1 and "fsdp" not in spec:
+                    # FSDP splits each expert too (its largest free dimension it
+                    # divides), gathered for the layer as the stage's other weights are
+                    free = [d for d in range(1, rank) if spec[d] is None and
+                            shape[d] % fsdp == 0]
+                    if free:
+                        spec[max(free, key=lambda d: (shape[d], -d))] = "fsdp"
                 named[path] = tuple(spec[:rank])
             stages[j] = dataclasses.replace(st, shardings=tuple(sorted(named.items())))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))

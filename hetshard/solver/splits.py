@@ -26,7 +26,7 @@ from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
-from hetshard.cost.stage import stage_cost
+from hetshard.cost.stage import planned_placement, stage_cost
 from hetshard.offload import split_key
 from hetshard.plan import stage_dtype
 from hetshard.solver.options import PlannerOptions, ep_ways, fsdp_ways, planned_gpu_dtypes
@@ -73,8 +73,8 @@ class LayerTables:
         cp_topo = topology(self.cluster, ids[:tp * cp:tp]) if cp > 1 else None
         f = fsdp_ways(self.state_sharding, r, tp, cp, group.gpus_per_node)
         e = self.ep_of(group, r, tp, cp)
-        experts = dict(ep=e, ep_topo=topology(self.cluster, ids[:e * tp * cp:tp * cp])) \
-            if e > 1 else {}
+        experts = dict(ep=e, ep_topo=topology(self.cluster, ids[:e * tp * cp:tp * cp]),
+                       expert_counts=planned_placement(self.profile, e)) if e > 1 else {}
         # a sharded stage gathers each layer from its group's f ranks; the distributed
         # optimizer splits the optimizer state over the groups too
         sharded = dict(fsdp=True, dp=f, dp_topo=topology(self.cluster, ids[:f * tp * cp:
@@ -94,9 +94,10 @@ class LayerTables:
                                tp_overlap=self.tp_overlap,
                                dtype=self.dtype_of(group.gpu), offload=offload,
                                host_link_gbs=group.host_link, **experts)
-                # The layer's optimizer state through the host link, once a step
-                spread = c.host_stream_s / max(1, self.global_batch // (mbs * r)) \
-                    if self.global_batch else 0.0
+                # The layer's optimizer state through the host link, and the experts
+                # brought to an uneven placement, once a step
+                spread = (c.host_stream_s + c.brought_s) / max(
+                    1, self.global_batch // (mbs * r)) if self.global_batch else 0.0
                 per_kind[k] = (c.fwd_s + c.bwd_s + spread, c.memory_static_bytes,
                                c.memory_per_microbatch_bytes, c.memory_working_bytes)
             rows.append(per_kind[k])

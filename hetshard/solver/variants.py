@@ -211,7 +211,9 @@ def with_experts(st: Stage, profile, ep: int) -> Stage:
     """Stage ``st`` with ``ep`` of its data ways (``data x expert``) as an ``expert``
     axis where it holds a mixture-of-experts layer of ``profile`` (1: none), else all of
     them plain ``data``; a stage sharding its state (``fsdp``) as it is. Its placement
-    becomes even."""
+    becomes the planned one (``cost.stage.planned_placement``: balanced under a
+    measured routing histogram, else even)."""
+    from hetshard.cost.stage import planned_placement
     if st.axis("fsdp") > 1:
         return st
     holds = any(layer.experts for layer in profile.layers[st.start:st.end])
@@ -227,7 +229,8 @@ def with_experts(st: Stage, profile, ep: int) -> Stage:
             mesh.append((name, n))
     if not placed:
         mesh = list(data_axes(r, 1, e)) + mesh
-    return dataclasses.replace(st, mesh_shape=tuple(mesh), experts=())
+    return dataclasses.replace(st, mesh_shape=tuple(mesh),
+                               experts=planned_placement(profile, e) if e > 1 else ())
 
 
 def expert_parallel(plan: Plan, profile, ep: int, capacity_factor=None) -> Plan | None:
@@ -262,6 +265,14 @@ def speed_placement(st: Stage, cluster, experts: int, dtype: str) -> tuple[int, 
             :experts - sum(counts)]:
         counts[r] += 1
     return tuple(counts)
+
+
+def even_experts(plan: Plan) -> Plan:
+    """``plan`` with every stage's experts placed evenly over its expert axis."""
+    pipes = tuple(dataclasses.replace(pipe, stages=tuple(
+        dataclasses.replace(st, experts=()) for st in pipe.stages))
+        for pipe in plan.pipelines)
+    return dataclasses.replace(plan, pipelines=pipes)
 
 
 def balanced_experts(plan: Plan, loads, ep: int) -> Plan | None:
