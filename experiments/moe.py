@@ -25,6 +25,12 @@ priced twice: dropless (every routed token computed: the exact exchange, buffers
 for the worst case) and with a capacity factor of 1.25 (``Plan.capacity_factor``: tokens
 past it dropped, as MaxText and GShard do), the same for all three.
 
+A skewed router (``SKEW_CASE``: Mixtral's first two experts taking 3x the tokens)
+compares, all priced under that routing histogram: hetshard planning with it (experts
+placed unevenly per rank where that pays, the missing ones brought once a step), the same
+plan with even experts, hetshard planning blind to the skew, the best plan without an
+expert axis, and (a).
+
 These are the simulator's numbers: no GPU was at hand. ``tests/test_expert_parallel.py``
 checks on 8 fake CPU devices that expert-parallel plans train equal to one device.
 
@@ -90,6 +96,7 @@ def _summary(plan, cluster, seconds) -> dict:
             "memory_gb_per_type": per_type, "summary": plan.summary(),
             "stages": [{"gpu": st.gpu, "layers": [st.start, st.end],
                         "mesh": dict(st.mesh_shape), "remat": st.remat,
+                        "experts": list(st.experts),
                         "memory_gb": st.predicted_memory_bytes / 1e9}
                        for p in plan.pipelines for st in p.stages[:p.num_workers]],
             "virtual_stages": plan.pipelines[0].virtual_stages,
@@ -130,6 +137,57 @@ def _row(model, cname, factor, time_limit) -> dict:
         b = row[base]
         row[f"over_{base}"] = ours / b["tokens_per_s"] if b["fits"] and b["tokens_per_s"] \
             else None
+    return row
+
+
+# A skewed router: the first two of Mixtral's 8 experts take 3x the tokens of the others
+# (a measured routing histogram, ``PlannerOptions.routing_histogram``).
+SKEW_CASE = ("mixtral-8x7b", "a100+v100 x32", (3, 3, 1, 1, 1, 1, 1, 1))
+
+
+def _skewed_row(time_limit) -> dict:
+    """Under a skewed router (``SKEW_CASE``), every plan priced with the histogram:
+    hetshard planning with it (experts placed per rank to balance the routed tokens,
+    the missing ones brought once a step), the same plan with its experts even,
+    hetshard planning without it (blind to the skew), the best plan without an expert
+    axis, and (a)."""
+    import dataclasses
+
+    from hetshard.cost.calibration import DEFAULT
+    from hetshard.solver.evaluator import Evaluator
+    from hetshard.solver.variants import even_experts
+    model, cname, hist = SKEW_CASE
+    cluster = Cluster.load(CLUSTERS[cname])
+    dtype = "float16" if {t.name for t in cluster.device_types} & PRE_AMPERE else "bfloat16"
+    program = steps.program(model, seq_len=SEQ, dtype=dtype)
+    skewed = PlannerOptions(time_limit_s=time_limit, routing_histogram=hist)
+    loads = tuple(x / sum(hist) for x in hist)
+
+    def priced(plan):  # under the skewed router
+        profile = dataclasses.replace(
+            profile_program(program, split_blocks=plan.split_blocks), expert_loads=loads)
+        r = Evaluator(profile, cluster, DEFAULT, skewed).price(plan).result
+        return {"fits": bool(r.fits), "tokens_per_s": r.tokens_per_s, "step_s": r.step_time_s,
+                "peak_memory_gb": r.peak_memory_bytes / 1e9,
+                "experts": sorted({tuple(st.experts) for p in plan.pipelines
+                                   for st in p.stages if st.axis("expert") > 1})}
+    row = {"model": model, "cluster": cname, "dtype": dtype, "histogram": list(hist)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        plan = make_plan(program, cluster, global_batch=BATCH, options=skewed,
+                         shardings=False)
+        row["hetshard"] = {**priced(plan), "seconds": time.perf_counter() - t0}
+        row["hetshard_even"] = priced(even_experts(plan))
+        blind = make_plan(program, cluster, global_batch=BATCH, shardings=False,
+                          options=PlannerOptions(time_limit_s=time_limit))
+        row["hetshard_blind"] = priced(blind)
+        no_ep = make_plan(program, cluster, global_batch=BATCH, shardings=False,
+                          options=dataclasses.replace(skewed, ep_options=(1,)))
+        row["hetshard_no_ep"] = priced(no_ep)
+        whole = profile_program(program)
+        a = ep_type_blind(program.name, whole, cluster, BATCH, SEQ, PlannerOptions())
+        row["ep_type_blind"] = priced(a) if a is not None else {"fits": False}
     return row
 
 
@@ -202,11 +260,18 @@ def main(argv=None):
         summary["min_over_ep_type_blind"] >= 1.3 and
         (summary["min_over_zebra"] is None or summary["min_over_zebra"] >= 1.0) and
         summary["rows_hetshard_fits"] == len(rows))
+    skew = None if args.quick else _skewed_row(args.time_limit)
+    if skew is not None:
+        print("skewed router " + "  ".join(
+            f"{k} {v['tokens_per_s']:.0f} tok/s{'' if v['fits'] else ' (does not fit)'}"
+            f" {v.get('experts', '')}" for k, v in skew.items() if isinstance(v, dict)),
+            flush=True)
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
     name = "moe_quick" if args.quick else "moe"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"rows": rows, "summary": summary, "seq_len": SEQ, "global_batch": BATCH,
+        json.dump({"rows": rows, "summary": summary, "skewed_router": skew,
+                   "seq_len": SEQ, "global_batch": BATCH,
                    "time_limit_s": args.time_limit,
                    "wall_time_s": time.perf_counter() - t0, "source": "simulated"}, f,
                   indent=1)

@@ -509,6 +509,22 @@ def moe(lines, data):
               + (f"{s['min_over_zebra']:.2f}x over (b) where it fits" if s["min_over_zebra"]
                  else "(b) fitting nowhere")
               + f"; targets met: {s['meets_targets']}.", ""]
+    skew = data.get("skewed_router")
+    if skew:
+        lines += [f"A skewed router: {skew['model']} on {skew['cluster']}, routing histogram "
+                  f"{skew['histogram']} (tokens per expert), every plan priced under it.",
+                  ""]
+        names = (("hetshard", "hetshard, planned with the histogram"),
+                 ("hetshard_even", "the same plan, experts even"),
+                 ("hetshard_blind", "hetshard, planned blind to the skew"),
+                 ("hetshard_no_ep", "hetshard without an expert axis"),
+                 ("ep_type_blind", "(a) type-blind EP"))
+        lines += _table(["plan", "tokens/s", "peak GB", "experts per rank"], [
+            [label, f"{skew[k]['tokens_per_s']:,.0f}" if skew[k].get("fits")
+             else "does not fit", f"{skew[k].get('peak_memory_gb', 0):.1f}",
+             " ".join(str(list(c)) for c in skew[k].get("experts", [])) or "-"]
+            for k, label in names if k in skew])
+        lines.append("")
 
 
 # The sections of docs/results.md in order: the JSON each reads, and how.
