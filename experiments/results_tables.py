@@ -522,7 +522,8 @@ def moe(lines, data):
         lines += _table(["plan", "tokens/s", "peak GB", "experts per rank"], [
             [label, f"{skew[k]['tokens_per_s']:,.0f}" if skew[k].get("fits")
              else "does not fit", f"{skew[k].get('peak_memory_gb', 0):.1f}",
-             " ".join(str(list(c)) for c in skew[k].get("experts", [])) or "-"]
+             " ".join(str(list(c)) if c else "even" for c in skew[k].get("experts", []))
+             or "no expert axis"]
             for k, label in names if k in skew])
         lines.append("")
 
