@@ -9,7 +9,7 @@ axis (a contiguous run of the stacked expert axis; ``counts[j]`` on rank ``j``, 
 where the plan says so):
 
 1. its routed rows (``k`` per token) are sorted by expert, so each rank's rows are one
-   run, and written into a send buffer of one slot block per rank;
+   run;
 2. an all-to-all over ``expert`` hands each rank the rows of its experts from every rank
    of its group, with each row's local expert;
 3. the received rows are sorted by local expert and the user's expert equations run on
@@ -18,13 +18,15 @@ where the plan says so):
 4. a second all-to-all returns each row's result to the device it came from, where it is
    put back in token order.
 
-Dropless (``capacity_factor`` None), a slot block holds every row a device could send a
-rank (all of its ``T * k``): exact, with buffers ``ranks`` times the routed rows. With a
-capacity factor ``c`` a block holds ``ceil(c * T * k / ranks)`` rows; rows past it are
+Dropless (``capacity_factor`` None), the exchanges are ``jax.lax.ragged_all_to_all``:
+each rank is sent only the rows routed to its experts, into a receive buffer that holds
+the worst case (every device's ``T * k`` rows: ``ranks`` times the routed rows). Exact.
+XLA:CPU has no ragged all-to-all ("UNIMPLEMENTED"), so on CPU devices a padded
+``all_to_all`` of one block per rank stands in for it (``_emulated_ragged``: the same
+result, with every block as long as the device's rows). With a capacity factor ``c``
+the exchange is padded: a block holds ``ceil(c * T * k / ranks)`` rows; rows past it are
 dropped (their output is zero, as a capacity-based layer drops a token), as MaxText's and
-GShard's capacity factor do. On GPUs the exchange could be a ``ragged_all_to_all`` sized by
-the counts; XLA:CPU has no such instruction, so the padded all-to-all is what runs
-everywhere here.
+GShard's capacity factor do.
 """
 
 from __future__ import annotations
@@ -186,6 +188,11 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
     relay = len(set(counts)) > 1 and sum(counts) % ranks == 0
 
     laid = sorted(prelaid)
+    # Dropless: the ragged all-to-all, which sends each rank only the rows it gets (on
+    # XLA:CPU, which lacks it, its emulation by the padded one); with a capacity: the
+    # padded blocks that cap each rank's rows.
+    ragged = capacity_factor is None
+    emulated = mesh.devices.flat[0].platform == "cpu"
 
     def body(tokens, ids, *rest):
         weights, others = list(rest[:n_w]), rest[n_w:len(rest) - len(laid)]
@@ -195,29 +202,28 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
             weights = [_placed(w, brought[j] if j in brought else _brought(w, counts, rank),
                                counts, rank) for j, w in enumerate(weights)]
         rows_n = ids.shape[0]
-        block = rows_n if capacity_factor is None else \
-            max(1, math.ceil(capacity_factor * rows_n / ranks))
         order = jnp.argsort(ids, stable=True)
         sorted_ids = ids[order]
         rows = tokens[order // k]
+        row_slot = jnp.asarray(slot)[sorted_ids]
         dest = jnp.asarray(owner)[sorted_ids]
         per_dest = jax.ops.segment_sum(jnp.ones_like(dest), dest, ranks)
         first = jnp.cumsum(per_dest) - per_dest
-        pos = jnp.arange(rows_n, dtype=jnp.int32) - first[dest]
-        # a row's place in the send buffer; past its block's capacity: nowhere (dropped)
-        where = jnp.where(pos < block, dest * block + pos, ranks * block)
-        send = jnp.zeros((ranks * block,) + rows.shape[1:], rows.dtype) \
-            .at[where].set(rows, mode="drop")
-        send_slot = jnp.full((ranks * block,), per_rank, jnp.int32) \
-            .at[where].set(jnp.asarray(slot)[sorted_ids], mode="drop")
-        got = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
-        got_slot = jax.lax.all_to_all(send_slot, "expert", 0, 0, tiled=True)
-        by_slot = jnp.argsort(got_slot, stable=True)  # empty slots (per_rank) last
-        sizes = jnp.bincount(got_slot, length=per_rank + 1)[:per_rank].astype(jnp.int32)
-        y = _run_chain(jaxpr, region, chain, got[by_slot], sizes, weights, others)
-        back = jnp.zeros_like(y).at[by_slot].set(y)
-        mine = jax.lax.all_to_all(back, "expert", 0, 0, tiled=True)
-        done = jnp.take(mine, where, axis=0, mode="fill", fill_value=0)
+
+        def compute(got, got_slot):  # the received rows' results, in received order
+            by_slot = jnp.argsort(got_slot, stable=True)  # empty slots (per_rank) last
+            sizes = jnp.bincount(got_slot, length=per_rank + 1)[:per_rank].astype(jnp.int32)
+            y = _run_chain(jaxpr, region, chain, got[by_slot], sizes, weights, others)
+            return jnp.zeros_like(y).at[by_slot].set(y)
+
+        if ragged:
+            done = _ragged_exchange(rows, row_slot, per_dest, first, per_rank, compute,
+                                    emulated)
+        else:
+            block = rows_n if capacity_factor is None else \
+                max(1, math.ceil(capacity_factor * rows_n / ranks))
+            done = _padded_exchange(rows, row_slot, dest, first, ranks, block, per_rank,
+                                    compute)
         return jnp.zeros_like(done).at[order].set(done)
 
     weight_spec = P("expert")
@@ -245,6 +251,66 @@ def expert_parallel(jaxpr, region, mesh, counts: tuple[int, ...], capacity_facto
                              check_vma=False)(*args)
 
     return run
+
+
+def _padded_exchange(rows, row_slot, dest, first, ranks: int, block: int, per_rank: int,
+                     compute):
+    """The exchange with one block of ``block`` rows per rank each way (rows past a
+    block dropped: their result zero): ``rows`` (sorted by ``dest``, rank ``j``'s run
+    starting at ``first[j]``) sent, ``compute`` run on what arrived, the results back in
+    ``rows``' order."""
+    pos = jnp.arange(rows.shape[0], dtype=jnp.int32) - first[dest]
+    where = jnp.where(pos < block, dest * block + pos, ranks * block)
+    send = jnp.zeros((ranks * block,) + rows.shape[1:], rows.dtype) \
+        .at[where].set(rows, mode="drop")
+    send_slot = jnp.full((ranks * block,), per_rank, jnp.int32) \
+        .at[where].set(row_slot, mode="drop")
+    got = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True)
+    got_slot = jax.lax.all_to_all(send_slot, "expert", 0, 0, tiled=True)
+    mine = jax.lax.all_to_all(compute(got, got_slot), "expert", 0, 0, tiled=True)
+    return jnp.take(mine, where, axis=0, mode="fill", fill_value=0)
+
+
+def _ragged_exchange(rows, row_slot, per_dest, first, per_rank: int, compute,
+                     emulated: bool):
+    """The dropless exchange by ``jax.lax.ragged_all_to_all``: each rank is sent only
+    the rows routed to it (rank ``j``'s run of ``rows``: ``first[j]``, ``per_dest[j]``
+    rows), written after those of the ranks before the sender; ``compute`` runs on what
+    arrived and the results go back the same way, into ``rows``' order. The receive
+    buffer holds the worst case (every rank's rows to one rank). ``emulated``: the
+    padded all-to-all stands in for the ragged one (XLA:CPU has none)."""
+    exchange = _emulated_ragged if emulated else jax.lax.ragged_all_to_all
+    ranks, rows_n = per_dest.shape[0], rows.shape[0]
+    cap = ranks * rows_n
+    recv = jax.lax.all_to_all(per_dest, "expert", 0, 0, tiled=True)  # from each rank
+    recv_first = jnp.cumsum(recv) - recv
+    # where this rank's run lands on each receiver, and where each receiver's results
+    # land back here
+    there = jax.lax.all_to_all(recv_first, "expert", 0, 0, tiled=True)
+    back_at = jax.lax.all_to_all(first, "expert", 0, 0, tiled=True)
+    got = exchange(rows, jnp.zeros((cap,) + rows.shape[1:], rows.dtype), first, per_dest,
+                   there, recv, axis_name="expert")
+    got_slot = exchange(row_slot, jnp.full((cap,), per_rank, jnp.int32), first, per_dest,
+                        there, recv, axis_name="expert")
+    y = compute(got, got_slot)
+    return exchange(y, jnp.zeros((rows_n,) + y.shape[1:], y.dtype), recv_first, recv,
+                    back_at, per_dest, axis_name="expert")
+
+
+def _emulated_ragged(operand, output, input_offsets, send_sizes, output_offsets,
+                     recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all``'s result (one slice per rank of ``axis_name``) by a
+    padded ``all_to_all``: every slice sent in a block as long as ``operand``."""
+    n = operand.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    take = jnp.clip(input_offsets[:, None] + idx[None, :], 0, n - 1)
+    blocks = jnp.take(operand, take.reshape(-1), axis=0)
+    got = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [ranks * n, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    # (rows of a block past its slice are never written: recv_sizes are the send_sizes)
+    keep = (idx[None, :] < recv_sizes[:, None]).reshape(-1)
+    pos = jnp.where(keep, (at[:, None] + idx[None, :]).reshape(-1), output.shape[0])
+    return output.at[pos].set(got, mode="drop")
 
 
 def _run_chain(jaxpr, region, chain, rows, sizes, weights, others):

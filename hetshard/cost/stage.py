@@ -43,11 +43,13 @@ copy and its gradient are held for the step),
 multiplies its grouped matmuls by the busiest rank's load over the mean (its share of
 the experts' tokens: from a measured routing histogram, ``ModelProfile.expert_loads``,
 else its share of the experts times ``router_skew``) and adds the runtime's four all-to-
-alls a step (dispatch and combine, forward and backward; six under full remat), each of
-the padded send buffer ``hetshard.collectives.experts`` sends: ``ep`` blocks of every
-local routed row dropless, ``capacity_factor`` times the routed rows with a capacity.
-The received rows (that buffer) are what the expert equations' backward keeps in place
-of the local rows, and the exchange's buffers are live during the layer.
+alls a step (dispatch and combine, forward and backward; six under full remat):
+dropless, ragged ones carrying the routed rows (the busiest rank receiving its load's
+share), into receive buffers of the worst case (``ep`` times the local routed rows); with
+a capacity, padded blocks of ``capacity_factor`` times the routed rows
+(``hetshard.collectives.experts``). The received rows (that buffer) are what the expert
+equations' backward keeps in place of the local rows, and the exchange's buffers are
+live during the layer.
 FSDP (ZeRO-3) adds a per-layer all-gather of parameters in
 forward and backward, overlapped with the layer's compute (slowed by
 ``overlap_interference`` of the hidden part), and turns the gradient all-reduce into a
@@ -471,6 +473,7 @@ class _ExpertShare:
         if not self.active:
             self.load, self.buffer_bytes, self.extra_residual_bytes = 1.0, 0.0, 0.0
             self.even, self.send_rows, self.divides, self.gathers = True, 0.0, True, False
+            self.sent_rows = 0.0
             return
         self.even = not counts or len(set(counts)) == 1
         self.counts = tuple(counts)
@@ -487,7 +490,11 @@ class _ExpertShare:
             self.load *= max(1.0, float(skew))
         rows = layer.routed_rows_per_sample * mbs  # this device's routed rows
         factor = ep if capacity_factor is None else float(capacity_factor)
-        self.send_rows = factor * rows
+        self.send_rows = factor * rows  # the buffers' rows
+        # the rows the busiest rank receives: dropless, the ragged all-to-all sends only
+        # the routed rows (that rank taking its load's share); with a capacity, the
+        # padded blocks
+        self.sent_rows = rows * self.load if capacity_factor is None else self.send_rows
         width = layer.routed_row_bytes + layer.routed_out_bytes
         # send and receive buffers of both directions, live during the layer
         self.buffer_bytes = 2 * self.send_rows * width
@@ -544,11 +551,11 @@ class _ExpertShare:
         return max(self.counts) * self._expert_copy_bytes()
 
     def exchange_s(self, topo: Topology, cal: Calibration, gpu: str) -> float:
-        """Dispatch and combine: two all-to-alls of the send buffer (each row's expert
+        """Dispatch and combine: two all-to-alls of the rows sent (each row's expert
         slot, an int32, rides with the dispatch)."""
         layer = self.layer
-        go = self.send_rows * (layer.routed_row_bytes + 4)
-        back = self.send_rows * layer.routed_out_bytes
+        go = self.sent_rows * (layer.routed_row_bytes + 4)
+        back = self.sent_rows * layer.routed_out_bytes
         return collective_time("all_to_all", go, topo, cal, gpu) + \
             collective_time("all_to_all", back, topo, cal, gpu)
 
