@@ -41,6 +41,9 @@ _EXPORTS = {
     "jit": "hetshard.jit",
     "plan": "hetshard.jit",
     "Plan": "hetshard.plan",
+    "PlannerOptions": "hetshard.solver.options",
+    "NoFeasiblePlanError": "hetshard.solver.options",
+    "PlannerTimeLimitWarning": "hetshard.solver.options",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -105,3 +108,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from hetshard.ir.program import Program  # noqa: F401
     from hetshard.jit import NonFiniteLossError, jit, plan  # noqa: F401
     from hetshard.plan import Plan  # noqa: F401
+    from hetshard.solver.options import (  # noqa: F401
+        NoFeasiblePlanError,
+        PlannerOptions,
+        PlannerTimeLimitWarning,
+    )

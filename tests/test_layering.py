@@ -107,3 +107,15 @@ def test_no_private_name_is_imported_across_packages():
                 if n.startswith("_") and not n.startswith("__") and name.split(".")[:2] != home:
                     offenders.append(f"{name} imports {module}.{n}")
     assert offenders == []
+
+
+def test_every_exported_name_resolves_and_what_a_planner_user_needs_is_exported():
+    """Each name in ``hetshard.__all__`` loads; the planner's options, its refusal and
+    its time-limit warning are among them (a user configures, catches and filters
+    them), the refusal a ``HetshardError``."""
+    from hetshard.solver import options
+    for name in hetshard.__all__:
+        assert getattr(hetshard, name) is not None, name
+    assert hetshard.PlannerOptions is options.PlannerOptions
+    assert issubclass(hetshard.NoFeasiblePlanError, hetshard.HetshardError)
+    assert issubclass(hetshard.PlannerTimeLimitWarning, UserWarning)
