@@ -17,7 +17,9 @@ per batch share. What the wrapper does depends on the :class:`StepContext` the c
 
 A step written with the plain transforms needs no change: while hetshard runs the step
 (:func:`user_step`), ``nnx.value_and_grad``, ``nnx.grad``, ``jax.value_and_grad`` and
-``jax.grad`` called from it are :func:`value_and_grad` and :func:`grad` wherever their
+``jax.grad`` called from it (in its thread: the ``jax`` and ``nnx`` modules answer those
+names per thread while a step runs, every other thread getting JAX's and Flax's own
+functions) are :func:`value_and_grad` and :func:`grad` wherever their
 arguments are ones these take (one argnum, no ``holomorphic``, ``allow_int`` or
 ``reduce_axes``) and are made by the user's code; other calls, those made by JAX, Flax
 or optax themselves, and every call made inside a loss being differentiated (a gradient
@@ -372,14 +374,51 @@ def _answer_by_name(found, answer: bool) -> None:
             where[key] = value
 
 
+def _resolver(module: str, previous):
+    """A module ``__getattr__`` answering the transforms' names per thread: hetshard's
+    dispatcher in a thread running a step (``StepContext.in_step``), JAX's or Flax's own
+    function in every other; other names go to the module's own ``__getattr__``."""
+    def __getattr__(name: str):
+        key = f"{module}.{name}"
+        if key in _ORIGINAL:
+            return _DISPATCHERS[key] if context().in_step else _ORIGINAL[key]
+        if previous is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return previous(name)
+    return __getattr__
+
+
+def _install() -> None:
+    """While any step runs: the transforms' names on ``jax`` and ``nnx`` resolved per
+    thread (:func:`_resolver`). The resolver is in place before the attributes leave
+    the module, and they are back before it goes, so no read ever misses."""
+    for module, mod in _MODULES.items():
+        previous = mod.__dict__.get("__getattr__")
+        _PATCHED.setdefault("previous", {})[module] = previous
+        mod.__getattr__ = _resolver(module, previous)
+    for name in _ORIGINAL:
+        module, attr = name.split(".")
+        _MODULES[module].__dict__.pop(attr, None)
+
+
+def _uninstall() -> None:
+    for name, fn in _ORIGINAL.items():
+        module, attr = name.split(".")
+        setattr(_MODULES[module], attr, fn)
+    for module, mod in _MODULES.items():
+        previous = _PATCHED["previous"].pop(module)
+        if previous is None:
+            del mod.__getattr__
+        else:
+            mod.__getattr__ = previous
+
+
 @contextlib.contextmanager
 def _intercepting(step: Callable | None = None):
     found = _bound_by_name(step) if step is not None else []
     with _PATCHED["lock"]:
         if _PATCHED["depth"] == 0:
-            for name, fn in _DISPATCHERS.items():
-                module, attr = name.split(".")
-                setattr(_MODULES[module], attr, fn)
+            _install()
         _PATCHED["depth"] += 1
         _answer_by_name(found, True)
     ctx = context()
@@ -393,9 +432,7 @@ def _intercepting(step: Callable | None = None):
             _answer_by_name(found, False)
             _PATCHED["depth"] -= 1
             if _PATCHED["depth"] == 0:
-                for name, fn in _ORIGINAL.items():
-                    module, attr = name.split(".")
-                    setattr(_MODULES[module], attr, fn)
+                _uninstall()
 
 
 # The wrappers of ``jax.jit`` and ``nnx.jit``: a step already under one is planned as the

@@ -562,6 +562,48 @@ def test_the_plain_transforms_are_hetshards_only_while_it_runs_the_step():
     assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
 
 
+def test_another_thread_sees_jax_and_flax_own_transforms_while_a_step_runs():
+    """While hetshard runs a step in one thread (held inside the step's body), another
+    thread reading ``jax.grad``, ``jax.value_and_grad``, ``nnx.value_and_grad`` and
+    ``nnx.grad`` (as attributes or by ``from ... import``) gets JAX's and Flax's own
+    functions, and their gradients; the step's thread gets hetshard's, and its loss
+    call is still found."""
+    import threading
+
+    originals = (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad)
+    inside, resume, seen = threading.Event(), threading.Event(), {}
+
+    def step(model, optimizer, batch):
+        seen["step"] = jax.grad is not originals[1] and nnx.grad is not originals[3]
+        inside.set()
+        assert resume.wait(60)
+        loss, grads = nnx.value_and_grad(user_models.lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    def other():
+        assert inside.wait(60)
+        from flax.nnx import value_and_grad
+        from jax import grad
+        seen["other"] = (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad)
+        seen["imported"] = (grad, value_and_grad)
+        seen["value"] = float(jax.grad(lambda x: x ** 3)(2.0))
+        resume.set()
+    _, args, _ = _fresh("transformer")
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        program = hetshard.Program(step, args)
+    finally:
+        resume.set()
+        thread.join(60)
+    assert seen["step"] and program.call is not None and not program.call_error
+    assert all(a is b for a, b in zip(seen["other"], originals, strict=True))
+    assert seen["imported"][0] is originals[1] and seen["imported"][1] is originals[2]
+    assert seen["value"] == 12.0
+    assert (jax.value_and_grad, jax.grad, nnx.value_and_grad, nnx.grad) == originals
+
+
 def test_the_tutorial_step_with_logits_as_aux_is_cut_and_joined():
     """Flax's tutorial step returns the logits as aux and feeds them to a metrics
     object. A plan that cuts the batch (micro-batches of a 2-stage pipeline, batch
