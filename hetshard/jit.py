@@ -292,6 +292,16 @@ def _same_arrays(refs, objects) -> bool:
         r() is x for r, x in zip(refs, leaves, strict=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """The step's state as last placed on one device set (``HetshardJit._state_on``):
+    weak references to the arrays it was placed from, the layout, and the copy."""
+
+    sources: tuple
+    shardings: object
+    state: object
+
+
 class _Signatures:
     """:func:`_signature`, fast for arguments seen before. Reading an NNX object's state
     walks its graph (about 40 us a node: some 10 ms for a small model's and optimizer's,
@@ -354,7 +364,7 @@ class HetshardJit:
         self._signature = _Signatures()
         # grads_under: the state as last placed on a device set, with weak references to
         # the arrays it was placed from (reused while the objects hold those arrays)
-        self._placed: dict = {}
+        self._placed: dict[tuple, _Placed] = {}
         self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
         # the non-finite policy's flag of steps made of micro-steps or passes (on the
         # devices that decide it: apply_grads's home, run_passes' first loss stage)
@@ -645,11 +655,13 @@ class HetshardJit:
             return put(step_state(program, others), shardings)
         where = tuple(sorted(d.id for d in mine[0].mesh.devices.flat))
         hit = self._placed.get(where)
-        if hit is not None and hit[1] is shardings and _same_arrays(hit[0], others):
-            return hit[2]
+        if hit is not None and hit.shardings is shardings and \
+                _same_arrays(hit.sources, others):
+            return hit.state
         self._placed.pop(where, None)  # the old copy goes before the new one is made
         placed = put(step_state(program, others), shardings)
-        self._placed[where] = (tuple(weakref.ref(x) for x in leaves), shardings, placed)
+        self._placed[where] = _Placed(tuple(weakref.ref(x) for x in leaves), shardings,
+                                      placed)
         return placed
 
     def apply_grads(self, value_and_grads, *args):
@@ -678,8 +690,8 @@ class HetshardJit:
                     {d.id for d in sh.device_set} == ids else home
             provided = put(value_and_grads, jax.tree.map(keep, value_and_grads))
             hit = placed.get(tuple(sorted(ids)))
-            state = hit[2] if hit is not None and _same_arrays(hit[0], others) else \
-                put(step_state(program, others), home)
+            state = hit.state if hit is not None and _same_arrays(hit.sources, others) \
+                else put(step_state(program, others), home)
             if sig not in self._apply:
                 self._apply[sig] = jax.jit(settled(
                     program, self.guard, self._carry, providing(program),

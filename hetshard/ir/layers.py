@@ -65,7 +65,7 @@ class LayerDiscoveryError(HetshardError, ValueError):
     """The program's layers cannot be found, or do not match the plan's."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Layering:
     """Layers of a traced loss.
 
@@ -113,8 +113,9 @@ class Layering:
             positions.append(p)
             index.append(len(names) - 1)
         eqn_layer = tuple(index[k] for k in self.eqn_layer)
-        return Layering(tuple(names), tuple(kinds), eqn_layer, tuple(stacks),
-                        tuple(positions), self.source, False)
+        return Layering(names=tuple(names), kinds=tuple(kinds), eqn_layer=eqn_layer,
+                        stacks=tuple(stacks), positions=tuple(positions),
+                        source=self.source, split_blocks=False)
 
     def describe(self) -> str:
         blocks = sum(1 for s in self.stacks if s >= 0)
@@ -514,8 +515,9 @@ def discover(closed, split_blocks: bool = False,
     eqn_layer = np.zeros(n, int)
     for k, (a, b) in enumerate(segments):
         eqn_layer[a:b] = k
-    return Layering(tuple(names), tuple(kinds), tuple(int(x) for x in eqn_layer),
-                    tuple(stacks), tuple(positions), source, split_blocks)
+    return Layering(names=tuple(names), kinds=tuple(kinds),
+                    eqn_layer=tuple(int(x) for x in eqn_layer), stacks=tuple(stacks),
+                    positions=tuple(positions), source=source, split_blocks=split_blocks)
 
 
 def _kind(sigs: Sequence[str]) -> str:

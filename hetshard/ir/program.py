@@ -627,8 +627,9 @@ class Program:
         closed, _ = self.loss_jaxpr(mbs)
         if self.call is None:
             n = len(closed.jaxpr.eqns)
-            return Layering(("step",), ("step",), (0,) * n, (-1,), (0,), "single",
-                            split_blocks)
+            return Layering(names=("step",), kinds=("step",), eqn_layer=(0,) * n,
+                            stacks=(-1,), positions=(0,), source="single",
+                            split_blocks=split_blocks)
         if not split_blocks:
             return self.layering(mbs, True).whole()
         if mbs != 2:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -189,8 +190,22 @@ def _specs(bq, bk, sq, skv, d, group):
     return qb, kv_full, qvec, posq, posk
 
 
-def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg):
-    scale, causal, has_seg, bq, bk, interpret, poison = cfg
+class _Config(NamedTuple):
+    """The static settings of one flash call (hashable: ``custom_vjp``'s
+    non-differentiated argument)."""
+
+    scale: float
+    causal: bool
+    has_seg: bool  # segment ids given (packed rows)
+    block_q: int
+    block_k: int
+    interpret: bool
+    poison: bool
+
+
+def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg: _Config):
+    scale, causal, has_seg = cfg.scale, cfg.causal, cfg.has_seg
+    bq, bk, interpret, poison = cfg.block_q, cfg.block_k, cfg.interpret, cfg.poison
     b, h, sq, d = q.shape
     skv, group = k.shape[2], h // k.shape[1]
     qb, kv_full, qvec, posq, posk = _specs(bq, bk, sq, skv, d, group)
@@ -215,8 +230,9 @@ def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, cfg):
     return (o, lse), (q, k, v, qpos, kpos, qseg, kseg, o, lse)
 
 
-def _flash_bwd(cfg, res, cts):
-    scale, causal, has_seg, bq, bk, interpret, poison = cfg
+def _flash_bwd(cfg: _Config, res, cts):
+    scale, causal, has_seg = cfg.scale, cfg.causal, cfg.has_seg
+    bq, bk, interpret, poison = cfg.block_q, cfg.block_k, cfg.interpret, cfg.poison
     q, k, v, qpos, kpos, qseg, kseg, o, lse = res
     do, dlse = cts
     b, h, sq, d = q.shape
@@ -288,7 +304,8 @@ def _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids, kv_segment_i
     kseg = (kv_segment_ids if kv_segment_ids is not None else segment_ids) if has_seg \
         else jnp.zeros((b, skv), jnp.int32)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    cfg = (scale, bool(causal), has_seg, bq, bk, use_interpret, bool(poison))
+    cfg = _Config(scale=scale, causal=bool(causal), has_seg=has_seg, block_q=bq,
+                  block_k=bk, interpret=use_interpret, poison=bool(poison))
     arrays = (_pad(jnp.swapaxes(q, 1, 2), 2, sq_p), _pad(jnp.swapaxes(k, 1, 2), 2, skv_p),
               _pad(jnp.swapaxes(v, 1, 2), 2, skv_p),
               _pad(q_positions.astype(jnp.int32), 1, sq_p, -1),
