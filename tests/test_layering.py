@@ -119,3 +119,12 @@ def test_every_exported_name_resolves_and_what_a_planner_user_needs_is_exported(
     assert hetshard.PlannerOptions is options.PlannerOptions
     assert issubclass(hetshard.NoFeasiblePlanError, hetshard.HetshardError)
     assert issubclass(hetshard.PlannerTimeLimitWarning, UserWarning)
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md lists each module of the package (a new module gets its
+    line there)."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in page]
+    assert missing == []
