@@ -213,9 +213,3 @@ class GPT(nnx.Module):
         with jax.named_scope("decoder/embed"):
             x_bsd = self.embed_tokens(tokens_bs)
         return self.decode(x_bsd, positions_bs=positions_bs, segment_ids_bs=segment_ids_bs)
-
-
-def preset(name: str) -> GPTConfig:
-    """A GPT/LLaMA preset by name (``gpt-1.3b``, ``llama-7b``, ``gpt-tiny``...)."""
-    from models.presets import preset_of_family
-    return preset_of_family(name, GPTConfig)

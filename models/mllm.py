@@ -199,9 +199,3 @@ def pack(samples: Sequence[dict], *, config: MLLMConfig, seq_len: int, images_pe
             at += n
             img_at += len(imgs)
     return out
-
-
-def preset(name: str) -> MLLMConfig:
-    """An MLLM preset by name (``llava-7b``, ``llava-tiny``)."""
-    from models.presets import preset_of_family
-    return preset_of_family(name, MLLMConfig)

@@ -90,12 +90,3 @@ PUBLISHED_PARAMS = {
     "llava-7b": (7.06e9, "LLAVA"), "mixtral-8x7b": (46.7e9, "MIXTRAL"),
     "deepseekmoe-16b": (16.4e9, "DSMOE"),
 }
-
-
-def preset_of_family(name: str, cls: type):
-    """The preset ``name``, which must be a ``cls`` config."""
-    from hetshard.errors import UnknownNameError
-    known = [n for n, c in PRESETS.items() if isinstance(c, cls)]
-    if name not in known:
-        raise UnknownNameError("preset", name, known, where=cls.__name__)
-    return PRESETS[name]

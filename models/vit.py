@@ -122,9 +122,3 @@ class ViT(nnx.Module):
             if self.head is not None:
                 return self.head(x[:, 0]).astype(jnp.float32)
         return x
-
-
-def preset(name: str) -> ViTConfig:
-    """A ViT preset by name (``vit-b16``, ``vit-l14``, ``vit-tiny``)."""
-    from models.presets import preset_of_family
-    return preset_of_family(name, ViTConfig)

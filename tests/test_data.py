@@ -406,7 +406,7 @@ def test_multimodal_packed_arrays_equal_the_models_own_packer():
     from hetshard.data import target_count
     from models.mllm import pack as mllm_pack
 
-    config = models.mllm.preset("llava-tiny")
+    config = models.resolve("llava-tiny")
     samples = _mm_samples(np.random.default_rng(0), ((13, 1), (7, 0), (5, 2), (3, 1)))
     want = mllm_pack(samples, config=config, seq_len=64, images_per_row=4)
     n = [s["tokens"].size for s in samples]

@@ -64,7 +64,7 @@ def test_lm_forward_shapes_and_training(name, rng):
 
 
 def test_vit_classifier_trains(rng):
-    cfg = dataclasses.replace(models.vit.preset("vit-tiny"), num_classes=3)
+    cfg = dataclasses.replace(models.resolve("vit-tiny"), num_classes=3)
     model = models.build(cfg)
     labels = rng.integers(0, 3, 8)
     images = rng.normal(size=(8, 16, 16, 3)).astype(np.float32) + labels[:, None, None, None]
@@ -115,7 +115,7 @@ def test_mllm_packing_keeps_samples_independent(rng):
 
 
 def test_pack_rejects_bad_samples(rng):
-    c = models.mllm.preset("llava-tiny")
+    c = models.resolve("llava-tiny")
     s = _sample(rng, c, 1, 5)
     with pytest.raises(hetshard.SpecError, match="image slots"):
         pack([{"tokens": s["tokens"][:-20], "images": s["images"]}], config=c, seq_len=64,
