@@ -15,7 +15,7 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from hetshard._version import __version__ as __version__
 
 _EXPORTS = {
     "nn": None,  # the submodule itself

@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetshard import __version__, cache
+from hetshard import cache
+from hetshard._version import __version__
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
 from hetshard.collectives import put

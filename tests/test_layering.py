@@ -130,3 +130,20 @@ def test_the_architecture_page_names_every_module():
     missing = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
                if p.name != "__init__.py" and p.name not in page]
     assert missing == []
+
+
+def test_no_module_reads_a_name_from_the_package_itself():
+    """No arrow back up: a module imports the package's submodules, never a name the
+    package's ``__init__`` defines (``from hetshard import __version__`` would run the
+    package's face from inside it)."""
+    known = _modules()
+    up = []
+    for name, path in known.items():
+        if path.name == "__init__.py" and name == "hetshard":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "hetshard" and \
+                    not node.level:
+                up += [f"{name}: {a.name}" for a in node.names
+                       if f"hetshard.{a.name}" not in known]
+    assert up == []

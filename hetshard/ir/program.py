@@ -55,8 +55,8 @@ from hetshard.ir.samples import (
     unfollowed,
 )
 from hetshard.ir.trace import trace
+from hetshard.ir.unroll import unroll_scans, unrolled_jaxpr
 from hetshard.plan import DTYPES
-from hetshard.rewrite.unroll import unroll_scans, unrolled_jaxpr
 
 _INT_KINDS = ("i", "u")
 # How a loss's values reduced over the batch and put through a non-linear function (a
@@ -441,7 +441,7 @@ class Program:
     def loss_flat(self):
         """The recorded loss on flat leaves (what ``hetshard.value_and_grad``
         differentiates), for one micro-batch: ``loss_flat(state_leaves, batch_leaves)``,
-        its stacks of scanned blocks unrolled (``hetshard.rewrite.unroll``)."""
+        its stacks of scanned blocks unrolled (``hetshard.ir.unroll``)."""
         return unroll_scans(self._loss_flat)
 
     def _loss_flat(self, state_leaves, batch_leaves):
