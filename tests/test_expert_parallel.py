@@ -419,6 +419,17 @@ def test_zebra_puts_every_expert_half_on_the_older_type():
                 assert st.gpu == "A100-80GB" and not any(experts)
 
 
+def _mixtral_on_a100_v100():
+    """Mixtral-8x7B's float16 step (shape-only, 4096 tokens) and two A100 nodes and two
+    V100 nodes, 100 Gb/s between the types."""
+    from models import steps
+    group = {"nodes": 2, "gpus_per_node": 8}
+    return (steps.program("mixtral-8x7b", seq_len=4096, dtype="float16"),
+            Cluster.load({"name": "a100+v100-x32", "inter_group_gbs": 12.5, "groups": [
+                {"name": "a100", "gpu": "A100-80GB", **group},
+                {"name": "v100", "gpu": "V100-32GB", **group}]}))
+
+
 @pytest.mark.slow
 def test_the_planner_chooses_expert_parallelism_where_experts_are_large():
     """Mixtral-8x7B (45 B of its 46.7 B parameters in experts) on two A100 nodes and two
@@ -428,12 +439,7 @@ def test_the_planner_chooses_expert_parallelism_where_experts_are_large():
     import warnings
 
     from hetshard.solver import PlannerOptions, make_plan
-    from models import steps
-    program = steps.program("mixtral-8x7b", seq_len=4096, dtype="float16")
-    group = {"nodes": 2, "gpus_per_node": 8}
-    cluster = Cluster.load({"name": "a100+v100-x32", "inter_group_gbs": 12.5, "groups": [
-        {"name": "a100", "gpu": "A100-80GB", **group},
-        {"name": "v100", "gpu": "V100-32GB", **group}]})
+    program, cluster = _mixtral_on_a100_v100()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # (limits a loaded machine still finishes the search in: a search cut short
@@ -461,12 +467,7 @@ def test_the_planner_places_large_experts_unevenly_under_a_skewed_router():
     from hetshard.solver import PlannerOptions, make_plan
     from hetshard.solver.evaluator import Evaluator
     from hetshard.solver.variants import even_experts
-    from models import steps
-    program = steps.program("mixtral-8x7b", seq_len=4096, dtype="float16")
-    group = {"nodes": 2, "gpus_per_node": 8}
-    cluster = Cluster.load({"name": "a100+v100-x32", "inter_group_gbs": 12.5, "groups": [
-        {"name": "a100", "gpu": "A100-80GB", **group},
-        {"name": "v100", "gpu": "V100-32GB", **group}]})
+    program, cluster = _mixtral_on_a100_v100()
     hist = (3, 3, 1, 1, 1, 1, 1, 1)
     options = PlannerOptions(time_limit_s=120, routing_histogram=hist)
     with warnings.catch_warnings():
