@@ -29,21 +29,32 @@ _EXPORTS = {
     "DeviceType": "hetshard.cluster",
     "Group": "hetshard.cluster",
     "init_distributed": "hetshard.distributed",
-    "DeviceBindingError": "hetshard.errors",
-    "HetshardError": "hetshard.errors",
-    "SpecError": "hetshard.errors",
-    "SpecParseError": "hetshard.errors",
-    "UnknownNameError": "hetshard.errors",
     "Program": "hetshard.ir.program",
-    "NonFiniteLossError": "hetshard.jit",
-    "StepTraceError": "hetshard.jit",
-    "PlanNotExecutableError": "hetshard.errors",
     "jit": "hetshard.jit",
     "plan": "hetshard.jit",
     "Plan": "hetshard.plan",
     "PlannerOptions": "hetshard.solver.options",
-    "NoFeasiblePlanError": "hetshard.solver.options",
-    "PlannerTimeLimitWarning": "hetshard.solver.options",
+    # errors and warnings (all defined in hetshard.errors)
+    "HetshardError": "hetshard.errors",
+    "SpecError": "hetshard.errors",
+    "SpecParseError": "hetshard.errors",
+    "UnknownNameError": "hetshard.errors",
+    "DeviceBindingError": "hetshard.errors",
+    "PlanNotExecutableError": "hetshard.errors",
+    "PipelineSetupError": "hetshard.errors",
+    "StageSplitError": "hetshard.errors",
+    "LayerDiscoveryError": "hetshard.errors",
+    "LossCallError": "hetshard.errors",
+    "StepTraceError": "hetshard.errors",
+    "NonFiniteLossError": "hetshard.errors",
+    "NoFeasiblePlanError": "hetshard.errors",
+    "CheckpointError": "hetshard.errors",
+    "CheckpointCorruptError": "hetshard.errors",
+    "DistributedError": "hetshard.errors",
+    "PlannerTimeLimitWarning": "hetshard.errors",
+    "PlannerMemoryWarning": "hetshard.errors",
+    "PrecisionWarning": "hetshard.errors",
+    "StragglerWarning": "hetshard.errors",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -98,18 +109,28 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group  # noqa: F401
     from hetshard.distributed import init_distributed  # noqa: F401
     from hetshard.errors import (  # noqa: F401
+        CheckpointCorruptError,
+        CheckpointError,
         DeviceBindingError,
+        DistributedError,
         HetshardError,
+        LayerDiscoveryError,
+        LossCallError,
+        NoFeasiblePlanError,
+        NonFiniteLossError,
+        PipelineSetupError,
+        PlannerMemoryWarning,
+        PlannerTimeLimitWarning,
         PlanNotExecutableError,
+        PrecisionWarning,
         SpecError,
         SpecParseError,
+        StageSplitError,
+        StepTraceError,
+        StragglerWarning,
         UnknownNameError,
     )
     from hetshard.ir.program import Program  # noqa: F401
-    from hetshard.jit import NonFiniteLossError, jit, plan  # noqa: F401
+    from hetshard.jit import jit, plan  # noqa: F401
     from hetshard.plan import Plan  # noqa: F401
-    from hetshard.solver.options import (  # noqa: F401
-        NoFeasiblePlanError,
-        PlannerOptions,
-        PlannerTimeLimitWarning,
-    )
+    from hetshard.solver.options import PlannerOptions  # noqa: F401

@@ -45,12 +45,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetshard.errors import HetshardError
-
-
-class LossCallError(HetshardError, ValueError):
-    """The step's ``hetshard.value_and_grad`` call cannot be cut per micro-batch (the
-    message says why and what would work)."""
+from hetshard.errors import (
+    LossCallError,  # noqa: F401 (re-exported)
+)
 
 
 @dataclasses.dataclass(frozen=True)

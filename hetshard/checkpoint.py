@@ -34,23 +34,11 @@ import numpy as np
 from flax import nnx
 
 from hetshard.autodiff import is_graph
-from hetshard.errors import HetshardError, SpecError
+from hetshard.errors import CheckpointCorruptError, CheckpointError, HetshardError, SpecError  # noqa: F401 (re-exported)
 from hetshard.plan import Plan
 
 MANIFEST = "hetshard-manifest.json"
 _TMP_MARK = "orbax-checkpoint-tmp"  # Orbax's name for a save not yet renamed into place
-
-
-class CheckpointError(HetshardError, RuntimeError):
-    """A checkpoint could not be saved or restored."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint's files differ from what was saved (``step``, ``path``)."""
-
-    def __init__(self, step: int, path: str, why: str, message: str | None = None):
-        self.step, self.path = step, path
-        super().__init__(message or f"checkpoint step {step} is corrupt: {path}: {why}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,10 @@ import threading
 import time
 import traceback
 
-from hetshard.errors import HetshardError, check_positive
+from hetshard.errors import (
+    DistributedError,  # noqa: F401 (re-exported)
+    check_positive,
+)
 
 ENV_COORDINATOR = "HETSHARD_COORDINATOR"
 ENV_NUM_PROCESSES = "HETSHARD_NUM_PROCESSES"
@@ -44,10 +47,6 @@ ENV_RESTART = "HETSHARD_RESTART"
 _SCHEDULER_VARS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "KUBERNETES_SERVICE_HOST",
                    "JAX_COORDINATOR_ADDRESS")
 _STATE = {"initialised": False}
-
-
-class DistributedError(HetshardError, RuntimeError):
-    """Processes that disagree, never arrive or die."""
 
 
 def timeout_s() -> int:

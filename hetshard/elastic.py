@@ -26,7 +26,10 @@ import numpy as np
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
-from hetshard.errors import SpecError
+from hetshard.errors import (
+    SpecError,
+    StragglerWarning,  # noqa: F401 (re-exported)
+)
 from hetshard.plan import Plan
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan
@@ -150,7 +153,3 @@ class StragglerMonitor:
                       f"step {old:.3g} s -> {new:.3g} s ({out.gain:.2f}x): "
                       f"{new_plan.summary()}", StragglerWarning, stacklevel=2)
         return out
-
-
-class StragglerWarning(UserWarning):
-    """A straggler was found and a new plan made (the message says which, and the gain)."""

@@ -1,4 +1,5 @@
-"""The errors hetshard raises for bad input.
+"""The errors and warnings hetshard raises, all in one place (``hetshard`` exports them;
+the modules that raise them import them from here).
 
 Every error a user can trigger is a subclass of :class:`HetshardError`, and
 also of the builtin exception a Python programmer would expect (``ValueError``
@@ -71,6 +72,74 @@ class PlanNotExecutableError(HetshardError, ValueError):
 
 class DeviceBindingError(HetshardError, RuntimeError):
     """A cluster spec cannot be mapped onto the JAX devices that exist."""
+
+
+class PipelineSetupError(HetshardError, ValueError):
+    """The step cannot run under this plan's pipelines (the message says why and what
+    would work)."""
+
+
+class NonFiniteLossError(HetshardError, FloatingPointError):
+    """The step's loss or gradients are not finite (``nan_policy="raise"``)."""
+
+
+class CouplingError(HetshardError, ValueError):
+    """A large value of one stage is read by another stage's update."""
+
+
+class StepTraceError(HetshardError, RuntimeError):
+    """The user's step (or its model) raised while hetshard traced it on the arguments it
+    was called with; the step's own exception is chained as the cause."""
+
+
+class StragglerWarning(UserWarning):
+    """A straggler was found and a new plan made (the message says which, and the gain)."""
+
+
+class NoFeasiblePlanError(HetshardError, ValueError):
+    """No plan in the search space fits the cluster's memory (or divides the batch)."""
+
+
+class PlannerTimeLimitWarning(UserWarning):
+    """The time limit cut the search: the plan is the best found, with its gap."""
+
+
+class PlannerMemoryWarning(UserWarning):
+    """The plan, priced under its solved parameter layouts, no longer fits memory."""
+
+
+class LayerDiscoveryError(HetshardError, ValueError):
+    """The program's layers cannot be found, or do not match the plan's."""
+
+
+class CheckpointError(HetshardError, RuntimeError):
+    """A checkpoint could not be saved or restored."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files differ from what was saved (``step``, ``path``)."""
+
+    def __init__(self, step: int, path: str, why: str, message: str | None = None):
+        self.step, self.path = step, path
+        super().__init__(message or f"checkpoint step {step} is corrupt: {path}: {why}")
+
+
+class LossCallError(HetshardError, ValueError):
+    """The step's ``hetshard.value_and_grad`` call cannot be cut per micro-batch (the
+    message says why and what would work)."""
+
+
+class PrecisionWarning(UserWarning):
+    """Some GPUs of the cluster lack tensor cores for the compute dtype and are priced
+    (and run) at a slower rate."""
+
+
+class DistributedError(HetshardError, RuntimeError):
+    """Processes that disagree, never arrive or die."""
+
+
+class StageSplitError(HetshardError, ValueError):
+    """The loss cannot be split at the plan's layer boundaries."""
 
 
 def check_positive(field: str, value: Any, *, integer: bool = False, where: str = "") -> Any:

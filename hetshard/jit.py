@@ -45,7 +45,11 @@ from hetshard.collectives import put
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
-from hetshard.errors import HetshardError, SpecError
+from hetshard.errors import (
+    HetshardError,
+    SpecError,
+    StepTraceError,  # noqa: F401 (re-exported)
+)
 from hetshard.ir.program import (
     BATCH_REDUCTIONS,
     Program,
@@ -79,11 +83,6 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
 from hetshard.solver.shardings import expert_shardings, fill_missing_shardings
-
-
-class StepTraceError(HetshardError, RuntimeError):
-    """The user's step (or its model) raised while hetshard traced it on the arguments it
-    was called with; the step's own exception is chained as the cause."""
 
 
 @contextlib.contextmanager
@@ -775,5 +774,3 @@ class HetshardJit:
         self.pinned = self.plan = replan.plan
         self._compiled.clear()
         self._bound = None
-
-

@@ -21,7 +21,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from hetshard.errors import SpecError, UnknownNameError, check_positive
+from hetshard.errors import (
+    PrecisionWarning,  # noqa: F401 (re-exported)
+    SpecError,
+    UnknownNameError,
+    check_positive,
+)
 
 
 def _share(field: str, value, where: str = ""):
@@ -374,11 +379,6 @@ _INLINE_FIELDS = {"name", "bf16_tflops", "fp16_tflops", "fp32_tflops", "tf32_tfl
                   "attention_tflops", "memory_gb", "memory_mib", "memory_gbs",
                   "intra_node_gbs", "inter_node_gbs", "vendor", "sms", "matmul_eff",
                   "compute_capability", "gemm_tflops", "host_link_gbs", "host_memory_gb"}
-
-
-class PrecisionWarning(UserWarning):
-    """Some GPUs of the cluster lack tensor cores for the compute dtype and are priced
-    (and run) at a slower rate."""
 
 
 def warn_precision_fallback(cluster, dtype: str, stacklevel: int = 3,

@@ -46,7 +46,9 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as ext
 
-from hetshard.errors import HetshardError
+from hetshard.errors import (
+    LayerDiscoveryError,  # noqa: F401 (re-exported)
+)
 
 # A named-scope component that indexes a family of blocks: layer_3, block3, h.3, 3.
 _INDEXED = re.compile(r"^(?P<family>.*?)[_.\-]?(?P<i>\d+)$")
@@ -59,10 +61,6 @@ _MIN_BLOCK_SHARE = 0.002
 _NESTED_SHARE = 0.7
 # A stretch without repeats is cut into pieces of about a block's flops, at most this many.
 MAX_COST_LAYERS = 32
-
-
-class LayerDiscoveryError(HetshardError, ValueError):
-    """The program's layers cannot be found, or do not match the plan's."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

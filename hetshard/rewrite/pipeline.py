@@ -31,7 +31,9 @@ import numpy as np
 from jax._src import core as jcore
 from jax.extend import core as ext
 
-from hetshard.errors import HetshardError
+from hetshard.errors import (
+    StageSplitError,  # noqa: F401 (re-exported)
+)
 from hetshard.ir.attention_patterns import (
     attention_call,
     contains_attention,
@@ -47,10 +49,6 @@ from hetshard.offload import check_offload
 from hetshard.remat import ATTENTION as ATTENTION_NODE
 from hetshard.remat import OTHER, WEIGHT, check_remat, kept_projections, projection_roles
 from hetshard.rewrite.attention import attention_runner
-
-
-class StageSplitError(HetshardError, ValueError):
-    """The loss cannot be split at the plan's layer boundaries."""
 
 
 def _inexact(aval) -> bool:

@@ -24,15 +24,13 @@ import dataclasses
 
 from jax.extend import core as ext
 
-from hetshard.errors import HetshardError
+from hetshard.errors import (
+    CouplingError,  # noqa: F401 (re-exported)
+    )
 from hetshard.ir.dependencies import cond_reads, size_of
 from hetshard.ir.interpret import eval_equations
 
 SMALL = 64  # elements: what stages trade (norms, sums of squares), never tensors
-
-
-class CouplingError(HetshardError, ValueError):
-    """A large value of one stage is read by another stage's update."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,10 @@ import numpy as np
 from jax.extend import core as ext
 
 from hetshard.autodiff import all_finite
-from hetshard.errors import HetshardError, SpecError
+from hetshard.errors import (
+    NonFiniteLossError,  # noqa: F401 (re-exported)
+    SpecError,
+)
 from hetshard.ir.interpret import eval_equations, needed_equations
 from hetshard.ir.program import Program, path_string
 from hetshard.runtime.precision import DynamicLossScale, log
@@ -67,10 +70,6 @@ def donates(kind: str, nan_policy: str, platform: str) -> bool:
     (``experiments/memory_fit.py``). The simulator prices the same choice
     (``hetshard.sim.simulator.update_kind``)."""
     return kind == "nnx" and (nan_policy == "apply" or platform != "cpu")
-
-
-class NonFiniteLossError(HetshardError, FloatingPointError):
-    """The step's loss or gradients are not finite (``nan_policy="raise"``)."""
 
 
 @dataclasses.dataclass

@@ -19,14 +19,11 @@ import dataclasses
 
 import jax
 
-from hetshard.errors import HetshardError
+from hetshard.errors import (
+    PipelineSetupError,  # noqa: F401 (re-exported)
+)
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.runtime.exchange import SMALL, CouplingError, Exchange, plan_exchange
-
-
-class PipelineSetupError(HetshardError, ValueError):
-    """The step cannot run under this plan's pipelines (the message says why and what
-    would work)."""
 
 
 @dataclasses.dataclass(frozen=True)

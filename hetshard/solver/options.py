@@ -8,22 +8,15 @@ import math
 from hetshard.cluster.catalog import GPU_DTYPE_POLICIES, gpu_dtypes
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
-from hetshard.errors import HetshardError, SpecError
+from hetshard.errors import (  # noqa: F401 (re-exported)
+    HetshardError,
+    NoFeasiblePlanError,
+    PlannerMemoryWarning,
+    PlannerTimeLimitWarning,
+    SpecError,
+)
 from hetshard.offload import ACTIVATION_REMATS, option_key, parse_option
 from hetshard.remat import REMATS, check_remat
-
-
-class NoFeasiblePlanError(HetshardError, ValueError):
-    """No plan in the search space fits the cluster's memory (or divides the batch)."""
-
-
-class PlannerTimeLimitWarning(UserWarning):
-    """The time limit cut the search: the plan is the best found, with its gap."""
-
-
-class PlannerMemoryWarning(UserWarning):
-    """The plan, priced under its solved parameter layouts, no longer fits memory."""
-
 
 # How a family of several GPU types orders its stages (``_orders``).
 STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
