@@ -1,5 +1,19 @@
 """hetshard: a JAX sharding compiler for clusters that mix GPU generations.
 
+The core, in the order a user meets it:
+
+* ``jit(step, cluster=...)``: plan and run an ordinary NNX train step;
+* ``plan(step, *args, cluster=...)``: the plan ``jit`` would run, without running it;
+* ``Plan`` (the one contract between planner, simulator and runtime; JSON) and
+  ``PlannerOptions`` (what the planner may choose);
+* ``Cluster``: the GPUs, from a preset name or a spec file;
+* ``value_and_grad`` / ``grad``: the loss spelled out, where a step's own transform is
+  not seen.
+
+Then the periphery: ``Program`` (a traced step), the cluster's parts, the ``nn``,
+``data`` and ``checkpoint`` modules, ``init_distributed``, and the errors and warnings
+(all from ``hetshard.errors``). ``__all__`` lists them in that order.
+
 The public surface is what this module exports; everything else is importable
 but not promised. Exports load on first use (PEP 562), so ``hetshard --help`` and the
 plan/cluster file tools start without importing JAX.
@@ -18,22 +32,24 @@ from typing import TYPE_CHECKING
 from hetshard._version import __version__ as __version__
 
 _EXPORTS = {
-    "nn": None,  # the submodule itself
-    "data": None,
-    "checkpoint": None,
-    "value_and_grad": "hetshard.autodiff",
-    "grad": "hetshard.autodiff",
-    "CATALOG": "hetshard.cluster",
-    "BoundCluster": "hetshard.cluster",
-    "Cluster": "hetshard.cluster",
-    "DeviceType": "hetshard.cluster",
-    "Group": "hetshard.cluster",
-    "init_distributed": "hetshard.distributed",
-    "Program": "hetshard.ir.program",
+    # the core
     "jit": "hetshard.jit",
     "plan": "hetshard.jit",
     "Plan": "hetshard.plan",
     "PlannerOptions": "hetshard.solver.options",
+    "Cluster": "hetshard.cluster",
+    "value_and_grad": "hetshard.autodiff",
+    "grad": "hetshard.autodiff",
+    # the periphery
+    "Program": "hetshard.ir.program",
+    "CATALOG": "hetshard.cluster",
+    "BoundCluster": "hetshard.cluster",
+    "DeviceType": "hetshard.cluster",
+    "Group": "hetshard.cluster",
+    "nn": None,  # the submodule itself
+    "data": None,
+    "checkpoint": None,
+    "init_distributed": "hetshard.distributed",
     # errors and warnings (all defined in hetshard.errors)
     "HetshardError": "hetshard.errors",
     "SpecError": "hetshard.errors",
@@ -57,7 +73,7 @@ _EXPORTS = {
     "StragglerWarning": "hetshard.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [*_EXPORTS, "__version__"]  # (core first, as listed above)
 
 
 def __getattr__(name: str):
