@@ -45,9 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetshard.errors import (
-    LossCallError,  # noqa: F401 (re-exported)
-)
+from hetshard.errors import LossCallError
 
 
 @dataclasses.dataclass(frozen=True)

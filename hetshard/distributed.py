@@ -35,7 +35,7 @@ import time
 import traceback
 
 from hetshard.errors import (
-    DistributedError,  # noqa: F401 (re-exported)
+    DistributedError,
     check_positive,
 )
 

@@ -28,7 +28,7 @@ from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.errors import (
     SpecError,
-    StragglerWarning,  # noqa: F401 (re-exported)
+    StragglerWarning,
 )
 from hetshard.plan import Plan
 from hetshard.sim import simulate

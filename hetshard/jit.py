@@ -48,7 +48,7 @@ from hetshard.distributed import agree, from_first
 from hetshard.errors import (
     HetshardError,
     SpecError,
-    StepTraceError,  # noqa: F401 (re-exported)
+    StepTraceError,
 )
 from hetshard.ir.program import (
     BATCH_REDUCTIONS,

@@ -22,7 +22,7 @@ import dataclasses
 import re
 
 from hetshard.errors import (
-    PrecisionWarning,  # noqa: F401 (re-exported)
+    PrecisionWarning,
     SpecError,
     UnknownNameError,
     check_positive,

@@ -46,9 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as ext
 
-from hetshard.errors import (
-    LayerDiscoveryError,  # noqa: F401 (re-exported)
-)
+from hetshard.errors import LayerDiscoveryError
 
 # A named-scope component that indexes a family of blocks: layer_3, block3, h.3, 3.
 _INDEXED = re.compile(r"^(?P<family>.*?)[_.\-]?(?P<i>\d+)$")

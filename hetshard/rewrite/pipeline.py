@@ -31,9 +31,7 @@ import numpy as np
 from jax._src import core as jcore
 from jax.extend import core as ext
 
-from hetshard.errors import (
-    StageSplitError,  # noqa: F401 (re-exported)
-)
+from hetshard.errors import StageSplitError
 from hetshard.ir.attention_patterns import (
     attention_call,
     contains_attention,

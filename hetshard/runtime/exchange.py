@@ -25,7 +25,7 @@ import dataclasses
 from jax.extend import core as ext
 
 from hetshard.errors import (
-    CouplingError,  # noqa: F401 (re-exported)
+    CouplingError,
     )
 from hetshard.ir.dependencies import cond_reads, size_of
 from hetshard.ir.interpret import eval_equations

@@ -41,7 +41,7 @@ from jax.extend import core as ext
 
 from hetshard.autodiff import all_finite
 from hetshard.errors import (
-    NonFiniteLossError,  # noqa: F401 (re-exported)
+    NonFiniteLossError,
     SpecError,
 )
 from hetshard.ir.interpret import eval_equations, needed_equations

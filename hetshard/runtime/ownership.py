@@ -19,9 +19,7 @@ import dataclasses
 
 import jax
 
-from hetshard.errors import (
-    PipelineSetupError,  # noqa: F401 (re-exported)
-)
+from hetshard.errors import PipelineSetupError
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.runtime.exchange import SMALL, CouplingError, Exchange, plan_exchange
 

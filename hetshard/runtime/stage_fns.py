@@ -40,17 +40,17 @@ class Forward:
     a float32 weight) are cast once per step, outside, so the micro-batches' vjps share
     that copy instead of keeping one each (their gradients come back in the cast dtype;
     ``backward`` converts them back, as the cast's transpose would). Where a rank of an
-    unevenly placed expert axis lacks some experts of a weight (``relays``: position ->
+    unevenly placed expert axis lacks some experts of a weight (``brought``: position ->
     ``(bring, give_back)``, ``hetshard.collectives.experts.brought_experts``), they are
     brought once per step too, after the cast, and given to the forward after the
     parameters (``fn`` reads them there); their gradients accumulate beside the
-    parameters' and :meth:`unlay` gives the sum back once, after the last
+    parameters' and :meth:`give_back` gives the sum back once, after the last
     micro-batch."""
 
-    def __init__(self, fn, casts: dict | None = None, relays: dict | None = None):
+    def __init__(self, fn, casts: dict | None = None, brought: dict | None = None):
         self.fn = fn
         self.casts = dict(casts or {})
-        self.relays = dict(sorted((relays or {}).items()))
+        self.brought = dict(sorted((brought or {}).items()))
         # per argument signature: (vjp treedef, per vjp leaf: the parameter's index or None)
         self.layouts: dict = {}
         self.jitted = jax.jit(self._traced)
@@ -58,10 +58,10 @@ class Forward:
         # (the step's parameter arrays cast or brought from, (the casts, what was brought))
         self._held = ((), ({}, []))
 
-    def _cast_once(self, params) -> list:
+    def _once_per_step(self, params) -> list:
         """The step's parameters cast, then the experts brought (after them), once per
         step (held while the step's parameter arrays are the same)."""
-        changed = sorted(set(self.casts) | set(self.relays))
+        changed = sorted(set(self.casts) | set(self.brought))
         if not changed:
             return params
         src = tuple(params[k] for k in changed)
@@ -70,20 +70,20 @@ class Forward:
             cast = sorted(self.casts)
             casts = dict(zip(cast, self._cast({k: params[k] for k in cast}), strict=True)) \
                 if cast else {}
-            extra = [bring(casts.get(k, params[k])) for k, (bring, _) in self.relays.items()]
+            extra = [bring(casts.get(k, params[k])) for k, (bring, _) in self.brought.items()]
             self._held = (src, (casts, extra))
         casts, extra = self._held[1]
         return [casts.get(k, p) for k, p in enumerate(params)] + extra
 
-    def unlay(self, grads):
+    def give_back(self, grads):
         """Accumulated gradients (the parameters' and, after them, the brought
         experts') as the parameters' alone: each brought expert's gradient given back
         to the rank storing it and added to its weight's (None: no gradient yet)."""
-        if grads is None or not self.relays:
+        if grads is None or not self.brought:
             return grads
-        n = len(grads) - len(self.relays)
+        n = len(grads) - len(self.brought)
         out = list(grads[:n])
-        for j, (k, (_, give_back)) in enumerate(self.relays.items()):
+        for j, (k, (_, give_back)) in enumerate(self.brought.items()):
             out[k] = add(out[k], give_back(grads[n + j]).astype(out[k].dtype))
         return out
 
@@ -103,7 +103,7 @@ class Forward:
         return self.jitted._cache_size()
 
     def __call__(self, params, frozen, batch, recvs):
-        params = self._cast_once(params)
+        params = self._once_per_step(params)
         float_outs, other, rest = self.jitted(params, frozen, batch, recvs)
         tree, where = self.layouts[_signature(params, frozen, batch, recvs)]
         rest = iter(rest)

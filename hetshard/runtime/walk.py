@@ -95,7 +95,7 @@ class PipelineWalk:
         outputs on the loss stage)."""
         for s, run in enumerate(self.runs):
             if run.here:  # uneven experts' gradients back to their stored layout
-                self.acc[s] = run.fwd.unlay(self.acc[s])
+                self.acc[s] = run.fwd.give_back(self.acc[s])
             run.fwd.release()  # the step's casts (the vjps that read them are gone)
         return self._tied_gradients(), self._outputs()
 
