@@ -35,9 +35,9 @@ import time
 import numpy as np
 from data_aware import CLUSTERS, IMAGE_TOKENS, LENGTHS, TOKENS_PER_GPU, draw
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.data import METHODS, choose_image_slots, pipeline_costs, plan_pipeline_batch
 from hetshard.data.pipelines import encoder_batch
-from hetshard.plan import Pipeline, Plan, Stage
 from models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))

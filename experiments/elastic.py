@@ -50,7 +50,7 @@ _COMMON = textwrap.dedent("""
     import hetshard, models
     from hetshard.checkpoint import Checkpointer
     from hetshard.cluster import Cluster
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     from models import data, losses, steps
 
     MODEL, CLUSTER, STEPS = {model!r}, {cluster!r}, {steps}

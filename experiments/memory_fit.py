@@ -60,9 +60,9 @@ from flax import nnx  # noqa: E402
 
 import hetshard  # noqa: E402
 import models  # noqa: E402
+from hetshard._plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.collectives import put  # noqa: E402
 from hetshard.cost.profile import profile_program  # noqa: E402
-from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.runtime.executable import donates  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
 from models import data, losses  # noqa: E402

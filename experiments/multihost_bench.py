@@ -105,7 +105,7 @@ def worker(mode: str) -> None:
                 times.append(time.perf_counter() - t)
             out[f"{kib}"] = _median(times)
     else:  # step / pp_step
-        from hetshard.plan import Pipeline, Plan, Stage
+        from hetshard._plan import Pipeline, Plan, Stage
         cluster = hetshard.Cluster.from_jax_devices()
         if mode == "step":
             prof = profile_model("gpt-tiny", 16, "float32")

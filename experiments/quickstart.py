@@ -37,8 +37,8 @@ from rich.table import Table  # noqa: E402
 
 import hetshard  # noqa: E402
 import models  # noqa: E402
+from hetshard._plan import Context, Plan  # noqa: E402
 from hetshard.cost.profile import profile_program  # noqa: E402
-from hetshard.plan import Context, Plan  # noqa: E402
 from hetshard.sim import simulate, write_chrome_trace, write_timeline_png  # noqa: E402
 from hetshard.sim.simulator import annotate  # noqa: E402
 from hetshard.solver import PlannerOptions  # noqa: E402

@@ -59,8 +59,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import hetshard  # noqa: E402
+from hetshard._plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.cluster import Cluster  # noqa: E402
-from hetshard.plan import Pipeline, Plan, Stage  # noqa: E402
 
 VOCAB, SEQ, DIM, LAYERS, BATCH, MICRO = 256, 64, 256, 8, 16, 4
 GPU = "A100-80GB"

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
-from hetshard.plan import Pipeline, Plan, Stage
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 VALIDATION = os.path.join(DATA, "sailor-validation.json")

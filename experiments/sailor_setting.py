@@ -30,9 +30,9 @@ import time
 
 import sailor_plans as sp
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import Calibration
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions
 from models import profile as profile_model

@@ -4,13 +4,15 @@ The core, in the order a user meets it:
 
 * ``jit(step, cluster=...)``: plan and run an ordinary NNX train step;
 * ``plan(step, *args, cluster=...)``: the plan ``jit`` would run, without running it;
-* ``Plan`` (the one contract between planner, simulator and runtime; JSON) and
-  ``PlannerOptions`` (what the planner may choose);
+* ``Plan`` (the one contract between planner, simulator and runtime; JSON),
+  ``PlannerOptions`` (what the planner may choose, and how long it may take) and
+  ``SearchEffort`` (how hard its search works);
 * ``Cluster``: the GPUs, from a preset name or a spec file;
 * ``value_and_grad`` / ``grad``: the loss spelled out, where a step's own transform is
   not seen.
 
-Then the periphery: ``Program`` (a traced step), the cluster's parts, the ``nn``,
+Then the periphery: ``Program`` (a traced step) and ``profile_program`` (its per-layer
+costs, what the planner and simulator price), the cluster's parts, the ``nn``,
 ``data`` and ``checkpoint`` modules, ``init_distributed``, and the errors and warnings
 (all from ``hetshard.errors``). ``__all__`` lists them in that order.
 
@@ -18,30 +20,31 @@ The public surface is what this module exports; everything else is importable
 but not promised. Exports load on first use (PEP 562), so ``hetshard --help`` and the
 plan/cluster file tools start without importing JAX.
 
-``hetshard.jit`` and ``hetshard.plan`` are the functions, in any import order, although
-modules of the same names exist (``from hetshard.plan import Plan`` reads the module).
+The modules behind the core are private (``hetshard._jit``, ``hetshard._plan``): no
+submodule shares a name with an export, so ``hetshard.jit`` and ``hetshard.plan`` are
+only ever the functions.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from hetshard._version import __version__ as __version__
 
 _EXPORTS = {
     # the core
-    "jit": "hetshard.jit",
-    "plan": "hetshard.jit",
-    "Plan": "hetshard.plan",
+    "jit": "hetshard._jit",
+    "plan": "hetshard._jit",
+    "Plan": "hetshard._plan",
     "PlannerOptions": "hetshard.solver.options",
+    "SearchEffort": "hetshard.solver.options",
     "Cluster": "hetshard.cluster",
     "value_and_grad": "hetshard.autodiff",
     "grad": "hetshard.autodiff",
     # the periphery
     "Program": "hetshard.ir.program",
+    "profile_program": "hetshard.cost.profile",
     "CATALOG": "hetshard.cluster",
     "BoundCluster": "hetshard.cluster",
     "DeviceType": "hetshard.cluster",
@@ -92,37 +95,13 @@ def __dir__():
     return __all__
 
 
-class _Package(types.ModuleType):
-    """``hetshard.jit``/``hetshard.plan`` stay the functions when the import system binds
-    the submodules of the same names on the package (it sets the attribute on first
-    import; these properties keep it aside)."""
-
-    @property
-    def jit(self):
-        from hetshard.jit import jit
-        return jit
-
-    @jit.setter
-    def jit(self, module):
-        self.__dict__["_jit_module"] = module
-
-    @property
-    def plan(self):
-        from hetshard.jit import plan
-        return plan
-
-    @plan.setter
-    def plan(self, module):
-        self.__dict__["_plan_module"] = module
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
     from hetshard import nn  # noqa: F401
+    from hetshard._jit import jit, plan  # noqa: F401
+    from hetshard._plan import Plan  # noqa: F401
     from hetshard.autodiff import grad, value_and_grad  # noqa: F401
     from hetshard.cluster import CATALOG, BoundCluster, Cluster, DeviceType, Group  # noqa: F401
+    from hetshard.cost.profile import profile_program  # noqa: F401
     from hetshard.distributed import init_distributed  # noqa: F401
     from hetshard.errors import (  # noqa: F401
         CheckpointCorruptError,
@@ -147,6 +126,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager imports
         UnknownNameError,
     )
     from hetshard.ir.program import Program  # noqa: F401
-    from hetshard.jit import jit, plan  # noqa: F401
-    from hetshard.plan import Plan  # noqa: F401
-    from hetshard.solver.options import PlannerOptions  # noqa: F401
+    from hetshard.solver.options import PlannerOptions, SearchEffort  # noqa: F401

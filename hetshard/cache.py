@@ -17,9 +17,9 @@ import os
 import warnings
 from pathlib import Path
 
+from hetshard._plan import Plan
 from hetshard.errors import HetshardError
 from hetshard.fileio import write_atomic
-from hetshard.plan import Plan
 
 _MEMORY: dict[str, Plan] = {}
 _REPORTED: set[str] = set()

@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hetshard._plan import Plan
 from hetshard.autodiff import is_graph
 from hetshard.errors import CheckpointCorruptError, CheckpointError, HetshardError, SpecError  # noqa: F401 (re-exported)
-from hetshard.plan import Plan
 
 MANIFEST = "hetshard-manifest.json"
 _TMP_MARK = "orbax-checkpoint-tmp"  # Orbax's name for a save not yet renamed into place

@@ -21,8 +21,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hetshard._plan import ATTENTION_IMPLEMENTATIONS, DTYPES
 from hetshard.errors import HetshardError
-from hetshard.plan import ATTENTION_IMPLEMENTATIONS, DTYPES
 
 _ATTENTION_HELP = ("attention implementation: auto (per GPU type and pattern the fastest "
                    "that computes it: cuDNN, hetshard's flash kernel, XLA), or one of them "
@@ -178,11 +178,11 @@ def _program(args, *, dtype_default: str | None = "bfloat16"):
 
 
 def cmd_simulate(args) -> int:
+    from hetshard._plan import Plan
     from hetshard.cluster import Cluster
     from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
     from hetshard.cost.calibration import DEFAULT, Calibration
     from hetshard.cost.profile import profile_program
-    from hetshard.plan import Plan
     from hetshard.sim.export import write_chrome_trace, write_timeline_png
     from hetshard.sim.simulator import priced
     from hetshard.solver.uniform import parse_fix, uniform_plan

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hetshard._plan import Plan
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
@@ -30,7 +31,6 @@ from hetshard.errors import (
     SpecError,
     StragglerWarning,
 )
-from hetshard.plan import Plan
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan
 

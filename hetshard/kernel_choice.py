@@ -29,7 +29,7 @@ import dataclasses
 
 from hetshard.errors import SpecError
 
-# A plan's ``attention`` values (``hetshard.plan.ATTENTION_IMPLEMENTATIONS`` holds the same;
+# A plan's ``attention`` values (``hetshard._plan.ATTENTION_IMPLEMENTATIONS`` holds the same;
 # this module imports no JAX and not the plan: the plan's checks import it).
 IMPLEMENTATIONS = ("auto", "cudnn", "flash", "reference")
 

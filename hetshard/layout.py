@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetshard._plan import BATCH_AXES, MESH_AXES, Plan, Stage, named_spec, spec_axes
 from hetshard.errors import SpecError
 from hetshard.ir.paths import path_string
-from hetshard.plan import BATCH_AXES, MESH_AXES, Plan, Stage, named_spec, spec_axes
 
 __all__ = ["BATCH_AXES", "MESH_AXES", "activation_sharding", "attention_layout",
            "batch_axes", "batch_axes_for", "batch_sharding", "batch_ways",

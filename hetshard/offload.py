@@ -1,6 +1,6 @@
 """Host memory as a tier: what a stage keeps in its host's memory, by name.
 
-A stage's ``offload`` (``hetshard.plan.Stage.offload``) lists any of :data:`OFFLOADS`:
+A stage's ``offload`` (``hetshard._plan.Stage.offload``) lists any of :data:`OFFLOADS`:
 
 * ``optimizer``: the optimizer's state (every state leaf that is not a parameter: Adam's
   moments, its step count) lives in the host's pinned memory between steps. The update

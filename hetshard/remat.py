@@ -1,6 +1,6 @@
 """Remat policies: what a checkpointed layer keeps for its backward, by name.
 
-A stage's ``remat`` (``hetshard.plan.Stage.remat``) is one of :data:`REMATS`:
+A stage's ``remat`` (``hetshard._plan.Stage.remat``) is one of :data:`REMATS`:
 
 * ``none``: every value the backward reads is kept;
 * ``selective``: the matmuls without batch dimensions are kept (JAX's

@@ -26,7 +26,7 @@ def resolve(model: str | ModelConfig) -> ModelConfig:
     """A config from a preset name, a ``family:key=value`` spec, or a config itself."""
     if isinstance(model, (GPTConfig, ViTConfig, MLLMConfig)):
         return model
-    from hetshard.errors import SpecError, UnknownNameError
+    from hetshard import SpecError, UnknownNameError
     if not isinstance(model, str):
         raise SpecError("model", model, "a preset name, a 'family:key=value' spec or a config")
     if ":" in model:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetshard.errors import SpecError, check_positive
+from hetshard import SpecError
 from models.layers import (
     MLPS,
     NORMS,
@@ -23,6 +23,7 @@ from models.layers import (
     make_norm,
     moe_params,
     norm_params,
+    positive_int,
     run_layers,
 )
 
@@ -72,10 +73,10 @@ class GPTConfig:
     def __post_init__(self):
         where = f"model {self.name!r}"
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
-            check_positive(f, getattr(self, f), integer=True, where=where)
+            positive_int(f, getattr(self, f), where)
         for f in ("ffn", "kv_heads"):
             if getattr(self, f) is not None:
-                check_positive(f, getattr(self, f), integer=True, where=where)
+                positive_int(f, getattr(self, f), where)
         if self.hidden % self.heads:
             raise SpecError("hidden", self.hidden, f"a multiple of heads={self.heads}", where=where)
         if self.heads % self.num_kv_heads:
@@ -85,12 +86,12 @@ class GPTConfig:
             if self.experts < 2:
                 raise SpecError("experts", self.experts, "0 (a dense model) or at least 2",
                                 where=where)
-            check_positive("top_k", self.top_k, integer=True, where=where)
+            positive_int("top_k", self.top_k, where)
             if self.top_k > self.experts:
                 raise SpecError("top_k", self.top_k, f"at most experts={self.experts}",
                                 where=where)
             if self.expert_ffn is not None:
-                check_positive("expert_ffn", self.expert_ffn, integer=True, where=where)
+                positive_int("expert_ffn", self.expert_ffn, where)
             if self.shared_experts < 0:
                 raise SpecError("shared_experts", self.shared_experts,
                                 "a count of at least 0", where=where)

@@ -11,10 +11,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hetshard import SpecError
 from hetshard import nn as hnn
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
+
+
+def positive_int(field: str, value, where: str) -> int:
+    """``value`` if it is a positive int (a config's sizes), else a SpecError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(field, value, "a positive integer", where=where)
+    return value
 
 
 def make_norm(kind: str, dim: int, *, eps: float, bias: bool, dtype, param_dtype, rngs):

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hetshard import SpecError
 from hetshard.data import IMAGE_TOKEN  # one image-feature slot in a sample's tokens
-from hetshard.errors import SpecError
 from models.gpt import GPT, GPTConfig
 from models.vit import ViT, ViTConfig
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from hetshard.errors import SpecError, SpecParseError, UnknownNameError
+from hetshard import SpecError, SpecParseError, UnknownNameError
 from models.gpt import GPTConfig
 from models.mllm import MLLMConfig
 from models.vit import ViTConfig

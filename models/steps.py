@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 import hetshard
-from hetshard.errors import SpecError
+from hetshard import SpecError
 from models import losses
 from models.gpt import GPTConfig
 from models.mllm import MLLMConfig
@@ -123,15 +123,16 @@ def profile(model, seq_len: int | None = None, dtype: str | None = "bfloat16",
             split_blocks: bool = False):
     """The cost profile of the zoo model's train step (``hetshard`` prices plans with
     it)."""
-    from hetshard.cost.profile import profile_program
-    return profile_program(program(model, seq_len=seq_len, dtype=dtype), split_blocks)
+    return hetshard.profile_program(program(model, seq_len=seq_len, dtype=dtype),
+                                    split_blocks)
 
 
 def make_plan(model, cluster, *, global_batch: int, seq_len: int | None = None,
               dtype: str | None = "bfloat16", options=None, calibration=None,
               shardings: bool = True):
-    """``hetshard.solver.make_plan`` of the zoo model's train step (``program``)."""
-    from hetshard.solver import make_plan as plan
-    return plan(program(model, seq_len=seq_len, dtype=dtype), cluster,
-                global_batch=global_batch, options=options, calibration=calibration,
-                shardings=shardings)
+    """``hetshard.plan`` of the zoo model's train step (``program``); ``options``: a
+    ``PlannerOptions``."""
+    extra = {} if options is None else {"options": options}
+    return hetshard.plan(program(model, seq_len=seq_len, dtype=dtype), cluster=cluster,
+                         global_batch=global_batch, calibration=calibration,
+                         shardings=shardings, **extra)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetshard.errors import SpecError, check_positive
-from models.layers import Block, block_params, make_norm, norm_params, run_layers
+from hetshard import SpecError
+from models.layers import Block, block_params, make_norm, norm_params, positive_int, run_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ViTConfig:
     def __post_init__(self):
         where = f"model {self.name!r}"
         for f in ("layers", "hidden", "heads", "ffn", "patch", "image", "channels"):
-            check_positive(f, getattr(self, f), integer=True, where=where)
+            positive_int(f, getattr(self, f), where)
         if self.hidden % self.heads:
             raise SpecError("hidden", self.hidden, f"a multiple of heads={self.heads}", where=where)
         if self.image % self.patch:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cluster.catalog import CATALOG, device_type_from_dict
 from hetshard.cost.calibration import DEFAULT
@@ -17,7 +18,6 @@ from hetshard.cost.stage import attention_rate, priced_attention, stage_cost
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import Hardware, Pattern, choose, refusal, resolve
 from hetshard.kernels import attention_reference, dot_product_attention
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.rewrite.attention import _flash_on_mesh, swap_attention
 
 
@@ -178,7 +178,7 @@ def test_a_plan_asking_for_an_implementation_a_stage_cannot_run_is_refused():
 
 def test_the_plan_and_the_selection_name_the_same_implementations():
     from hetshard import kernel_choice as select
-    from hetshard.plan import ATTENTION_IMPLEMENTATIONS
+    from hetshard._plan import ATTENTION_IMPLEMENTATIONS
     assert select.IMPLEMENTATIONS == ATTENTION_IMPLEMENTATIONS
 
 

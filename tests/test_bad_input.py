@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hetshard
+from hetshard._jit import StepTraceError
+from hetshard._plan import Plan
 from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.errors import HetshardError, SpecError
-from hetshard.jit import StepTraceError
-from hetshard.plan import Plan
 
 SIM = ["simulate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8"]
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8", "--time-limit", "5"]
@@ -318,7 +318,7 @@ def test_a_pinned_pipeline_on_a_step_whose_loss_call_is_unseen_names_that_cause(
     # (it said "another model, parameter shapes or batch shapes").
     import jax
 
-    from hetshard.plan import Pipeline, Stage
+    from hetshard._plan import Pipeline, Stage
     from hetshard.runtime.executable import PlanNotExecutableError
     step, (model, opt, batch), _ = user_models.make_transformer()
     program = hetshard.Program(step, (model, opt, batch))

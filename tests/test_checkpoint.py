@@ -17,10 +17,10 @@ from flax import nnx
 
 import hetshard
 import models
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.checkpoint import CheckpointCorruptError, Checkpointer
 from hetshard.cluster import Cluster
 from hetshard.errors import SpecError
-from hetshard.plan import Pipeline, Plan, Stage
 from models import data, losses, steps
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cluster.fabric import FABRICS, fabric_from
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.comm import COMBINE_BYTES, buckets, collective_time, topology
 from hetshard.errors import SpecError
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim.simulator import simulate
 from models import profile as profile_model
 

@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 
+from hetshard._plan import Context
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.errors import SpecError
-from hetshard.plan import Context
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan
 from hetshard.solver.context import (

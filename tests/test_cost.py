@@ -209,7 +209,7 @@ def test_split_blocks_profile_halves_add_up_to_the_blocks(prof):
     split = stage_cost(halves, 1, 5, c.groups[0].gpu, **kw)
     assert split.fwd_s == pytest.approx(whole.fwd_s, rel=1e-9)
     assert split.bwd_s == pytest.approx(whole.bwd_s, rel=1e-9)
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     from hetshard.sim import simulate
     stage = Stage(0, prof.num_layers, (0,), "A100-80GB", (("data", 1),))
     plan = Plan(SPEC, {}, 2, 32, (Pipeline((stage,), 2, 2, 1),))

@@ -9,13 +9,13 @@ import os
 import numpy as np
 import pytest
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.measured import load_profiles
 from hetshard.cost.stage import attention_rate, stage_cost
 from hetshard.errors import HetshardError, SpecError
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
 from hetshard.sim.simulator import layers_cost, upper_bound_tokens_per_s
 from hetshard.solver.uniform import parse_fix, uniform_plan

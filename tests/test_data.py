@@ -459,8 +459,8 @@ def test_a_context_stage_splits_a_rows_images_and_the_encoders_activations_over_
 
     from jax.sharding import Mesh
 
+    from hetshard._plan import Stage
     from hetshard.layout import batch_sharding, boundary_layout
-    from hetshard.plan import Stage
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context"))
     stage = Stage(0, 2, (0, 1, 2, 3), "A100-80GB", (("data", 2), ("context", 2)))

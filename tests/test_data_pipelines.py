@@ -255,7 +255,7 @@ def mixed():
 
 
 def _outer(cluster, split, remat="full"):
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     a = tuple(cluster.group_device_ids("a100"))
     v = tuple(cluster.group_device_ids("v100"))
     stages = (Stage(0, split, a, "A100-80GB", (("data", 8),), remat=remat),
@@ -601,8 +601,8 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
 
     import hetshard
     import models
+    from hetshard._plan import Pipeline, Plan, Stage
     from hetshard.data import pack, packed_arrays, run_pipeline_batch_plan
-    from hetshard.plan import Pipeline, Plan, Stage
     from models.losses import packed_mllm_loss, packed_text_loss
     from models.steps import train_step
 
@@ -732,7 +732,7 @@ def test_a_per_batch_plan_over_two_pipelines_of_different_speeds_equals_one_devi
 
 
 def _outer_of(ways=(2, 2), layers=4):
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     at, stages = 0, []
     for k, w in enumerate(ways):
         stages.append(Stage(k * layers // len(ways), (k + 1) * layers // len(ways),
@@ -798,7 +798,7 @@ def test_bad_pipeline_plans_are_refused_before_anything_runs():
 
 
 def test_rows_that_a_stages_ways_cannot_split_are_refused(mixed):
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     profile, cluster = mixed
     a = tuple(cluster.group_device_ids("a100"))[:6]
     v = tuple(cluster.group_device_ids("v100"))

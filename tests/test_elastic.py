@@ -11,10 +11,10 @@ from flax import nnx
 
 import hetshard
 import models
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.elastic import StragglerMonitor, StragglerWarning, slowed
 from hetshard.errors import SpecError
-from hetshard.plan import Pipeline, Plan, Stage
 from models import data, losses, steps
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"

@@ -11,9 +11,9 @@ import user_models
 from flax import nnx
 
 import hetshard
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.errors import PlanNotExecutableError, SpecError
-from hetshard.plan import Pipeline, Plan, Stage
 
 A100 = "dgx-a100-80gb-x8"
 MIXED = "h100-a100-v100-x8"

@@ -170,3 +170,43 @@ def test_every_error_and_warning_is_defined_in_errors_and_exported():
     internal = {"CouplingError"}  # (caught inside the runtime: a PipelineSetupError out)
     assert sorted(set(defined) - internal - set(hetshard.__all__)) == []
     assert all(getattr(hetshard, n) is getattr(errors, n) for n in defined if n not in internal)
+
+
+def test_no_submodule_shares_a_name_with_an_export():
+    """The core's modules are private (``hetshard._jit``, ``hetshard._plan``): importing
+    every module leaves ``hetshard.jit`` and ``hetshard.plan`` the functions, with no
+    module-class swap on the package (a submodule named like an export would be bound
+    over it by the import system)."""
+    import importlib
+    import types
+    top = {name.split(".")[1] for name in _modules() if name.count(".") >= 1}
+    submodule_exports = {"nn", "data", "checkpoint"}  # (exported as the modules)
+    assert sorted((top & set(hetshard.__all__)) - submodule_exports) == []
+    for name in ("hetshard._jit", "hetshard._plan", "hetshard.cli"):
+        importlib.import_module(name)
+    assert type(hetshard) is types.ModuleType
+    assert isinstance(hetshard.jit, types.FunctionType)
+    assert isinstance(hetshard.plan, types.FunctionType)
+    assert hetshard.Plan.__name__ == "Plan"
+
+
+def test_the_zoo_uses_the_public_api_only():
+    """``models/`` is a client: it imports names ``hetshard`` exports and the exported
+    submodules (nn, data, checkpoint), never an internal module."""
+    public_modules = {"hetshard", "hetshard.nn", "hetshard.data", "hetshard.checkpoint"}
+    internal = []
+    for path in sorted((ROOT.parent / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hetshard"):
+                if node.module not in public_modules:
+                    internal.append(f"{path.name}: {node.module}")
+                elif node.module == "hetshard":
+                    internal += [f"{path.name}: hetshard.{a.name}" for a in node.names
+                                 if a.name not in hetshard.__all__]
+            elif isinstance(node, ast.Import):
+                internal += [f"{path.name}: {a.name}" for a in node.names
+                             if a.name.startswith("hetshard") and a.name not in public_modules]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id == "hetshard" and node.attr not in hetshard.__all__:
+                internal.append(f"{path.name}: hetshard.{node.attr}")
+    assert internal == []

@@ -12,13 +12,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hetshard
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.collectives.matmul import allgather_matmul, matmul_reducescatter
 from hetshard.kernels import context_parallel_attention
 from hetshard.kernels.reference import attention_reference
 from hetshard.meshes import is_explicit
 from hetshard.nn import attention
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.rewrite import swap_attention
 
 DN = (((2,), (0,)), ((), ()))

@@ -17,8 +17,8 @@ CLUSTER = "h100-a100-v100-x8"
 def _two_stages(program):
     """A pinned plan: half the layers on the two H100s, half on the four V100s, global
     batch 8 in 2 micro-batches."""
+    from hetshard._plan import Pipeline, Plan, Stage
     from hetshard.cluster import Cluster
-    from hetshard.plan import Pipeline, Plan, Stage
     n = program.layering(2).num_layers
     stages = (Stage(0, n // 2, (0, 1), "H100-80GB", (("data", 2),)),
               Stage(n // 2, n, (4, 5, 6, 7), "V100-32GB", (("data", 4),)))

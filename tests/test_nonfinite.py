@@ -13,10 +13,10 @@ import user_models
 from flax import nnx
 
 import hetshard
+from hetshard._jit import NonFiniteLossError, find_loss
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.errors import SpecError
-from hetshard.jit import NonFiniteLossError, find_loss
-from hetshard.plan import Pipeline, Plan, Stage
 
 CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
 
@@ -75,7 +75,7 @@ def guard_path(request, monkeypatch):
     per state leaf; each test taking this fixture runs under both."""
     import hetshard.runtime.executable as hexe
     import hetshard.runtime.pipeline as hpipe
-    hjit = sys.modules["hetshard.jit"]  # (the module: ``hetshard.jit`` is the function)
+    hjit = sys.modules["hetshard._jit"]  # (the module: ``hetshard.jit`` is the function)
     branch = request.param == "branch"
     for module in (hexe, hpipe, hjit):
         monkeypatch.setattr(module, "branches", lambda devices: branch)

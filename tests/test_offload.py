@@ -13,13 +13,13 @@ from test_checkpoint import _reference as ck_reference
 from test_runtime import _plan, _reference, _run
 
 import hetshard
+from hetshard._plan import Plan
 from hetshard.checkpoint import Checkpointer
 from hetshard.cluster import Cluster
 from hetshard.cluster.catalog import CATALOG
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Plan
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions
 from hetshard.solver.uniform import parse_fix, uniform_plan
@@ -282,7 +282,7 @@ def test_a_checkpoint_of_an_offloaded_run_resumes_under_another_offloaded_plan(t
 def test_two_offloading_pipelines_with_batch_shares_train_equal_to_one_device():
     # Several single-stage pipelines (the combined update on the first one's devices):
     # the update reads the host's state through device copies and writes it back there.
-    from hetshard.plan import Pipeline, Stage
+    from hetshard._plan import Pipeline, Stage
     cluster = Cluster.load("h100-a100-v100-x8")
     n_layers = profile_model("gpt-tiny", 16, "float32").num_layers
     fast = Pipeline((Stage(0, n_layers, (0,), "H100-80GB", (("data", 1),),

@@ -13,9 +13,9 @@ from flax import nnx
 
 import hetshard
 import models
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.collectives import congruent, sum_across, sum_across_collective
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.rewrite.pipeline import Remat, StageSplitError, run_sequential, split_stages
 from hetshard.runtime.pipeline import PipelineSetupError
 from hetshard.sim import simulate
@@ -164,8 +164,8 @@ def test_context_parallel_pipeline_stages_match_one_device(attention):
     # Stage 0: data 2 x context 2 (over H100s and A100s), stage 1: context 4 on the V100s;
     # each splits the micro-batch's sequence over its context axis (tokens and the
     # activations it receives) and runs attention as a zigzag ring over it.
+    from hetshard._plan import Context
     from hetshard.layout import activation_sharding
-    from hetshard.plan import Context
     stages = (_stage(0, 2, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2),
               _stage(2, 4, (4, 5, 6, 7), V, context=4))
     # Stage 1 attends uneven chunks (its context degree is the plan's): 6, 6, 2, 2 tokens.
@@ -375,7 +375,7 @@ def test_mllm_pipeline_with_its_vision_encoder_on_a_context_stage(attention):
     layers: only attention over the plan's sequence is a ring there, the encoder's
     attention over an image's patches stays whole (it failed as a ring over 17
     patches). Trains as one device."""
-    from hetshard.plan import Context
+    from hetshard._plan import Context
     first = _stage(0, 6, (0, 1, 2, 3), "A100-80GB+H100-80GB", data=2, context=2)
     rest = _stage(6, 9, (4, 5, 6, 7), V, context=4)
     plan = Plan("llava-tiny", Cluster.load(CLUSTER).to_dict(), 8, 64,

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import models
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cli import main
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
@@ -19,12 +20,12 @@ from hetshard.cost.comm import p2p_time, topology
 from hetshard.errors import SpecError
 from hetshard.ir.program import reduced_graph
 from hetshard.ir.trace import trace
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim import simulate
 from hetshard.solver import (
     NoFeasiblePlanError,
     PlannerOptions,
     PlannerTimeLimitWarning,
+    SearchEffort,
     options_from_fix,
 )
 from hetshard.solver.baselines import BASELINES, run_baseline
@@ -398,7 +399,7 @@ def test_planner_puts_a_fast_gpu_short_of_memory_last():
 
     def best(**kw):
         return estimates(model, profile, cluster, global_batch=16, seq_len=2560,
-                         options=dataclasses.replace(OPTS, **kw))[0]
+                         options=OPTS.searching(**kw))[0]
 
     t, families, _ = best()
     first = best(stage_orders=("fastest-first",))[0]
@@ -408,7 +409,7 @@ def test_planner_puts_a_fast_gpu_short_of_memory_last():
     assert t < first * 0.95
     assert t == pytest.approx(best(stage_orders=("fastest-last",))[0])
     with pytest.raises(SpecError, match="stage_orders"):
-        PlannerOptions(stage_orders=("slowest-first",))
+        SearchEffort(stage_orders=("slowest-first",))
 
 
 @pytest.mark.slow
@@ -435,7 +436,7 @@ def test_planner_plans_with_blocks_split_or_whole_and_keeps_the_faster():
     assert simulate(same, halves, cluster, DEFAULT).step_time_s == pytest.approx(
         simulate(plans[False], blocks, cluster, DEFAULT).step_time_s, rel=1e-9)
     # Above split_blocks_max_devices only whole blocks are tried.
-    small = dataclasses.replace(base, split_blocks_max_devices=8)
+    small = base.searching(split_blocks_max_devices=8)
     assert not make_plan("gpt-1.3b", cluster, global_batch=128, shardings=False,
                          options=small).split_blocks
 
@@ -568,9 +569,11 @@ def test_layout_per_gpu_type_relays_a_segment_and_descends_to_a_local_best():
              for j, s in enumerate(new.stages)]
     assert max(times) == pytest.approx(best)
 
+    from hetshard.solver.evaluator import Candidate
+
     def evaluate(p):
         r = simulate(p, profile, cluster, DEFAULT, trace=False)
-        return (not r.fits, r.step_time_s), p, r
+        return Candidate((not r.fits, r.step_time_s), p, r)
     first = evaluate(start)
     key, got, _ = improve_layouts(first, evaluate, tables, cluster, 8, tp_options=(1, 2, 4),
                                   remats=("none", "full"), margin=0.05)
@@ -817,7 +820,7 @@ def test_a_limit_already_spent_prices_little_and_still_returns_a_plan(monkeypatc
 
 
 def test_interleave_cuts_by_count_or_time_and_rounds_micro_batches():
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     from hetshard.solver.variants import interleave
 
     def stage(a, b, device):
@@ -873,7 +876,7 @@ def test_fix_remat_holds_on_every_stage(remat):
 def test_fix_mbs_holds_on_every_stage():
     # The layout descent re-splits a pipeline's micro-batch over each GPU type's data
     # ways: under --fix mbs=2 every device must still run 2 samples per micro-batch.
-    from hetshard.plan import data_ways
+    from hetshard._plan import data_ways
     cluster = Cluster.load("amp-t4-v100")
     base = PlannerOptions(time_limit_s=30, split_blocks=False)
     p = make_plan("gpt-1.3b", cluster, global_batch=256, shardings=False,
@@ -936,7 +939,7 @@ def test_plan_and_compare_cli(capsys, tmp_path):
             "--seq-len", "64", "--dtype", "float16", "--time-limit", "20"]
     assert main(["plan", *args, "--json", str(tmp_path / "plan.json")]) == 0
     assert "solver:" in capsys.readouterr().out
-    from hetshard.plan import Plan
+    from hetshard._plan import Plan
     p = Plan.load(tmp_path / "plan.json")
     # make_plan wrote every stage's hand-on layout (and tensor stages' weight layouts)
     assert p.pipelines and all(s.activations for q in p.pipelines for s in q.stages)
@@ -1020,3 +1023,37 @@ def test_plan_predictions_priced_under_its_solved_tensor_layouts(monkeypatch):
     with pytest.warns(solver.PlannerMemoryWarning, match="whole on each tensor rank"):
         again = solver._repriced(plan, profile, cluster, DEFAULT)
     assert not again.predicted.fits
+
+
+def test_planner_options_split_what_a_plan_may_be_from_how_hard_the_search_works():
+    """PlannerOptions holds the constraints (and the time limit); SearchEffort the
+    search's effort. The keyword door takes ``search`` as a mapping or a record and
+    ``options`` as a base; a search-effort name given flat is refused with a hint, and
+    every field of both is documented in docs/planner.md."""
+    import pathlib
+    constraint_fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+    effort_fields = {f.name for f in dataclasses.fields(SearchEffort)}
+    assert not constraint_fields & effort_fields
+    assert {"refine_top", "refine_evals", "simulate_top"} <= effort_fields
+    assert {"tp_options", "remat_options", "time_limit_s"} <= constraint_fields
+    got = PlannerOptions.from_fields({"search": {"refine_top": 2}, "tp_options": (1,)}, "t")
+    assert got.search == SearchEffort(refine_top=2) and got.tp_options == (1,)
+    base = PlannerOptions(max_stages=2, search=SearchEffort(refine_evals=7))
+    got = PlannerOptions.from_fields({"options": base, "time_limit_s": 3}, "t")
+    assert (got.max_stages, got.time_limit_s, got.search.refine_evals) == (2, 3, 7)
+    assert base.searching(layout_top=1).search == SearchEffort(refine_evals=7, layout_top=1)
+    with pytest.raises(SpecError, match=r"refine_top.*search=") as e:
+        PlannerOptions.from_fields({"refine_top": 2}, "hetshard.jit")
+    assert "hetshard.jit" in str(e.value)
+    with pytest.raises(SpecError, match=r"search\.refine_tops"):
+        PlannerOptions.from_fields({"search": {"refine_tops": 2}}, "t")
+    with pytest.raises(SpecError, match="refine_evals"):
+        SearchEffort(refine_evals=0)
+    with pytest.raises(SpecError, match="search"):
+        PlannerOptions(search={"refine_top": 2})
+    with pytest.raises(SpecError, match="options"):
+        PlannerOptions.from_fields({"options": {"tp_options": (1,)}}, "t")
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "planner.md").read_text()
+    table = page[page.index("## Every planner option"):]
+    assert [f for f in sorted(constraint_fields | effort_fields)
+            if f"`{f}`" not in table] == []

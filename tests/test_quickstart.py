@@ -7,7 +7,7 @@ import os
 import pytest
 from rich.console import Console
 
-from hetshard.plan import Plan
+from hetshard._plan import Plan
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "experiments", "quickstart.py")
 

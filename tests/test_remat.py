@@ -10,12 +10,12 @@ import user_models
 
 import hetshard
 import models
+from hetshard._plan import Plan
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
 from hetshard.ir.program import reduced_graph
-from hetshard.plan import Plan
 from hetshard.remat import (
     ATTENTION,
     OTHER,

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 import hetshard
 import models
 from hetshard import cache
+from hetshard._plan import SCHEMA_VERSION
 from hetshard.cluster import Cluster
-from hetshard.plan import SCHEMA_VERSION
 from hetshard.solver.shardings import attach_shardings
 from hetshard.solver.uniform import parse_fix, uniform_plan
 from models import data, losses
@@ -282,7 +282,7 @@ def test_cluster_needing_more_devices_says_how():
 
 
 def test_two_pipelines_with_uneven_batch_shares_match_one_device():
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     cluster = Cluster.load("h100-a100-v100-x8")
     n_layers = profile_model(MODEL, 16, "float32").num_layers
     # Batch shares 5:3, one pipeline on an H100 pair, one on four V100s.
@@ -297,7 +297,7 @@ def test_two_pipelines_with_uneven_batch_shares_match_one_device():
 def test_pipeline_with_its_slowest_gpus_first_matches_one_device():
     # The planner also orders stages slowest first (a fast GPU short of memory does best
     # last): stage 0 on two V100s (devices 4, 5), stage 1 on one H100 (device 0).
-    from hetshard.plan import Pipeline, Plan, Stage
+    from hetshard._plan import Pipeline, Plan, Stage
     cluster = Cluster.load("h100-a100-v100-x8")
     n_layers = profile_model(MODEL, 16, "float32").num_layers
     pipe = Pipeline((Stage(0, 2, (4, 5), "V100-32GB", (("data", 2),)),
@@ -484,7 +484,7 @@ def test_context_parallel_stage_matches_single_device_training(fix, chunks):
     # boundary split along the sequence, attention a ring over ``context`` (zigzag:
     # gpt-tiny's attention is causal). Uneven chunks: each device attends its own share
     # of the sequence, padded to the longest, while the other layers keep an even split.
-    from hetshard.plan import Context
+    from hetshard._plan import Context
     plan = _plan(fix, shardings="tp=2" in fix)
     assert plan.pipelines[0].stages[0].axis("context") > 1
     if chunks:
@@ -517,7 +517,7 @@ def test_argument_signatures_are_remembered_for_the_same_objects_and_follow_thei
     micro-step's Python time); it is the signature that walk gives, and it changes when
     a leaf's shape or dtype does, or for objects that are not pytrees."""
     import importlib
-    hjit = importlib.import_module("hetshard.jit")  # the module; hetshard.jit is the function
+    hjit = importlib.import_module("hetshard._jit")  # the module; hetshard.jit is the function
 
     model = models.build("llama-tiny", rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -560,7 +560,7 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
     from hetshard.data.runner import micro_step_plan
     from models.losses import packed_text_loss
     from models.steps import train_step
-    hjit = importlib.import_module("hetshard.jit")
+    hjit = importlib.import_module("hetshard._jit")
 
     cluster = Cluster.from_dict({"name": "one", "groups": [
         {"name": "g", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2}]})
@@ -632,7 +632,7 @@ def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
     assert over.context.shard_state and over.pipelines[0].stages[0].mesh_shape == (
         ("fsdp", 1), ("context", 4))
     # the layout the state is placed in: a quarter of every large leaf on each device
-    hjit = importlib.import_module("hetshard.jit")  # (the name is shadowed by the function)
+    hjit = importlib.import_module("hetshard._jit")  # (the name is shadowed by the function)
     program = step.program_for(model, opt, ring)
     tree = hjit.step_state(program, (model, opt))
     mesh = mesh_of(over.pipelines[0].stages[0], step.cluster.bind().devices)

@@ -8,14 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetshard.cli import main
-from hetshard.cluster import Cluster
-from hetshard.cost import comm
-from hetshard.cost.calibration import DEFAULT
-from hetshard.cost.comm import collective_time, p2p_time, topology
-from hetshard.cost.stage import StageCost
-from hetshard.errors import SpecError, SpecParseError
-from hetshard.plan import (
+from hetshard._plan import (
     SCHEMA_VERSION,
     Context,
     Pipeline,
@@ -24,6 +17,13 @@ from hetshard.plan import (
     SolverStats,
     Stage,
 )
+from hetshard.cli import main
+from hetshard.cluster import Cluster
+from hetshard.cost import comm
+from hetshard.cost.calibration import DEFAULT
+from hetshard.cost.comm import collective_time, p2p_time, topology
+from hetshard.cost.stage import StageCost
+from hetshard.errors import SpecError, SpecParseError
 from hetshard.remat import REMATS
 from hetshard.sim import chrome_trace, simulate, write_timeline_png
 from hetshard.sim.schedule import (

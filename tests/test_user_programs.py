@@ -17,9 +17,9 @@ from flax import nnx
 
 import hetshard
 import models
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_program
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.solver.uniform import parse_fix, uniform_plan
 
 CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from hetshard._plan import spec_axes
 from hetshard.meshes import laid_out
-from hetshard.plan import spec_axes
 
 AXIS = "tensor"
 

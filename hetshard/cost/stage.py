@@ -78,9 +78,11 @@ attention's residuals are never stored whatever the remat.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
+from hetshard._plan import named_spec, spec_axes
 from hetshard.cluster.catalog import DeviceType
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import Topology, buckets, collective_time
@@ -88,7 +90,6 @@ from hetshard.cost.profile import LayerProfile, ModelProfile
 from hetshard.errors import SpecError
 from hetshard.kernel_choice import IMPLEMENTATIONS, Hardware, Pattern, choose
 from hetshard.offload import check_offload
-from hetshard.plan import named_spec, spec_axes
 from hetshard.remat import check_remat
 
 ATTENTIONS = IMPLEMENTATIONS  # auto, cudnn, flash, reference
@@ -197,7 +198,15 @@ def gemm_rate(gpu, m: int, n: int, k: int, dtype: str = "bfloat16") -> float:
     return float(ceiling * shape)
 
 
-_PER_DIMS: dict[tuple, tuple] = {}
+class _Held(NamedTuple):
+    """A cache entry keyed by ``id(owner)``: the owner is held so that the id is not
+    reused while the entry lives, and checked on a hit."""
+
+    owner: object
+    value: object
+
+
+_PER_DIMS: dict[tuple, _Held] = {}
 
 
 def _per_dims(fn, dims: tuple[np.ndarray, np.ndarray], *args) -> np.ndarray:
@@ -205,12 +214,11 @@ def _per_dims(fn, dims: tuple[np.ndarray, np.ndarray], *args) -> np.ndarray:
     planner prices the same shapes many times."""
     key = (fn, id(dims[0]), *args)
     hit = _PER_DIMS.get(key)
-    if hit is None or hit[0] is not dims[0]:
+    if hit is None or hit.owner is not dims[0]:
         if len(_PER_DIMS) > 100_000:
             _PER_DIMS.clear()
-        hit = (dims[0], fn(dims, *args))
-        _PER_DIMS[key] = hit
-    return hit[1]
+        hit = _PER_DIMS[key] = _Held(dims[0], fn(dims, *args))
+    return hit.value
 
 
 def _shape_eff(dims: tuple[np.ndarray, np.ndarray], mbs: int, tp: int, cp: int,
@@ -315,7 +323,7 @@ def _ops_time(flops: np.ndarray, nbytes: np.ndarray, matmul: np.ndarray,
     return float(_op_times(flops, nbytes, matmul, peak, bw, fusion).sum())
 
 
-_MEASURED: dict[tuple[int, int], tuple] = {}
+_MEASURED: dict[tuple[int, int], _Held] = {}
 
 
 def _measured(profile: ModelProfile, cal: Calibration):
@@ -325,10 +333,9 @@ def _measured(profile: ModelProfile, cal: Calibration):
         return None
     key = (id(profile), id(cal))
     hit = _MEASURED.get(key)
-    if hit is None or hit[0] is not profile or hit[1] is not cal:
-        hit = (profile, cal, _MeasuredLayers.of(profile, cal))
-        _MEASURED[key] = hit
-    return hit[2]
+    if hit is None or hit.owner[0] is not profile or hit.owner[1] is not cal:
+        hit = _MEASURED[key] = _Held((profile, cal), _MeasuredLayers.of(profile, cal))
+    return hit.value
 
 
 class _MeasuredLayers:

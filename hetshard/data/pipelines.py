@@ -57,6 +57,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from hetshard._plan import Plan, data_ways
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import bucketed_time, collective_time, p2p_time, topology
@@ -87,7 +88,6 @@ from hetshard.data.planner import (
     check_groups,
 )
 from hetshard.errors import SpecError
-from hetshard.plan import Plan, data_ways
 from hetshard.sim.schedule import time_varied
 from hetshard.sim.simulator import layers_cost, priced_dtype
 

@@ -33,12 +33,12 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from hetshard._plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 from hetshard.collectives import put
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
 from hetshard.data.planner import BatchPlan, GroupCost, MicroStep, check_groups
 from hetshard.errors import SpecError
-from hetshard.plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 
 
 def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,

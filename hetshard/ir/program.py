@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as ext
 
+from hetshard._plan import DTYPES
 from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph, user_step
 from hetshard.errors import SpecError
 from hetshard.ir.attention_patterns import dead_equations
@@ -56,7 +57,6 @@ from hetshard.ir.samples import (
 )
 from hetshard.ir.trace import trace
 from hetshard.ir.unroll import unroll_scans, unrolled_jaxpr
-from hetshard.plan import DTYPES
 
 _INT_KINDS = ("i", "u")
 # How a loss's values reduced over the batch and put through a non-linear function (a

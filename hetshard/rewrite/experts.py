@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from jax.extend.core import Literal
 
+from hetshard._plan import Stage
 from hetshard.errors import PlanNotExecutableError
 from hetshard.ir.interpret import Replace
 from hetshard.ir.moe import expert_regions
-from hetshard.plan import Stage
 
 
 def placement(stage: Stage, experts: int, where: str = "stage") -> tuple[int, ...]:

@@ -27,11 +27,11 @@ import numpy as np
 from jax.extend import core as ext
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetshard._plan import Stage
 from hetshard.collectives.matmul import allgather_matmul, matmul_reducescatter
 from hetshard.ir.interpret import Replace, eval_equations
 from hetshard.ir.paths import path_string
 from hetshard.layout import batch_axes_for, boundary_layout, leaf_spec
-from hetshard.plan import Stage
 from hetshard.rewrite.attention import attention_runner
 from hetshard.rewrite.experts import expert_layouts
 from hetshard.rewrite.pipeline import (

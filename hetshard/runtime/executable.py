@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hetshard._plan import Plan
 from hetshard.autodiff import all_finite, entered, is_graph
 from hetshard.collectives import deliver, empty, here, idle_processes, put, replicated
 from hetshard.errors import HetshardError, PlanNotExecutableError  # noqa: F401 (re-exported)
@@ -44,7 +45,6 @@ from hetshard.layout import (
     stage_mesh,
     state_shardings,
 )
-from hetshard.plan import Plan
 from hetshard.rewrite import swap_attention
 from hetshard.rewrite.spmd import constrain_layers
 from hetshard.runtime.guard import (  # noqa: F401 (re-exported)

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetshard._plan import Plan
 from hetshard.autodiff import all_finite, entered
 from hetshard.collectives import (
     congruent,
@@ -68,7 +69,6 @@ from hetshard.collectives.experts import brought_experts
 from hetshard.errors import SpecError
 from hetshard.ir.program import Program
 from hetshard.layout import at_home, home, leaf_spec, mesh_of, on_device
-from hetshard.plan import Plan
 from hetshard.rewrite.experts import brought, expert_layouts, prelaid_weights
 from hetshard.rewrite.pipeline import StageSplitError, remat_wrap, split_stages
 from hetshard.rewrite.spmd import stage_sequence_layouts

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetshard.plan import Plan
+from hetshard._plan import Plan
 
 log = logging.getLogger("hetshard")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from hetshard.plan import Plan
+from hetshard._plan import Plan
 from hetshard.sim.simulator import SimResult
 
 # task kind -> (colour, legend label)

@@ -1,4 +1,4 @@
-"""Event-driven simulation of one training step of a :class:`~hetshard.plan.Plan`.
+"""Event-driven simulation of one training step of a :class:`~hetshard._plan.Plan`.
 
 Each pipeline submesh is a worker that runs forward (F) and backward (B)
 micro-batch tasks of its stages in its schedule's order (GPipe: all F then all B;
@@ -27,13 +27,13 @@ from __future__ import annotations
 import dataclasses
 
 from hetshard import progress
+from hetshard._plan import Plan, Predicted, data_ways, stage_dtype
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import buckets, collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Plan, Predicted, data_ways, stage_dtype
 from hetshard.sim.schedule import (
     best_warmup,
     capped_warmup,

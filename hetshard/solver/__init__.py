@@ -7,6 +7,7 @@ import time
 import warnings
 
 from hetshard import progress
+from hetshard._plan import nbytes
 from hetshard.cluster.catalog import gpu_dtypes, warn_precision_fallback
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
@@ -14,7 +15,6 @@ from hetshard.cost.profile import profile_program
 from hetshard.errors import SpecError, check_positive
 from hetshard.ir.program import Program
 from hetshard.offload import option_text
-from hetshard.plan import nbytes
 from hetshard.sim.simulator import annotate, simulate
 from hetshard.solver.halves import refine_halves
 from hetshard.solver.inter_op import plan
@@ -24,6 +24,7 @@ from hetshard.solver.options import (
     PlannerMemoryWarning,
     PlannerOptions,
     PlannerTimeLimitWarning,
+    SearchEffort,
 )
 from hetshard.solver.shardings import attach_shardings, expert_shardings
 from hetshard.solver.uniform import parse_fix
@@ -125,7 +126,7 @@ def make_plan(program, cluster, *, global_batch: int | None = None,
     # model per block and layout, returning its best so far); where the whole-block plan
     # is then refined in halves, the search keeps part of its share for that (BUDGET).
     inter = opts.time_limit_s * (BUDGET.inter_op if shardings else 1.0)
-    refine = split is None and cluster.num_devices <= opts.split_blocks_max_devices
+    refine = split is None and cluster.num_devices <= opts.search.split_blocks_max_devices
     narrowed = dataclasses.replace(opts, tp_options=tuple(usable), time_limit_s=inter)
     # The searches' own time-limit warnings name their share of the budget and the gap
     # before refinement: one warning below names the caller's limit and the final gap.
@@ -236,6 +237,6 @@ def _or_zebra(result, profile, program, cluster, global_batch, seq_len, cal, opt
     return found, halves
 
 
-__all__ = ["NoFeasiblePlanError", "PlannerMemoryWarning", "PlannerOptions",
+__all__ = ["NoFeasiblePlanError", "PlannerMemoryWarning", "PlannerOptions", "SearchEffort",
            "PlannerTimeLimitWarning", "make_plan",
            "options_from_fix"]

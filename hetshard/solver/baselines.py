@@ -11,11 +11,11 @@ import dataclasses
 import itertools
 import time
 
+from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import HetshardError
-from hetshard.plan import Pipeline, Plan, Stage
 from hetshard.sim.simulator import annotate, simulate
 from hetshard.solver.batch import assign_batch
 from hetshard.solver.evaluator import zero1_choice

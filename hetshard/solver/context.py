@@ -33,12 +33,12 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from hetshard._plan import Context, Pipeline, Plan, Stage, stage_dtype
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
-from hetshard.plan import Context, Pipeline, Plan, Stage, stage_dtype
 from hetshard.solver.options import planned_gpu_dtypes
 from hetshard.solver.uniform import stage_bounds
 

@@ -11,11 +11,11 @@ import time
 import warnings
 from typing import NamedTuple
 
+from hetshard._plan import Plan, SolverStats
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.offload import parse_option
-from hetshard.plan import Plan, SolverStats
 from hetshard.sim.simulator import (
     SimResult,
     annotate,
@@ -42,6 +42,11 @@ class Candidate(NamedTuple):
     key: tuple
     plan: Plan
     result: SimResult
+
+    @property
+    def fits(self) -> bool:
+        """Within memory, and within the options' stage counts (``Evaluator.price``)."""
+        return not self.key[0]
 
 
 @dataclasses.dataclass
@@ -104,8 +109,7 @@ class Evaluator:
     def last_variants(self, best: Candidate) -> Candidate:
         """The local optimum ``best`` also tried under ZB-H1 (the searches start from
         1F1B) and without ZeRO-1, the fastest kept."""
-        best = Candidate(*best)
-        zb = self.zero_bubble(best.plan) if not best.key[0] else None
+        zb = self.zero_bubble(best.plan) if best.fits else None
         if zb is not None:
             other = self.price(zb)
             if other.key < best.key:
@@ -154,7 +158,7 @@ class Evaluator:
         """``best`` with each stage's offload to host memory dropped where the plan is
         as fast without it (a stage off the critical path keeps its state on its GPU:
         no host memory or link taken for nothing)."""
-        if best.key[0]:
+        if not best.fits:
             return best
         for pi, pipe in enumerate(best.plan.pipelines):
             for j in range(len(pipe.stages)):

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
+from hetshard._plan import Context, Pipeline, Plan, Stage
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.comm import p2p_time
 from hetshard.cost.profile import ModelProfile
 from hetshard.offload import split_key
-from hetshard.plan import Context, Pipeline, Plan, Stage
 from hetshard.sim.schedule import best_warmup, capped_warmup, steady_period, warmup_rooms
 from hetshard.solver.options import (
     PlannerOptions,
@@ -97,7 +97,7 @@ def family_configs(groups: tuple[Group, ...], tables: LayerTables, profile: Mode
         ks = [g.num_devices // (r * tp * cp) for g in groups]
         if sum(ks) > n_layers or (opts.max_stages is not None and sum(ks) > opts.max_stages):
             continue
-        exhaustive = math.comb(n_layers - 1, sum(ks) - 1) <= opts.exhaustive_splits
+        exhaustive = math.comb(n_layers - 1, sum(ks) - 1) <= opts.search.exhaustive_splits
         for mbs in opts.mbs_options:
             if time.perf_counter() > deadline:
                 return out

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from hetshard._plan import Plan
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
-from hetshard.plan import Plan
-from hetshard.solver.evaluator import Candidate, Evaluator
+from hetshard.solver.evaluator import Evaluator
 from hetshard.solver.layouts import improve_layouts
 from hetshard.solver.options import BUDGET, PlannerOptions
 from hetshard.solver.search import local_search
@@ -65,15 +65,15 @@ def refine_halves(plan: Plan, blocks: ModelProfile, halves: ModelProfile,
         found.append(improve_layouts(found[-1], ev.evaluate, tables, cluster,
                                      halves.tensor_divisor, tp_options=opts.tp_options,
                                      remats=opts.memory_options, margin=opts.memory_margin,
-                                     max_stages=opts.max_stages, evals=opts.layout_evals,
+                                     max_stages=opts.max_stages, evals=opts.search.layout_evals,
                                      partial=partial, mbs_options=opts.mbs_options,
                                      short_of_memory=ev.short_of_memory,
                                      deadline=layout_deadline))
     layouts_cut = time.perf_counter() > layout_deadline
-    best = min(found, key=lambda x: x[0])
-    better, cut = local_search(Candidate(*best), ev, t0 + opts.time_limit_s * BUDGET.refine,
-                               opts.refine_evals)
+    best = min(found, key=lambda c: c.key)
+    better, cut = local_search(best, ev, t0 + opts.time_limit_s * BUDGET.refine,
+                               opts.search.refine_evals)
     cut = cut or len(found) < 3 or layouts_cut
-    if better.key < best[0]:
+    if better.key < best.key:
         best = better
     return ev.annotated(ev.last_variants(best), t0, cut, " refining with blocks split")

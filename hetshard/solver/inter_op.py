@@ -60,12 +60,12 @@ import math
 import time
 
 from hetshard import progress
+from hetshard._plan import Plan
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.offload import split_key
-from hetshard.plan import Plan
 from hetshard.solver.baselines import (
     amp_like,
     group_uniform_candidates,
@@ -189,7 +189,7 @@ class _Search:
         combos = []
         progress.phase("stage layouts per GPU group")
         deadline = self._deadline(BUDGET.families)
-        for assignment in assignments(groups, self.tables.peak_of, opts.stage_orders):
+        for assignment in assignments(groups, self.tables.peak_of, opts.search.stage_orders):
             if opts.max_pipelines is not None and len(assignment) > opts.max_pipelines:
                 continue
             per_family = []
@@ -206,7 +206,7 @@ class _Search:
                 cands = sorted(cands, key=lambda f: f.bottleneck_s / f.samples_per_microbatch)
                 per_family.append(cands)
             else:
-                if math.prod(len(c) for c in per_family) > opts.exhaustive_combos:
+                if math.prod(len(c) for c in per_family) > opts.search.exhaustive_combos:
                     # Per family the eight best with one remat for all stages, the best
                     # with remat per stage and the best with a partial remat (ranked
                     # apart, see ``candidates``).
@@ -222,7 +222,7 @@ class _Search:
         (assign_batch) when there are few, else the continuous relaxation (a lower bound,
         microseconds instead of a CP-SAT solve each) ranks them and the chosen ones get
         exact counts later. Ties keep the enumeration order (deterministic)."""
-        exact = len(combos) <= self.opts.exact_combos
+        exact = len(combos) <= self.opts.search.exact_combos
         found = []
         for k, combo in enumerate(combos):
             res = assign_batch(list(combo), self.global_batch) if exact else \
@@ -252,7 +252,7 @@ class _Search:
             # simulation often finds them slower than a layout that needs none.
             mixed = (max(f.kind for f in combo), any(offloads(f) for f in combo))
             key = (tuple(f.groups for f in combo), mixed)
-            if ranks[mixed] >= opts.simulate_top and key in seen:
+            if ranks[mixed] >= opts.search.simulate_top and key in seen:
                 continue
             if counts is None:
                 res = assign_batch(list(combo), self.global_batch)
@@ -263,7 +263,7 @@ class _Search:
                                   self.global_batch, self.seq_len, opts))
             ranks[mixed] += 1
             seen.add(key)
-        if opts.include_uniform:
+        if opts.search.include_uniform:
             # Uniform plans are part of the space when each stage stays on one GPU type
             # (a mixed stage runs one SPMD program at the slowest GPU's pace).
             out += uniform_candidates(self.model, self.profile, cluster, self.global_batch,
@@ -275,7 +275,7 @@ class _Search:
                                        opts=opts, cal=self.cal)
         out += list(extra)
         out = [p for p in out if self._allowed(p)]
-        if not out and opts.include_uniform and self.timed_out:
+        if not out and opts.search.include_uniform and self.timed_out:
             # The limit cut everything before a candidate the options allow: the uniform
             # plans in full, so that a plan still comes back.
             out = [p for p in uniform_candidates(self.model, self.profile, cluster,
@@ -302,10 +302,10 @@ class _Search:
         scored = []
         progress.phase(f"pricing {len(candidates)} candidate plans")
         for cand in candidates:
-            if any(not c.key[0] for c in scored) and self.late(BUDGET.refine):
+            if any(c.fits for c in scored) and self.late(BUDGET.refine):
                 break
             scored.append(self.ev.price(cand))
-        scored.sort(key=lambda x: x[0])
+        scored.sort(key=lambda c: c.key)
         return scored
 
     def relayout(self, scored: list[Candidate]):
@@ -321,21 +321,21 @@ class _Search:
         # descents, each descent keeping its start's kind (``_descent``).
         ranks = collections.Counter()
         for start in scored:
-            kind = plan_offloads(start[1])
-            if ranks[kind] >= opts.layout_top:
+            kind = plan_offloads(start.plan)
+            if ranks[kind] >= opts.search.layout_top:
                 continue
             rank = ranks[kind]
             ranks[kind] += 1
-            if start[0][0] or self.late(BUDGET.refine) or \
-                    not single_type_stages(start[1], self.cluster):
+            if not start.fits or self.late(BUDGET.refine) or \
+                    not single_type_stages(start.plan, self.cluster):
                 continue  # (layouts per GPU type: not for context groups spanning types)
             got = self._descent(start, False)
-            if got[1] is not start[1]:
+            if got.plan is not start.plan:
                 relaid.append(got)
-            if rank >= opts.partial_top:
+            if rank >= opts.search.partial_top:
                 continue
             more = self._descent(got, True)
-            if more[1] is not got[1]:
+            if more.plan is not got.plan:
                 partial.append(more)
         return relaid, partial
 
@@ -346,11 +346,11 @@ class _Search:
         away from layouts the simulation prices faster)."""
         opts = self.opts
         bare = tuple(k for k in opts.memory_options if not split_key(k)[1])
-        remats = opts.memory_options if plan_offloads(start[1]) or not bare else bare
+        remats = opts.memory_options if plan_offloads(start.plan) or not bare else bare
         return improve_layouts(start, self.ev.evaluate, self.tables, self.cluster, self.heads,
                                tp_options=opts.tp_options, remats=remats,
                                margin=opts.memory_margin, max_stages=opts.max_stages,
-                               evals=opts.layout_evals, partial=partial,
+                               evals=opts.search.layout_evals, partial=partial,
                                mbs_options=opts.mbs_options,
                                short_of_memory=self.ev.short_of_memory,
                                deadline=self._deadline(BUDGET.refine))
@@ -363,9 +363,10 @@ class _Search:
         opts, ev = self.opts, self.ev
         out = []
         progress.phase("interleaved and zero-bubble variants")
-        for key, cand, _ in starts:
-            if key[0] or self.late(BUDGET.refine):
+        for start in starts:
+            if not start.fits or self.late(BUDGET.refine):
                 continue
+            cand = start.plan
             tuned = ev.tuned(cand)
             by_time = layer_times(cand, self.profile, self.cluster, self.cal, ev.cache)
             others = [interleave(cand, v, times) for v in opts.virtual_options if v != 1
@@ -377,7 +378,7 @@ class _Search:
             for other in [tuned if tuned != cand else None] + others:
                 if other is not None:
                     out.append(ev.price(other))
-        out.sort(key=lambda x: x[0])
+        out.sort(key=lambda c: c.key)
         return out
 
     def refined(self, scored: list[Candidate]) -> Plan:
@@ -387,45 +388,45 @@ class _Search:
         improving on the best, skipped once the limit is near)."""
         opts = self.opts
         relaid, partial = self.relayout(scored)
-        firsts = scored[:opts.refine_top]
-        scored = sorted(scored + relaid, key=lambda x: x[0])
-        variants = self.variants(scored[:opts.variant_top] + partial)
+        firsts = scored[:opts.search.refine_top]
+        scored = sorted(scored + relaid, key=lambda c: c.key)
+        variants = self.variants(scored[:opts.search.variant_top] + partial)
         if 1 not in opts.virtual_options:  # with virtual_options lacking 1 only those win
-            scored = [x for x in scored if interleaved_as(x[1], opts.virtual_options)]
-            firsts = [x for x in firsts if interleaved_as(x[1], opts.virtual_options)]
-            variants = [x for x in variants if interleaved_as(x[1], opts.virtual_options)]
+            scored = [c for c in scored if interleaved_as(c.plan, opts.virtual_options)]
+            firsts = [c for c in firsts if interleaved_as(c.plan, opts.virtual_options)]
+            variants = [c for c in variants if interleaved_as(c.plan, opts.virtual_options)]
             if not scored and not variants:
                 vpp = opts.virtual_options
                 raise SpecError("--fix vpp", vpp[0] if len(vpp) == 1 else list(vpp),
                                 "1, or a value the best pipelined plans can take: at least "
                                 "vpp layers on each of a pipeline's submeshes")
-        scored = sorted(scored + partial, key=lambda x: x[0])
-        starts = list({id(x[1]): x for x in firsts + scored[:opts.refine_top] +
-                       variants[:opts.refine_top]}.values())
-        best = min(starts, key=lambda x: x[0])
+        scored = sorted(scored + partial, key=lambda c: c.key)
+        starts = list({id(c.plan): c for c in firsts + scored[:opts.search.refine_top] +
+                       variants[:opts.search.refine_top]}.values())
+        best = min(starts, key=lambda c: c.key)
         # The best without offload to host memory is kept apart: the last variants
         # (ZB-H1 ...) can put it ahead of a best that offloads.
-        bare = min((x for x in starts if not plan_offloads(x[1])), key=lambda x: x[0],
+        bare = min((c for c in starts if not plan_offloads(c.plan)), key=lambda c: c.key,
                    default=None)
         progress.phase("local search")
-        for key, cand, r in sorted(starts, key=lambda x: x[0]):
-            if key[0]:
+        for start in sorted(starts, key=lambda c: c.key):
+            if not start.fits:
                 continue
             if self.late(BUDGET.refine):
                 break
-            better, cut = local_search(Candidate(key, cand, r), self.ev,
-                                       self._deadline(BUDGET.refine), opts.refine_evals)
+            better, cut = local_search(start, self.ev,
+                                       self._deadline(BUDGET.refine), opts.search.refine_evals)
             self.timed_out = self.timed_out or cut
-            if better.key < best[0]:
+            if better.key < best.key:
                 best = better
-            if not plan_offloads(better.plan) and (bare is None or better.key < bare[0]):
+            if not plan_offloads(better.plan) and (bare is None or better.key < bare.key):
                 bare = better
         if self.late(BUDGET.refine):
-            chosen = Candidate(*best)
+            chosen = best
         else:
-            chosen = self.ev.last_variants(Candidate(*best))
-            if bare is not None and plan_offloads(chosen.plan) and not bare[0][0]:
-                bare = self.ev.last_variants(Candidate(*bare))
+            chosen = self.ev.last_variants(best)
+            if bare is not None and plan_offloads(chosen.plan) and bare.fits:
+                bare = self.ev.last_variants(bare)
                 if bare.key <= chosen.key:  # (as fast without the host: without)
                     chosen = bare
         if not chosen.result.fits or not self.ev.stage_counts_allowed(chosen.plan) or \
@@ -434,9 +435,9 @@ class _Search:
         # (the best plan without offload, where the chosen one offloads: refined further
         # by the caller too, as it may end ahead: ``plan(..., with_bare=True)``)
         self.bare = None
-        if bare is not None and plan_offloads(chosen.plan) and not bare[0][0] and \
-                self.ev.stage_counts_allowed(bare[1]):
-            self.bare = self.ev.annotated(Candidate(*bare), self.t0, self.timed_out, "",
+        if bare is not None and plan_offloads(chosen.plan) and bare.fits and \
+                self.ev.stage_counts_allowed(bare.plan):
+            self.bare = self.ev.annotated(bare, self.t0, self.timed_out, "",
                                           stacklevel=4)
         return self.ev.annotated(chosen, self.t0, self.timed_out, "", stacklevel=4)
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+from hetshard._plan import Pipeline, Plan, Stage, data_ways
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.errors import HetshardError
-from hetshard.plan import Pipeline, Plan, Stage, data_ways
 from hetshard.solver.splits import (
     LayerTables,
     choice_parts,
@@ -182,24 +183,25 @@ def moves(plan: Plan, tables: LayerTables, cluster: Cluster, heads: int, *, tp_o
                                     aheads=aheads)
 
 
-def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTables,
+def improve_layouts(start, evaluate: Callable[[Plan], Any], tables: LayerTables,
                     cluster: Cluster, heads: int, *, tp_options, remats, margin: float,
                     max_stages: int | None = None, evals: int = 200, partial: bool = False,
                     mbs_options=None, short_of_memory: Callable[[Plan], bool] | None = None,
                     deadline: float | None = None):
-    """Coordinate descent over segment layouts from ``start`` = (key, plan, result):
-    each round takes the best move by ``evaluate(plan) -> (key, plan, result)`` (lower
-    keys are better; ``evaluate`` may return a tuned plan, e.g. with its warm-up)
+    """Coordinate descent over segment layouts from ``start`` (an
+    ``evaluator.Candidate``: key, plan, result): each round takes the best move by
+    ``evaluate(plan) -> Candidate`` (lower keys are better; ``evaluate`` may return a
+    tuned plan, e.g. with its warm-up)
     until none improves or ``evals`` plans were evaluated. Where the descent's plan
     wants more warm-up than its memory allows (``short_of_memory(plan)``), a second
     descent (``evals`` more) also splits the layers with memory kept for ``AHEADS``
     extra warm-up forwards. Past ``deadline`` (``time.perf_counter()``) the descent
-    stops where it is (the caller's time limit). Returns the best triple."""
+    stops where it is (the caller's time limit). Returns the best Candidate."""
     def descend(best, aheads):
         left = evals
         while left > 0:
             round_best = None
-            for cand in moves(best[1], tables, cluster, heads, tp_options=tp_options,
+            for cand in moves(best.plan, tables, cluster, heads, tp_options=tp_options,
                               remats=remats, margin=margin, max_stages=max_stages,
                               partial=partial, mbs_options=mbs_options, aheads=aheads):
                 if left <= 0 or (deadline is not None and time.perf_counter() > deadline):
@@ -207,7 +209,7 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
                     break
                 left -= 1
                 got = evaluate(cand)
-                if got[0] < best[0] and (round_best is None or got[0] < round_best[0]):
+                if got.key < best.key and (round_best is None or got.key < round_best.key):
                     round_best = got
             if round_best is None:
                 break
@@ -215,6 +217,6 @@ def improve_layouts(start, evaluate: Callable[[Plan], tuple], tables: LayerTable
         return best
     best = descend(start, (0,))
     if short_of_memory is not None and (deadline is None or time.perf_counter() <= deadline) \
-            and short_of_memory(best[1]):
+            and short_of_memory(best.plan):
         best = descend(best, AHEADS)
     return best

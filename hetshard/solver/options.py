@@ -23,7 +23,60 @@ STAGE_ORDERS = ("fastest-first", "fastest-last", "memory-first")
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchEffort:
+    """How hard the planner's search works: how many candidates each phase keeps and
+    how many simulations a local search may run. None of these changes which plans are
+    allowed, only how many are tried; the defaults are the measured trade-off of
+    docs/planner.md. ``PlannerOptions.search`` holds one; ``hetshard.jit`` and
+    ``hetshard.plan`` take ``search=SearchEffort(...)`` (or a mapping of its fields)."""
+
+    simulate_top: int = 24  # best candidates by the layer tables that are simulated
+    # best simulated candidates improved by local search (fewer lost good starts once
+    # collective matmuls made tensor-parallel starts rank higher: docs/planner.md)
+    refine_top: int = 4
+    variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
+    refine_evals: int = 300  # simulations per local search (deterministic effort)
+    layout_top: int = 12  # best simulated plans given a layout per GPU type
+    partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
+    layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
+    exact_combos: int = 512  # exact micro-batch counts for every combination up to this
+    include_uniform: bool = True  # the uniform (Megatron-like) plans among the starts
+    # ``PlannerOptions.split_blocks=None`` refines in block halves up to this many GPUs
+    split_blocks_max_devices: int = 256
+    # Stage orders tried for every family of several GPU types (``STAGE_ORDERS``).
+    stage_orders: tuple[str, ...] = STAGE_ORDERS
+    exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
+    exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "include_uniform":
+                if not isinstance(v, bool):
+                    raise SpecError(f.name, v, "True or False", where="SearchEffort")
+            elif f.name == "stage_orders":
+                if (not isinstance(v, tuple) or not v or any(o not in STAGE_ORDERS
+                                                             for o in v)):
+                    raise SpecError("stage_orders", v,
+                                    f"a non-empty tuple of {STAGE_ORDERS}",
+                                    where="SearchEffort")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f.name, v, "a positive integer", where="SearchEffort")
+
+
+@dataclasses.dataclass(frozen=True)
 class PlannerOptions:
+    """What the planner may choose, and how long it may take.
+
+    The fields below constrain the plan: the micro-batch sizes, remats, offloads,
+    parallel degrees, schedules and sharding a plan may use, and facts about the model
+    the program does not show (its router's skew). ``time_limit_s`` bounds the search's
+    wall time; the search's own effort is deterministic, set by ``search`` (a
+    :class:`SearchEffort`: how many candidates each phase keeps, how many simulations a
+    local search runs), so the same inputs give the same plan on any machine and the
+    limit only cuts a search that would overrun it (the plan then says so).
+    """
+
     time_limit_s: float = 60.0
     mbs_options: tuple[int, ...] = (1, 2, 4, 8)
     # Any of ``hetshard.remat.REMATS``, each stage choosing its own. "selective" and the
@@ -41,16 +94,6 @@ class PlannerOptions:
     cp_options: tuple[int, ...] = (1, 2, 4, 8)  # context parallelism, for long sequences
     context_min_seq: int = 8192  # cp > 1 is considered from this sequence length on
     memory_margin: float = 0.05  # fraction of each GPU's memory kept free
-    simulate_top: int = 24
-    # best simulated candidates improved by local search (fewer lost good starts once
-    # collective matmuls made tensor-parallel starts rank higher: docs/planner.md)
-    refine_top: int = 4
-    variant_top: int = 12  # best simulated candidates tried interleaved and re-warmed
-    refine_evals: int = 300  # simulations per local search (deterministic effort)
-    layout_top: int = 12  # best simulated plans given a layout per GPU type
-    partial_top: int = 3  # of those, the ones whose descent goes on with partial remat
-    layout_evals: int = 200  # simulations per layout descent (a layout per GPU type)
-    exact_combos: int = 512  # exact micro-batch counts for every combination up to this
     # The attention implementation plans use (``hetshard.kernel_choice``): "auto" prices
     # and runs, per GPU type, the fastest kernel that computes the program's attention.
     attention: str = "auto"
@@ -74,20 +117,14 @@ class PlannerOptions:
     # without, prices the best plans "node" and "all" too (kept where faster), and where
     # no plan fits searches again "node", then "all".
     state_sharding: str = "auto"
-    include_uniform: bool = True
     max_stages: int | None = None  # per pipeline (None: no limit)
     min_stages: int = 1  # per pipeline: a pipeline asked for (min = max: an exact count)
     max_pipelines: int | None = None
     # Stage boundaries inside blocks (attention | MLP halves as layers): True searches
     # halves from the start, False never splits, None refines the best whole-block plan
-    # in halves (``refine_halves``) on clusters of at most ``split_blocks_max_devices``
-    # GPUs and keeps it when faster.
+    # in halves (``refine_halves``) on clusters of at most
+    # ``SearchEffort.split_blocks_max_devices`` GPUs and keeps it when faster.
     split_blocks: bool | None = None
-    split_blocks_max_devices: int = 256
-    # Stage orders tried for every family of several GPU types (``STAGE_ORDERS``).
-    stage_orders: tuple[str, ...] = STAGE_ORDERS
-    exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
-    exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
     # Compute dtype per GPU type (``Plan.gpu_dtypes``, ``catalog.gpu_dtypes``): "program"
     # (every GPU in the program's dtype) or "fastest" (float16 with loss scaling on GPU
     # types without bfloat16 tensor cores, V100 and T4, under a bfloat16 program).
@@ -112,17 +149,41 @@ class PlannerOptions:
     # stages with their experts placed unevenly to balance them
     # (``cost.stage.planned_placement``), and the best plans both so and evenly.
     routing_histogram: tuple[float, ...] | None = None
+    # How hard the search works (not what it may choose).
+    search: SearchEffort = dataclasses.field(default_factory=lambda: SearchEffort())
 
     @classmethod
     def from_fields(cls, given: dict, where: str) -> PlannerOptions:
-        """Options from keyword fields (``hetshard.jit(..., tp_options=(1, 2))``); an
-        unknown name is a SpecError listing the fields."""
+        """Options from keyword fields (``hetshard.jit(..., tp_options=(1, 2))``):
+        PlannerOptions' fields, ``search`` as a :class:`SearchEffort` or a mapping of
+        its fields, and ``options``, a whole PlannerOptions the other keywords then
+        change. An unknown name is a SpecError listing the fields."""
+        given = dict(given)
+        base = given.pop("options", None)
+        if base is not None and not isinstance(base, cls):
+            raise SpecError("options", base, "a PlannerOptions", where=where)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(given) - fields)
         if unknown:
+            effort = {f.name for f in dataclasses.fields(SearchEffort)}
+            hint = (f" (a search-effort field: pass search={{{unknown[0]!r}: ...}} or "
+                    "search=SearchEffort(...))" if unknown[0] in effort else "")
             raise SpecError(unknown[0], given[unknown[0]],
-                            f"a PlannerOptions field among {sorted(fields)}", where=where)
-        return cls(**given)
+                            f"a PlannerOptions field among {sorted(fields)}{hint}",
+                            where=where)
+        search = given.get("search")
+        if isinstance(search, dict):
+            bad = sorted(set(search) - {f.name for f in dataclasses.fields(SearchEffort)})
+            if bad:
+                raise SpecError(f"search.{bad[0]}", search[bad[0]], "a SearchEffort field "
+                                f"among {[f.name for f in dataclasses.fields(SearchEffort)]}",
+                                where=where)
+            given["search"] = SearchEffort(**search)
+        return dataclasses.replace(base, **given) if base is not None else cls(**given)
+
+    def searching(self, **effort) -> PlannerOptions:
+        """These options with ``search``'s fields ``effort`` changed."""
+        return dataclasses.replace(self, search=dataclasses.replace(self.search, **effort))
 
     def __post_init__(self):
         for name in ("min_stages", "max_stages", "max_pipelines"):
@@ -175,10 +236,10 @@ class PlannerOptions:
             raise SpecError("routing_histogram", h,
                             "None or a tuple of token counts >= 0, one per expert (2 or "
                             "more), not all zero", where="PlannerOptions")
-        if (not isinstance(self.stage_orders, tuple) or not self.stage_orders or
-                any(o not in STAGE_ORDERS for o in self.stage_orders)):
-            raise SpecError("stage_orders", self.stage_orders,
-                            f"a non-empty tuple of {STAGE_ORDERS}")
+        if not isinstance(self.search, SearchEffort):
+            raise SpecError("search", self.search, "a SearchEffort (or, as a hetshard.jit "
+                            "or hetshard.plan keyword, a mapping of its fields)",
+                            where="PlannerOptions")
 
 
     @property

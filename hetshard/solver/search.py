@@ -8,9 +8,9 @@ import dataclasses
 import itertools
 import time
 
+from hetshard._plan import Plan, Stage
 from hetshard.errors import HetshardError
 from hetshard.offload import OFFLOADS, parse_option
-from hetshard.plan import Plan, Stage
 from hetshard.remat import REMATS
 from hetshard.solver.evaluator import Candidate, Evaluator
 

@@ -18,12 +18,12 @@ import dataclasses
 import time
 import warnings
 
+from hetshard._plan import Plan
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import topology
 from hetshard.ir.moe import expert_regions
 from hetshard.ir.program import Program, reduced_graph
-from hetshard.plan import Plan
 from hetshard.solver.intra_op import solve, spec_of
 
 

@@ -22,13 +22,13 @@ import itertools
 
 import numpy as np
 
+from hetshard._plan import stage_dtype
 from hetshard.cluster.spec import Cluster, Group
 from hetshard.cost.calibration import Calibration
 from hetshard.cost.comm import topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import planned_placement, stage_cost
 from hetshard.offload import split_key
-from hetshard.plan import stage_dtype
 from hetshard.solver.options import PlannerOptions, ep_ways, fsdp_ways, planned_gpu_dtypes
 
 

@@ -21,11 +21,11 @@ import dataclasses
 
 import numpy as np
 
+from hetshard._plan import SCHEDULES, Pipeline, Plan, Stage
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError, check_positive
 from hetshard.offload import check_offload
-from hetshard.plan import SCHEDULES, Pipeline, Plan, Stage
 from hetshard.remat import check_remat
 from hetshard.solver.options import data_axes
 

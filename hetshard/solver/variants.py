@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from hetshard.plan import Plan, Stage
+from hetshard._plan import Plan, Stage
 from hetshard.sim.simulator import layers_cost, priced_dtype, recomputed_among
 from hetshard.solver.options import data_axes, fsdp_ways
 

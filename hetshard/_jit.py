@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard import cache
+from hetshard._plan import Plan
 from hetshard._version import __version__
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
@@ -60,7 +61,6 @@ from hetshard.ir.program import (
 )
 from hetshard.layout import batch_sharding, leaf_spec, stage_mesh, state_shardings
 from hetshard.meshes import no_ambient_mesh, untyped
-from hetshard.plan import Plan
 from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
     Executable,
     PlanNotExecutableError,
@@ -125,15 +125,19 @@ def _raised_in_user_code(e: BaseException) -> bool:
 
 def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = None,
          global_batch: int | None = None, calibration=None, batch_reductions: str = "whole",
-         **planner_options) -> Plan:
+         shardings: bool = True, **planner_options) -> Plan:
     """The plan ``hetshard.jit`` would run ``step(*args)`` with on ``cluster``.
 
     ``args`` are the step's arguments (NNX objects or pytrees, shape-only ones included:
     ``nnx.eval_shape``/``jax.ShapeDtypeStruct``, so a 175B model plans without weights);
     the batch is ``args[batch_argnums]`` (as ``hetshard.jit``'s ``batch_argnums`` and
-    ``batch_reductions``), and
-    ``global_batch``
-    defaults to its leading size. ``planner_options`` are ``PlannerOptions`` fields.
+    ``batch_reductions``), and ``global_batch`` defaults to its leading size. ``step`` may
+    instead be a :class:`hetshard.Program` (a step already traced), given without
+    ``args``. ``planner_options`` are ``PlannerOptions`` fields, ``search`` (a
+    ``SearchEffort`` or a mapping of its fields) and ``options`` (a whole
+    ``PlannerOptions`` the other keywords change). ``shardings=False`` leaves the
+    per-weight layouts unsolved (faster; ``hetshard.jit`` solves them when it runs the
+    plan).
 
     Raises:
       SpecError: an unknown planner option, a batch without one leading size.
@@ -143,16 +147,25 @@ def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = Non
         raise SpecError("batch_argnum", planner_options["batch_argnum"],
                         "batch_argnums (one spelling, hetshard.jit's)", where="hetshard.plan")
     options = PlannerOptions.from_fields(planner_options, "hetshard.plan")
-    batch = batch_of(args, batch_positions(args, batch_argnums, "hetshard.plan")) \
-        if args else None
+    if isinstance(step, Program):
+        if args or batch_argnums is not None:
+            raise SpecError("args", f"{len(args)} arguments, batch_argnums={batch_argnums}",
+                            "none with a Program (it holds its arguments)",
+                            where="hetshard.plan")
+        program, batch = step, None
+    else:
+        batch = batch_of(args, batch_positions(args, batch_argnums, "hetshard.plan")) \
+            if args else None
+        program = None
     with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
-        program = Program(step, args, batch_argnums=batch_argnums,
-                          batch_reductions=batch_reductions)
+        if program is None:
+            program = Program(step, args, batch_argnums=batch_argnums,
+                              batch_reductions=batch_reductions)
         options, why = _restricted(options, program)
         if why:
             warnings.warn(why, stacklevel=2)
         return make_plan(program, Cluster.load(cluster), global_batch=global_batch,
-                         options=options, calibration=calibration)
+                         options=options, calibration=calibration, shardings=shardings)
 
 
 def _restricted(options, program: Program) -> tuple[PlannerOptions, str | None]:
