@@ -21,7 +21,7 @@ prices it from the step's own profile (``HetshardJit.profile``). For each bucket
 * ``long+wikipedia``: one document of half the bucket, the rest Wikipedia documents;
 
 the micro-step the runtime runs for it (``run_batch_plan``'s ``micro_step_plan`` and
-``HetshardJit.grads_under``: the loss's value and gradients, under the remat the group
+``MicroSteps.grads_under``: the loss's value and gradients, under the remat the group
 prices that bucket with) is timed (median of ``--repeats`` after a warm-up) and
 compared with the planner's price of that row (``_Pricer.rows``, what the planner
 minimises). Reported: each row's predicted and measured seconds and their ratio; per
@@ -192,7 +192,7 @@ def measure(args, backend: str) -> int:
             predicted = float(pricer.rows(Packing.of(rows))[0])
             plan = micro_step_plan(step, (model, opt, batch), group, bucket, 1,
                                    args.attention)
-            measured, fastest, first_s = _timed(step.grads_under, plan, model, opt, batch,
+            measured, fastest, first_s = _timed(step.micro_steps.grads_under, plan, model, opt, batch,
                                                 repeats=args.repeats)
             row = {"bucket": bucket, "kind": kind, "documents": len(lengths),
                    "tokens": int(sum(lengths)),

@@ -23,44 +23,37 @@ warning says so once).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import warnings
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from hetshard import cache
 from hetshard._plan import Plan
 from hetshard._version import __version__
 from hetshard.autodiff import is_graph
 from hetshard.cluster.spec import Cluster
-from hetshard.collectives import put
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
 from hetshard.errors import (
-    HetshardError,
     SpecError,
-    StepTraceError,
 )
 from hetshard.ir.program import (
     BATCH_REDUCTIONS,
     Program,
-    batch_of,
     batch_positions,
     check_batch,
-    path_string,
+    user_errors,
 )
-from hetshard.layout import batch_sharding, leaf_spec, stage_mesh, state_shardings
-from hetshard.meshes import no_ambient_mesh, untyped
+from hetshard.ir.trees import batch_of
+from hetshard.meshes import no_ambient_mesh
 from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
     Executable,
     PlanNotExecutableError,
@@ -80,47 +73,10 @@ from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
     branches,
     find_loss,
 )
+from hetshard.runtime.micro_steps import MicroSteps, split_args, with_untyped
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan
 from hetshard.solver.shardings import expert_shardings, fill_missing_shardings
-
-
-@contextlib.contextmanager
-def _tracing(step, batch, where: str):
-    """Re-raises an exception from the user's own code, while hetshard traces the step,
-    as a StepTraceError naming the step and the batch's shapes (hetshard's own errors and
-    failures inside hetshard pass unchanged)."""
-    try:
-        yield
-    except HetshardError:
-        raise
-    except Exception as e:
-        if not _raised_in_user_code(e):
-            raise
-        shapes = {path_string(p) or "batch": tuple(np.shape(x)) for p, x in
-                  jax.tree_util.tree_flatten_with_path(batch)[0]}
-        name = getattr(step, "__qualname__", type(step).__name__)
-        raise StepTraceError(
-            f"{where}: the step {name!r} raised while hetshard traced it with batch shapes "
-            f"{shapes}: {type(e).__name__}: {e} (the step must run on these arguments "
-            f"under jax.jit; the traceback above is the step's)") from e
-
-
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep
-                   for m in (jax, nnx, np, __import__("hetshard")))
-
-
-def _raised_in_user_code(e: BaseException) -> bool:
-    """Whether a frame of ``e``'s traceback is the user's: not hetshard's, JAX's, Flax's,
-    NumPy's or the standard library's."""
-    stdlib = os.path.dirname(os.__file__) + os.sep
-    tb = e.__traceback__
-    while tb is not None:
-        f = tb.tb_frame.f_code.co_filename
-        if not f.startswith(_LIBRARIES + (stdlib,)) and not f.startswith("<"):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = None,
@@ -157,7 +113,7 @@ def plan(step, *args, cluster, batch_argnums: int | tuple[int, ...] | None = Non
         batch = batch_of(args, batch_positions(args, batch_argnums, "hetshard.plan")) \
             if args else None
         program = None
-    with no_ambient_mesh(), _tracing(step, batch, "hetshard.plan"):
+    with no_ambient_mesh(), user_errors(step, batch, "hetshard.plan"):
         if program is None:
             program = Program(step, args, batch_argnums=batch_argnums,
                               batch_reductions=batch_reductions)
@@ -286,35 +242,6 @@ def _signature(args) -> str:
 
 
 
-def _laid_as_state(fn, plan: Plan, mesh, state, batch):
-    """Per output leaf of ``fn(state, batch)`` (a value and gradients), the layout
-    ``leaf_spec`` gives a state leaf of its path and shape under ``plan``: each gradient
-    as its parameter, a scalar value replicated."""
-    specs = {name: tuple(e) for name, e in plan.pipelines[0].stages[0].shardings}
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(
-            path_string(p), x.shape, specs, mesh,
-            over_context=plan.context.shard_state)),
-        jax.eval_shape(fn, state, batch))
-
-
-def _same_arrays(refs, objects) -> bool:
-    """Whether ``objects`` hold exactly the arrays ``refs`` (weak references) name."""
-    leaves = jax.tree.leaves(objects)
-    return len(refs) == len(leaves) and all(
-        r() is x for r, x in zip(refs, leaves, strict=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Placed:
-    """The step's state as last placed on one device set (``HetshardJit._state_on``):
-    weak references to the arrays it was placed from, the layout, and the copy."""
-
-    sources: tuple
-    shardings: object
-    state: object
-
-
 class _Signatures:
     """:func:`_signature`, fast for arguments seen before. Reading an NNX object's state
     walks its graph (about 40 us a node: some 10 ms for a small model's and optimizer's,
@@ -370,18 +297,10 @@ class HetshardJit:
         self.plan: Plan | None = self.pinned
         self.elastic = bool(elastic)
         self._timing = (False, {})  # time_stages: (on, injected delays)
-        # hetshard.data micro-steps: traced programs, captures per (shapes, plan), apply
-        self._programs: dict = {}
-        self._captures: dict = {}
-        self._apply: dict = {}
         self._signature = _Signatures()
-        # grads_under: the state as last placed on a device set, with weak references to
-        # the arrays it was placed from (reused while the objects hold those arrays)
-        self._placed: dict[tuple, _Placed] = {}
-        self._passes: dict = {}  # (args' signature, plan) -> PipelineRunner (run_passes)
-        # the non-finite policy's flag of steps made of micro-steps or passes (on the
-        # devices that decide it: apply_grads's home, run_passes' first loss stage)
-        self._carry = Carry()
+        # a step made of micro-steps or passes of other shapes (hetshard.data's runners)
+        self.micro_steps = MicroSteps(fn, batch_argnums, batch_reductions, self.guard,
+                                      self._signature, self._devices)
         if self.elastic:
             self._fit_devices()
         self.program: Program | None = None
@@ -536,8 +455,8 @@ class HetshardJit:
     def _prepare(self, args):
         """(compiled entry, non-batch arguments, batch) for ``args``: planned and
         compiled on the first call with their shapes."""
-        pos, batch, others = self._split_args(args)
-        args = self._with_untyped(args, pos)
+        pos, batch, others = split_args(args, self.batch_argnums)
+        args = with_untyped(args, pos)
         size = check_batch(batch)
         if self.global_batch is not None and size != self.global_batch:
             raise SpecError("batch", f"leading dimension {size}",
@@ -545,7 +464,7 @@ class HetshardJit:
         sig = self._signature(args)
         entry = self._compiled.get(sig)
         if entry is None:
-            with _tracing(self.fn, batch, "hetshard.jit"):
+            with user_errors(self.fn, batch, "hetshard.jit"):
                 program = Program(self.fn, args, batch_argnums=pos,
                                   batch_reductions=self.batch_reductions)
                 if self.guard.loss_output is not None:  # a wrong path: refused before planning
@@ -555,15 +474,25 @@ class HetshardJit:
                 if self.pinned is None:  # planned here: process 0's plan is the one
                     plan = Plan.from_json(from_first(plan.to_json()), source="process 0")
                 agree(plan.what_runs(), "plan")
-            if self._bound is None:
-                self._bound = self.cluster.bind()
-            entry = compile_plan(plan, self._bound.devices, program, others, batch,
-                                 self.guard)
+            entry = compile_plan(plan, self._devices(), program, others, batch, self.guard)
             if self._timing[0]:
                 entry.time(*self._timing)
             self._compiled[sig] = entry
             self.plan, self.program = plan, program
         return entry, others, batch
+
+    def _devices(self) -> list:
+        """The cluster's devices, bound on first use."""
+        if self._bound is None:
+            self._bound = self.cluster.bind()
+        return self._bound.devices
+
+    def profile(self, *args):
+        """The cost model's :class:`~hetshard.cost.profile.ModelProfile` of this step on
+        arguments of these shapes (traced from the program itself): what the planner
+        prices, and what ``hetshard.data.group_costs`` takes."""
+        with no_ambient_mesh():
+            return profile_program(self.micro_steps.program_for(*args))
 
     def state_shardings(self, *args):
         """Where this step keeps the state of ``args`` (a step's arguments, batch
@@ -576,187 +505,6 @@ class HetshardJit:
             entry, others, _ = self._prepare(args)
         tree = entry.state_shardings()
         return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-
-    # ---- a step assembled from micro-steps of other shapes (hetshard.data) --------------
-    def _split_args(self, args):
-        """(the batch's positions among ``args``, the batch, the other arguments)."""
-        if not args:
-            raise SpecError("args", "()", "the step's arguments, the batch among them",
-                            where="hetshard.jit")
-        pos = batch_positions(args, self.batch_argnums)
-        return (pos, batch_of(self._with_untyped(args, pos), pos),
-                tuple(a for i, a in enumerate(args) if i not in pos))
-
-    @staticmethod
-    def _with_untyped(args, pos) -> tuple:
-        return tuple(untyped(a) if i in pos else a for i, a in enumerate(args))
-
-    def program_for(self, *args) -> Program:
-        """The traced step for arguments of these shapes (cached by their signature)."""
-        return self._program(args, self._signature(args))
-
-    def _program(self, args, sig: str) -> Program:
-        got = self._programs.get(sig)
-        if got is None:
-            pos, batch, _ = self._split_args(args)
-            args = self._with_untyped(args, pos)
-            with _tracing(self.fn, batch, "hetshard.jit"):
-                got = Program(self.fn, args, batch_argnums=pos,
-                                  batch_reductions=self.batch_reductions)
-            if got.call is None:
-                raise PlanNotExecutableError(
-                    f"micro-steps need a step whose loss call hetshard sees, and "
-                    f"{got.call_error}")
-            self._programs[sig] = got
-        return got
-
-    def profile(self, *args):
-        """The cost model's :class:`~hetshard.cost.profile.ModelProfile` of this step on
-        arguments of these shapes (traced from the program itself): what the planner
-        prices, and what ``hetshard.data.group_costs`` takes."""
-        with no_ambient_mesh():
-            return profile_program(self.program_for(*args))
-
-    def grads_under(self, plan: Plan, *args):
-        """``(value, gradients)`` of the step's ``hetshard.value_and_grad`` loss on
-        ``args`` run under ``plan`` (one pipeline of one stage: its devices, data,
-        tensor and context axes), left on the plan's mesh; nothing is updated. Compiled
-        once per plan and argument shapes. Summed over micro-steps and handed to
-        :meth:`apply_grads`, this is one step made of batches of different shapes
-        (``hetshard.data.run_batch_plan``)."""
-        if len(plan.pipelines) != 1 or len(plan.pipelines[0].stages) != 1:
-            raise PlanNotExecutableError("grads_under takes a plan of one pipeline of one "
-                                         f"stage, not {[len(p.stages) for p in plan.pipelines]}")
-        with no_ambient_mesh():
-            sig = self._signature(args)
-            program = self._program(args, sig)
-            _, batch, others = self._split_args(args)
-            key = (sig, plan.what_runs())
-            got = self._captures.get(key)
-            if got is None:
-                n = program.layering(2, plan.split_blocks).num_layers
-                st = plan.pipelines[0].stages[0]
-                if (st.start, st.end) != (0, n):
-                    raise SpecError("plan.pipelines[0].stages[0]", (st.start, st.end),
-                                    f"the program's layers (0, {n})", where="grads_under")
-                if self._bound is None:
-                    self._bound = self.cluster.bind()
-                mesh = stage_mesh(plan, self._bound.devices)
-                s_shard = state_shardings(step_state(program, others), plan, mesh)
-                b_shard = batch_sharding(batch, plan, mesh)
-                fn = rewriting(capturing(program), plan, mesh)
-                # Gradients laid out as their parameters (reduce-scattered): left to
-                # XLA, some come back whole on every device (all-reduced).
-                out = _laid_as_state(fn, plan, mesh, step_state(program, others), batch)
-                got = (jax.jit(fn, in_shardings=(s_shard, b_shard), out_shardings=out),
-                       s_shard, b_shard)
-                self._captures[key] = got
-            f, s_shard, b_shard = got
-            return f(self._state_on(program, others, s_shard),
-                     put(batch, b_shard))
-
-    def _state_on(self, program: Program, others, shardings):
-        """The step's state (``step_state``) placed on ``shardings``: placed once and
-        reused while the objects hold the same arrays (a step's micro-steps on one group
-        read one copy: neither the NNX graph walk nor the transfer again); one placement
-        kept a device set (the group's copy of the state), replaced when the arrays or
-        the layout change, dropped when the step's update is applied (``apply_grads``)."""
-        leaves = jax.tree.leaves(others)
-        mine = jax.tree.leaves(shardings)
-        if not mine or not all(isinstance(x, jax.Array) for x in leaves):
-            # (numpy leaves can change in place: placed every call)
-            return put(step_state(program, others), shardings)
-        where = tuple(sorted(d.id for d in mine[0].mesh.devices.flat))
-        hit = self._placed.get(where)
-        if hit is not None and hit.shardings is shardings and \
-                _same_arrays(hit.sources, others):
-            return hit.state
-        self._placed.pop(where, None)  # the old copy goes before the new one is made
-        placed = put(step_state(program, others), shardings)
-        self._placed[where] = _Placed(tuple(weakref.ref(x) for x in leaves), shardings,
-                                      placed)
-        return placed
-
-    def apply_grads(self, value_and_grads, *args):
-        """Runs the step on ``args`` with ``hetshard.value_and_grad`` returning
-        ``value_and_grads`` (e.g. the sum of :meth:`grads_under` over a batch's
-        micro-steps) instead of computing them: the update is applied to the NNX objects
-        (skipped, with the step's ``nan_policy``, when they are not finite); returns the
-        step's output."""
-        self.guard.poll()
-        placed, self._placed = self._placed, {}  # the step's micro-steps are done
-        with no_ambient_mesh():
-            sig = self._signature(args)
-            program = self._program(args, sig)
-            _, batch, others = self._split_args(args)
-            leaf = jax.tree.leaves(value_and_grads)[0]
-            home = NamedSharding(leaf.sharding.mesh, PartitionSpec()) \
-                if isinstance(leaf.sharding, NamedSharding) else leaf.sharding
-            # Gradients already on the home devices keep their layout (sharded as the
-            # state a micro-step held); the state is the copy the micro-steps on these
-            # devices read, where they read the arrays the objects hold now.
-            ids = {d.id for d in home.device_set}
-
-            def keep(x):
-                sh = getattr(x, "sharding", None)
-                return sh if isinstance(sh, NamedSharding) and \
-                    {d.id for d in sh.device_set} == ids else home
-            provided = put(value_and_grads, jax.tree.map(keep, value_and_grads))
-            hit = placed.get(tuple(sorted(ids)))
-            state = hit.state if hit is not None and _same_arrays(hit.sources, others) \
-                else put(step_state(program, others), home)
-            if sig not in self._apply:
-                self._apply[sig] = jax.jit(settled(
-                    program, self.guard, self._carry, providing(program),
-                    branches(home.device_set)))
-            # (the carry follows the home devices: async, and free where it is already)
-            halted = jax.device_put(self._carry.halted, home)
-            out, new_state, halted, _, report = self._apply[sig](
-                state, put(batch, home), provided, halted, {})
-            self._carry.take(halted, {})
-            self.guard.record(report, self._carry)
-            if new_state is not None:
-                update_objects(others, new_state)
-            return out
-
-    def run_passes(self, passes, order):
-        """One step made of pipeline passes of different batch shapes, walked as one
-        pipeline (``hetshard.runtime.mixed``): ``passes`` lists ``(plan, args)``, each a
-        plan of one pipeline on the same stages and the step's arguments with that pass's
-        batch (its micro-batches in order); ``order`` lists ``(pass, micro-batch)`` in the
-        order they enter the pipeline. The passes' gradients and loss outputs add up (the
-        batches weighted for it: ``hetshard.data.packed_arrays(target_tokens=)``), the
-        update is applied once, on the NNX objects of the first pass's arguments (skipped,
-        with the step's ``nan_policy``, when not finite); returns the step's output. A
-        (plan, shape) pair compiles once (``hetshard.data.run_pipeline_batch_plan``)."""
-        from hetshard.runtime.mixed import mixed_step
-        from hetshard.runtime.pipeline import PipelineRunner
-        if not passes:
-            raise SpecError("passes", [], "at least one (plan, args) pass",
-                            where="run_passes")
-        self.guard.poll()
-        with no_ambient_mesh():
-            runners, batches = [], []
-            for plan, args in passes:
-                sig = self._signature(args)
-                program = self._program(args, sig)
-                key = (sig, plan.what_runs())
-                runner = self._passes.get(key)
-                if runner is None:
-                    if self._bound is None:
-                        self._bound = self.cluster.bind()
-                    runner = PipelineRunner(plan, self._bound.devices, program, self.guard)
-                    self._passes[key] = runner
-                runners.append(runner)
-                batches.append(self._split_args(args)[1])
-            _, _, others = self._split_args(passes[0][1])
-            lead = runners[0]
-            lead.carry = self._carry  # the step's flag, whichever runner decides
-            out, new_state = mixed_step(runners, batches, order, lead.state_of(others))
-            self.guard.record(lead.report, self._carry)
-            if lead.program.kind == "nnx":
-                update_objects(others, new_state)
-            return out
 
     def time_stages(self, on: bool = True, delays: dict | None = None) -> None:
         """Time each pipeline stage's tasks from the next step on (``stage_times``; each

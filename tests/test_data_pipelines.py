@@ -622,7 +622,7 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
                  image_tokens=pipes[0].image_tokens) if seeing else {}
     example = {k: jnp.asarray(v) for k, v in packed_arrays(first, pack(
         [len(x["tokens"] if seeing else x) for x in first], (top,)), **extra).items()}
-    program = step.program_for(model, opt, example)
+    program = step.micro_steps.program_for(model, opt, example)
     n = program.layering(2, False).num_layers
     cut = n // 2 if cut is None else cut
     outer = Plan(program.name, step.cluster, 4 * len(pipelines), top, tuple(Pipeline((

@@ -210,3 +210,23 @@ def test_the_zoo_uses_the_public_api_only():
                     node.value.id == "hetshard" and node.attr not in hetshard.__all__:
                 internal.append(f"{path.name}: hetshard.{node.attr}")
     assert internal == []
+
+
+def test_the_per_batch_doors_live_in_the_runtime_not_on_the_decorator():
+    """``hetshard.data``'s runners reach a step's pieces through its ``micro_steps`` (a
+    ``runtime.micro_steps.MicroSteps``), not through methods of ``HetshardJit``; a
+    runner given anything else refuses it by name."""
+    from hetshard._jit import HetshardJit
+    from hetshard.data.runner import micro_steps
+    from hetshard.errors import SpecError
+    from hetshard.runtime.micro_steps import MicroSteps
+    for door in ("grads_under", "apply_grads", "run_passes", "program_for"):
+        assert not hasattr(HetshardJit, door) and hasattr(MicroSteps, door)
+    step = hetshard.jit(lambda m, b: b, cluster="a100-v100", quiet=True)
+    assert isinstance(step.micro_steps, MicroSteps) and micro_steps(step) is step.micro_steps
+    try:
+        micro_steps(lambda m, b: b)
+    except SpecError as e:
+        assert "step" in str(e) and "hetshard.jit" in str(e)
+    else:
+        raise AssertionError("a plain function was taken for a hetshard.jit step")

@@ -260,4 +260,4 @@ def test_the_zoos_mixture_of_experts_is_found_and_cuts_by_token():
     assert (layer.experts, layer.k, layer.dispatch) == (4, 2, "dropless")
     assert sorted(prog.param_path(i).rsplit("/", 1)[-1] for i in layer.expert_weights) == \
         ["down", "gate", "up"]
-    assert prog.sample_coupling is None and prog.sample_gap is None
+    assert prog.samples.coupling is None and prog.samples.gap is None

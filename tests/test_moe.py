@@ -143,7 +143,7 @@ def test_a_dropless_moe_pipeline_with_micro_batches_equals_one_device(balance):
     step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=4,
                                                balance=balance)
     program = hetshard.Program(step, args)
-    assert program.sample_coupling is None and program.sample_gap is None
+    assert program.samples.coupling is None and program.samples.gap is None
     cluster, plan = CLUSTER, _two_stages(program)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -204,11 +204,11 @@ def test_a_whole_batch_balance_loss_is_taken_per_micro_batch_when_asked():
 
     step, args, batches = user_models.make_moe(dispatch="dropless", k=2, layers=2,
                                                balance="batch")
-    assert "non-linear function" in hetshard.Program(step, args).sample_coupling
+    assert "non-linear function" in hetshard.Program(step, args).samples.coupling
     with pytest.raises(SpecError, match="batch_reductions"):
         hetshard.jit(step, cluster=CLUSTER, batch_reductions="micro")
     program = hetshard.Program(step, args, batch_reductions="per_piece")
-    assert program.sample_coupling is None
+    assert program.samples.coupling is None
 
     model, opt, _ = args
     want = []

@@ -83,7 +83,7 @@ def test_the_cost_model_and_the_runtime_find_the_same_projections(which):
         priced = collections.Counter(r for op in graph.ops if op.layer == name and
                                      (r := roles.get(op.index)) is not None)
         assert priced == (want if lay.stacks[k] >= 0 else {}), name
-    split = split_stages(program.loss_flat, program.state_avals, program.batch_at(2),
+    split = split_stages(program.loss_flat, program.state_avals, program.trees.batch_at(2),
                          [(0, len(lay.names))], program.diff)
     jaxpr = split.closed.jaxpr
     for k in range(len(lay.names)):

@@ -579,19 +579,19 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
     state_of = hjit.step_state
     monkeypatch.setattr(hjit, "step_state",
                         lambda *a: walks.append(1) or state_of(*a))
-    first = step.grads_under(plan, model, opt, batch)
+    first = step.micro_steps.grads_under(plan, model, opt, batch)
     assert walks  # compiled and placed
     walks.clear()
-    again = step.grads_under(plan, model, opt, batch)
+    again = step.micro_steps.grads_under(plan, model, opt, batch)
     assert not walks  # the second micro-step read the placed copy
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
-    step.apply_grads(first, model, opt, batch)
+    step.micro_steps.apply_grads(first, model, opt, batch)
     walks.clear()
-    after = step.grads_under(plan, model, opt, batch)
+    after = step.micro_steps.grads_under(plan, model, opt, batch)
     assert walks  # new arrays: placed again
     step._placed.clear()
-    fresh = step.grads_under(plan, model, opt, batch)
+    fresh = step.micro_steps.grads_under(plan, model, opt, batch)
     assert float(after[0]) < float(first[0])  # the update is what the step reads
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -633,15 +633,15 @@ def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
         ("fsdp", 1), ("context", 4))
     # the layout the state is placed in: a quarter of every large leaf on each device
     hjit = importlib.import_module("hetshard._jit")  # (the name is shadowed by the function)
-    program = step.program_for(model, opt, ring)
+    program = step.micro_steps.program_for(model, opt, ring)
     tree = hjit.step_state(program, (model, opt))
     mesh = mesh_of(over.pipelines[0].stages[0], step.cluster.bind().devices)
     laid = jax.tree.leaves(state_shardings(tree, over, mesh))
     big = [(x, s) for x, s in zip(jax.tree.leaves(tree), laid, strict=True) if x.size >= 1024]
     assert big and all(np.prod(s.shard_shape(x.shape)) * 4 == x.size for x, s in big)
 
-    got = step.grads_under(over, model, opt, ring)
-    want = step.grads_under(rows, model, opt, flat)
+    got = step.micro_steps.grads_under(over, model, opt, ring)
+    want = step.micro_steps.grads_under(rows, model, opt, flat)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)

@@ -212,16 +212,16 @@ def test_micro_steps_and_passes_return_before_their_batch_exists():
     step, model, opt, batch = _tiny()
     plans = _plans(hetshard.Program(step, (model, opt, batch)))
     jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    got = jitted.grads_under(plans["spmd"], model, opt, _spare(batch))
-    jax.block_until_ready(jitted.apply_grads(got, model, opt, _spare(batch)))  # compiled
-    jax.block_until_ready(jitted.run_passes([(plans["pipeline"], (model, opt, _spare(batch)))],
+    got = jitted.micro_steps.grads_under(plans["spmd"], model, opt, _spare(batch))
+    jax.block_until_ready(jitted.micro_steps.apply_grads(got, model, opt, _spare(batch)))  # compiled
+    jax.block_until_ready(jitted.micro_steps.run_passes([(plans["pipeline"], (model, opt, _spare(batch)))],
                                             [(0, 0), (0, 1)]))
     late = _late(batch)
-    got = jitted.grads_under(plans["spmd"], model, opt, late)
-    out = jitted.apply_grads(got, model, opt, late)
+    got = jitted.micro_steps.grads_under(plans["spmd"], model, opt, late)
+    out = jitted.micro_steps.apply_grads(got, model, opt, late)
     assert _pending(late) and _pending(out)
     late = _late(batch)
-    out = jitted.run_passes([(plans["pipeline"], (model, opt, late))], [(0, 0), (0, 1)])
+    out = jitted.micro_steps.run_passes([(plans["pipeline"], (model, opt, late))], [(0, 0), (0, 1)])
     assert _pending(late) and _pending(out)
     jitted.wait()
 

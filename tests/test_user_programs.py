@@ -47,9 +47,9 @@ def _train(step, args, batches, steps=STEPS):
 
 def _kept_whole(step, program, train, want, why, **options):
     """The planner keeps ``step`` to one single-stage pipeline because of ``why`` (found
-    in ``program.sample_coupling``: cutting the batch would change the step), with a
+    in ``program.samples.coupling``: cutting the batch would change the step), with a
     warning saying so, and ``train(jitted)`` gives ``want``; returns what it gave."""
-    assert why in program.sample_coupling
+    assert why in program.samples.coupling
     jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True, **options)
     with pytest.warns(UserWarning, match=re.escape(why) + ".*one single-stage pipeline"):
         got = train(jitted)
@@ -121,7 +121,7 @@ def test_a_users_masked_attention_is_priced_as_the_kernel_that_runs(name):
     written-out form (scores, weights, mask) is left in the priced program."""
     from hetshard.ir.program import traced_graph
     program = hetshard.jit(user_models.MODELS[name]()[0], cluster=CLUSTER, quiet=True
-                           ).program_for(*user_models.MODELS[name]()[1])
+                           ).micro_steps.program_for(*user_models.MODELS[name]()[1])
     prof = profile_program(program)
     blocks = [lay for lay in prof.layers if lay.fwd_attention.any()]
     assert len(blocks) == 4
@@ -614,8 +614,8 @@ def test_the_tutorial_step_with_logits_as_aux_is_cut_and_joined():
     want = _train(nnx.jit(step), ref_args, batches)
     step, args, _ = user_models.make_logits_aux()
     program = hetshard.Program(step, args)
-    assert program.call is not None and program.per_sample_outputs == {1: 0}
-    assert program.sample_coupling is None
+    assert program.call is not None and program.samples.per_sample_outputs == {1: 0}
+    assert program.samples.coupling is None
     cluster = Cluster.load(CLUSTER)
     shares = tuple(Pipeline((Stage(0, program.layering(2).num_layers, devs, gpu,
                                    (("data", 2),)),), n, 1, n // 2)
@@ -662,7 +662,7 @@ def test_flax_mnist_tutorial_trains_and_evaluates_as_under_nnx_jit():
         assert a == pytest.approx(b, rel=1e-5)
     model, opt, metrics, batches = user_models.make_mnist()
     program = hetshard.Program(user_models.mnist_train_step, (model, opt, metrics, batches[0]))
-    assert program.per_sample_outputs == {1: 0} and program.sample_coupling is None
+    assert program.samples.per_sample_outputs == {1: 0} and program.samples.coupling is None
     evaluating = hetshard.Program(user_models.mnist_eval_step, (model, metrics, batches[0]))
     assert evaluating.call is None and not evaluating.changes_parameters
     assert program.changes_parameters
@@ -799,7 +799,7 @@ def test_a_summed_loss_and_counts_add_their_pieces():
     args, _ = _loss_and_model()
     program = hetshard.Program(step, args)
     # flat outputs: the loss, then the aux dict's leaves in key order (correct, fraction)
-    assert program.summed_outputs == [True, True, False]
+    assert program.samples.summed_outputs == [True, True, False]
     _cut_batches_train_as_nnx_jit(step, program, lambda batches: batches)
 
 
@@ -877,11 +877,11 @@ def test_a_masked_mean_weighs_its_pieces_by_their_counts():
     args[-1] = _masked_batches(batches)[0]
     program = hetshard.Program(step, args)
     # flat outputs: the loss, then the aux dict's leaves in key order (accuracy, mean)
-    found = program.normalized_outputs
+    found = program.samples.normalized_outputs
     assert found[0] is not None and found[1] is not None and found[2] is None
-    assert program.summed_outputs == [False, False, False]
+    assert program.samples.summed_outputs == [False, False, False]
     # the first batch's micro-batches (4 samples each) hold unequal counts
-    w = program.piece_weights(jax.tree.leaves(args[-1]), [(0, 4), (4, 8)])
+    w = program.samples.piece_weights(jax.tree.leaves(args[-1]), [(0, 4), (4, 8)])
     mask = args[-1]["mask"]
     np.testing.assert_allclose(w[:, 0], [mask[:4].sum() / mask.sum(),
                                          mask[4:].sum() / mask.sum()])
@@ -1020,7 +1020,7 @@ def test_a_weight_penalty_in_the_loss_is_not_a_stack_of_layers():
     step = _penalised_step("mean")
     args, _ = _loss_and_model()
     program = hetshard.Program(step, args)
-    assert program.sample_coupling is None  # a mean plus a penalty is averaged exactly
+    assert program.samples.coupling is None  # a mean plus a penalty is averaged exactly
     for split in (False, True):
         assert program.layering(2, split).names == program.layering(8, split).names
     assert program.layering(2).num_layers == hetshard.Program(
@@ -1105,8 +1105,8 @@ def test_a_loss_the_analysis_cannot_follow_warns_a_cutting_plan():
     want = _train(nnx.jit(step), args, batches)
     args, batches = _loss_and_model()
     program = hetshard.Program(step, args)
-    assert program.sample_gap.startswith("scan (at ") and "test_user_programs.py" in \
-        program.sample_gap and program.sample_coupling is None
+    assert program.samples.gap.startswith("scan (at ") and "test_user_programs.py" in \
+        program.samples.gap and program.samples.coupling is None
     jitted = hetshard.jit(step, cluster=CLUSTER, plan=_two_stage_plan(program), quiet=True)
     with pytest.warns(UserWarning, match="could not follow how the loss treats its samples"):
         got = _train(jitted, args, batches)
@@ -1140,7 +1140,7 @@ def test_a_load_balancing_loss_keeps_the_batch_whole():
     want = _train(nnx.jit(step), args, batches)
     args, batches = _loss_and_model()
     program = hetshard.Program(step, args)
-    assert "test_user_programs.py" in program.sample_coupling  # the product's line
+    assert "test_user_programs.py" in program.samples.coupling  # the product's line
     _kept_whole(step, program, lambda j: _train(j, args, batches), want,
                 "output 0 of the loss puts values reduced over the batch through a "
                 "non-linear function")

@@ -85,7 +85,7 @@ def profile_layers(program, micro_batches=(1, 2), *, reps: int = 5,
     state = _values(program.state_avals, key)
     roles: dict[str, dict] = {}
     for mbs in sizes:
-        batch = _values(program.batch_at(mbs), jax.random.fold_in(key, 10_000 + mbs))
+        batch = _values(program.trees.batch_at(mbs), jax.random.fold_in(key, 10_000 + mbs))
         split = split_stages(program.loss_flat, state, batch, [r for _, r in parts],
                              program.diff, attention=attention)
         env: dict = {}

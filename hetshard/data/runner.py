@@ -5,7 +5,7 @@ bucket on one group: it runs on that group's devices as a one-stage plan whose m
 ``fsdp = devices / degree`` by ``context = degree`` (rows split over fsdp, each row's
 sequence over context, attention a ring, ``hetshard.kernels.ring_attention``), computing
 the value and gradients of the step's ``hetshard.value_and_grad`` loss
-(``HetshardJit.grads_under``). The state (weights and optimizer moments) is sharded over
+(``MicroSteps.grads_under``). The state (weights and optimizer moments) is sharded over
 every device of the group, ``fsdp x context`` (ZeRO-3 over the group, as ``group_costs``
 prices and memory-checks it; ``Context.shard_state``): a row over the whole group holds
 a ``1 / devices`` share of each weight on each device, as a micro-step of one-device
@@ -13,7 +13,7 @@ rows does, and both lay a leaf out alike. The rows' loss weights are normalised 
 target count (``packed_arrays(target_tokens=)``), so the micro-steps' values and
 gradients *sum* to the whole batch's token-mean loss and gradient. Each group sums its
 own micro-steps on its devices, in the layout its first micro-step left them; the
-groups' sums are added once and applied once (``HetshardJit.apply_grads``, on the state
+groups' sums are added once and applied once (``MicroSteps.apply_grads``, on the state
 as the first group's micro-steps held it). A (group, bucket) pair compiles once: a run
 compiles at most as many programs as the groups have buckets.
 
@@ -39,6 +39,17 @@ from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
 from hetshard.data.planner import BatchPlan, GroupCost, MicroStep, check_groups
 from hetshard.errors import SpecError
+from hetshard.runtime.micro_steps import MicroSteps
+
+
+def micro_steps(step) -> MicroSteps:
+    """The per-batch doors of ``step``, a ``@hetshard.jit`` step
+    (``HetshardJit.micro_steps``); anything else is a SpecError."""
+    got = getattr(step, "micro_steps", None)
+    if not isinstance(got, MicroSteps):
+        raise SpecError("step", type(step).__name__, "a @hetshard.jit step (its "
+                        "micro_steps run the pieces)", where="hetshard.data")
+    return got
 
 
 def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
@@ -49,7 +60,7 @@ def micro_step_plan(step, args, group: GroupCost, bucket: int, degree: int,
     with a batch of that shape)."""
     cluster = step.cluster
     rows = group.n // degree
-    program = step.program_for(*args)
+    program = micro_steps(step).program_for(*args)
     layers = program.layering(2, False).num_layers
     axes = (("fsdp", rows),) + ((("context", degree),) if degree > 1 else ())
     gpu = cluster.gpu_of(group.devices[0]).name
@@ -114,7 +125,7 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
             args[at] = batch
             first = batch if first is None else first
             p = micro_step_plan(step, args, group, ms.bucket, ms.degree, attention)
-            got = step.grads_under(p, *args)
+            got = micro_steps(step).grads_under(p, *args)
             mine = sums.get(group.name)
             # on the group's devices, in the layout its first micro-step left them
             # (sharded over the group as its state is)
@@ -125,7 +136,7 @@ def run_batch_plan(step, args: Sequence, samples: Sequence, plan: BatchPlan,
         total = part if total is None else jax.tree.map(
             jnp.add, total, put(part, _layout(total)))
     args[at] = first
-    return step.apply_grads(total, *args)
+    return micro_steps(step).apply_grads(total, *args)
 
 
 def _layout(tree):
@@ -201,7 +212,7 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
     pass a (pipeline, bucket) (``pass_plan``: its micro-batches' rows, part-empty ones
     padded; a pipeline given no samples runs one empty micro-batch), each pipeline's
     passes walked as one pipeline in the plan's micro-batch order
-    (``HetshardJit.run_passes``), the gradients summed over the pipelines and the update
+    (``MicroSteps.run_passes``), the gradients summed over the pipelines and the update
     applied once. ``args``: the step's arguments with any batch at ``batch_argnums``
     (replaced per pass). Returns the step's output.
 
@@ -271,4 +282,4 @@ def run_pipeline_batch_plan(step, args: Sequence, samples: Sequence, plan: Batch
             mine[at] = batch
             passes.append((pass_plan(outer, pipe, b, len(rows[b]) // pipe.rows(b), pi),
                            tuple(mine)))
-    return step.run_passes(passes, order)
+    return micro_steps(step).run_passes(passes, order)

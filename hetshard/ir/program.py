@@ -7,13 +7,17 @@ dict, an optax state), and a batch. Any of them may be shape-only
 planned without weights. The program
 
 * flattens the step's non-batch arguments to state leaves with paths
-  (``layers/3/attn/q_proj/kernel``) and rebuilds them (:meth:`merge`);
+  (``layers/3/attn/q_proj/kernel``), and the batch to batch leaves; ``trees``
+  (``hetshard.ir.trees.StepTrees``) rebuilds the step's arguments from them;
 * records the step's ``hetshard.value_and_grad`` call (:class:`~hetshard.autodiff.
   LossCall`), which isolates the loss (the per-micro-batch part) from the optimizer
   update, and the state leaves it differentiates;
 * traces the loss of one micro-batch on flat leaves (:meth:`loss_jaxpr`) and finds its
   layers there (:meth:`layering`, ``hetshard.ir.layers``): the planner prices them and
-  the runtime cuts stages between them, both from this one function.
+  the runtime cuts stages between them, both from this one function;
+* answers how the loss treats its samples (``samples``:
+  ``hetshard.ir.loss_samples.LossSamples``): whether a plan may cut the batch, and how
+  the pieces' outputs then make the whole batch's.
 
 A step without ``hetshard.value_and_grad``, or whose loss reads values the step computes
 (so that it cannot be cut per micro-batch), is still planned and run, as one layer
@@ -22,10 +26,12 @@ A step without ``hetshard.value_and_grad``, or whose loss reads values the step 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,27 +41,17 @@ from jax.extend import core as ext
 
 from hetshard._plan import DTYPES
 from hetshard.autodiff import LossCall, LossCallError, Recorded, entered, is_graph, user_step
-from hetshard.errors import SpecError
+from hetshard.errors import HetshardError, SpecError, StepTraceError
 from hetshard.ir.attention_patterns import dead_equations
 from hetshard.ir.dependencies import output_dependencies
 from hetshard.ir.graph import OpGraph
 from hetshard.ir.interpret import eval_equations, named_attention
 from hetshard.ir.layers import Layering, discover, eqn_flops, eqn_signature
+from hetshard.ir.loss_samples import LossSamples
 from hetshard.ir.moe import MoeLayer, expert_regions, moe_layers
 from hetshard.ir.paths import path_string  # noqa: F401 (re-exported)
-from hetshard.ir.samples import (
-    batch_shaped_draw,
-    denominator,
-    equation_at,
-    mixed_power_outputs,
-    needed_inputs,
-    normalized_outputs,
-    per_sample_outputs,
-    sample_coupling,
-    summed_outputs,
-    unfollowed,
-)
 from hetshard.ir.trace import trace
+from hetshard.ir.trees import StepTrees, batch_of
 from hetshard.ir.unroll import unroll_scans, unrolled_jaxpr
 
 _INT_KINDS = ("i", "u")
@@ -149,10 +145,44 @@ def batch_positions(args, batch_argnums, where: str = "hetshard.jit") -> tuple[i
     return tuple(pos)
 
 
-def batch_of(args, positions: tuple[int, ...]):
-    """The batch among a step's ``args`` at ``positions`` (``batch_positions``): the
-    argument, or the tuple of them."""
-    return args[positions[0]] if len(positions) == 1 else tuple(args[i] for i in positions)
+@contextlib.contextmanager
+def user_errors(step, batch, where: str):
+    """Re-raises an exception from the user's own code, while hetshard traces the step,
+    as a StepTraceError naming the step and the batch's shapes (hetshard's own errors and
+    failures inside hetshard pass unchanged)."""
+    try:
+        yield
+    except HetshardError:
+        raise
+    except Exception as e:
+        if not _raised_in_user_code(e):
+            raise
+        shapes = {path_string(p) or "batch": tuple(np.shape(x)) for p, x in
+                  jax.tree_util.tree_flatten_with_path(batch)[0]}
+        name = getattr(step, "__qualname__", type(step).__name__)
+        raise StepTraceError(
+            f"{where}: the step {name!r} raised while hetshard traced it with batch shapes "
+            f"{shapes}: {type(e).__name__}: {e} (the step must run on these arguments "
+            f"under jax.jit; the traceback above is the step's)") from e
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, nnx, np)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # hetshard/
+
+
+def _raised_in_user_code(e: BaseException) -> bool:
+    """Whether a frame of ``e``'s traceback is the user's: not hetshard's, JAX's, Flax's,
+    NumPy's or the standard library's."""
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    tb = e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if not f.startswith(_LIBRARIES + (stdlib,)) and not f.startswith("<"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 
 
 class Program:
@@ -184,22 +214,25 @@ class Program:
         self.batch_positions = batch_positions(args, batch_argnums)
         self.step = user_step(step)
         self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
-        batch = self.batch_of(args)
+        batch = batch_of(args, self.batch_positions)
         self.global_batch = check_batch(batch)
         others = tuple(a for i, a in enumerate(args) if i not in self.batch_positions)
         self.kind = "nnx" if any(is_graph(a) for a in others) else "tree"
         if self.kind == "nnx":
-            self.graphdef, state = nnx.split(others)
+            graphdef, state = nnx.split(others)
         else:
-            self.graphdef, state = None, others
-        flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state)
+            graphdef, state = None, others
+        flat, state_tree = jax.tree_util.tree_flatten_with_path(state)
         self.paths = [path_string(p) for p, _ in flat]
         self._param_paths = None if self.kind != "nnx" else {
             path_string(p) for p, _ in
             jax.tree_util.tree_flatten_with_path(nnx.state(others, nnx.Param))[0]}
         self.state_avals = [_aval(x) for _, x in flat]
-        batch_leaves, self.batch_tree = jax.tree.flatten(batch)
+        batch_leaves, batch_tree = jax.tree.flatten(batch)
         self.batch_avals = [_aval(x) for x in batch_leaves]
+        # how the arguments flatten and come back (the runtime's tree plumbing)
+        self.trees = StepTrees(self.kind, graphdef, state_tree, batch_tree,
+                               self.batch_positions, tuple(self.batch_avals))
         self.batch_paths = [path_string(p) for p, _ in
                             jax.tree_util.tree_flatten_with_path(batch)[0]]
         self.call = self._record()
@@ -212,6 +245,7 @@ class Program:
                 "plans the step whole")
             self.diff, self.diff_prefix = self._differentiated(state)
             self.__dict__.pop("loss_flat", None)
+            self.__dict__.pop("samples", None)
             self._update_traced = None
             self.loss_jaxpr.cache_clear()
 
@@ -224,60 +258,15 @@ class Program:
             return True
 
         def run(state_leaves, batch_leaves):
-            return self.updated_state(self.call_step(state_leaves, batch_leaves)[1])
-        closed = jax.make_jaxpr(run)(self.state_avals, self.batch_at(2))
+            return self.trees.updated_state(self.call_step(state_leaves, batch_leaves)[1])
+        closed = jax.make_jaxpr(run)(self.state_avals, self.trees.batch_at(2))
         ins, outs = closed.jaxpr.invars, closed.jaxpr.outvars
         return any(outs[i] is not ins[i] for i, path in enumerate(self.paths)
                    if path in self._param_paths)
 
-    # ---- state ----------------------------------------------------------------------
-    def merge(self, state_leaves) -> list:
-        """The step's non-batch arguments rebuilt from flat state leaves."""
-        tree = jax.tree.unflatten(self.state_tree, list(state_leaves))
-        return list(nnx.merge(self.graphdef, tree) if self.kind == "nnx" else tree)
-
-    def updated_state(self, objs) -> list:
-        """Flat state leaves of NNX objects after the step changed them."""
-        return jax.tree.leaves(nnx.state(tuple(objs)))
-
-    def batch_at(self, mbs: int) -> list[jax.ShapeDtypeStruct]:
-        """Batch leaf avals with ``mbs`` samples."""
-        return [jax.ShapeDtypeStruct((mbs, *a.shape[1:]), a.dtype) for a in self.batch_avals]
-
-    def batch_of(self, args):
-        """The batch among the step's ``args``: the argument, or the tuple of them."""
-        return batch_of(args, self.batch_positions)
-
-    def outputs_for(self, avals, samples: int) -> list[jax.ShapeDtypeStruct]:
-        """The loss's flat output ``avals`` for ``samples`` samples: a per-sample
-        output's samples' axis that long (``per_sample_outputs``), the others as they
-        are."""
-        out = []
-        for k, a in enumerate(avals):
-            shape = list(a.shape)
-            if k in self.per_sample_outputs:
-                shape[self.per_sample_outputs[k]] = samples
-            out.append(jax.ShapeDtypeStruct(tuple(shape), a.dtype))
-        return out
-
-    def with_batch(self, objs: list, batch) -> list:
-        """``objs`` (the step's other arguments) with ``batch`` put at its positions."""
-        pos = self.batch_positions
-        for i, b in zip(pos, (batch,) if len(pos) == 1 else batch, strict=True):
-            objs.insert(i, b)
-        return objs
-
-    def without_batch(self, objs: list) -> list:
-        for i in reversed(self.batch_positions):
-            del objs[i]
-        return objs
-
     def call_step(self, state_leaves, batch_leaves):
         """``step(*args)`` on flat leaves; returns (output, the objects after the step)."""
-        objs = self.merge(state_leaves)
-        out = self.step(*self.with_batch(
-            objs, jax.tree.unflatten(self.batch_tree, list(batch_leaves))))
-        return out, self.without_batch(objs)
+        return self.trees.call(self.step, state_leaves, batch_leaves)
 
     def _record(self) -> LossCall | None:
         """The step's one loss call (``hetshard.value_and_grad``, or the plain
@@ -286,12 +275,12 @@ class Program:
         seen = []
 
         def probe(state_leaves, batch_leaves):
-            objs = self.merge(state_leaves)
-            batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
+            objs = self.trees.merge(state_leaves)
+            batch = self.trees.batch(batch_leaves)
             with entered(mode="record", record_args=tuple(objs),
                          record_state=tuple(state_leaves), record_batch=batch,
                          calls=seen):
-                self.step(*self.with_batch(objs, batch))
+                self.step(*self.trees.with_batch(objs, batch))
 
         self.call_error = ("it differentiates no loss with hetshard.value_and_grad or "
                            "nnx/jax value_and_grad or grad called in the step")
@@ -323,12 +312,12 @@ class Program:
 
     def _recorded_call(self, state_leaves, batch_leaves) -> Recorded:
         """The step run on these leaves up to its loss call: what it passes the loss."""
-        objs = self.merge(state_leaves)
-        batch = jax.tree.unflatten(self.batch_tree, list(batch_leaves))
+        objs = self.trees.merge(state_leaves)
+        batch = self.trees.batch(batch_leaves)
         with entered(mode="record", record_args=tuple(objs),
                      record_state=tuple(state_leaves), record_batch=batch, calls=[]):
             try:
-                self.step(*self.with_batch(objs, batch))
+                self.step(*self.trees.with_batch(objs, batch))
             except Recorded as rec:
                 return rec
         raise LossCallError("the step did not reach its loss call on this trace (it "
@@ -341,7 +330,7 @@ class Program:
         if call is None:
             # Without the loss call: the NNX parameters, or the first argument's leaves.
             if self.kind == "nnx":
-                params = nnx.state(tuple(self.merge(self.state_avals)), nnx.Param)
+                params = nnx.state(tuple(self.trees.merge(self.state_avals)), nnx.Param)
                 wanted = {path_string(p) for p, _ in
                           jax.tree_util.tree_flatten_with_path(params)[0]}
                 return [i for i, p in enumerate(self.paths) if p in wanted], ""
@@ -352,7 +341,7 @@ class Program:
         if kind == "state":
             return list(rest[1]), ""
         j = rest[0]
-        objs = self.merge(self.state_avals)
+        objs = self.trees.merge(self.state_avals)
         target = objs[j]
         prefix = str(j)
         if self.kind == "nnx" and is_graph(target):
@@ -466,8 +455,8 @@ class Program:
             def whole(state_leaves, batch_leaves):
                 return self.call_step(state_leaves, batch_leaves)[0]
             return jax.make_jaxpr(whole, return_shape=True)(self.state_avals,
-                                                            self.batch_at(mbs))
-        batch = self.batch_at(mbs)
+                                                            self.trees.batch_at(mbs))
+        batch = self.trees.batch_at(mbs)
         closed, shape = jax.make_jaxpr(self._loss_flat, return_shape=True)(
             self.state_avals, batch)
         unrolled = unrolled_jaxpr(closed, shape)
@@ -478,147 +467,11 @@ class Program:
         return unrolled
 
     @functools.cached_property
-    def sample_coupling(self) -> str | None:
-        """Why cutting the batch (micro-batches, batch shares) changes what the loss
-        returns (it mixes samples, returns a maximum over the batch, draws random values
-        shaped by the batch from a key not in it, or adds a sum over the samples to a
-        mean or a penalty in one output: ``hetshard.ir.samples``), or None."""
-        if self.call is None:
-            return None
-        closed, _ = self.loss_jaxpr(2)
-        batch = range(len(self.state_avals), len(closed.jaxpr.invars))
-        why = sample_coupling(closed, batch, per_piece=self.batch_reductions == "per_piece")
-        if why:
-            return why
-        twin, _ = self.loss_jaxpr(4)
-        drawn = batch_shaped_draw(closed, twin, batch)
-        if drawn:
-            return drawn
-        mixed = mixed_power_outputs(closed, twin, 2.0, batch)
-        if mixed:
-            return (f"output {mixed[0]} of the loss adds a sum over the samples to a mean "
-                    f"or to a term that reads no sample (a weight penalty): the pieces of "
-                    f"a cut batch can be neither added (the other term would count once "
-                    f"per piece) nor averaged (the sum would shrink); make it a mean over "
-                    f"the samples (ce.mean() + penalty) or a sum alone to let the batch "
-                    f"be cut")
-        return None
-
-    @functools.cached_property
-    def sample_gap(self) -> str | None:
-        """Where ``hetshard.ir.samples`` could not follow how the loss treats its samples
-        (a primitive and the user's line), or None: cutting the batch then weighs each
-        piece's outputs by its share of the samples, as for a mean, unseen."""
-        if self.call is None:
-            return None
-        closed, _ = self.loss_jaxpr(2)
-        return unfollowed(closed, range(len(self.state_avals), len(closed.jaxpr.invars)))
-
-    @functools.cached_property
-    def summed_outputs(self) -> list[bool]:
-        """Per flat output of the loss (the value, then the aux leaves), whether it is a
-        sum over the samples (``ce.sum()``, a count of correct predictions) rather than a
-        mean: plans that cut the batch add its pieces (and, for the loss, their
-        gradients) instead of averaging them (``hetshard.ir.samples.summed_outputs``:
-        read off the loss traced at 2 and 4 samples)."""
-        if self.call is None:
-            return []
-        closed, _ = self.loss_jaxpr(2)
-        twin, _ = self.loss_jaxpr(4)
-        ns = len(self.state_avals)
-        return summed_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
-
-    @functools.cached_property
-    def normalized_outputs(self) -> list[tuple | None]:
-        """Per flat output of the loss, where it is a masked mean (a sum over the
-        samples divided by a count the batch alone gives: ``(ce * mask).sum() /
-        mask.sum()``), the path of that count in the loss's jaxpr, else None: plans
-        that cut the batch weight its pieces by their shares of the count
-        (``piece_weights``; ``hetshard.ir.samples.normalized_outputs``)."""
-        if self.call is None:
-            return []
-        closed, _ = self.loss_jaxpr(2)
-        twin, _ = self.loss_jaxpr(4)
-        ns = len(self.state_avals)
-        return normalized_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
-
-    def piece_weights(self, batch_leaves, pieces) -> np.ndarray:
-        """Weights ``[piece, output]`` of the loss outputs' pieces when the global batch
-        (``batch_leaves``) is cut into ``pieces`` (``(start, stop)`` sample ranges
-        covering it): the whole batch's output is the weighted sum of the pieces' (and
-        the loss's gradient likewise). A mean's piece weighs its share of the samples,
-        a sum's 1 (``summed_outputs``), a masked mean's its share of the count
-        (``normalized_outputs``; shares of the samples when the batch counts nothing)."""
-        n_out = len(self.summed_outputs) or 1
-        sizes = np.array([b - a for a, b in pieces], np.float64)
-        w = np.repeat((sizes / sizes.sum())[:, None], n_out, axis=1)
-        for k, summed in enumerate(self.summed_outputs):
-            if summed:
-                w[:, k] = 1.0
-        normal = [(k, path) for k, path in enumerate(self.normalized_outputs) if path]
-        if normal:
-            counts = np.array([self._counts(batch_leaves, a, b, tuple(p for _, p in normal))
-                               for a, b in pieces], np.float64)
-            for j, (k, _) in enumerate(normal):
-                total = counts[:, j].sum()
-                if np.isfinite(total) and total != 0:
-                    w[:, k] = counts[:, j] / total
-        return w
-
-    def _counts(self, batch_leaves, start: int, stop: int, paths: tuple) -> list[float]:
-        """The masked means' counts (``normalized_outputs``) of samples
-        ``[start, stop)``."""
-        fn, used = self._count_fn(stop - start, paths)
-        args = [np.asarray(batch_leaves[i][start:stop]) for i in used]
-        return [float(np.sum(np.asarray(x))) for x in fn(*args)]
-
-    @functools.lru_cache(maxsize=8)  # noqa: B019 (one program, a few piece sizes)
-    def _count_fn(self, n: int, paths: tuple):
-        """(jitted counts of a piece of ``n`` samples, the batch leaves they read)."""
-        closed, _ = self.loss_jaxpr(n)
-        ns = len(self.state_avals)
-        invars = closed.jaxpr.invars
-        for p in paths:
-            eqn = equation_at(closed.jaxpr, p)
-            if eqn is None or eqn.primitive.name != "reduce_sum":
-                raise LossCallError(
-                    f"the loss traced at {n} samples has another structure than at 2: "
-                    f"the masked mean's count found at {p} is not there; hetshard cannot "
-                    f"weight the pieces of a cut batch (plan with max_stages=1 and "
-                    f"max_pipelines=1)")
-        needed = set().union(*(needed_inputs(closed.jaxpr, p) for p in paths))
-        used = [i - ns for i, v in enumerate(invars) if v in needed]
-
-        def counts(*leaves):
-            args = [None] * len(invars)
-            for i, x in zip(used, leaves, strict=True):
-                args[ns + i] = x
-            return [denominator(closed, p, args) for p in paths]
-        return jax.jit(counts), used
-
-    @functools.cached_property
-    def per_sample_outputs(self) -> dict[int, int]:
-        """Outputs of the loss (flat: the value, then the aux leaves) that keep a value
-        per sample (logits returned as aux), each with its samples' axis: plans that cut
-        the batch concatenate their pieces along it, in the batch's order. Where the
-        analysis (``hetshard.ir.samples``) cannot follow the loss, the outputs whose
-        shape follows the batch size (traced at 2 and 4 samples)."""
-        if self.call is None:
-            return {}
-        closed, _ = self.loss_jaxpr(2)
-        ns = len(self.state_avals)
-        found = per_sample_outputs(closed, range(ns, len(closed.jaxpr.invars)))
-        if found is not None:
-            return found
-        found = {}
-        twin, _ = self.loss_jaxpr(4)
-        for k, (a, b) in enumerate(zip(closed.jaxpr.outvars, twin.jaxpr.outvars,
-                                       strict=True)):
-            s2, s4 = a.aval.shape, b.aval.shape
-            axes = [d for d in range(len(s2)) if (s2[d], s4[d]) == (2, 4)]
-            if axes and all(s2[d] == s4[d] for d in range(len(s2)) if d != axes[0]):
-                found[k] = axes[0]
-        return found
+    def samples(self) -> LossSamples:
+        """How the loss treats its samples: whether a plan may cut the batch, and how
+        the pieces' outputs make the whole batch's (``hetshard.ir.loss_samples``)."""
+        return LossSamples(None if self.call is None else self.loss_jaxpr,
+                           len(self.state_avals), self.batch_reductions == "per_piece")
 
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def layering(self, mbs: int = 2, split_blocks: bool = False) -> Layering:
@@ -813,20 +666,20 @@ class Program:
             # the loss's outputs as the update sees them: the whole batch's (a per-sample
             # output joined from the pieces)
             leaves, tree = jax.tree.flatten(shape)
-            loss_avals = jax.tree.unflatten(tree, self.outputs_for(leaves,
+            loss_avals = jax.tree.unflatten(tree, self.samples.outputs_for(leaves,
                                                                    self.global_batch))
             seen: list = []
             self._update_seen = seen
 
             def update(state_leaves, grad_leaves, loss, batch_leaves):
-                grads = self.gradient_tree(grad_leaves)
+                grads = self.trees.gradients(self.call, self.state_avals, grad_leaves)
                 with entered(mode="provide", provided=(loss, grads), calls=seen):
                     out, objs = self.call_step(state_leaves, batch_leaves)
-                return out, (self.updated_state(objs) if self.kind == "nnx" else None)
+                return out, (self.trees.updated_state(objs) if self.kind == "nnx" else None)
 
             grads = [self.state_avals[i] for i in self.diff]
             traced = jax.make_jaxpr(update)(self.state_avals, grads, loss_avals,
-                                            self.batch_at(self.global_batch))
+                                            self.trees.batch_at(self.global_batch))
             self._update_traced = (traced, len(seen))
         return self._update_traced
 
@@ -840,11 +693,11 @@ class Program:
         loss_shape = self.loss_jaxpr(2)[1]
 
         def run(state_leaves, grad_leaves, loss, batch_leaves):
-            grads = self.gradient_tree(grad_leaves)
+            grads = self.trees.gradients(self.call, self.state_avals, grad_leaves)
             with entered(mode="provide", provided=(loss, grads)):
                 return self.call_step(state_leaves, batch_leaves)[0]
         return jax.eval_shape(run, self.state_avals, [self.state_avals[i] for i in self.diff],
-                              loss_shape, self.batch_at(self.global_batch))
+                              loss_shape, self.trees.batch_at(self.global_batch))
 
     @functools.cached_property
     def _state_outputs(self):
@@ -853,7 +706,7 @@ class Program:
         candidates = list(_subtrees(out, 0))
         used: list[tuple[int, int]] = []
         mapping: list[int | None] = []
-        others = jax.tree.unflatten(self.state_tree, self.state_avals)
+        others = jax.tree.unflatten(self.trees.state_tree, self.state_avals)
         for arg in others:
             leaves, arg_tree = jax.tree.flatten(arg)
             sig = (arg_tree, [(a.shape, a.dtype) for a in leaves])
@@ -879,17 +732,6 @@ class Program:
         argument's new value is the first output subtree of its structure, shapes and
         dtypes."""
         return self._state_outputs
-
-    def gradient_tree(self, grad_leaves):
-        """Gradients in the structure ``hetshard.value_and_grad`` returns them."""
-        kind, *rest = self.call.differentiated
-        if kind == "state":
-            return jax.tree.unflatten(rest[0], list(grad_leaves))
-        objs = self.merge(self.state_avals)
-        target = objs[rest[0]]
-        tree = (nnx.state(target, self.call.wrt) if self.kind == "nnx" and is_graph(target)
-                else target)
-        return jax.tree.unflatten(jax.tree.structure(tree), list(grad_leaves))
 
 
 def _subtrees(x, start: int):

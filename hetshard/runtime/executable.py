@@ -15,7 +15,7 @@ whose NNX objects are updated in place unless the :class:`Guard` refuses the upd
 
 What a step does with a non-finite loss or gradients (``nan_policy``, the loss scale's
 overflow) is the :class:`Guard`'s, shared by all three and by the micro-step path
-(``HetshardJit.apply_grads``).
+(``MicroSteps.apply_grads``).
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def compile_plan(plan: Plan, devices, program: Program, others: tuple, batch,
     cuts = multi_stage or len(plan.pipelines) > 1
     if cuts:
         # traced now, not between a step's tasks
-        program.summed_outputs, program.normalized_outputs  # noqa: B018
-        program.per_sample_outputs  # noqa: B018
+        program.samples.summed_outputs, program.samples.normalized_outputs  # noqa: B018
+        program.samples.per_sample_outputs  # noqa: B018
         program.update_batch_reads  # noqa: B018
-    why = program.sample_coupling if cuts else None
-    gap = program.sample_gap if cuts and not why else None
+    why = program.samples.coupling if cuts else None
+    gap = program.samples.gap if cuts and not why else None
     if gap and gap not in guard.warned:
         guard.warned.add(gap)
         warnings.warn(f"hetshard could not follow how the loss treats its samples at "
@@ -237,7 +237,7 @@ class SpmdStep:
                                 self.carry.loss_scale, views)
         self.guard.record(report, self.carry)
         if program.kind == "nnx":
-            update_objects(others, jax.tree.unflatten(program.state_tree, views))
+            update_objects(others, jax.tree.unflatten(program.trees.state_tree, views))
         return out
 
     def state_shardings(self):
@@ -336,13 +336,13 @@ class SharesStep:
             start += share.size
         self.clock = clock if timed else None
         # Weighted sum on the first pipeline's devices: the global-batch mean gradient
-        # (``Program.piece_weights``: a loss output that sums over the samples adds its
+        # (``LossSamples.piece_weights``: a loss output that sums over the samples adds its
         # pieces, and a summed loss's gradients; a masked mean's weigh their shares of
         # its count; an integer output that does not sum is the first share's; a
         # per-sample output's pieces are concatenated in the batch's order).
         home = NamedSharding(self.shares[0].mesh, PartitionSpec())
         bounds = np.cumsum([0] + [s.size for s in self.shares])
-        weights = program.piece_weights(jax.tree.leaves(batch),
+        weights = program.samples.piece_weights(jax.tree.leaves(batch),
                                         list(zip(bounds[:-1], bounds[1:], strict=True)))
         reads = [replicated(leaf, self.shares[0].mesh) for i, leaf in
                  enumerate(jax.tree.leaves(batch)) if i in set(program.update_batch_reads)]
@@ -394,7 +394,7 @@ class PipelineStep:
         runner = self.runner
         leaves = [runner.runs[0][runner.owner[0].get(i, 0)].shardings[i]
                   for i in range(len(runner.state_avals))]
-        return jax.tree.unflatten(self.program.state_tree, leaves)
+        return jax.tree.unflatten(self.program.trees.state_tree, leaves)
 
     def time(self, on: bool, delays: dict) -> None:
         self.runner.clock = {} if on else None
@@ -473,19 +473,19 @@ def providing_whole(program: Program):
         leaves = [jnp.zeros(a.shape, a.dtype) for a in program.batch_avals]
         for i, x in zip(reads, read_leaves, strict=True):
             leaves[i] = x
-        return apply(state, jax.tree.unflatten(program.batch_tree, leaves), provided)
+        return apply(state, jax.tree.unflatten(program.trees.batch_tree, leaves), provided)
     return whole
 
 
 def combining(program: Program, apply):
     """``apply`` (:func:`settled`) given the pipelines' values and gradients of their
     batch shares, ``results``, combined first, in the same program: the global batch's
-    (``weights[share, output]``, ``Program.piece_weights``: a loss output that sums
+    (``weights[share, output]``, ``LossSamples.piece_weights``: a loss output that sums
     over the samples adds its pieces, and a summed loss's gradients; a mean's and a
     masked mean's pieces weigh their shares of the samples or the count; an integer
     output that does not sum is the first share's; a per-sample output's pieces are
     concatenated in the batch's order)."""
-    summed, per_sample = program.summed_outputs, program.per_sample_outputs
+    summed, per_sample = program.samples.summed_outputs, program.samples.per_sample_outputs
 
     def fn(state, reads, results, weights, halted, scale_state):
         values = grads = tree = None
@@ -583,11 +583,11 @@ def step_state(program: Program, others):
 def call_step(program: Program, state, batch):
     """``step(*args)`` from the state ``step_state`` gives; (output, objects after)."""
     if program.kind == "nnx":
-        objs = list(nnx.merge(program.graphdef, state))
+        objs = list(nnx.merge(program.trees.graphdef, state))
     else:
         objs = list(state)
-    out = program.step(*program.with_batch(objs, batch))
-    return out, program.without_batch(objs)
+    out = program.step(*program.trees.with_batch(objs, batch))
+    return out, program.trees.without_batch(objs)
 
 
 def _loss_scale(plan: Plan) -> DynamicLossScale | None:

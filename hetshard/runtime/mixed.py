@@ -126,7 +126,7 @@ def _walked(runners: Sequence[PipelineRunner], batches: Sequence,
         bl = jax.tree.leaves(batch)
         p = r.plan.pipelines[0]
         mbs = samples_per_micro_batch(p)
-        weights = r.program.piece_weights(
+        weights = r.program.samples.piece_weights(
             bl, [(k * mbs, (k + 1) * mbs) for k in range(p.num_micro_batches)])
         walks.append(PipelineWalk(r, 0, bl, 0, 1.0, weights))
     for s, kind, g in schedule_walk("1f1b", len(lead.runs[0]), len(order)):

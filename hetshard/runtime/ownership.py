@@ -177,12 +177,12 @@ def pipeline_obstacle(program) -> tuple[str, bool] | None:
     the program before planning, so that the planner keeps to plans that run it."""
     if program.call is None:
         return None  # such steps are planned single-stage already
-    if program.sample_coupling:  # only the whole batch at once gives its values
-        return program.sample_coupling, True
+    if program.samples.coupling:  # only the whole batch at once gives its values
+        return program.samples.coupling, True
     traced = program.update_jaxpr()
     ns = len(program.state_avals)
     nl = len(jax.tree.leaves(program.loss_jaxpr(2)[1]))
-    nb = len(program.batch_at(program.global_batch))
+    nb = len(program.trees.batch_at(program.global_batch))
     if program.kind == "nnx":  # its outputs, then the new state
         n_out, remap = len(traced.jaxpr.outvars) - ns, None
     else:  # a pytree step returns its new state among its outputs

@@ -9,7 +9,7 @@ What one step does (``PipelineRunner.step``):
    stage's mesh; activations go forward and cotangents back to the receiving stage's
    sharding (``hetshard.collectives.transfer``); each backward is seeded with
    ``mbs / global_batch`` so the summed gradients are the global-batch mean gradient
-   (a loss that is a sum over the samples, ``Program.summed_outputs``, is seeded with 1:
+   (a loss that is a sum over the samples, ``LossSamples.summed_outputs``, is seeded with 1:
    the pieces' gradients add); gradients accumulate per stage over micro-batches.
 3. A parameter read by several stages of a pipeline (tied embeddings) has its
    gradients added at the stage that owns it; across pipelines the owners' gradients
@@ -112,17 +112,17 @@ class PipelineRunner:
             raise PipelineSetupError("pipeline plans need a step that calls "
                                      "a loss call (or plan with max_stages=1)")
         self.plan, self.program, self.guard = plan, program, guard
-        self.state_tree, self.paths = program.state_tree, program.paths
+        self.state_tree, self.paths = program.trees.state_tree, program.paths
         self.state_avals = program.state_avals
-        self.batch_tree, self.batch_avals = program.batch_tree, program.batch_avals
+        self.batch_tree, self.batch_avals = program.trees.batch_tree, program.batch_avals
         self.global_batch = program.global_batch
         self._check_batch()
         self.grad_index = list(program.diff)
         # the loss outputs that sum over the samples: their pieces add (not averaged)
-        self.summed = program.summed_outputs
+        self.summed = program.samples.summed_outputs
         # the loss outputs holding a value per sample: their pieces are concatenated
-        self.per_sample = program.per_sample_outputs
-        program.normalized_outputs, program.update_batch_reads  # noqa: B018 (traced now)
+        self.per_sample = program.samples.per_sample_outputs
+        program.samples.normalized_outputs, program.update_batch_reads  # noqa: B018 (traced now)
         self.diff = sorted(set(self.grad_index))
         self.splits = [self._split(p) for p in plan.pipelines]
         self.meshes = [[mesh_of(s, devices) for s in p.stages] for p in plan.pipelines]
@@ -175,7 +175,7 @@ class PipelineRunner:
 
     def _split(self, pipeline):
         mbs = samples_per_micro_batch(pipeline)
-        mb_avals = self.program.batch_at(mbs)
+        mb_avals = self.program.trees.batch_at(mbs)
         ranges = [(s.start, s.end) for s in pipeline.stages]
         try:
             return split_stages(self.program.loss_flat, self.state_avals, mb_avals, ranges,
@@ -193,12 +193,12 @@ class PipelineRunner:
         program = self.program
 
         def apply(state_leaves, grad_leaves, loss_leaves, batch_leaves):
-            grads = program.gradient_tree(grad_leaves)
+            grads = program.trees.gradients(program.call, program.state_avals, grad_leaves)
             value = jax.tree.unflatten(self._loss_tree, loss_leaves)
             with entered(mode="provide", provided=(value, grads)):
                 out, objs = program.call_step(state_leaves, batch_leaves)
             if program.kind == "nnx":
-                return out, program.updated_state(objs)
+                return out, program.trees.updated_state(objs)
             _, outputs = program.state_outputs()
             leaves = jax.tree.leaves(out)
             new = [state_leaves[i] if m is None else leaves[m] for i, m in enumerate(outputs)]
@@ -222,7 +222,7 @@ class PipelineRunner:
     def _ownership(self):
         """Which stage of each pipeline updates which state leaf (module docstring, 4)."""
         self._loss_tree = self.splits[0].out_tree
-        self.loss_out_avals = self.program.outputs_for(
+        self.loss_out_avals = self.program.samples.outputs_for(
             [v.aval for v in self.splits[0].closed.jaxpr.outvars], self.global_batch)
         found = ownership(self._apply_fn(), self.state_avals, self.grad_index,
                           self.loss_out_avals, self.batch_avals, self.paths, self.diff,
@@ -418,7 +418,7 @@ class PipelineRunner:
             pieces += [(start + k * mbs, start + (k + 1) * mbs)
                        for k in range(p.num_micro_batches)]
             start += p.batch_share
-        weights = self.program.piece_weights(batch_leaves, pieces)
+        weights = self.program.samples.piece_weights(batch_leaves, pieces)
         start = 0
         for pi, p in enumerate(self.plan.pipelines):
             rows = weights[:p.num_micro_batches]
@@ -660,7 +660,7 @@ class PipelineRunner:
             src = self.loss_home(pi)
             if not takes_part(src, home):
                 continue
-            avals = self.program.outputs_for(self.loss_out_avals,
+            avals = self.program.samples.outputs_for(self.loss_out_avals,
                                              self.plan.pipelines[pi].batch_share)
             moved = transfer(list(losses[pi]) if here(src) else None, avals,
                              [src] * n, [home] * n)

@@ -7,7 +7,7 @@ order. A forward sends each stage's boundary values to the stages that read them
 value is dropped once its last reader has it); a backward sends the cotangents back;
 under ZB-H1 a backward runs as B (the input's cotangent, sent at once) and W (the
 weights' gradients, later). Gradients accumulate per stage over micro-batches; the loss
-outputs accumulate weighted by each micro-batch's weight (``Program.piece_weights``: its
+outputs accumulate weighted by each micro-batch's weight (``LossSamples.piece_weights``: its
 share of the global batch, 1 for a sum over the samples, its share of the count for a
 masked mean), the loss's cotangent seeded with it.
 """
@@ -53,7 +53,7 @@ class PipelineWalk:
             [scale] * len(self.runs)
         self.n, self.m = len(self.runs), pipeline.num_micro_batches
         self.mbs = samples_per_micro_batch(pipeline)
-        # Per micro-batch, each loss output's weight (``Program.piece_weights`` over the
+        # Per micro-batch, each loss output's weight (``LossSamples.piece_weights`` over the
         # whole batch's pieces): a mean's pieces weigh their share of the global batch,
         # a sum's 1, a masked mean's their share of its count; the loss's cotangent is
         # seeded with its weight.
@@ -242,7 +242,7 @@ class PipelineWalk:
         """The loss outputs, every one moved to the loss stage (some may be computed
         before it)."""
         runs, runner = self.runs, self.runner
-        avals = runner.program.outputs_for(runner.loss_out_avals, self.pipeline.batch_share)
+        avals = runner.program.samples.outputs_for(runner.loss_out_avals, self.pipeline.batch_share)
         loss_stage = runner.loss_stage[self.pi]
         outputs = [self.loss_acc.get(k) for k in range(len(avals))]
         for k, pieces in enumerate(outputs):
