@@ -192,8 +192,8 @@ def measure(args, backend: str) -> int:
             predicted = float(pricer.rows(Packing.of(rows))[0])
             plan = micro_step_plan(step, (model, opt, batch), group, bucket, 1,
                                    args.attention)
-            measured, fastest, first_s = _timed(step.micro_steps.grads_under, plan, model, opt, batch,
-                                                repeats=args.repeats)
+            measured, fastest, first_s = _timed(step.micro_steps.grads_under, plan, model,
+                                                opt, batch, repeats=args.repeats)
             row = {"bucket": bucket, "kind": kind, "documents": len(lengths),
                    "tokens": int(sum(lengths)),
                    "squares": int(sum(n * n for n in lengths)),

@@ -212,10 +212,11 @@ def test_micro_steps_and_passes_return_before_their_batch_exists():
     step, model, opt, batch = _tiny()
     plans = _plans(hetshard.Program(step, (model, opt, batch)))
     jitted = hetshard.jit(step, cluster=CLUSTER, quiet=True)
-    got = jitted.micro_steps.grads_under(plans["spmd"], model, opt, _spare(batch))
-    jax.block_until_ready(jitted.micro_steps.apply_grads(got, model, opt, _spare(batch)))  # compiled
-    jax.block_until_ready(jitted.micro_steps.run_passes([(plans["pipeline"], (model, opt, _spare(batch)))],
-                                            [(0, 0), (0, 1)]))
+    micro = jitted.micro_steps
+    got = micro.grads_under(plans["spmd"], model, opt, _spare(batch))
+    jax.block_until_ready(micro.apply_grads(got, model, opt, _spare(batch)))  # compiled
+    jax.block_until_ready(micro.run_passes([(plans["pipeline"], (model, opt, _spare(batch)))],
+                                           [(0, 0), (0, 1)]))
     late = _late(batch)
     got = jitted.micro_steps.grads_under(plans["spmd"], model, opt, late)
     out = jitted.micro_steps.apply_grads(got, model, opt, late)

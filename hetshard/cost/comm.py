@@ -59,14 +59,6 @@ def buckets(sizes: Sequence[float]) -> list[tuple[int, float]]:
     return out
 
 
-def bucketed_time(kind: str, nbytes: float, topo: Topology, cal: Calibration,
-                  gpu_name: str, concurrent: int = 1) -> float:
-    """:func:`collective_time` of a gradient sync of ``nbytes`` a device as XLA runs it:
-    in :func:`buckets` of at most :data:`COMBINE_BYTES`, one after another."""
-    return sum(collective_time(kind, b, topo, cal, gpu_name, concurrent)
-               for _, b in buckets([nbytes]))
-
-
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """Where a set of devices sits: GPUs per node used, nodes, and the bottleneck links."""

@@ -60,7 +60,7 @@ import numpy as np
 from hetshard._plan import Plan, data_ways
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import bucketed_time, collective_time, p2p_time, topology
+from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.data.packing import (
@@ -89,7 +89,7 @@ from hetshard.data.planner import (
 )
 from hetshard.errors import SpecError
 from hetshard.sim.schedule import time_varied
-from hetshard.sim.simulator import layers_cost, priced_dtype
+from hetshard.sim.simulator import layers_cost, priced_dtype, sync_time
 
 # Up to this many micro-batches a pipeline, every order is priced (5! = 120 walks).
 EXACT_ORDER = 5
@@ -317,9 +317,9 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
             # other pipelines.
             peers = [d for p in plan.pipelines if len(p.stages) == n
                      for d in p.stages[j].devices[::st.axis("tensor") * st.axis("context")]]
-            sync = bucketed_time("reduce_scatter" if fsdp else "all_reduce",
-                                 c.grad_sync_bytes, topology(cluster, peers), cal,
-                                 st.gpu) if len(peers) > 1 else 0.0
+            sync = sync_time("reduce_scatter" if fsdp else "all_reduce", profile,
+                             st.start, st.end, c.grad_sync_bytes, topology(cluster, peers),
+                             cal, st.gpu) if len(peers) > 1 else 0.0
             send = (profile.layers[st.end - 1].boundary_bytes_per_sample / seq
                     if j < n - 1 else 0.0)
             stages.append(StageRate(
@@ -379,8 +379,8 @@ def _vision_stage(vision: ModelProfile, devs: tuple[int, ...], plan: Plan,
         raise SpecError("vision_devices", devs,
                         f"devices whose {gpu.name} hold the encoder's weights and {n} "
                         f"micro-batches in flight, {chunk} images a pass")
-    sync = bucketed_time("reduce_scatter", v.grad_sync_bytes, topology(cluster, devs), cal,
-                         gpu.name) if len(devs) > 1 else 0.0
+    sync = sync_time("reduce_scatter", vision, 0, vision.num_layers, v.grad_sync_bytes,
+                     topology(cluster, devs), cal, gpu.name) if len(devs) > 1 else 0.0
     return StageRate(gpu=gpu.name, devices=devs, start=0, end=0, ways=len(devs),
                      token_fwd_s=0.0, token_bwd_s=0.0, attention_fwd_s=0.0,
                      attention_bwd_s=0.0, kv_bytes_per_token=0.0, send_bytes_per_token=0.0,

@@ -48,7 +48,7 @@ import numpy as np
 
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import bucketed_time, collective_time, topology
+from hetshard.cost.comm import collective_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
 from hetshard.data.packing import (
@@ -66,6 +66,7 @@ from hetshard.data.packing import (
     whole,
 )
 from hetshard.errors import SpecError
+from hetshard.sim.simulator import sync_time
 
 METHODS = ("pad", "fixed-cp", "identical", "hetshard")
 # Group packings the local search after placement may price a batch (``_rebalance``):
@@ -330,11 +331,10 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             and b >= long[1] and per_token(long[2], long[1], b) < per_token(token_s, chunk, b))
         attention = one.attention_fwd_s + one.attention_bwd_s
         # The gradient sync, and the update. Under FSDP the step's gradients are
-        # reduce-scattered over every data-parallel device, every group's and replica's
-        # (as the simulator prices an FSDP stage's sync); stage_cost prices the weights'
-        # gathers, not this.
-        sync = bucketed_time("reduce_scatter", one.grad_sync_bytes,
-                             topology(cluster, everyone), cal, g.gpu.name)
+        # reduce-scattered over every data-parallel device, every group's and replica's,
+        # priced by the simulator's own sync (stage_cost prices the weights' gathers).
+        sync = sync_time("reduce_scatter", profile, 0, profile.num_layers,
+                         one.grad_sync_bytes, topology(cluster, everyone), cal, g.gpu.name)
         image_s = 0.0
         if vision is not None:
             v = stage_cost(vision, 0, vision.num_layers, g.gpu, mbs=1, dp=len(devs),

@@ -930,7 +930,7 @@ def _reduced_graph(program: Program, mbs: int, split_blocks: bool = False,
 
     diff_avals = [program.state_avals[i] for i in diff]
     rest_avals = [program.state_avals[i] for i in rest]
-    graph = trace(step, diff_avals, rest_avals, program.batch_at(mbs), param_argnum=0,
+    graph = trace(step, diff_avals, rest_avals, program.trees.batch_at(mbs), param_argnum=0,
                   layer_name=_tagged_layer(lay.names))
     if program.call is None and not any(op.phase in ("fwd", "bwd") for op in graph.ops):
         for op in graph.ops:  # a step without autodiff: all of it is a forward pass

@@ -30,7 +30,7 @@ from hetshard import progress
 from hetshard._plan import Plan, Predicted, data_ways, stage_dtype
 from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration
-from hetshard.cost.comm import buckets, collective_time, p2p_time, topology
+from hetshard.cost.comm import Topology, buckets, collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import StageCost, stage_cost
 from hetshard.errors import SpecError
@@ -668,7 +668,7 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                     def price(b, kind=kind, topo=topo, slowest=slowest, rings=rings):
                         return collective_time(kind, b, topo, cal, slowest, rings)
                 # In XLA's combined buckets (``buckets``), each its own collective.
-                pieces = buckets(_sync_pieces(profile, st, c.grad_sync_bytes))
+                pieces = sync_buckets(profile, st.start, st.end, c.grad_sync_bytes)
                 t_sync = sum(price(b) for _, b in pieces)
                 t_gather = sum(collective_time("all_gather", b, topo, cal, slowest, rings)
                                for _, b in pieces) if zero1 else 0.0
@@ -801,14 +801,25 @@ def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cl
     return out
 
 
-def _sync_pieces(profile: ModelProfile, stage, total: float) -> list[float]:
-    """A stage's ``total`` gradient-sync bytes per layer, last layer first (the order its
-    backward produces them), in proportion to the layers' parameters."""
-    size = [max(layer.param_bytes, 0.0) for layer in profile.layers[stage.start:stage.end]]
+def sync_buckets(profile: ModelProfile, start: int, end: int,
+                 total: float) -> list[tuple[int, float]]:
+    """The collectives of the gradient sync of layers ``[start, end)``, ``total`` bytes
+    a device: per layer, last layer first (the order the backward produces them), in
+    proportion to the layers' parameters, combined as XLA combines them
+    (``hetshard.cost.comm.buckets``: (the piece that completes a bucket, bytes))."""
+    size = [max(layer.param_bytes, 0.0) for layer in profile.layers[start:end]]
     whole = sum(size)
-    if whole <= 0:
-        return [total]
-    return [total * b / whole for b in reversed(size)]
+    return buckets([total] if whole <= 0 else [total * b / whole for b in reversed(size)])
+
+
+def sync_time(kind: str, profile: ModelProfile, start: int, end: int, total: float,
+              topo: Topology, cal: Calibration, gpu_name: str, rings: int = 1) -> float:
+    """The gradient sync of layers ``[start, end)`` (``total`` bytes a device; ``kind``:
+    "all_reduce" or, sharded state, "reduce_scatter") over ``topo``, not overlapped: one
+    collective per bucket (``sync_buckets``), as the simulator prices a stage's sync.
+    The per-batch planner (``hetshard.data``) prices its groups' syncs with it."""
+    return sum(collective_time(kind, b, topo, cal, gpu_name, rings)
+               for _, b in sync_buckets(profile, start, end, total))
 
 
 def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, pieces,
