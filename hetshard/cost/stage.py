@@ -646,84 +646,159 @@ def tensor_rank_bytes(layer: LayerProfile, tp: int,
                      else nbytes for path, nbytes in layer.param_shares))
 
 
-def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, tp: int = 1,
-               cp: int = 1, dp: int = 1, fsdp: bool = False, shard_optimizer: bool = False,
-               mbs: int = 1,
-               remat: str = "none", remat_layers: int | None = None,
-               attention: str = "flash", cal: Calibration,
-               tp_topo: Topology | None = None,
-               cp_topo: Topology | None = None, dp_topo: Topology | None = None,
-               tp_overlap: bool = False, dtype: str | None = None,
-               shard_context: bool = False, optimizer_ways: int | None = None,
-               offload: tuple[str, ...] = (), host_link_gbs: float | None = None,
-               shardings: tuple[tuple[str, tuple], ...] | None = None, ep: int = 1,
-               ep_topo: Topology | None = None, capacity_factor: float | None = None,
-               expert_counts: tuple[int, ...] = (), router_skew: float | None = None,
-               expert_ranks: tuple[int, ...] | None = None) -> StageCost:
-    """Prices layers ``[start, end)`` of ``profile`` (see the module docstring);
-    ``remat`` applies to the first ``remat_layers`` of them (None: all); ``tp_overlap``:
-    the tensor-parallel collectives run as collective matmuls; ``dtype``: the stage's
-    matmuls' and attention's compute dtype (None: the program's, ``Plan.gpu_dtypes``);
-    ``shard_context``: the state is sharded over the ``cp`` context ranks too
-    (``Context.shard_state``: FSDP over ``dp x cp``, ``dp_topo`` then those devices');
-    ``optimizer_ways``: the ways the optimizer state is split over, where not what
-    ``dp``, ``fsdp`` and ``shard_optimizer`` say (a hybrid-sharded stage: FSDP over
-    ``dp`` ranks inside each data group, the distributed optimizer across them);
-    ``offload``: what the stage keeps in host memory (``hetshard.offload``), over a host
-    link of ``host_link_gbs`` per device (None: the GPU type's); ``shardings``: the
-    stage's per-parameter layouts (``Stage.shardings``), where solved: a parameter they do
-    not split over ``tensor`` is whole on every tensor rank (None: layouts not solved
-    yet, as in the planner's search: ``tensor_rank_bytes``); ``ep``, ``ep_topo``,
-    ``capacity_factor``, ``expert_counts``, ``router_skew``: expert parallelism (see the
-    module docstring); ``expert_ranks``: the expert ranks priced, where not all (a stage
-    spanning GPU types prices each type at its own busiest rank)."""
-    check_remat(remat)
-    offload = check_offload(offload, remat)
-    if remat_layers is not None and not 0 <= remat_layers <= end - start:
-        raise SpecError("remat_layers", remat_layers,
-                        f"None or a count of the stage's layers, 0 to {end - start}")
-    if attention not in ATTENTIONS:
-        raise SpecError("attention", attention, f"one of {ATTENTIONS}")
-    if not 0 <= start < end <= profile.num_layers:
-        raise SpecError("layers", (start, end), f"a range within [0, {profile.num_layers})")
-    e = cal.for_type(gpu.name)
-    dtype = dtype or profile.dtype
-    # A context axis runs the ring, whose inner kernel is the flash kernel.
-    attention = "flash" if cp > 1 and attention in ("auto", "cudnn") else priced_attention(
-        attention, gpu, dtype, any(layer.attention_causal for layer in profile.layers))
-    fused = attention != "reference"  # a kernel: scores kept on chip, O(S) residuals
-    peak = gpu.peak_flops(dtype) * e.matmul(gpu)
-    peak_attn = attention_rate(gpu, dtype, e, attention)
-    bw = gpu.memory_gbs * 1e9 * e.memory_eff
-    host_bw = (host_link_gbs or gpu.host_link_gbs) * 1e9 * e.host_link_eff
-    shard = tp * cp
-    # The ways FSDP splits the state over (gathered for each layer's use).
-    gathered = (dp if fsdp else 1) * (cp if shard_context else 1)
-    fwd = bwd = recompute = weight = carry = cast_s = brought_s = 0.0
-    att_f = att_b = att_mem = 0.0
-    model_flops = hw_flops = 0.0
-    act = static_copy = param_bytes = host_act = largest_param = fused_saving = 0.0
-    fusable = 0.0  # the activations of the layers without remat
-    # per layer, parameter bytes per device (its tensor shard)
-    layer_params: list[float] = []
-    working = 0.0
-    inside = {layer.name for layer in profile.layers[start:end]}
-    measured = _measured(profile, cal)
-    updates: list[float | None] = []
-    read_copies: dict[int, tuple[str, float]] = {}  # foreign parameters: copy and gradient
-    last_remat = end if remat_layers is None else start + remat_layers
-    for index, layer in enumerate(profile.layers[start:end], start):
-        for key, owner, nbytes in layer.foreign_params:
-            if owner not in inside:
-                read_copies[key] = (owner, nbytes / tp)
-        own = tensor_rank_bytes(layer, tp, shardings)  # its parameters on one tensor rank
-        moe = _ExpertShare(layer, ep, mbs, capacity_factor, expert_counts,
-                           profile.router_skew if router_skew is None else router_skew,
-                           expert_ranks, profile.expert_loads)
-        own -= moe.saved_param_bytes(own)
-        mode = remat if index < last_remat else "none"
-        save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
-        weight_before = weight
+@dataclasses.dataclass(frozen=True)
+class StageShape:
+    """How a stage runs its layers: the typed form of :func:`stage_cost`'s keywords.
+
+    ``tp``, ``cp``, ``dp``: tensor, context and data ways; ``fsdp``: the state sharded
+    over the ``dp`` ways (gathered per layer); ``shard_optimizer``: ZeRO-1 over
+    ``dp x cp``; ``mbs``: samples a micro-batch per data way; ``remat`` on the first
+    ``remat_layers`` (None: all); ``attention``: the implementation asked for;
+    ``tp_overlap``: tensor collectives as collective matmuls; ``dtype``: the compute
+    dtype (None: the program's); ``shard_context``: the state sharded over the context
+    ranks too; ``optimizer_ways``: the optimizer state's ways where not what the others
+    say (hybrid sharding); ``offload``, ``host_link_gbs``: what lives in host memory and
+    over what link; ``shardings``: solved per-parameter layouts (None: unsolved);
+    ``ep``, ``capacity_factor``, ``expert_counts``, ``router_skew``, ``expert_ranks``:
+    expert parallelism; ``*_topo``: where each axis's collectives run (None: priced
+    free)."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    fsdp: bool = False
+    shard_optimizer: bool = False
+    mbs: int = 1
+    remat: str = "none"
+    remat_layers: int | None = None
+    attention: str = "flash"
+    tp_topo: Topology | None = None
+    cp_topo: Topology | None = None
+    dp_topo: Topology | None = None
+    tp_overlap: bool = False
+    dtype: str | None = None
+    shard_context: bool = False
+    optimizer_ways: int | None = None
+    offload: tuple[str, ...] = ()
+    host_link_gbs: float | None = None
+    shardings: tuple[tuple[str, tuple], ...] | None = None
+    ep: int = 1
+    ep_topo: Topology | None = None
+    capacity_factor: float | None = None
+    expert_counts: tuple[int, ...] = ()
+    router_skew: float | None = None
+    expert_ranks: tuple[int, ...] | None = None
+
+    @property
+    def shard(self) -> int:
+        """Ways a micro-batch's activations are split: tensor x context."""
+        return self.tp * self.cp
+
+    @property
+    def gathered(self) -> int:
+        """The ways FSDP splits the state over (gathered for each layer's use)."""
+        return (self.dp if self.fsdp else 1) * (self.cp if self.shard_context else 1)
+
+
+def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *,
+               cal: Calibration, **shape) -> StageCost:
+    """Prices layers ``[start, end)`` of ``profile`` on ``gpu`` (see the module
+    docstring) for the :class:`StageShape` the keywords ``shape`` give.
+
+    The price is a sum over the stage's layers of named terms (:class:`_LayerPrice`):
+    the roofline compute, the tensor collectives, the context ring, the expert
+    exchange, a measured layer's times, the FSDP gathers and the recompute, and each
+    layer's memory; then the stage's optimizer state and update."""
+    return _StagePricer(profile, start, end, gpu, StageShape(**shape), cal).price()
+
+
+@dataclasses.dataclass
+class _LayerTimes:
+    """One layer's times for one micro-batch: forward, backward (without recompute),
+    the backward's weight-gradient share (ZB-H1's W), attention's shares, and the
+    recompute its remat adds."""
+
+    f: float
+    b: float
+    weight: float
+    att_f: float
+    att_b: float
+    recompute: float = 0.0
+
+
+@dataclasses.dataclass
+class _Roofline:
+    """A layer's per-equation flops, bytes and rates after the stage's splits (what the
+    named terms re-price parts of)."""
+
+    ff: np.ndarray
+    fb: np.ndarray
+    pf: np.ndarray
+    f_ops: np.ndarray
+
+
+@dataclasses.dataclass
+class _LayerMemory:
+    """One layer's memory terms per device (``_StagePricer.memory``): kept per
+    micro-batch in flight, its working set, the flash kernel's share of what is kept,
+    offloaded activations on the host and the transfer time they expose each way, the
+    one-program fusion's saving and what it applies to, what W carries, and the
+    compute-dtype weight copy."""
+
+    kept: float = 0.0
+    working: float = 0.0
+    attention: float = 0.0
+    host: float = 0.0
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
+    fused_saving: float = 0.0
+    fusable: float = 0.0
+    carry: float = 0.0
+    weight_copy: float = 0.0
+
+
+class _StagePricer:
+    """The named terms of one stage's price (``stage_cost``)."""
+
+    def __init__(self, profile: ModelProfile, start: int, end: int, gpu: DeviceType,
+                 shape: StageShape, cal: Calibration):
+        check_remat(shape.remat)
+        offload = check_offload(shape.offload, shape.remat)
+        if shape.remat_layers is not None and not 0 <= shape.remat_layers <= end - start:
+            raise SpecError("remat_layers", shape.remat_layers,
+                            f"None or a count of the stage's layers, 0 to {end - start}")
+        if shape.attention not in ATTENTIONS:
+            raise SpecError("attention", shape.attention, f"one of {ATTENTIONS}")
+        if not 0 <= start < end <= profile.num_layers:
+            raise SpecError("layers", (start, end),
+                            f"a range within [0, {profile.num_layers})")
+        self.profile, self.start, self.end, self.gpu, self.cal = profile, start, end, gpu, cal
+        self.s = shape
+        self.offload = offload
+        self.e = e = cal.for_type(gpu.name)
+        dtype = shape.dtype or profile.dtype
+        # A context axis runs the ring, whose inner kernel is the flash kernel.
+        self.attention = "flash" if shape.cp > 1 and shape.attention in ("auto", "cudnn") \
+            else priced_attention(shape.attention, gpu, dtype,
+                                  any(layer.attention_causal for layer in profile.layers))
+        self.fused = self.attention != "reference"  # a kernel: scores on chip, O(S) residuals
+        self.peak = gpu.peak_flops(dtype) * e.matmul(gpu)
+        self.peak_attn = attention_rate(gpu, dtype, e, self.attention)
+        self.bw = gpu.memory_gbs * 1e9 * e.memory_eff
+        self.host_bw = (shape.host_link_gbs or gpu.host_link_gbs) * 1e9 * e.host_link_eff
+        self.measured = _measured(profile, cal)
+        self.last_remat = end if shape.remat_layers is None else start + shape.remat_layers
+
+    # ---- time terms, per layer ------------------------------------------------------
+    def compute(self, layer: LayerProfile, moe: _ExpertShare) -> tuple[_LayerTimes, _Roofline,
+                                                                         float]:
+        """The layer's roofline forward and backward: per kernel, flops at the matmul,
+        attention or shape-quantised rate against bytes at HBM bandwidth, plus kernel
+        launches; the flash kernel's attention on chip (half the products causal); the
+        busiest expert rank's load. Also the bytes moved once a step (casts: seconds,
+        returned third)."""
+        e, bw, mbs, tp, cp, shard = self.e, self.bw, self.s.mbs, self.s.tp, self.s.cp, \
+            self.s.shard
         ff = layer.fwd_flops[0] / tp + layer.fwd_flops[1] * mbs / shard
         # Batch-independent elementwise bytes (the weights' casts to the compute dtype
         # forward, their gradients' back to the parameters' dtype backward) are moved
@@ -732,7 +807,7 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         # type (Megatron-LM's fused accumulation). ``cast_s``, run with the update.
         step_bytes = float(np.where(layer.fwd_matmul, 0.0, layer.fwd_bytes[0]).sum() +
                            np.where(layer.bwd_matmul, 0.0, layer.bwd_bytes[0]).sum()) / tp
-        layer_cast_s = step_bytes * e.fusion / bw
+        cast_s = step_bytes * e.fusion / bw
         fb = np.where(layer.fwd_matmul, layer.fwd_bytes[0] / tp, 0.0) + \
             layer.fwd_bytes[1] * mbs / cp * _tp_share(layer.fwd_dims, layer.fwd_bytes, mbs, tp)
         bf = layer.bwd_flops[0] / tp + layer.bwd_flops[1] * mbs / shard
@@ -741,11 +816,11 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
         # the busiest expert rank's grouped matmuls: its rows and its experts' weights
         ff, bf = moe.loaded(ff, layer.fwd_expert), moe.loaded(bf, layer.bwd_expert)
         fb, bb = moe.loaded(fb, layer.fwd_expert), moe.loaded(bb, layer.bwd_expert)
-        pf = np.where(layer.fwd_attention, peak_attn,
-                      peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, gpu.sms))
-        pb = np.where(layer.bwd_attention, peak_attn,
-                      peak * _shape_eff(layer.bwd_dims, mbs, tp, cp, gpu.sms))
-        if fused:
+        pf = np.where(layer.fwd_attention, self.peak_attn,
+                      self.peak * _shape_eff(layer.fwd_dims, mbs, tp, cp, self.gpu.sms))
+        pb = np.where(layer.bwd_attention, self.peak_attn,
+                      self.peak * _shape_eff(layer.bwd_dims, mbs, tp, cp, self.gpu.sms))
+        if self.fused:
             # The flash kernel keeps the scores on chip (no HBM traffic for the traced
             # reference's [seq, seq] tensors) and, causal, computes only the unmasked
             # half of the products the reference traces.
@@ -755,126 +830,138 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             bf = np.where(layer.bwd_attention, bf * half, bf)
             bb = np.where(layer.bwd_attention, 0.0, bb)
         f_ops = _op_times(ff, fb, layer.fwd_matmul, pf, bw, e.fusion)
-        t_f = float(f_ops.sum()) + \
-            e.kernel_launch_s * _kernels(layer.fwd_kernels, layer.fwd_attention, attention, 1)
+        t_f = float(f_ops.sum()) + e.kernel_launch_s * _kernels(
+            layer.fwd_kernels, layer.fwd_attention, self.attention, 1)
         per_op = _op_times(bf, bb, layer.bwd_matmul, pb, bw, e.fusion)
-        layer_att_f = float(f_ops[layer.fwd_attention].sum()) \
-            if layer.fwd_attention.any() else 0.0
-        layer_att_b = float(per_op[layer.bwd_attention].sum()) \
+        att_f = float(f_ops[layer.fwd_attention].sum()) if layer.fwd_attention.any() else 0.0
+        att_b = float(per_op[layer.bwd_attention].sum()) \
             if len(layer.bwd_attention) == len(per_op) and layer.bwd_attention.any() else 0.0
-        t_b = float(per_op.sum()) + \
-            e.kernel_launch_s * _kernels(layer.bwd_kernels, layer.bwd_attention, attention, 2)
-        if len(layer.bwd_weight) == len(per_op):
-            weight += float(per_op[layer.bwd_weight].sum())
-        act_bytes = layer.boundary_bytes_per_sample * mbs / cp  # full activation on tp group
-        if tp > 1 and tp_topo is not None:
-            ar = collective_time("all_reduce", act_bytes, tp_topo, cal, gpu.name)
-            sequence = bool(layer.tp_groups) and layer.tp_sequence % tp == 0
-            if tp_overlap and sequence:
-                # Collective matmuls: a reduce-scatter or all-gather (half the ring of an
-                # all-reduce) per matmul group, each hidden behind its group's matmuls.
-                t_ops = f_ops
-                half = ar / 2
-                for col, row in layer.tp_groups:
-                    mc, mr = float(t_ops[list(col)].sum()), float(t_ops[list(row)].sum())
-                    t_f += _exposed(half, mc, tp, e) + _exposed(half, mr, tp, e)
-                    # Backward. Column group: two rings, the input's cotangent
-                    # reduce-scattered behind its input-gradient matmuls, then the input
-                    # passed around again behind the weight-gradient ones (ZB-H1's W).
-                    # Row: one ring gathering the output's cotangent behind both of its
-                    # gradient matmuls, so its weight gradient runs in B (about its
-                    # forward matmul's time, taken from the W share).
-                    w_ring = _exposed(half, mc, tp, e)
-                    t_b += 2 * w_ring + _exposed(half, 2 * mr, tp, e)
-                    weight += w_ring - mr
-            else:
-                t_f += layer.tp_collectives * ar
-                # Sequence parallelism keeps the column-parallel inputs split: the
-                # backward gathers them again (half an all-reduce more per collective),
-                # unless full remat's recomputed forward (priced with its collectives)
-                # has just gathered them.
-                regather = sequence and mode != "full"
-                t_b += layer.tp_collectives * ar * (1.5 if regather else 1.0)
-        if cp > 1 and cp_topo is not None and layer.fwd_attention.any():
-            # K and V chunks travel the ring (cp - 1 steps): the volume of an all-gather
-            # of the sequence's K and V (~2x the activation), overlapped with attention.
-            ring = collective_time("all_gather", 2 * act_bytes * cp / tp, cp_topo, cal,
-                                   gpu.name)
-            t_attn = _ops_time(ff[layer.fwd_attention], fb[layer.fwd_attention],
-                               layer.fwd_matmul[layer.fwd_attention], peak_attn, bw, e.fusion)
-            t_f += max(0.0, ring - t_attn)
-            t_b += 2 * max(0.0, ring - t_attn)
-            layer_att_f += max(0.0, ring - t_attn)
-            layer_att_b += 2 * max(0.0, ring - t_attn)
-        if moe.active and ep_topo is not None:
-            a2a = moe.exchange_s(ep_topo, cal, gpu.name)
-            t_f += a2a
-            t_b += a2a
-            working = max(working, moe.buffer_bytes + moe.placed_working_bytes())
-            # An uneven placement's missing experts are brought once per step and their
-            # gradients given back once (the pipeline runtime's ``brought_experts``; a
-            # single-stage step's one program does the same).
-            brought_s += 2 * moe.gather_s(ep_topo, cal, gpu.name)
-            static_copy += moe.brought_bytes()
-        timed = measured.layer(index, gpu.name, tp, mbs) if measured and cp == 1 else None
-        if timed is None:
-            cast_s += layer_cast_s
-        if timed is not None:
-            # The layer as measured on this GPU and tensor degree (its tensor collectives
-            # included); ZB-H1's W keeps the roofline's share of the backward.
-            roof_b = t_b
-            t_f, t_b, update = timed
-            weight = weight_before + (weight - weight_before) * t_b / max(roof_b, 1e-30)
-            updates.append(update)
+        t_b = float(per_op.sum()) + e.kernel_launch_s * _kernels(
+            layer.bwd_kernels, layer.bwd_attention, self.attention, 2)
+        weight = float(per_op[layer.bwd_weight].sum()) \
+            if len(layer.bwd_weight) == len(per_op) else 0.0
+        return _LayerTimes(t_f, t_b, weight, att_f, att_b), _Roofline(ff, fb, pf, f_ops), \
+            cast_s
+
+    def tensor_collectives(self, layer: LayerProfile, t: _LayerTimes, r: _Roofline,
+                           mode: str) -> None:
+        """Megatron's activation all-reduces (sequence parallel: reduce-scatter and
+        all-gather, the backward regathering the column inputs unless full remat just
+        did), or as collective matmuls each hidden behind its matmul group."""
+        s, e = self.s, self.e
+        if s.tp <= 1 or s.tp_topo is None:
+            return
+        act_bytes = layer.boundary_bytes_per_sample * s.mbs / s.cp  # on the tp group
+        ar = collective_time("all_reduce", act_bytes, s.tp_topo, self.cal, self.gpu.name)
+        sequence = bool(layer.tp_groups) and layer.tp_sequence % s.tp == 0
+        if s.tp_overlap and sequence:
+            # Collective matmuls: a reduce-scatter or all-gather (half the ring of an
+            # all-reduce) per matmul group, each hidden behind its group's matmuls.
+            half = ar / 2
+            for col, row in layer.tp_groups:
+                mc, mr = float(r.f_ops[list(col)].sum()), float(r.f_ops[list(row)].sum())
+                t.f += _exposed(half, mc, s.tp, e) + _exposed(half, mr, s.tp, e)
+                # Backward. Column group: two rings, the input's cotangent
+                # reduce-scattered behind its input-gradient matmuls, then the input
+                # passed around again behind the weight-gradient ones (ZB-H1's W).
+                # Row: one ring gathering the output's cotangent behind both of its
+                # gradient matmuls, so its weight gradient runs in B (about its
+                # forward matmul's time, taken from the W share).
+                w_ring = _exposed(half, mc, s.tp, e)
+                t.b += 2 * w_ring + _exposed(half, 2 * mr, s.tp, e)
+                t.weight += w_ring - mr
         else:
-            updates.append(None)
-        if gathered > 1 and dp_topo is not None:
-            # Each layer's parameters are gathered behind the layer before's compute; what
-            # is hidden still slows that compute (the transfer's kernels take SMs and
-            # memory bandwidth), as a collective matmul's transfers do. One ring per
-            # tensor rank (and context rank, where the state is not split over them),
-            # all at once, sharing each node's network card.
-            ag = collective_time("all_gather", own, dp_topo, cal, gpu.name,
-                                 tp if shard_context else tp * cp)
-            t_f = max(t_f, ag) + e.overlap_interference * min(t_f, ag)
-            t_b = max(t_b, ag) + e.overlap_interference * min(t_b, ag)
+            t.f += layer.tp_collectives * ar
+            regather = sequence and mode != "full"
+            t.b += layer.tp_collectives * ar * (1.5 if regather else 1.0)
+
+    def context_ring(self, layer: LayerProfile, t: _LayerTimes, r: _Roofline) -> None:
+        """K and V chunks around the context ring (cp - 1 steps: an all-gather of the
+        sequence's K and V), hidden behind attention where it is shorter."""
+        s = self.s
+        if s.cp <= 1 or s.cp_topo is None or not layer.fwd_attention.any():
+            return
+        act_bytes = layer.boundary_bytes_per_sample * s.mbs / s.cp
+        ring = collective_time("all_gather", 2 * act_bytes * s.cp / s.tp, s.cp_topo,
+                               self.cal, self.gpu.name)
+        m = layer.fwd_attention
+        t_attn = _ops_time(r.ff[m], r.fb[m], layer.fwd_matmul[m], self.peak_attn, self.bw,
+                           self.e.fusion)
+        exposed = max(0.0, ring - t_attn)
+        t.f += exposed
+        t.b += 2 * exposed
+        t.att_f += exposed
+        t.att_b += 2 * exposed
+
+    def expert_exchange(self, t: _LayerTimes, moe: _ExpertShare) -> float:
+        """The dispatch and combine all-to-alls, each way; returns what an uneven
+        placement's experts cost once a step (brought, their gradients given back: the
+        pipeline runtime's ``brought_experts``; a single-stage step's one program does
+        the same)."""
+        s = self.s
+        if not moe.active or s.ep_topo is None:
+            return 0.0
+        a2a = moe.exchange_s(s.ep_topo, self.cal, self.gpu.name)
+        t.f += a2a
+        t.b += a2a
+        return 2 * moe.gather_s(s.ep_topo, self.cal, self.gpu.name)
+
+    def fsdp_gather(self, own: float, t: _LayerTimes) -> None:
+        """Each layer's parameters gathered behind the layer before's compute, what is
+        hidden still slowing it (the transfer's kernels take SMs and bandwidth); one ring
+        per tensor rank (and context rank where the state is not split over them), all at
+        once, sharing each node's network card."""
+        s, e = self.s, self.e
+        if s.gathered <= 1 or s.dp_topo is None:
+            return
+        ag = collective_time("all_gather", own, s.dp_topo, self.cal, self.gpu.name,
+                             s.tp if s.shard_context else s.tp * s.cp)
+        t.f = max(t.f, ag) + e.overlap_interference * min(t.f, ag)
+        t.b = max(t.b, ag) + e.overlap_interference * min(t.b, ag)
+
+    def recompute(self, layer: LayerProfile, t: _LayerTimes, r: _Roofline, mode: str,
+                  save, timed: bool) -> None:
+        """What the layer's remat recomputes in its backward: the whole forward (full),
+        all but the saved values (a policy; a measured layer re-runs the roofline's
+        share of its measured forward), and the flash kernel's scores."""
+        e, bw = self.e, self.bw
         if mode == "full":
-            recompute += t_f
-            layer_att_b += layer_att_f
-        elif timed is not None:
-            # The framework measured recomputes what it recomputes: a remat that keeps
-            # some values re-runs the roofline's share of the forward, nothing else is
-            # added.
+            t.recompute += t.f
+            t.att_b += t.att_f
+            return
+        if timed:
+            # The framework measured recomputes what it recomputes: nothing else added.
             if save is not None:
-                mask = save.recomputed
-                share = _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask], bw,
-                                  e.fusion) / max(_ops_time(ff, fb, layer.fwd_matmul, pf,
-                                                            bw, e.fusion), 1e-30)
-                recompute += share * t_f
-        else:
-            if save is not None:
-                # Everything but the saved values, attention included where the policy
-                # does not keep its output (the flash kernel's forward is re-run for its
-                # residuals).
-                mask = save.recomputed
-                recompute += _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], pf[mask],
-                                       bw, e.fusion)
-            if fused:
-                # The flash kernel's backward recomputes the attention scores from q, k
-                # and v (Dao 2023).
-                mask = layer.fwd_attention
-                again = _ops_time(ff[mask], fb[mask], layer.fwd_matmul[mask], peak_attn,
-                                  bw, e.fusion)
-                recompute += again
-                layer_att_b += again
-        fwd += t_f
-        bwd += t_b
-        if timed is None:  # (a measured layer keeps its attention share unknown: cp 1)
-            att_f += layer_att_f
-            att_b += layer_att_b
-        f_model = layer.flops(mbs)
-        model_flops += f_model
-        hw_flops += f_model + (layer.fwd_total_flops(mbs) if mode == "full" else 0.0)
+                m = save.recomputed
+                share = _ops_time(r.ff[m], r.fb[m], layer.fwd_matmul[m], r.pf[m], bw,
+                                  e.fusion) / max(_ops_time(r.ff, r.fb, layer.fwd_matmul,
+                                                            r.pf, bw, e.fusion), 1e-30)
+                t.recompute += share * t.f
+            return
+        if save is not None:
+            # Everything but the saved values, attention included where the policy does
+            # not keep its output (the flash kernel's forward is re-run for its residuals).
+            m = save.recomputed
+            t.recompute += _ops_time(r.ff[m], r.fb[m], layer.fwd_matmul[m], r.pf[m], bw,
+                                     e.fusion)
+        if self.fused:
+            # The flash kernel's backward recomputes the attention scores from q, k and v
+            # (Dao 2023).
+            m = layer.fwd_attention
+            again = _ops_time(r.ff[m], r.fb[m], layer.fwd_matmul[m], self.peak_attn, bw,
+                              e.fusion)
+            t.recompute += again
+            t.att_b += again
+
+    # ---- memory terms, per layer ----------------------------------------------------
+    def memory(self, index: int, layer: LayerProfile, t: _LayerTimes, mode: str, save,
+               own: float, moe: _ExpertShare) -> _LayerMemory:
+        """What the layer keeps per micro-batch in flight under its remat, its working
+        set, the host copies of offloaded activations (and the time they expose), what
+        W carries and the compute-dtype copy of its weights."""
+        s, profile, attention, fused = self.s, self.profile, self.attention, self.fused
+        mbs, shard = s.mbs, s.shard
+        m = _LayerMemory()
         res = layer.residual_bytes_per_sample * mbs / shard
         attn = layer.attention_residual_bytes_per_sample * mbs / shard
         # What the layer's backward reads without remat. The flash kernel never
@@ -884,107 +971,203 @@ def stage_cost(profile: ModelProfile, start: int, end: int, gpu: DeviceType, *, 
             res - attn + (layer.flash_residual_bytes_per_sample
                           - layer.attention_input_residual_bytes_per_sample) * mbs / shard)
         if fused and mode != "full":
-            att_mem += layer.flash_residual_bytes_per_sample * mbs / shard
+            m.attention = layer.flash_residual_bytes_per_sample * mbs / shard
+        checkpoint = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
+                      if index else 0.0)  # a layer's input: the layer before's output
         if mode == "none":
-            kept = whole
+            m.kept = whole
             if layer.fused_residual_bytes_per_sample > 0:  # (0: a profile without it)
-                # Attention's own residuals are the kernel's under flash: only the rest
-                # is fused. (Summed over the stage: a value one program keeps for a
+                # Attention's own residuals are the kernel's under flash: only the rest is
+                # fused. (Summed over the stage: a value one program keeps for a
                 # recomputed one may be a layer before's.)
                 one = layer.fused_residual_bytes_per_sample * mbs / shard
                 if attention != "reference":
                     one -= layer.fused_attention_residual_bytes_per_sample * mbs / shard
-                fused_saving += (res if attention == "reference" else res - attn) - one
-                fusable += kept
-        elif save is not None and "activations" in offload:
+                m.fused_saving = (res if attention == "reference" else res - attn) - one
+                m.fusable = m.kept
+            m.kept += moe.extra_residual_bytes
+        elif save is not None and "activations" in self.offload:
             # The kept values go to the host in the forward and come back for the
             # backward, each copy behind the layer's own compute (``hetshard.offload``);
             # the GPU keeps the layer's input, as under full remat.
-            moved = save.kept_bytes_per_sample * mbs / shard
-            host_act += moved
-            fwd += max(0.0, moved / host_bw - t_f)
-            bwd += max(0.0, moved / host_bw - t_b)
-            kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
-                    if index else 0.0)
-            working = max(working, whole)
+            m.host = save.kept_bytes_per_sample * mbs / shard
+            m.host_fwd_s = max(0.0, m.host / self.host_bw - t.f)
+            m.host_bwd_s = max(0.0, m.host / self.host_bw - t.b)
+            m.kept, m.working = checkpoint, whole
         elif save is not None:
-            kept = save.kept_bytes_per_sample * mbs / shard
-            # One layer's recomputed values live during its backward.
-            working = max(working, whole)
+            m.kept = save.kept_bytes_per_sample * mbs / shard
+            m.working = whole  # one layer's recomputed values live during its backward
         else:
-            # A checkpointed layer keeps its input: the layer before's output (the
-            # first layer's is the token ids, negligible).
-            kept = (profile.layers[index - 1].boundary_bytes_per_sample * mbs / shard
-                    if index else 0.0)
-            working = max(working, whole)
-        if mode == "none":
-            kept += moe.extra_residual_bytes
-        act += kept
+            m.kept, m.working = checkpoint, whole  # a checkpointed layer keeps its input
         if mode != "none":
             # A W pass reads the weight matmuls' inputs, which B recomputed: kept until W.
-            carry += (layer.weight_input_bytes_per_sample if save is None else
-                      save.weight_input_bytes_per_sample) * mbs / shard
+            m.carry = (layer.weight_input_bytes_per_sample if save is None else
+                       save.weight_input_bytes_per_sample) * mbs / shard
+        m.carry += layer.weight_carry_bytes_per_sample * mbs / shard
         # (the compute-dtype copies of the weights split as the weights are)
-        static_copy += layer.weight_copy_bytes * (own / layer.param_bytes
-                                                  if layer.param_bytes else 1.0 / tp)
-        carry += layer.weight_carry_bytes_per_sample * mbs / shard
-        param_bytes += own
-        largest_param = max(largest_param, own)
-        layer_params.append(own)
-        if save is not None:
-            hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
-        if mode != "full" and fused:
-            hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
-    # W also reads the cotangent the next stage sent back (a full activation per tp rank;
-    # the last layer's is the loss's seed).
-    cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
-                 if end < profile.num_layers else 0.0)
-    shard_dp = gathered
-    # The distributed optimizer shards the optimizer state over data x context (the
-    # context ranks hold the same parameters: Megatron-LM's distributed optimizer does
-    # the same; ``hetshard.layout.leaf_spec``).
-    opt_dp = optimizer_ways or max(gathered, dp * cp if shard_optimizer else 1)
-    opt_state = param_bytes * profile.opt_bytes_per_param_byte / opt_dp
-    held = (param_bytes + sum(b for _, b in read_copies.values())) / shard_dp
-    if gathered > 1:
-        # FSDP: a layer's gathered weights are read again by its backward, which gathers
-        # them again (every layer is checkpointed, remat none's included:
-        # ``hetshard.rewrite.spmd``, ``rewrite.pipeline.Remat``), one layer at a time
-        # behind the next (two at once). Its gradients are whole until their
-        # reduce-scatter, which runs in XLA's combined buckets
-        # (``hetshard.cost.comm.buckets``): the largest bucket whole.
-        kept = 2 * max(layer_params, default=0.0)
-        bucket = max((b for _, b in buckets(layer_params[::-1])), default=0.0)
-        working += (kept + bucket) * (1 - 1 / gathered)
-    static = held * 2.0 + opt_state + static_copy / shard_dp  # (the gradients: held)
-    optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
-    if updates and all(u is not None for u in updates):
-        optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
-    host_static = host_stream_s = 0.0
-    if "optimizer" in offload:
-        # The state lives on the host; the update streams it in and back out, both ways
-        # at once, the GPU holding two layers' worth (one arriving, one leaving) while
-        # it runs. The update waits for the first layer's copy, then runs at the pace
-        # of the slower of its compute and the link.
-        host_static = opt_state
-        static -= opt_state
-        layer_state = largest_param * profile.opt_bytes_per_param_byte / opt_dp
-        working = max(working, 2 * layer_state)
-        host_stream_s = max(0.0, opt_state / host_bw - optimizer_s)
-        optimizer_s = max(optimizer_s, opt_state / host_bw) + layer_state / host_bw
-    # Without remat a layer keeps what XLA writes when the forward and backward are one
-    # program (a single-stage step), the elementwise values between recomputed by the
-    # backward's kernels (``OpGraph.residuals(fused=True)``); a pipeline stage's forward
-    # checkpoints each such layer to keep the same (``hetshard.rewrite.pipeline.Remat``).
-    act -= min(max(fused_saving, 0.0), fusable)
-    return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
-                     optimizer_s=optimizer_s, model_flops=model_flops, hardware_flops=hw_flops,
-                     memory_static_bytes=static, memory_per_microbatch_bytes=act,
-                     memory_working_bytes=working, bwd_weight_s=weight,
-                     memory_carry_bytes=carry, memory_cotangent_bytes=cotangent,
-                     read_copies=tuple(sorted(read_copies.values())),
-                     cast_s=cast_s + brought_s, brought_s=brought_s,
-                     attention_fwd_s=att_f, attention_bwd_s=att_b,
-                     attention_memory_bytes=att_mem, host_static_bytes=host_static,
-                     host_per_microbatch_bytes=host_act, host_stream_s=host_stream_s,
-                     memory_state_bytes=held + opt_state - host_static)
+        m.weight_copy = layer.weight_copy_bytes * (own / layer.param_bytes
+                                                   if layer.param_bytes else 1.0 / s.tp)
+        return m
+
+    # ---- the stage ------------------------------------------------------------------
+    def price(self) -> StageCost:
+        s, profile, start, end = self.s, self.profile, self.start, self.end
+        mbs, tp, cp, fused = s.mbs, s.tp, s.cp, self.fused
+        fwd = bwd = recompute = weight = carry = cast_s = brought_s = 0.0
+        att_f = att_b = att_mem = 0.0
+        model_flops = hw_flops = 0.0
+        act = static_copy = param_bytes = host_act = largest_param = fused_saving = 0.0
+        fusable = 0.0  # the activations of the layers without remat
+        layer_params: list[float] = []  # per layer, parameter bytes per device
+        working = 0.0
+        inside = {layer.name for layer in profile.layers[start:end]}
+        updates: list[float | None] = []
+        read_copies: dict[int, tuple[str, float]] = {}  # foreign parameters: copy, gradient
+        for index, layer in enumerate(profile.layers[start:end], start):
+            for key, owner, nbytes in layer.foreign_params:
+                if owner not in inside:
+                    read_copies[key] = (owner, nbytes / tp)
+            own = tensor_rank_bytes(layer, tp, s.shardings)  # on one tensor rank
+            moe = _ExpertShare(layer, s.ep, mbs, s.capacity_factor, s.expert_counts,
+                               profile.router_skew if s.router_skew is None else s.router_skew,
+                               s.expert_ranks, profile.expert_loads)
+            own -= moe.saved_param_bytes(own)
+            mode = s.remat if index < self.last_remat else "none"
+            save = layer.saves.get(mode)  # a remat keeping some values: what it keeps
+            # time: the named terms
+            t, roof, layer_cast_s = self.compute(layer, moe)
+            self.tensor_collectives(layer, t, roof, mode)
+            self.context_ring(layer, t, roof)
+            if moe.active and s.ep_topo is not None:
+                brought_s += self.expert_exchange(t, moe)
+                working = max(working, moe.buffer_bytes + moe.placed_working_bytes())
+                static_copy += moe.brought_bytes()
+            timed = self.measured.layer(index, self.gpu.name, tp, mbs) \
+                if self.measured and cp == 1 else None
+            if timed is None:
+                cast_s += layer_cast_s
+                updates.append(None)
+            else:
+                # The layer as measured on this GPU and tensor degree (its tensor
+                # collectives included); ZB-H1's W keeps the roofline's share.
+                roof_b = t.b
+                t.f, t.b, update = timed
+                t.weight = t.weight * t.b / max(roof_b, 1e-30)
+                updates.append(update)
+            self.fsdp_gather(own, t)
+            self.recompute(layer, t, roof, mode, save, timed is not None)
+            fwd += t.f
+            bwd += t.b
+            recompute += t.recompute
+            weight += t.weight
+            if timed is None:  # (a measured layer keeps its attention share unknown)
+                att_f += t.att_f
+                att_b += t.att_b
+            f_model = layer.flops(mbs)
+            model_flops += f_model
+            hw_flops += f_model + (layer.fwd_total_flops(mbs) if mode == "full" else 0.0)
+            m = self.memory(index, layer, t, mode, save, own, moe)
+            act += m.kept
+            working = max(working, m.working)
+            att_mem += m.attention
+            host_act += m.host
+            fwd += m.host_fwd_s
+            bwd += m.host_bwd_s
+            fused_saving += m.fused_saving
+            fusable += m.fusable
+            carry += m.carry
+            static_copy += m.weight_copy
+            param_bytes += own
+            largest_param = max(largest_param, own)
+            layer_params.append(own)
+            if save is not None:
+                hw_flops += float(layer.fwd_flops[1][save.recomputed].sum()) * mbs
+            if mode != "full" and fused:
+                hw_flops += float(layer.fwd_flops[1][layer.fwd_attention].sum()) * mbs
+        # W also reads the cotangent the next stage sent back (a full activation per tp
+        # rank; the last layer's is the loss's seed).
+        cotangent = (profile.layers[end - 1].boundary_bytes_per_sample * mbs / cp
+                     if end < profile.num_layers else 0.0)
+        state = self.state(param_bytes, read_copies, layer_params, largest_param, updates)
+        static = state.static + static_copy / s.gathered
+        working = max(working + state.fsdp_working, state.offload_working)
+        # Without remat a layer keeps what XLA writes when the forward and backward are
+        # one program (a single-stage step), the elementwise values between recomputed by
+        # the backward's kernels (``OpGraph.residuals(fused=True)``); a pipeline stage's
+        # forward checkpoints each such layer to keep the same
+        # (``hetshard.rewrite.pipeline.Remat``).
+        act -= min(max(fused_saving, 0.0), fusable)
+        return StageCost(fwd_s=fwd, bwd_s=bwd + recompute, grad_sync_bytes=param_bytes,
+                         optimizer_s=state.optimizer_s, model_flops=model_flops,
+                         hardware_flops=hw_flops, memory_static_bytes=static,
+                         memory_per_microbatch_bytes=act, memory_working_bytes=working,
+                         bwd_weight_s=weight, memory_carry_bytes=carry,
+                         memory_cotangent_bytes=cotangent,
+                         read_copies=tuple(sorted(read_copies.values())),
+                         cast_s=cast_s + brought_s, brought_s=brought_s,
+                         attention_fwd_s=att_f, attention_bwd_s=att_b,
+                         attention_memory_bytes=att_mem,
+                         host_static_bytes=state.host_static,
+                         host_per_microbatch_bytes=host_act,
+                         host_stream_s=state.host_stream_s,
+                         memory_state_bytes=state.held + state.opt_state - state.host_static)
+
+    def state(self, param_bytes: float, read_copies: dict, layer_params: list[float],
+              largest_param: float, updates: list) -> _StageState:
+        """The stage's parameters, gradients and optimizer state per device, the
+        update's time, and what FSDP's gathers and a host-kept optimizer state hold
+        while they run."""
+        s, profile, bw, host_bw = self.s, self.profile, self.bw, self.host_bw
+        gathered = s.gathered
+        # The distributed optimizer shards the optimizer state over data x context (the
+        # context ranks hold the same parameters: Megatron-LM's distributed optimizer
+        # does the same; ``hetshard.layout.leaf_spec``).
+        opt_dp = s.optimizer_ways or max(gathered, s.dp * s.cp if s.shard_optimizer else 1)
+        opt_state = param_bytes * profile.opt_bytes_per_param_byte / opt_dp
+        held = (param_bytes + sum(b for _, b in read_copies.values())) / gathered
+        fsdp_working = 0.0
+        if gathered > 1:
+            # FSDP: a layer's gathered weights are read again by its backward, which
+            # gathers them again (every layer is checkpointed, remat none's included:
+            # ``hetshard.rewrite.spmd``, ``rewrite.pipeline.Remat``), one layer at a time
+            # behind the next (two at once). Its gradients are whole until their
+            # reduce-scatter, which runs in XLA's combined buckets
+            # (``hetshard.cost.comm.buckets``): the largest bucket whole.
+            kept = 2 * max(layer_params, default=0.0)
+            bucket = max((b for _, b in buckets(layer_params[::-1])), default=0.0)
+            fsdp_working = (kept + bucket) * (1 - 1 / gathered)
+        static = held * 2.0 + opt_state  # (the gradients: held)
+        optimizer_s = param_bytes / opt_dp * profile.opt_update_bytes_per_param_byte / bw
+        if updates and all(u is not None for u in updates):
+            optimizer_s = sum(updates) / opt_dp  # measured per layer (its tensor degree)
+        host_static = host_stream_s = offload_working = 0.0
+        if "optimizer" in self.offload:
+            # The state lives on the host; the update streams it in and back out, both
+            # ways at once, the GPU holding two layers' worth (one arriving, one leaving)
+            # while it runs. The update waits for the first layer's copy, then runs at
+            # the pace of the slower of its compute and the link.
+            host_static = opt_state
+            static -= opt_state
+            layer_state = largest_param * profile.opt_bytes_per_param_byte / opt_dp
+            offload_working = 2 * layer_state
+            host_stream_s = max(0.0, opt_state / host_bw - optimizer_s)
+            optimizer_s = max(optimizer_s, opt_state / host_bw) + layer_state / host_bw
+        return _StageState(held, opt_state, static, optimizer_s, fsdp_working,
+                           offload_working, host_static, host_stream_s)
+
+
+class _StageState(NamedTuple):
+    """A stage's state per device (``_StagePricer.state``): parameters and read copies
+    (``held``), the optimizer state, the static bytes they make (gradients included,
+    weight copies not), the update's time, the working bytes of FSDP's gathers and of a
+    host-kept optimizer state's stream, the host-kept state and its stream's extra
+    time."""
+
+    held: float
+    opt_state: float
+    static: float
+    optimizer_s: float
+    fsdp_working: float
+    offload_working: float
+    host_static: float
+    host_stream_s: float
