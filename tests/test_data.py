@@ -685,7 +685,7 @@ def test_a_per_batch_plan_runs_as_one_step_equal_to_one_device():
 
     step, (model, opt) = _run_equals_one_device(cluster, groups, batches)
     shapes = {s for _, p in batches for s in p.shapes}
-    assert len(step._captures) == len(shapes) <= 4
+    assert len(step.micro_steps._captures) == len(shapes) <= 4
     # The state stays sharded over a group's devices (FSDP, as group_costs prices it),
     # the optimizer's moments too: no device holds a whole weight.
     from flax import nnx

@@ -677,7 +677,7 @@ def test_a_pipeline_per_batch_plan_runs_as_one_walk_equal_to_one_device():
     assert ring.mesh_shape == (("data", 1), ("context", 2))
     passes = {(s.bucket, sum(1 for t in p.groups[0].steps if t.bucket == s.bucket))
               for _, p in batches for s in p.groups[0].steps}
-    assert len(step._passes) == len(passes)
+    assert len(step.micro_steps._passes) == len(passes)
 
 
 @pytest.mark.slow

@@ -517,7 +517,7 @@ def test_argument_signatures_are_remembered_for_the_same_objects_and_follow_thei
     micro-step's Python time); it is the signature that walk gives, and it changes when
     a leaf's shape or dtype does, or for objects that are not pytrees."""
     import importlib
-    hjit = importlib.import_module("hetshard._jit")  # the module; hetshard.jit is the function
+    hjit = importlib.import_module("hetshard._jit")
 
     model = models.build("llama-tiny", rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -560,7 +560,7 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
     from hetshard.data.runner import micro_step_plan
     from models.losses import packed_text_loss
     from models.steps import train_step
-    hjit = importlib.import_module("hetshard._jit")
+    hjit = importlib.import_module("hetshard.runtime.micro_steps")
 
     cluster = Cluster.from_dict({"name": "one", "groups": [
         {"name": "g", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 2}]})
@@ -632,7 +632,7 @@ def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
     assert over.context.shard_state and over.pipelines[0].stages[0].mesh_shape == (
         ("fsdp", 1), ("context", 4))
     # the layout the state is placed in: a quarter of every large leaf on each device
-    hjit = importlib.import_module("hetshard._jit")  # (the name is shadowed by the function)
+    hjit = importlib.import_module("hetshard.runtime.executable")
     program = step.micro_steps.program_for(model, opt, ring)
     tree = hjit.step_state(program, (model, opt))
     mesh = mesh_of(over.pipelines[0].stages[0], step.cluster.bind().devices)
