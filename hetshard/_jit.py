@@ -54,23 +54,13 @@ from hetshard.ir.program import (
 )
 from hetshard.ir.trees import batch_of
 from hetshard.meshes import no_ambient_mesh
-from hetshard.runtime.executable import (  # noqa: F401 (the errors: re-exported)
+from hetshard.runtime.executable import (
     Executable,
     PlanNotExecutableError,
-    capturing,
     compile_plan,
-    providing,
-    rewriting,
-    settled,
-    step_state,
-    update_objects,
 )
-from hetshard.runtime.guard import (  # noqa: F401 (re-exported)
-    NAN_POLICIES,
-    Carry,
+from hetshard.runtime.guard import (
     Guard,
-    NonFiniteLossError,
-    branches,
     find_loss,
 )
 from hetshard.runtime.micro_steps import MicroSteps, split_args, with_untyped

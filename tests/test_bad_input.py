@@ -18,11 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hetshard
-from hetshard._jit import StepTraceError
 from hetshard._plan import Plan
 from hetshard.cli import main
 from hetshard.cluster import Cluster
-from hetshard.errors import HetshardError, SpecError
+from hetshard.errors import HetshardError, SpecError, StepTraceError
 
 SIM = ["simulate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8"]
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb-x8", "--time-limit", "5"]

@@ -23,7 +23,8 @@ from hetshard.data import (
     planner,
 )
 from hetshard.data.packing import Packing
-from hetshard.data.planner import _compose, _group_plan, _lp_bound, _Pricer, _two_group_bound
+from hetshard.data.planner import _compose, _group_plan, _Pricer, _two_group_bound
+from hetshard.data.search import fractional_bound
 from hetshard.errors import SpecError
 from hetshard.kernels.flash_attention import _block_active, flash_attention_positions
 from hetshard.kernels.reference import attention_reference
@@ -282,8 +283,9 @@ def test_lower_bound_is_below_every_method():
 
 
 def test_two_group_bound_is_the_linear_programs_optimum():
-    """The sorted-ratio bound equals GLOP's optimum of the same LP, with fixed step
-    times (a group's update outlasting its share) and samples only one group holds."""
+    """The sorted-ratio bound equals GLOP's optimum of the same LP (the shared
+    ``fractional_bound``, each group one resource of itself), with fixed step times (a
+    group's update outlasting its share) and samples only one group holds."""
     rng = np.random.default_rng(5)
     base = _groups()
     for trial in range(60):
@@ -296,7 +298,8 @@ def test_two_group_bound_is_the_linear_programs_optimum():
             only = rng.random(costs.shape) < 0.25
             only[1] &= ~only[0]
             costs[only] = np.inf
-        want = _lp_bound(costs, groups)
+        want = fractional_bound(costs, [0, 1], [g.n for g in groups],
+                                [g.step_s for g in groups])
         got = _two_group_bound(costs, groups)
         assert got == pytest.approx(want, rel=1e-9, abs=1e-12), trial
     # nothing fits one sample: no bound

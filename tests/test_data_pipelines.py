@@ -867,3 +867,18 @@ def test_a_vision_stage_of_its_own_runs_equal_to_one_device():
     _pipeline_plans_train_as_one_device(cluster, [pc], batches,
                                         [(0, "A100-80GB", "H100-80GB")], "llava-tiny",
                                         cut=5)
+
+
+def test_the_shared_bound_prices_a_pipeline_by_its_busiest_stage():
+    """``fractional_bound`` with resources owned in groups (a pipeline's stages): one
+    owner is its busiest resource's total plus its step time; two identical owners
+    split the work evenly; a sample no owner can take leaves no bound."""
+    from hetshard.data.search import fractional_bound
+    costs = np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]])  # one pipeline, two stages
+    assert fractional_bound(costs, [0, 0], [1, 1], [0.5, 0.5]) == pytest.approx(6.5)
+    two = np.vstack([costs, costs])  # two identical pipelines
+    assert fractional_bound(two, [0, 0, 1, 1], [1] * 4, [0.5] * 4) == pytest.approx(3.5)
+    # a group of 4 devices is one resource scaled by 4
+    assert fractional_bound(np.array([[4.0, 4.0]]), [0], [4], [1.0]) == pytest.approx(3.0)
+    assert np.isnan(fractional_bound(np.array([[np.inf], [np.inf]]), [0, 1], [1, 1],
+                                     [0.0, 0.0]))

@@ -1,7 +1,6 @@
 """A step with a non-finite loss or gradient is caught whatever it returns (issue 23, 1):
 ``nan_policy`` skips, applies or raises on every plan kind, NNX and pytree steps alike."""
 
-import sys
 import warnings
 
 import jax
@@ -13,10 +12,10 @@ import user_models
 from flax import nnx
 
 import hetshard
-from hetshard._jit import NonFiniteLossError, find_loss
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
-from hetshard.errors import SpecError
+from hetshard.errors import NonFiniteLossError, SpecError
+from hetshard.runtime.guard import find_loss
 
 CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
 
@@ -74,10 +73,10 @@ def guard_path(request, monkeypatch):
     picks one by the devices): the update in a ``lax.cond``'s true branch, or a select
     per state leaf; each test taking this fixture runs under both."""
     import hetshard.runtime.executable as hexe
+    import hetshard.runtime.micro_steps as hmicro
     import hetshard.runtime.pipeline as hpipe
-    hjit = sys.modules["hetshard._jit"]  # (the module: ``hetshard.jit`` is the function)
     branch = request.param == "branch"
-    for module in (hexe, hpipe, hjit):
+    for module in (hexe, hpipe, hmicro):
         monkeypatch.setattr(module, "branches", lambda devices: branch)
     return request.param
 

@@ -11,13 +11,12 @@ import pytest
 from flax import nnx
 
 import hetshard
-from hetshard._jit import NonFiniteLossError, PlanNotExecutableError
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.cluster.catalog import PrecisionWarning, gpu_dtypes
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
-from hetshard.errors import SpecError
+from hetshard.errors import NonFiniteLossError, PlanNotExecutableError, SpecError
 from hetshard.runtime.precision import DynamicLossScale
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan

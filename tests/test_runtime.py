@@ -590,7 +590,7 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
     walks.clear()
     after = step.micro_steps.grads_under(plan, model, opt, batch)
     assert walks  # new arrays: placed again
-    step._placed.clear()
+    step.micro_steps._placed.clear()
     fresh = step.micro_steps.grads_under(plan, model, opt, batch)
     assert float(after[0]) < float(first[0])  # the update is what the step reads
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(fresh), strict=True):

@@ -20,9 +20,9 @@ import user_models
 from flax import nnx
 
 import hetshard
-from hetshard._jit import NonFiniteLossError
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
+from hetshard.errors import NonFiniteLossError
 
 CLUSTER = "h100-a100-v100-x8"  # 2 H100, 2 A100, 4 V100
 H, V = "H100-80GB", "V100-32GB"

@@ -565,3 +565,77 @@ def _image_layout(samples: Sequence, which: Sequence[int]):
             raise SpecError(f"samples[{i}].images", f"image shape {imgs.shape[1:]}",
                             f"the other samples' {shape}")
     return tuple(shape), (dtype if np.issubdtype(dtype, np.floating) else np.float32)
+
+
+def fill_steps(g, p: Packing, buckets: Sequence[int],
+               images: np.ndarray | None = None) -> Packing:
+    """Rows re-bucketed for ``g`` (a ``GroupCost``, or a pipeline's stand-in: its ``n``,
+    ``degree``, ``slots``, ``longest`` and ``images_of``) so that at most the largest
+    bucket ends in a part-empty micro-step: from the smallest bucket up, the rows a
+    bucket's last micro-step would hold short of full are merged, ``next / bucket`` at a
+    time, into rows of the next bucket (the same device slots, one context degree up),
+    as packing them there would have. Not into a bucket whose rows hold more slots per
+    device (rows over every device under the long remat): there the merged row costs
+    more than the idle devices it would fill; nor where a merged row would take more
+    images than a row of the next bucket holds."""
+    used = p.used()
+    img = None
+    if images is not None:
+        img = np.zeros(p.counts.size, np.int64)
+        filled = p.counts > 0
+        img[filled] = np.add.reduceat(images[p.samples], p.starts[filled])
+    out_bucket, out_parts, out_src = [], [], []
+    # Rows merged up from the bucket below, after the bucket's own rows: tokens used,
+    # images, how many of the packing's rows each holds, and those rows in order.
+    none = np.zeros(0, np.int64)
+    carry_fill, carry_img, carry_size, carry_members = none, none, none, none
+    for i, b in enumerate(buckets):
+        own = np.flatnonzero(p.bucket == b)
+        size = np.concatenate([np.ones(own.size, np.int64), carry_size])
+        members = np.concatenate([own, carry_members])
+        fill = np.concatenate([used[own], carry_fill])
+        pics = None if img is None else np.concatenate([img[own], carry_img])
+        start = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
+        nxt = buckets[i + 1] if i + 1 < len(buckets) else None
+        extra = fill.size % max(1, g.n // g.degree(b))
+        carry_fill, carry_img, carry_size, carry_members = none, none, none, none
+        order = np.arange(fill.size)
+        if not (nxt is None or not extra or nxt > g.longest or g.slots(nxt) > g.slots(b)):
+            # the least-filled rows move up, next / bucket of them per new row
+            by_fill = np.argsort(-fill, kind="stable")
+            moving = by_fill[fill.size - extra:]
+            first = np.arange(0, moving.size, nxt // b)
+            if pics is None or np.add.reduceat(pics[moving], first).max() <= g.images_of(nxt):
+                order = by_fill[:fill.size - extra]
+                carry_fill = np.add.reduceat(fill[moving], first)
+                carry_img = none if pics is None else np.add.reduceat(pics[moving], first)
+                carry_size = np.add.reduceat(size[moving], first)
+                carry_members = members[ranges(start[moving], size[moving])]
+        out_bucket.append(np.full(order.size, b, np.int64))
+        out_parts.append(size[order])
+        out_src.append(members[ranges(start[order], size[order])])
+    return p.regroup(np.concatenate(out_bucket), np.concatenate(out_parts),
+                     np.concatenate(out_src))
+
+
+def image_slots(buckets: tuple[int, ...], image_tokens: int,
+                 images_per_row: Mapping[int, int] | None) -> tuple[int, ...]:
+    """Checked ``images_per_row`` as counts per bucket (empty: the default)."""
+    if images_per_row is None:
+        return ()
+    if not image_tokens:
+        raise SpecError("images_per_row", dict(images_per_row),
+                        "None without a vision encoder (group_costs(vision=, image_tokens=))")
+    if not isinstance(images_per_row, Mapping) or set(images_per_row) - set(buckets):
+        raise SpecError("images_per_row", images_per_row,
+                        f"a mapping from the buckets {list(buckets)} to image counts")
+    out = []
+    for b in buckets:
+        c = images_per_row.get(b, b // image_tokens)
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or \
+                not 0 <= c <= b // image_tokens:
+            raise SpecError(f"images_per_row[{b}]", c,
+                            f"0 to {b // image_tokens} (the images of {image_tokens} tokens "
+                            f"a {b}-token row holds)")
+        out.append(int(c))
+    return tuple(out)

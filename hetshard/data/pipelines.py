@@ -73,7 +73,9 @@ from hetshard.data.packing import (
     check_fits,
     check_images,
     check_lengths,
+    fill_steps,
     geometric_buckets,
+    image_slots,
     sequential,
 )
 from hetshard.data.planner import (
@@ -82,11 +84,9 @@ from hetshard.data.planner import (
     GroupCost,
     GroupPlan,
     MicroStep,
-    _fill_steps,
-    _image_slots,
-    _lpt,
     check_groups,
 )
+from hetshard.data.search import fractional_bound, lpt_placement
 from hetshard.errors import SpecError
 from hetshard.sim.schedule import time_varied
 from hetshard.sim.simulator import layers_cost, priced_dtype, sync_time
@@ -259,7 +259,7 @@ def pipeline_costs(profile: ModelProfile, cluster: Cluster, plan: Plan, *, max_c
     if not isinstance(encoder_slots, bool) or (encoder_slots and vision_devices is None):
         raise SpecError("encoder_slots", encoder_slots,
                         "true or false; true only with a vision stage (vision_devices=)")
-    slots = _image_slots(tuple(buckets), int(image_tokens), images_per_row)
+    slots = image_slots(tuple(buckets), int(image_tokens), images_per_row)
     encoders = _vision_devices(vision_devices, plan, cluster)
     for p in plan.pipelines:  # a micro-batch's rows split over the ways, or rows over them
         for j, st in enumerate(p.stages):
@@ -714,7 +714,7 @@ class _Draft:
 
 def _proxy(pc: PipelineCost) -> GroupCost:
     """A group whose micro-steps hold the pipeline's micro-batches' rows (``tokens //
-    bucket`` a bucket): what ``_fill_steps`` merges part-empty micro-batches by."""
+    bucket`` a bucket): what ``fill_steps`` merges part-empty micro-batches by."""
     chunk = pc.buckets[0]
     return GroupCost(name=pc.name, gpu="", devices=tuple(range(pc.tokens // chunk)),
                      chunk=chunk, token_s=0.0, attention_s=0.0, attention_fwd_share=0.5,
@@ -766,7 +766,7 @@ def _draft(stages: _Stages, samples: np.ndarray, lengths: np.ndarray,
         packed = best_fit_images(lengths[samples], img[samples], pc.buckets,
                                  _caps(pc), samples)
     best = _compose(stages, packed, img=img, swaps=swaps)
-    merged = _fill_steps(_proxy(pc), packed, pc.buckets, img)
+    merged = fill_steps(_proxy(pc), packed, pc.buckets, img)
     if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
         other = _compose(stages, merged, img=img, swaps=swaps)
         if other.time_s < best.time_s:
@@ -888,7 +888,7 @@ def _place(stages: list[_Stages], costs: np.ndarray, lengths: np.ndarray,
                                           swaps=False))]
     scale, best = one.copy(), None
     for _ in range(max(1, rounds)):
-        where = _lpt(est, one, scale)
+        where = lpt_placement(est, one, scale)
         drafts = []
         for k, s in enumerate(stages):
             drafts.append(_draft(s, np.flatnonzero(where == k), lengths, img, swaps=False))
@@ -1089,35 +1089,15 @@ def pipeline_bound(lengths, pipes: Sequence[PipelineCost], images=None) -> float
 
 
 def _bound(costs: np.ndarray, pipes: Sequence[PipelineCost]) -> float:
-    samples = costs.shape[2]
+    """``pipeline_bound`` on ``costs[pipeline, stage, sample]``: exact for one pipeline,
+    else the shared linear program (``bounds.fractional_bound``: each stage a resource
+    of its pipeline)."""
     if len(pipes) == 1:
         return float(costs[0].sum(axis=1).max() + pipes[0].step_s)
-    from ortools.linear_solver import pywraplp
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    inf = solver.infinity()
-    t = solver.NumVar(0.0, inf, "T")
-    loads = []
-    for k, p in enumerate(pipes):
-        for j in range(len(p.stages)):
-            c = solver.Constraint(-inf, -p.step_s)  # sum_i cost * x - T <= -step
-            c.SetCoefficient(t, -1.0)
-            loads.append((k, j, c))
-    xs = []
-    for _ in range(samples):
-        one = solver.Constraint(1.0, 1.0)
-        row = []
-        for _p in pipes:
-            x = solver.NumVar(0.0, 1.0, "")
-            one.SetCoefficient(x, 1.0)
-            row.append(x)
-        xs.append(row)
-    for k, j, c in loads:
-        for i in range(samples):
-            c.SetCoefficient(xs[i][k], float(costs[k, j, i]))
-    solver.Minimize(t)
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        return float("nan")
-    return float(t.solution_value())
+    rows = [(k, j) for k, p in enumerate(pipes) for j in range(len(p.stages))]
+    return fractional_bound(np.stack([costs[k, j] for k, j in rows]),
+                            [k for k, _ in rows], [1.0] * len(rows),
+                            [pipes[k].step_s for k, _ in rows])
 
 
 __all__ = ["EXACT_ORDER", "PipelineCost", "StageRate", "encoder_batch", "identical_pipelines",

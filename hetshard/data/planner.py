@@ -60,11 +60,14 @@ from hetshard.data.packing import (
     check_fits,
     check_images,
     check_lengths,
+    fill_steps,
     geometric_buckets,
+    image_slots,
     ranges,
     sequential,
     whole,
 )
+from hetshard.data.search import fractional_bound, lpt_placement
 from hetshard.errors import SpecError
 from hetshard.sim.simulator import sync_time
 
@@ -350,7 +353,7 @@ def group_costs(profile: ModelProfile, cluster: Cluster, *, max_context: int,
             remat=mode, long_remat=long[0], long_chunk=long[1], long_token_s=long[2],
             image_s=image_s, image_tokens=image_tokens,
             step_s=one.optimizer_s + sync, buckets=rows, long_buckets=long_buckets,
-            image_slots=_image_slots(rows, image_tokens if vision is not None else 0,
+            image_slots=image_slots(rows, image_tokens if vision is not None else 0,
                                      images_per_row))
         out.extend([first] if k == 1 else [
             dataclasses.replace(first, name=f"{g.name}/{i}", devices=ids[i * size:(i + 1) * size])
@@ -455,29 +458,6 @@ def choose_groups(profile: ModelProfile, cluster: Cluster, batches: Sequence, *,
         if t < t_best:
             t_best, best = t, (t, cand, split, long)
     return best[1]
-
-
-def _image_slots(buckets: tuple[int, ...], image_tokens: int,
-                 images_per_row: Mapping[int, int] | None) -> tuple[int, ...]:
-    """Checked ``images_per_row`` as counts per bucket (empty: the default)."""
-    if images_per_row is None:
-        return ()
-    if not image_tokens:
-        raise SpecError("images_per_row", dict(images_per_row),
-                        "None without a vision encoder (group_costs(vision=, image_tokens=))")
-    if not isinstance(images_per_row, Mapping) or set(images_per_row) - set(buckets):
-        raise SpecError("images_per_row", images_per_row,
-                        f"a mapping from the buckets {list(buckets)} to image counts")
-    out = []
-    for b in buckets:
-        c = images_per_row.get(b, b // image_tokens)
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or \
-                not 0 <= c <= b // image_tokens:
-            raise SpecError(f"images_per_row[{b}]", c,
-                            f"0 to {b // image_tokens} (the images of {image_tokens} tokens "
-                            f"a {b}-token row holds)")
-        out.append(int(c))
-    return tuple(out)
 
 
 def _capped(groups: Sequence[GroupCost], batches: Sequence, images: Sequence,
@@ -630,55 +610,6 @@ def _micro_steps(rows: Sequence[Row], steps: Sequence[_Step]) -> tuple[MicroStep
                  for b, d, idx, t in steps)
 
 
-def _fill_steps(g: GroupCost, p: Packing, buckets: Sequence[int],
-               images: np.ndarray | None = None) -> Packing:
-    """Rows re-bucketed so that at most the largest bucket ends in a part-empty micro-step:
-    from the smallest bucket up, the rows a bucket's last micro-step would hold short of
-    full are merged, ``next / bucket`` at a time, into rows of the next bucket (the same
-    device slots, one context degree up), as packing them there would have. Not into a
-    bucket whose rows hold more slots per device (rows over every device under the long
-    remat): there the merged row costs more than the idle devices it would fill; nor
-    where a merged row would take more images than a row of the next bucket holds."""
-    used = p.used()
-    img = None
-    if images is not None:
-        img = np.zeros(p.counts.size, np.int64)
-        filled = p.counts > 0
-        img[filled] = np.add.reduceat(images[p.samples], p.starts[filled])
-    out_bucket, out_parts, out_src = [], [], []
-    # Rows merged up from the bucket below, after the bucket's own rows: tokens used,
-    # images, how many of the packing's rows each holds, and those rows in order.
-    none = np.zeros(0, np.int64)
-    carry_fill, carry_img, carry_size, carry_members = none, none, none, none
-    for i, b in enumerate(buckets):
-        own = np.flatnonzero(p.bucket == b)
-        size = np.concatenate([np.ones(own.size, np.int64), carry_size])
-        members = np.concatenate([own, carry_members])
-        fill = np.concatenate([used[own], carry_fill])
-        pics = None if img is None else np.concatenate([img[own], carry_img])
-        start = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
-        nxt = buckets[i + 1] if i + 1 < len(buckets) else None
-        extra = fill.size % max(1, g.n // g.degree(b))
-        carry_fill, carry_img, carry_size, carry_members = none, none, none, none
-        order = np.arange(fill.size)
-        if not (nxt is None or not extra or nxt > g.longest or g.slots(nxt) > g.slots(b)):
-            # the least-filled rows move up, next / bucket of them per new row
-            by_fill = np.argsort(-fill, kind="stable")
-            moving = by_fill[fill.size - extra:]
-            first = np.arange(0, moving.size, nxt // b)
-            if pics is None or np.add.reduceat(pics[moving], first).max() <= g.images_of(nxt):
-                order = by_fill[:fill.size - extra]
-                carry_fill = np.add.reduceat(fill[moving], first)
-                carry_img = none if pics is None else np.add.reduceat(pics[moving], first)
-                carry_size = np.add.reduceat(size[moving], first)
-                carry_members = members[ranges(start[moving], size[moving])]
-        out_bucket.append(np.full(order.size, b, np.int64))
-        out_parts.append(size[order])
-        out_src.append(members[ranges(start[order], size[order])])
-    return p.regroup(np.concatenate(out_bucket), np.concatenate(out_parts),
-                     np.concatenate(out_src))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Draft:
     """A group's plan while placements are compared (rows as arrays)."""
@@ -710,7 +641,7 @@ def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
     else:
         packed = best_fit_images(lengths[samples], images[samples], buckets,
                                  g.image_caps(buckets), samples)
-    merged = _fill_steps(g, packed, buckets, images)
+    merged = fill_steps(g, packed, buckets, images)
     p, steps = merged, _compose(pricer, merged, sort)
     if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
         # Merging a part-empty micro-step's rows up saves that micro-step, but where
@@ -754,39 +685,6 @@ def _holds(g: GroupCost, lengths: np.ndarray, images: np.ndarray) -> np.ndarray:
     most = np.maximum.accumulate(np.asarray(g.image_caps())[::-1])[::-1]
     at = np.searchsorted(buckets, lengths)
     return (at < buckets.size) & (images <= most[np.minimum(at, buckets.size - 1)])
-
-
-def _lpt(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Group of each sample: longest first, to the group where it ends earliest."""
-    per = costs * (scale / n)[:, None]
-    order = np.argsort(-np.min(per, axis=0), kind="stable")
-    if len(n) == 2:  # the common case, without the inner loop
-        where = np.zeros(costs.shape[1], np.int64)
-        second = []
-        l0 = l1 = 0.0
-        for i, a, b in zip(order.tolist(), per[0, order].tolist(), per[1, order].tolist(),
-                           strict=True):
-            e0, e1 = l0 + a, l1 + b
-            if e1 < e0:
-                second.append(i)
-                l1 = e1
-            else:
-                l0 = e0
-        where[second] = 1
-        return where
-    cols = per[:, order].T.tolist()
-    load = [0.0] * len(n)
-    rest = range(1, len(n))
-    where = [0] * costs.shape[1]
-    for i, c in zip(order.tolist(), cols, strict=True):
-        k, end = 0, load[0] + c[0]
-        for j in rest:
-            e = load[j] + c[j]
-            if e < end:
-                k, end = j, e
-        where[i] = k
-        load[k] = end
-    return np.asarray(where, np.int64)
 
 
 def check_groups(groups, kind: type = GroupCost, field: str = "groups",
@@ -915,7 +813,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
         scale = np.ones(len(groups))
         best = None
         for _ in range(rounds):
-            where = _lpt(costs, n, scale)
+            where = lpt_placement(costs, n, scale)
             parts = [np.flatnonzero(where == k) for k in range(len(groups))]
             # The planner prices its choice with the costs it believes in ...
             seen = []
@@ -1078,7 +976,8 @@ def lower_bound(lengths, groups: Sequence[GroupCost], images=None) -> float:
         return float(total / g.n + g.step_s) if np.isfinite(total) else float("nan")
     if len(groups) == 2:
         return _two_group_bound(costs, groups)
-    return _lp_bound(costs, groups)
+    return fractional_bound(costs, range(len(groups)), [g.n for g in groups],
+                            [g.step_s for g in groups])
 
 
 def _two_group_bound(costs: np.ndarray, groups: Sequence[GroupCost]) -> float:
@@ -1115,26 +1014,3 @@ def _two_group_bound(costs: np.ndarray, groups: Sequence[GroupCost]) -> float:
     return float(max(t1[j] + f * d1, t2[j] - f * d2))
 
 
-def _lp_bound(costs: np.ndarray, groups: Sequence[GroupCost]) -> float:
-    from ortools.linear_solver import pywraplp
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    inf = solver.infinity()
-    t = solver.NumVar(0.0, inf, "T")
-    # Built coefficient by coefficient (the expression API is slower to build than GLOP
-    # is to solve on batches of thousands of samples).
-    loads = []
-    for g in groups:
-        c = solver.Constraint(-inf, -g.n * g.step_s)  # sum_i cost * x - n * T <= -n * step
-        c.SetCoefficient(t, -float(g.n))
-        loads.append(c)
-    finite = np.isfinite(costs)
-    for i in range(costs.shape[1]):
-        one = solver.Constraint(1.0, 1.0)
-        for k in np.flatnonzero(finite[:, i]).tolist():
-            x = solver.NumVar(0.0, 1.0, "")
-            one.SetCoefficient(x, 1.0)
-            loads[k].SetCoefficient(x, float(costs[k, i]))
-    solver.Minimize(t)
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        return float("nan")
-    return float(t.solution_value())
