@@ -95,12 +95,7 @@ class LossSamples:
         mean: plans that cut the batch add its pieces (and, for the loss, their
         gradients) instead of averaging them (``hetshard.ir.samples.summed_outputs``:
         read off the loss traced at 2 and 4 samples)."""
-        if self.loss_jaxpr is None:
-            return []
-        closed, _ = self.loss_jaxpr(2)
-        twin, _ = self.loss_jaxpr(4)
-        ns = self.n_state
-        return summed_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+        return self._twins(summed_outputs) if self.loss_jaxpr is not None else []
 
     @functools.cached_property
     def normalized_outputs(self) -> list[tuple | None]:
@@ -109,12 +104,14 @@ class LossSamples:
         mask.sum()``), the path of that count in the loss's jaxpr, else None: plans
         that cut the batch weight its pieces by their shares of the count
         (``piece_weights``; ``hetshard.ir.samples.normalized_outputs``)."""
-        if self.loss_jaxpr is None:
-            return []
+        return self._twins(normalized_outputs) if self.loss_jaxpr is not None else []
+
+    def _twins(self, analysis):
+        """``analysis(loss at 2 samples, loss at 4, 2.0, the batch's inputs)``: what the
+        loss traced at two batch sizes tells (``hetshard.ir.samples``)."""
         closed, _ = self.loss_jaxpr(2)
         twin, _ = self.loss_jaxpr(4)
-        ns = self.n_state
-        return normalized_outputs(closed, twin, 2.0, range(ns, len(closed.jaxpr.invars)))
+        return analysis(closed, twin, 2.0, range(self.n_state, len(closed.jaxpr.invars)))
 
     def piece_weights(self, batch_leaves, pieces) -> np.ndarray:
         """Weights ``[piece, output]`` of the loss outputs' pieces when the global batch
