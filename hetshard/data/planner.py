@@ -43,6 +43,7 @@ import gc
 import itertools
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -575,8 +576,23 @@ class _Pricer:
         return np.where(d > 1, t + 3 * g.layers * np.maximum(0.0, exposed), t)
 
 
-# A micro-step while planning: (bucket, degree, its rows' indices in the packing, seconds)
-_Step = tuple[int, int, np.ndarray, float]
+class _Step(NamedTuple):
+    """A micro-step while planning: its bucket, context degree, its rows' indices in
+    the packing, and seconds."""
+
+    bucket: int
+    degree: int
+    rows: np.ndarray
+    time_s: float
+
+
+class _Placement(NamedTuple):
+    """A batch's placement while the search compares them: the step time it prices,
+    each group's samples, and each group's draft."""
+
+    time_s: float
+    parts: list
+    drafts: tuple
 
 
 def _compose(pricer: _Pricer, p: Packing, sort: bool) -> list[_Step]:
@@ -601,7 +617,7 @@ def _compose(pricer: _Pricer, p: Packing, sort: bool) -> list[_Step]:
         if mine.size % per:  # a part-empty last micro-step lasts at least an empty row
             slowest[-1] = max(slowest[-1], pricer.empty(bucket))
         for k, at in enumerate(starts.tolist()):
-            steps.append((bucket, d, mine[at:at + per], slowest[k]))
+            steps.append(_Step(bucket, d, mine[at:at + per], slowest[k]))
     return steps
 
 
@@ -648,10 +664,10 @@ def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
         # the bucket above had no micro-step of its own with room, it opens one, on a
         # longer ring: kept only where it prices faster.
         plain = _compose(pricer, packed, sort)
-        if sum(st[3] for st in plain) < sum(st[3] for st in steps):
+        if sum(st.time_s for st in plain) < sum(st.time_s for st in steps):
             p, steps = packed, plain
     n_img = int(images[samples].sum()) if images is not None else 0
-    return _Draft(g.name, samples, p, steps, sum(s[3] for s in steps) + g.step_s, n_img)
+    return _Draft(g.name, samples, p, steps, sum(s.time_s for s in steps) + g.step_s, n_img)
 
 
 def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
@@ -819,12 +835,12 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             seen = []
             for k, p in enumerate(believed_pricers):
                 seen.append(_draft(p, parts[k], lengths, img, True))
-                if best is not None and seen[-1].time_s >= best[0]:
+                if best is not None and seen[-1].time_s >= best.time_s:
                     break  # no better than the last placement, whatever the rest price
             worst = max(s.time_s for s in seen)
-            if best is not None and worst >= best[0]:
+            if best is not None and worst >= best.time_s:
                 break
-            best = (worst, parts, tuple(seen))
+            best = _Placement(worst, parts, tuple(seen))
             est = np.array([costs[k, parts[k]].sum() / n[k] * scale[k] if parts[k].size
                             else 0.0 for k in range(len(groups))])
             ratio = np.array([s.time_s - groups[k].step_s for k, s in enumerate(seen)])
@@ -834,17 +850,17 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             scale = new_scale
         best = _rebalance(best, believed_pricers, costs, n, lengths, img, moves)
         # ... and runs it on the real GPUs.
-        plan = tuple(d.plan() for d in best[2]) if believed is groups else tuple(
-            _group_plan(p, best[1][k], lengths, img) for k, p in enumerate(pricers))
+        plan = tuple(d.plan() for d in best.drafts) if believed is groups else tuple(
+            _group_plan(p, best.parts[k], lengths, img) for k, p in enumerate(pricers))
     planning = time.perf_counter() - t0
     step = max(g.time_s for g in plan)
     lb = lower_bound(lengths, groups, img) if bound else None
     return BatchPlan(method, plan, step, int(lengths.sum()), lb, planning)
 
 
-def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndarray,
-               img: np.ndarray | None, moves: int):
-    """Local search on a placement ``best`` = (step, parts, drafts): the slowest group
+def _rebalance(best: _Placement, pricers, costs: np.ndarray, n: np.ndarray,
+               lengths: np.ndarray, img: np.ndarray | None, moves: int) -> _Placement:
+    """Local search on a placement ``best``: the slowest group
     hands its sparsest part-empty micro-step whole to a group with room for its rows
     (``_sparsest_step``), or the group that finishes first its shortest samples, worth
     a half or a quarter of the difference between them (priced on the receiver, no
@@ -892,7 +908,7 @@ def _rebalance(best, pricers, costs: np.ndarray, n: np.ndarray, lengths: np.ndar
                 break
         else:
             break  # no move helps
-    return worst, parts, tuple(seen)
+    return _Placement(worst, parts, tuple(seen))
 
 
 def _sparsest_step(draft: _Draft, devices: int):
