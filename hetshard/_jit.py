@@ -42,9 +42,7 @@ from hetshard.cluster.spec import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import profile_program
 from hetshard.distributed import agree, from_first
-from hetshard.errors import (
-    SpecError,
-)
+from hetshard.errors import SpecError
 from hetshard.ir.program import (
     BATCH_REDUCTIONS,
     Program,
@@ -54,15 +52,8 @@ from hetshard.ir.program import (
 )
 from hetshard.ir.trees import batch_of
 from hetshard.meshes import no_ambient_mesh
-from hetshard.runtime.executable import (
-    Executable,
-    PlanNotExecutableError,
-    compile_plan,
-)
-from hetshard.runtime.guard import (
-    Guard,
-    find_loss,
-)
+from hetshard.runtime.executable import Executable, PlanNotExecutableError, compile_plan
+from hetshard.runtime.guard import Guard, find_loss
 from hetshard.runtime.micro_steps import MicroSteps, split_args, with_untyped
 from hetshard.runtime.ownership import pipeline_obstacle
 from hetshard.solver import PlannerOptions, make_plan

@@ -154,6 +154,20 @@ def test_python_api_refuses_bad_input_naming_the_field(valid_plan):
         step, model, opt, {"tokens": tokens, "targets": tokens},
         cluster="dgx-a100-80gb-x8", batch_argnum=2))
     assert "batch_argnums" in str(e) and "PlannerOptions" not in str(e)
+    # A traced Program plans as its step does, and holds its own arguments.
+    args = (model, opt, {"tokens": tokens, "targets": tokens})
+    program = hetshard.Program(step, args)
+    from_program = hetshard.plan(program, cluster="dgx-a100-80gb-x8", shardings=False,
+                                 max_stages=1, time_limit_s=10)
+    from_step = hetshard.plan(step, *args, cluster="dgx-a100-80gb-x8", shardings=False,
+                              max_stages=1, time_limit_s=10)
+    assert from_program.what_runs() == from_step.what_runs()
+    _raises(SpecError, "args", lambda: hetshard.plan(program, model,
+                                                       cluster="dgx-a100-80gb-x8"))
+    _raises(SpecError, "options", lambda: hetshard.plan(
+        program, cluster="dgx-a100-80gb-x8", options={"max_stages": 1}))
+    _raises(SpecError, "search.refine_tops", lambda: hetshard.plan(
+        program, cluster="dgx-a100-80gb-x8", search={"refine_tops": 1}))
     for how, field in (("device 12 of 8", "pipelines[0].stages[0].devices"),
                        ("repeated device", "pipelines[0].stages[0].devices"),
                        ("dtype int8", "dtype"),
