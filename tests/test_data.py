@@ -1024,3 +1024,18 @@ def test_group_costs_price_the_users_own_program():
     plan = plan_batch(lengths, (slow, fast), cluster=cluster)
     done = {g.group: int(lengths[list(g.samples)].sum()) for g in plan.groups}
     assert sum(len(g.samples) for g in plan.groups) == 40 and done["h100"] > done["v100"]
+
+
+def test_proportional_shares_split_by_speed_with_largest_remainders():
+    """The static baselines' split: every item placed once, each owner within one item
+    of its exact share, the remainders to the largest fractions."""
+    from hetshard.data.search import proportional_shares
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        speed = rng.exponential(1.0, int(rng.integers(1, 6)))
+        count = int(rng.integers(0, 40))
+        got = proportional_shares(count, speed)
+        ideal = count * speed / speed.sum()
+        assert got.sum() == count and np.all(np.abs(got - ideal) < 1.0)
+    assert proportional_shares(5, np.array([1.0, 1.0, 2.0])).tolist() == [1, 1, 3]
+    assert proportional_shares(3, np.array([0.6, 0.4])).tolist() == [2, 1]

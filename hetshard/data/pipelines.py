@@ -86,7 +86,7 @@ from hetshard.data.planner import (
     MicroStep,
     check_groups,
 )
-from hetshard.data.search import fractional_bound, lpt_placement
+from hetshard.data.search import fractional_bound, lpt_placement, proportional_shares
 from hetshard.errors import SpecError
 from hetshard.sim.schedule import time_varied
 from hetshard.sim.simulator import layers_cost, priced_dtype, sync_time
@@ -928,11 +928,7 @@ def _static(method: str, stages: list[_Stages], lengths: np.ndarray,
     # Rows shared out in proportion to each pipeline's speed on a full row (its
     # bottleneck stage), largest remainders.
     full = _costs([s.pc for s in stages], np.array([top])).max(axis=1)[:, 0]
-    speed = 1.0 / full
-    ideal = len(rows) * speed / speed.sum()
-    share = np.floor(ideal).astype(int)
-    for k in np.argsort(-(ideal - share))[:len(rows) - share.sum()]:
-        share[k] += 1
+    share = proportional_shares(len(rows), 1.0 / full)
     bounds = np.concatenate([[0], np.cumsum(share)])
     out = []
     for k, s in enumerate(stages):

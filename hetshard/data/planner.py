@@ -68,7 +68,7 @@ from hetshard.data.packing import (
     sequential,
     whole,
 )
-from hetshard.data.search import fractional_bound, lpt_placement
+from hetshard.data.search import fractional_bound, lpt_placement, proportional_shares
 from hetshard.errors import SpecError
 from hetshard.sim.simulator import sync_time
 
@@ -735,13 +735,8 @@ def check_groups(groups, kind: type = GroupCost, field: str = "groups",
 def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.ndarray:
     """How many of ``count`` equal items each group takes under a static plan: in
     proportion to its throughput at ``length`` tokens (largest remainders)."""
-    speed = np.array([g.n / (g.token_s * length + g.attention_s * length ** 2)
-                      for g in groups])
-    ideal = count * speed / speed.sum()
-    out = np.floor(ideal).astype(int)
-    for k in np.argsort(-(ideal - out))[:count - out.sum()]:
-        out[k] += 1
-    return out
+    return proportional_shares(count, np.array([
+        g.n / (g.token_s * length + g.attention_s * length ** 2) for g in groups]))
 
 
 def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,

@@ -7,7 +7,8 @@ and its update. Split the samples fractionally and forget padding, rings and pip
 fill, and the least step time left is a linear program (:func:`fractional_bound`);
 ``hetshard.data.lower_bound`` (groups) and ``hetshard.data.pipeline_bound``
 (pipelines) are it on their costs. :func:`lpt_placement` is where both searches
-start: each sample, longest first, to the owner where it ends earliest.
+start: each sample, longest first, to the owner where it ends earliest;
+:func:`proportional_shares` splits rows by speed for both planners' static baselines.
 """
 
 from __future__ import annotations
@@ -93,3 +94,15 @@ def lpt_placement(costs: np.ndarray, n: np.ndarray, scale: np.ndarray) -> np.nda
         where[i] = k
         load[k] = end
     return np.asarray(where, np.int64)
+
+
+def proportional_shares(count: int, speed: np.ndarray) -> np.ndarray:
+    """How many of ``count`` equal items each owner takes in proportion to its
+    ``speed``, by largest remainders (the static baselines' split of a batch's rows
+    over groups or pipelines)."""
+    speed = np.asarray(speed, np.float64)
+    ideal = count * speed / speed.sum()
+    out = np.floor(ideal).astype(int)
+    for k in np.argsort(-(ideal - out))[:count - out.sum()]:
+        out[k] += 1
+    return out
