@@ -200,7 +200,9 @@ def jit(fn=None, *, cluster, global_batch: int | None = None,
         losses, not the whole batch's (a piece's balance term sees only its own tokens).
         A loss that mixes samples otherwise (batch statistics, in-batch negatives) is
         kept whole either way.
-      planner_options: PlannerOptions fields (time_limit_s, tp_options, ...).
+      planner_options: PlannerOptions fields (time_limit_s, tp_options, ...), ``search``
+        (a ``SearchEffort`` or a mapping of its fields) and ``options`` (a whole
+        ``PlannerOptions`` those keywords change), as ``hetshard.plan`` takes them.
     """
     if fn is None:
         return functools.partial(jit, cluster=cluster, global_batch=global_batch,

@@ -6,7 +6,8 @@ each piece under its plan (:meth:`MicroSteps.grads_under`), summed and applied o
 (:meth:`MicroSteps.apply_grads`), or pipeline passes of different shapes walked as one
 pipeline (:meth:`MicroSteps.run_passes`). A ``@hetshard.jit`` step holds one
 :class:`MicroSteps` (``HetshardJit.micro_steps``), which shares the step's function,
-non-finite policy and devices; the data runners take it as their ``steps`` argument.
+non-finite policy and devices; the data runners reach it through
+``hetshard.data.runner.micro_steps(step)``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class MicroSteps:
             args = with_untyped(args, pos)
             with user_errors(self.fn, batch, "hetshard.jit"):
                 got = Program(self.fn, args, batch_argnums=pos,
-                                  batch_reductions=self.batch_reductions)
+                              batch_reductions=self.batch_reductions)
             if got.call is None:
                 raise PlanNotExecutableError(
                     f"micro-steps need a step whose loss call hetshard sees, and "

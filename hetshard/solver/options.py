@@ -150,7 +150,7 @@ class PlannerOptions:
     # (``cost.stage.planned_placement``), and the best plans both so and evenly.
     routing_histogram: tuple[float, ...] | None = None
     # How hard the search works (not what it may choose).
-    search: SearchEffort = dataclasses.field(default_factory=lambda: SearchEffort())
+    search: SearchEffort = dataclasses.field(default_factory=SearchEffort)
 
     @classmethod
     def from_fields(cls, given: dict, where: str) -> PlannerOptions:
