@@ -1039,3 +1039,61 @@ def test_proportional_shares_split_by_speed_with_largest_remainders():
         assert got.sum() == count and np.all(np.abs(got - ideal) < 1.0)
     assert proportional_shares(5, np.array([1.0, 1.0, 2.0])).tolist() == [1, 1, 3]
     assert proportional_shares(3, np.array([0.6, 0.4])).tolist() == [2, 1]
+
+
+class _Owner:
+    """An owner of the planner family (hetshard.data.drafts) whose micro-steps cost
+    ``per_row[bucket]`` a row: what ``draft`` and ``place`` are tested on, apart from
+    either planner's pricing."""
+
+    def __init__(self, name, per_row, buckets=(8, 16), devices=2, step_s=0.5):
+        self.name, self.buckets, self.step_s = name, buckets, step_s
+        self.image_caps = (0,) * len(buckets)
+        self.merging = GroupCost(name=name, gpu="", devices=tuple(range(devices)), chunk=8,
+                                 token_s=0.0, attention_s=0.0, attention_fwd_share=0.5,
+                                 layers=1, kv_bytes_per_token=0.0, buckets=buckets)
+        self.per_row = per_row
+
+    def compose(self, p, images=None, in_order=False):
+        from hetshard.data.planner import _Step
+        steps = [_Step(int(b), 1, np.flatnonzero(p.bucket == b), 0.0)
+                 for b in np.unique(p.bucket).tolist()]
+        steps = [s._replace(time_s=self.per_row[s.bucket] * s.rows.size) for s in steps]
+        return steps, sum(s.time_s for s in steps) + self.step_s
+
+
+def test_a_draft_keeps_the_merged_packing_only_where_it_prices_faster():
+    """Three 8-token samples on 2 devices: best-fit gives three 8-rows, two micro-steps
+    of two slots, the second part-empty; fill_steps moves its row up into a 16-row (two
+    devices). The family's draft keeps whichever packing its owner prices faster, the
+    unmerged one on a tie."""
+    from hetshard.data.drafts import draft
+    lengths = np.array([8, 8, 8])
+    cheap_long = draft(_Owner("a", {8: 1.0, 16: 0.1}), np.arange(3), lengths, None)
+    dear_long = draft(_Owner("b", {8: 1.0, 16: 5.0}), np.arange(3), lengths, None)
+    assert 16 in cheap_long.packing.bucket.tolist()
+    assert dear_long.packing.bucket.tolist() == [8, 8, 8]
+    assert cheap_long.time_s < 3.5 and dear_long.time_s == pytest.approx(3.5)
+    tie = draft(_Owner("c", {8: 1.0, 16: 1.0}), np.arange(3), lengths, None)
+    assert tie.packing.bucket.tolist() == [8, 8, 8]
+    plan = cheap_long.plan()
+    assert sorted(i for s in plan.steps for r in s.rows for i in r.samples) == [0, 1, 2]
+
+
+def test_placement_rounds_never_end_on_a_worse_placement_than_their_first():
+    from hetshard.data.drafts import draft, place
+    from hetshard.data.search import lpt_placement
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        owners = [_Owner("fast", {8: 0.2, 16: 0.5}), _Owner("slow", {8: 1.0, 16: 1.5})]
+        lengths = rng.integers(1, 17, 12)
+        costs = np.array([lengths * 0.02, lengths * 0.1])
+        n = np.ones(2)
+        got = place(lambda k, s, o=owners, x=lengths: draft(o[k], s, x, None), costs, n,
+                    [o.step_s for o in owners], rounds=3)
+        where = lpt_placement(costs, n, np.ones(2))
+        first = max(draft(o, np.flatnonzero(where == k), lengths, None).time_s
+                    for k, o in enumerate(owners))
+        assert got.time_s <= first + 1e-12
+        assert got.time_s == pytest.approx(max(d.time_s for d in got.drafts))
+        assert sorted(np.concatenate(got.parts).tolist()) == list(range(12))

@@ -23,11 +23,10 @@ from hetshard.data import (
     pipeline_costs,
     plan_pipeline_batch,
 )
+from hetshard.data.drafts import draft
 from hetshard.data.packing import Packing, Row, best_fit, best_fit_images
 from hetshard.data.pipelines import (
-    _compose,
     _deal,
-    _draft,
     _pictures,
     _reprice,
     _squares,
@@ -186,8 +185,8 @@ def test_composing_and_ordering_micro_batches_never_slows_the_pipeline_and_can_h
     for _ in range(15):
         lengths = rng.integers(1, 33, 40)
         p = best_fit(lengths, pc.buckets)
-        searched = _compose(st, p, search=True).time_s
-        in_order = _compose(st, p, search=False).time_s
+        searched = st.compose(p)[1]
+        in_order = st.compose(p, in_order=True)[1]
         assert searched <= in_order + 1e-9
         gains.append(in_order / searched)
     assert max(gains) > 1.005, gains
@@ -424,7 +423,7 @@ def test_micro_batches_share_the_images_out_where_the_vision_stage_paces_the_pip
         assert spread(_deal(pc, packed, sq, pics), pics) < \
             spread(_deal(pc, packed, sq, np.zeros_like(pics)), pics)
         plan = plan_pipeline_batch(lengths, [pc], images=images)
-        other = _reprice(st, _draft(_Stages(blind, None, DEFAULT), np.arange(120),
+        other = _reprice(st, draft(_Stages(blind, None, DEFAULT), np.arange(120),
                                     lengths + 2 * images, images), images)
         mine, theirs = mine + plan.step_time_s, theirs + other.time_s
     assert mine < theirs

@@ -230,3 +230,25 @@ def test_the_per_batch_doors_live_in_the_runtime_not_on_the_decorator():
         assert "step" in str(e) and "hetshard.jit" in str(e)
     else:
         raise AssertionError("a plain function was taken for a hetshard.jit step")
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = {n.name for n in tree.body
+           if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return out | {t.id for n in tree.body if isinstance(n, ast.Assign)
+                  for t in n.targets if isinstance(t, ast.Name)}
+
+
+def test_the_per_batch_planners_are_one_family():
+    """Groups and pipelines share one planner family (``hetshard.data.drafts``): neither
+    module defines a name the other does (no second ``_Draft``, ``_draft``, ``_compose``
+    or ``_static``), and neither imports the other's private names."""
+    modules = _modules()
+    planner, pipelines = (modules[f"hetshard.data.{m}"] for m in ("planner", "pipelines"))
+    assert _top_level_names(planner) & _top_level_names(pipelines) == set()
+    for name, path in (("hetshard.data.pipelines", pipelines),
+                       ("hetshard.data.planner", planner)):
+        for module, names in _imports(name, path, modules):
+            if module in ("hetshard.data.planner", "hetshard.data.pipelines"):
+                assert not [n for n in names if n.startswith("_")], (name, module, names)

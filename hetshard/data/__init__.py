@@ -3,6 +3,7 @@ gets its own packing, placement, context degrees and micro-steps on the static p
 GPU groups (``hetshard.data.planner``), and the packed arrays a model with segment ids
 trains on (``hetshard.data.packing``). See docs/data-aware.md."""
 
+from hetshard.data.drafts import BatchPlan, GroupPlan, MicroStep
 from hetshard.data.packing import (
     IMAGE_TOKEN,
     Row,
@@ -23,10 +24,7 @@ from hetshard.data.pipelines import (
 )
 from hetshard.data.planner import (
     METHODS,
-    BatchPlan,
     GroupCost,
-    GroupPlan,
-    MicroStep,
     choose_groups,
     group_costs,
     identical,

@@ -54,6 +54,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,30 +64,20 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, p2p_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
+from hetshard.data.drafts import BatchPlan, Draft, MicroStep, draft, place, static
 from hetshard.data.packing import (
     Packing,
     Row,
-    best_fit,
-    best_fit_images,
     check_buckets,
     check_count,
     check_fits,
     check_images,
     check_lengths,
-    fill_steps,
     geometric_buckets,
     image_slots,
-    sequential,
 )
-from hetshard.data.planner import (
-    METHODS,
-    BatchPlan,
-    GroupCost,
-    GroupPlan,
-    MicroStep,
-    check_groups,
-)
-from hetshard.data.search import fractional_bound, lpt_placement, proportional_shares
+from hetshard.data.planner import METHODS, GroupCost, check_groups
+from hetshard.data.search import fractional_bound
 from hetshard.errors import SpecError
 from hetshard.sim.schedule import time_varied
 from hetshard.sim.simulator import layers_cost, priced_dtype, sync_time
@@ -430,6 +421,30 @@ class _Stages:
         self._ring: dict = {}
         self._sends: dict = {}
         self._buckets: dict = {}
+        # what hetshard.data.drafts asks of an owner
+        self.name, self.buckets, self.step_s = pc.name, pc.buckets, pc.step_s
+        self.image_caps, self.merging = _caps(pc), _proxy(pc)
+
+    def compose(self, p: Packing, img: np.ndarray | None = None, in_order: bool = False,
+                swaps: bool = True) -> tuple[list[_Batch], float]:
+        """``p``'s rows as micro-batches, priced by the walk: dealt and ordered (with a
+        vision stage of its own, dealt by attention and images and by attention alone,
+        the faster kept; ``swaps``: the order's adjacent-swap pass too), or with
+        ``in_order`` as the packing has them (Megatron-LM)."""
+        sq, pics = _squares(p), _pictures(p, img)
+        if in_order:
+            batches = [_Batch(b, idx, self.times(b, sq[idx], pics[idx]))
+                       for b, idx in _in_order(self.pc, p)]
+            return batches, self.walk([b.times for b in batches])
+        best = None
+        seeing = self.pc.encoder_stage is not None and pics.any()
+        for weigh in ((True, False) if seeing else (False,)):
+            dealt = _deal(self.pc, p, sq, pics if weigh else np.zeros_like(pics))
+            batches = [_Batch(b, idx, self.times(b, sq[idx], pics[idx])) for b, idx in dealt]
+            order, t = _order(self, [b.times for b in batches], swaps)
+            if best is None or t < best[1]:
+                best = ([batches[i] for i in order], t)
+        return best
 
     def ring(self, s: int, bucket: int, c: int) -> float:
         """Seconds per layer for a ``bucket`` row's K/V to go round ``c`` ways of stage
@@ -558,8 +573,19 @@ class _Stages:
         return time_varied(fwd, bwd, sends) + self.pc.step_s
 
 
-# A micro-batch while planning: (bucket, its rows' indices in the packing, in order)
-_Batch = tuple[int, np.ndarray]
+class _Batch(NamedTuple):
+    """A micro-batch while planning: its bucket, its rows' indices in the packing (in
+    order) and its times on the stages (``_Stages.times``)."""
+
+    bucket: int
+    rows: np.ndarray
+    times: np.ndarray
+
+    def micro_step(self, rows: Sequence[Row]) -> MicroStep:
+        """The plan's micro-step, ``rows`` the packing's; its time is its slowest
+        stage's forward and backward."""
+        return MicroStep(self.bucket, 1, tuple(rows[i] for i in self.rows.tolist()),
+                         float(self.times[:, :2].sum(axis=1).max()))
 
 
 def _squares(p: Packing) -> np.ndarray:
@@ -586,7 +612,8 @@ def encoder_batch(images: int, ways: int, chunk: int = 4) -> int:
     return per * -(-max(0, images) // per)
 
 
-def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray, pics: np.ndarray) -> list[_Batch]:
+def _deal(pc: PipelineCost, p: Packing, sq: np.ndarray,
+          pics: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Each bucket's rows into micro-batches: longest processing time first (by their
     attention on the stage slowest at it, plus their images' encoding on a vision stage
     of its own: a bucket's rows cost the same otherwise) into ``micro-batches x bins``
@@ -681,35 +708,13 @@ def _swapped(stages: _Stages, lists: list, order: list[int],
     return order, t_best
 
 
-def _polish(stages: _Stages, d: _Draft) -> _Draft:
+def _polish(stages: _Stages, d: Draft) -> Draft:
     """Draft ``d`` with the swap pass over its order (beyond ``EXACT_ORDER``)."""
-    if len(d.times) <= EXACT_ORDER:
+    if len(d.steps) <= EXACT_ORDER:
         return d
-    order, t = _swapped(stages, [x.T.tolist() for x in d.times], list(range(len(d.times))),
-                        d.time_s)
-    return dataclasses.replace(d, batches=[d.batches[i] for i in order],
-                               times=[d.times[i] for i in order], time_s=t)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Draft:
-    name: str
-    samples: np.ndarray
-    packing: Packing | None
-    batches: list[_Batch]
-    times: list[np.ndarray]
-    time_s: float
-    images: int = 0
-
-    def plan(self) -> GroupPlan:
-        if self.packing is None:
-            return GroupPlan(self.name, (), (), self.time_s)
-        rows = self.packing.rows()
-        return GroupPlan(self.name, tuple(self.samples.tolist()), tuple(
-            MicroStep(b, 1, tuple(rows[i] for i in idx.tolist()),
-                      float(t[:, :2].sum(axis=1).max()))
-            for (b, idx), t in zip(self.batches, self.times, strict=True)), self.time_s,
-            self.images)
+    order, t = _swapped(stages, [b.times.T.tolist() for b in d.steps],
+                        list(range(len(d.steps))), d.time_s)
+    return dataclasses.replace(d, steps=[d.steps[i] for i in order], time_s=t)
 
 
 def _proxy(pc: PipelineCost) -> GroupCost:
@@ -722,30 +727,7 @@ def _proxy(pc: PipelineCost) -> GroupCost:
                      image_tokens=pc.image_tokens, image_slots=pc.image_slots)
 
 
-def _compose(stages: _Stages, p: Packing, search: bool = True,
-             img: np.ndarray | None = None, swaps: bool = True) -> _Draft:
-    """Micro-batches of ``p``'s rows: dealt and ordered (``search``; with a vision stage
-    of its own, dealt by attention and images and by attention alone, the faster kept),
-    else in the packing's order."""
-    sq, pics = _squares(p), _pictures(p, img)
-    if not search:
-        batches = _in_order(stages.pc, p)
-        times = [stages.times(b, sq[idx], pics[idx]) for b, idx in batches]
-        return _Draft(stages.pc.name, np.zeros(0, np.int64), p, batches, times,
-                      stages.walk(times))
-    best = None
-    seeing = stages.pc.encoder_stage is not None and pics.any()
-    for weigh in ((True, False) if seeing else (False,)):
-        batches = _deal(stages.pc, p, sq, pics if weigh else np.zeros_like(pics))
-        times = [stages.times(b, sq[idx], pics[idx]) for b, idx in batches]
-        order, t = _order(stages, times, swaps)
-        if best is None or t < best.time_s:
-            best = _Draft(stages.pc.name, np.zeros(0, np.int64), p,
-                          [batches[i] for i in order], [times[i] for i in order], t)
-    return best
-
-
-def _in_order(pc: PipelineCost, p: Packing) -> list[_Batch]:
+def _in_order(pc: PipelineCost, p: Packing) -> list[tuple[int, np.ndarray]]:
     """Rows in the packing's order, ``rows(bucket)`` a micro-batch (Megatron-LM)."""
     out = []
     for bucket in dict.fromkeys(p.bucket.tolist()):
@@ -753,26 +735,6 @@ def _in_order(pc: PipelineCost, p: Packing) -> list[_Batch]:
         r = pc.rows(bucket)
         out += [(bucket, mine[i:i + r]) for i in range(0, mine.size, r)]
     return out
-
-
-def _draft(stages: _Stages, samples: np.ndarray, lengths: np.ndarray,
-           img: np.ndarray | None, swaps: bool = True) -> _Draft:
-    pc = stages.pc
-    if samples.size == 0:
-        return _Draft(pc.name, samples, None, [], [], pc.step_s)
-    if img is None:
-        packed = best_fit(lengths[samples], pc.buckets, samples)
-    else:
-        packed = best_fit_images(lengths[samples], img[samples], pc.buckets,
-                                 _caps(pc), samples)
-    best = _compose(stages, packed, img=img, swaps=swaps)
-    merged = fill_steps(_proxy(pc), packed, pc.buckets, img)
-    if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
-        other = _compose(stages, merged, img=img, swaps=swaps)
-        if other.time_s < best.time_s:
-            best = other
-    return dataclasses.replace(best, samples=samples,
-                               images=int(img[samples].sum()) if img is not None else 0)
 
 
 def _caps(pc: PipelineCost) -> tuple[int, ...]:
@@ -861,7 +823,11 @@ def _plan(lengths, images, pipes, cluster, cal, method, rounds, bound) -> BatchP
             check_fits(lengths, img, pipes[0].buckets, caps)
     stages = [_Stages(p, cluster, cal) for p in pipes]
     if method in ("pad", "fixed-cp"):
-        drafts = _static(method, stages, lengths, img, top)
+        # Rows shared out in proportion to each pipeline's speed on a full row (its
+        # bottleneck stage).
+        full = _costs(pipes, np.array([top])).max(axis=1)[:, 0]
+        drafts = static(method, stages, 1.0 / full, lengths, img, top,
+                        None if img is None else pipes[0].images_of(top))
     else:
         believed = stages if method == "hetshard" else [
             _Stages(p, cluster, cal) for p in identical_pipelines(pipes)]
@@ -877,70 +843,27 @@ def _plan(lengths, images, pipes, cluster, cal, method, rounds, bound) -> BatchP
 
 
 def _place(stages: list[_Stages], costs: np.ndarray, lengths: np.ndarray,
-           img: np.ndarray | None, rounds: int) -> list[_Draft]:
-    """Placement rounds (as ``hetshard.data.planner`` places on groups): LPT on each
-    pipeline's bottleneck-stage estimate, then again with each pipeline's priced time
-    over its estimate, while the priced step falls."""
-    est = costs.max(axis=1)  # [pipelines, samples]: the stage a sample weighs on most
-    one = np.ones(len(stages))
+           img: np.ndarray | None, rounds: int) -> list[Draft]:
+    """The placement rounds (``hetshard.data.drafts.place``) on each pipeline's
+    bottleneck-stage estimate, the drafts compared without the order's swap pass, the
+    chosen ones then given it."""
     if len(stages) == 1:
-        return [_polish(stages[0], _draft(stages[0], np.arange(lengths.size), lengths, img,
-                                          swaps=False))]
-    scale, best = one.copy(), None
-    for _ in range(max(1, rounds)):
-        where = lpt_placement(est, one, scale)
-        drafts = []
-        for k, s in enumerate(stages):
-            drafts.append(_draft(s, np.flatnonzero(where == k), lengths, img, swaps=False))
-            if best is not None and drafts[-1].time_s >= best[0]:
-                break  # no better than the last placement, whatever the rest price
-        worst = max(d.time_s for d in drafts)
-        if best is not None and worst >= best[0]:
-            break
-        best = (worst, drafts)
-        guess = np.array([est[k, d.samples].sum() * scale[k] if d.samples.size else 0.0
-                          for k, d in enumerate(drafts)])
-        priced = np.array([d.time_s - s.pc.step_s for d, s in zip(drafts, stages,
-                                                                   strict=True)])
-        new = np.where(guess > 0, scale * priced / np.maximum(guess, 1e-30), scale)
-        if np.allclose(new / new.max(), scale / scale.max(), rtol=0.01):
-            break
-        scale = new
-    return [_polish(s, d) for s, d in zip(stages, best[1], strict=True)]
+        best = [draft(stages[0], np.arange(lengths.size), lengths, img, swaps=False)]
+    else:
+        est = costs.max(axis=1)  # [pipelines, samples]: the stage a sample weighs on most
+        best = place(lambda k, samples: draft(stages[k], samples, lengths, img, swaps=False),
+                     est, np.ones(len(stages)), [s.step_s for s in stages], rounds).drafts
+    return [_polish(s, d) for s, d in zip(stages, best, strict=True)]
 
 
-def _reprice(stages: _Stages, d: _Draft, img: np.ndarray | None) -> _Draft:
+def _reprice(stages: _Stages, d: Draft, img: np.ndarray | None) -> Draft:
     """Draft ``d`` (its rows, micro-batches and order) priced on ``stages``."""
     if d.packing is None:
-        return dataclasses.replace(d, time_s=stages.pc.step_s)
+        return dataclasses.replace(d, time_s=stages.step_s)
     sq, pics = _squares(d.packing), _pictures(d.packing, img)
-    times = [stages.times(b, sq[idx], pics[idx]) for b, idx in d.batches]
-    return dataclasses.replace(d, times=times, time_s=stages.walk(times))
-
-
-def _static(method: str, stages: list[_Stages], lengths: np.ndarray,
-            img: np.ndarray | None, top: int) -> list[_Draft]:
-    if method == "pad":
-        rows = tuple(Row(top, (i,), (int(n),)) for i, n in enumerate(lengths.tolist()))
-    else:
-        rows = sequential(lengths, top, None, img,
-                          None if img is None else stages[0].pc.images_of(top))
-    # Rows shared out in proportion to each pipeline's speed on a full row (its
-    # bottleneck stage), largest remainders.
-    full = _costs([s.pc for s in stages], np.array([top])).max(axis=1)[:, 0]
-    share = proportional_shares(len(rows), 1.0 / full)
-    bounds = np.concatenate([[0], np.cumsum(share)])
-    out = []
-    for k, s in enumerate(stages):
-        mine = rows[bounds[k]:bounds[k + 1]]
-        if not mine:
-            out.append(_Draft(s.pc.name, np.zeros(0, np.int64), None, [], [], s.pc.step_s))
-            continue
-        d = _compose(s, Packing.of(mine), search=False, img=img)
-        samples = np.asarray([i for r in mine for i in r.samples], np.int64)
-        out.append(dataclasses.replace(
-            d, samples=samples, images=int(img[samples].sum()) if img is not None else 0))
-    return out
+    steps = [_Batch(b.bucket, b.rows, stages.times(b.bucket, sq[b.rows], pics[b.rows]))
+             for b in d.steps]
+    return dataclasses.replace(d, steps=steps, time_s=stages.walk([b.times for b in steps]))
 
 
 def image_slots_from(batches: Sequence, images: Sequence, pipes: Sequence[PipelineCost],

@@ -52,23 +52,29 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.comm import collective_time, topology
 from hetshard.cost.profile import ModelProfile
 from hetshard.cost.stage import stage_cost
+from hetshard.data.drafts import (
+    BatchPlan,
+    Draft,
+    GroupPlan,
+    MicroStep,
+    Placement,
+    draft,
+    place,
+    static,
+)
 from hetshard.data.packing import (
     Packing,
     Row,
-    best_fit,
-    best_fit_images,
     check_count,
     check_fits,
     check_images,
     check_lengths,
-    fill_steps,
     geometric_buckets,
     image_slots,
     ranges,
-    sequential,
     whole,
 )
-from hetshard.data.search import fractional_bound, lpt_placement, proportional_shares
+from hetshard.data.search import fractional_bound
 from hetshard.errors import SpecError
 from hetshard.sim.simulator import sync_time
 
@@ -164,46 +170,6 @@ class GroupCost:
     @property
     def longest(self) -> int:
         return self.n * max(self.chunk, self.long_chunk)
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroStep:
-    bucket: int
-    degree: int
-    rows: tuple[Row, ...]  # at most devices // degree; the rest of the slots are padding
-    time_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupPlan:
-    group: str
-    samples: tuple[int, ...]
-    steps: tuple[MicroStep, ...]
-    time_s: float  # micro-steps plus the group's step_s
-    images: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchPlan:
-    method: str
-    groups: tuple[GroupPlan, ...]
-    step_time_s: float
-    tokens: int
-    bound_s: float | None
-    planning_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_time_s
-
-    @property
-    def gap(self) -> float | None:
-        return None if not self.bound_s else self.step_time_s / self.bound_s - 1.0
-
-    @property
-    def shapes(self) -> tuple[tuple[str, int], ...]:
-        """(group, bucket) of every compiled micro-step shape."""
-        return tuple(sorted({(g.group, s.bucket) for g in self.groups for s in g.steps}))
 
 
 # ---- costs from the cost model ----------------------------------------------------------
@@ -525,6 +491,17 @@ class _Pricer:
         self._ring: dict[int, float] = {}
         self._buckets: dict[int, tuple] = {}
         self.cluster, self.cal = cluster, cal
+        # what hetshard.data.drafts asks of an owner
+        self.name, self.buckets, self.step_s = group.name, tuple(group.buckets), group.step_s
+        self.image_caps, self.merging = group.image_caps(), group
+
+    def compose(self, p: Packing, images: np.ndarray | None = None,
+                in_order: bool = False) -> tuple[list[_Step], float]:
+        """``p``'s rows as micro-steps (:func:`_compose`, sorted by cost unless
+        ``in_order``) and their time plus the group's update (a row's images are priced
+        in its slots, whatever ``images`` holds)."""
+        steps = _compose(self, p, sort=not in_order)
+        return steps, sum(st.time_s for st in steps) + self.step_s
 
     def ring(self, bucket: int) -> float:
         """Seconds per layer for the K/V of a ``bucket`` row to go round its context
@@ -585,14 +562,10 @@ class _Step(NamedTuple):
     rows: np.ndarray
     time_s: float
 
-
-class _Placement(NamedTuple):
-    """A batch's placement while the search compares them: the step time it prices,
-    each group's samples, and each group's draft."""
-
-    time_s: float
-    parts: list
-    drafts: tuple
+    def micro_step(self, rows: Sequence[Row]) -> MicroStep:
+        """The plan's micro-step, ``rows`` the packing's."""
+        return MicroStep(self.bucket, self.degree, tuple(rows[i] for i in self.rows.tolist()),
+                         self.time_s)
 
 
 def _compose(pricer: _Pricer, p: Packing, sort: bool) -> list[_Step]:
@@ -621,64 +594,11 @@ def _compose(pricer: _Pricer, p: Packing, sort: bool) -> list[_Step]:
     return steps
 
 
-def _micro_steps(rows: Sequence[Row], steps: Sequence[_Step]) -> tuple[MicroStep, ...]:
-    return tuple(MicroStep(b, d, tuple(rows[i] for i in idx.tolist()), t)
-                 for b, d, idx, t in steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Draft:
-    """A group's plan while placements are compared (rows as arrays)."""
-
-    group: str
-    samples: np.ndarray
-    packing: Packing | None
-    steps: list[_Step]
-    time_s: float
-    images: int = 0
-
-    def plan(self) -> GroupPlan:
-        if self.packing is None:
-            return GroupPlan(self.group, (), (), self.time_s)
-        return GroupPlan(self.group, tuple(self.samples.tolist()),
-                         _micro_steps(self.packing.rows(), self.steps), self.time_s,
-                         self.images)
-
-
-def _draft(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
-           images: np.ndarray | None, sort: bool,
-           buckets: Sequence[int] | None = None) -> _Draft:
-    g = pricer.g
-    if samples.size == 0:
-        return _Draft(g.name, samples, None, [], g.step_s)
-    buckets = tuple(buckets or g.buckets)
-    if images is None:
-        packed = best_fit(lengths[samples], buckets, samples)
-    else:
-        packed = best_fit_images(lengths[samples], images[samples], buckets,
-                                 g.image_caps(buckets), samples)
-    merged = fill_steps(g, packed, buckets, images)
-    p, steps = merged, _compose(pricer, merged, sort)
-    if merged.bucket.size != packed.bucket.size or (merged.bucket != packed.bucket).any():
-        # Merging a part-empty micro-step's rows up saves that micro-step, but where
-        # the bucket above had no micro-step of its own with room, it opens one, on a
-        # longer ring: kept only where it prices faster.
-        plain = _compose(pricer, packed, sort)
-        if sum(st.time_s for st in plain) < sum(st.time_s for st in steps):
-            p, steps = packed, plain
-    n_img = int(images[samples].sum()) if images is not None else 0
-    return _Draft(g.name, samples, p, steps, sum(s.time_s for s in steps) + g.step_s, n_img)
-
-
 def _group_plan(pricer: _Pricer, samples: np.ndarray, lengths: np.ndarray,
-                images: np.ndarray | None, sort: bool = True,
-                buckets: Sequence[int] | None = None) -> GroupPlan:
-    """One group's plan of ``samples``: packed best-fit, part-empty micro-steps merged
-    up, micro-steps composed (rows sorted by cost when ``sort``)."""
-    return _draft(pricer, samples, lengths, images, sort, buckets).plan()
+                images: np.ndarray | None) -> GroupPlan:
+    """One group's plan of ``samples`` (``hetshard.data.drafts.draft``)."""
+    return draft(pricer, samples, lengths, images).plan()
 
-
-# ---- placement -----------------------------------------------------------------------------
 
 def _sample_costs(groups: Sequence[GroupCost], lengths: np.ndarray,
                   images: np.ndarray | None) -> np.ndarray:
@@ -730,13 +650,6 @@ def check_groups(groups, kind: type = GroupCost, field: str = "groups",
     if twice is not None:
         raise SpecError(field, names, f"distinct names ({twice!r} twice)")
     return out
-
-
-def _static_shares(groups: Sequence[GroupCost], count: int, length: int) -> np.ndarray:
-    """How many of ``count`` equal items each group takes under a static plan: in
-    proportion to its throughput at ``length`` tokens (largest remainders)."""
-    return proportional_shares(count, np.array([
-        g.n / (g.token_s * length + g.attention_s * length ** 2) for g in groups]))
 
 
 def plan_batch(lengths, groups: Sequence[GroupCost], *, images=None,
@@ -812,7 +725,12 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     pricers = [_Pricer(g, cluster, cal) for g in groups]
     n = np.array([g.n for g in groups], dtype=np.float64)
     if method in ("pad", "fixed-cp"):
-        plan = _static(method, pricers, lengths, img, top)
+        # rows of the largest bucket shared in proportion to each group's speed on one
+        slots = None if img is None else min(g.images_of(top) for g in groups)
+        speeds = np.array([g.n / (g.token_s * top + g.attention_s * top ** 2)
+                           for g in groups])
+        plan = tuple(d.plan() for d in static(method, pricers, speeds, lengths, img, top,
+                                              slots))
     else:
         believed = identical(groups) if method == "identical" else groups
         costs = _sample_costs(believed, lengths, img)
@@ -821,28 +739,9 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
             raise SpecError(f"lengths[{i}]", int(lengths[i]), "a sample some group can hold")
         believed_pricers = pricers if believed is groups else [
             _Pricer(b, cluster, cal) for b in believed]
-        scale = np.ones(len(groups))
-        best = None
-        for _ in range(rounds):
-            where = lpt_placement(costs, n, scale)
-            parts = [np.flatnonzero(where == k) for k in range(len(groups))]
-            # The planner prices its choice with the costs it believes in ...
-            seen = []
-            for k, p in enumerate(believed_pricers):
-                seen.append(_draft(p, parts[k], lengths, img, True))
-                if best is not None and seen[-1].time_s >= best.time_s:
-                    break  # no better than the last placement, whatever the rest price
-            worst = max(s.time_s for s in seen)
-            if best is not None and worst >= best.time_s:
-                break
-            best = _Placement(worst, parts, tuple(seen))
-            est = np.array([costs[k, parts[k]].sum() / n[k] * scale[k] if parts[k].size
-                            else 0.0 for k in range(len(groups))])
-            ratio = np.array([s.time_s - groups[k].step_s for k, s in enumerate(seen)])
-            new_scale = np.where(est > 0, scale * ratio / np.maximum(est, 1e-30), scale)
-            if np.allclose(new_scale / new_scale.max(), scale / scale.max(), rtol=0.01):
-                break  # the same relative speeds: the same placement
-            scale = new_scale
+        # The planner prices its choice with the costs it believes in ...
+        best = place(lambda k, samples: draft(believed_pricers[k], samples, lengths, img),
+                     costs, n, [g.step_s for g in groups], rounds)
         best = _rebalance(best, believed_pricers, costs, n, lengths, img, moves)
         # ... and runs it on the real GPUs.
         plan = tuple(d.plan() for d in best.drafts) if believed is groups else tuple(
@@ -853,8 +752,8 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     return BatchPlan(method, plan, step, int(lengths.sum()), lb, planning)
 
 
-def _rebalance(best: _Placement, pricers, costs: np.ndarray, n: np.ndarray,
-               lengths: np.ndarray, img: np.ndarray | None, moves: int) -> _Placement:
+def _rebalance(best: Placement, pricers, costs: np.ndarray, n: np.ndarray,
+               lengths: np.ndarray, img: np.ndarray | None, moves: int) -> Placement:
     """Local search on a placement ``best``: the slowest group
     hands its sparsest part-empty micro-step whole to a group with room for its rows
     (``_sparsest_step``), or the group that finishes first its shortest samples, worth
@@ -890,11 +789,11 @@ def _rebalance(best: _Placement, pricers, costs: np.ndarray, n: np.ndarray,
                 continue
             keep = np.setdiff1d(mine, moved, assume_unique=True)
             got = np.sort(np.concatenate([parts[to], moved]))
-            dj = _draft(pricers[to], got, lengths, img, True)
+            dj = draft(pricers[to], got, lengths, img)
             budget -= 1
             if dj.time_s >= worst - 1e-12:
                 continue  # the receiver alone is as slow as the step was
-            dk = _draft(pricers[k], keep, lengths, img, True)
+            dk = draft(pricers[k], keep, lengths, img)
             budget -= 1
             step = max([dk.time_s, dj.time_s] + [d.time_s for i, d in enumerate(seen)
                                                  if i not in (k, to)])
@@ -903,20 +802,20 @@ def _rebalance(best: _Placement, pricers, costs: np.ndarray, n: np.ndarray,
                 break
         else:
             break  # no move helps
-    return _Placement(worst, parts, tuple(seen))
+    return Placement(worst, parts, tuple(seen))
 
 
-def _sparsest_step(draft: _Draft, devices: int):
-    """(samples, bucket, rows) of ``draft``'s part-empty micro-step with the fewest rows
+def _sparsest_step(drafted: Draft, devices: int):
+    """(samples, bucket, rows) of ``drafted``'s part-empty micro-step with the fewest rows
     a device slot (None if every micro-step is full): moved whole, the group runs one
     micro-step less, and a group with room in a part-empty micro-step of that bucket
     takes them almost for free. The sample moves cannot see this: they price samples,
     not the coarse micro-steps they fill."""
-    p = draft.packing
+    p = drafted.packing
     if p is None:
         return None
     best, fill = None, 1.0
-    for bucket, d, idx, _ in draft.steps:
+    for bucket, d, idx, _ in drafted.steps:
         f = idx.size / (devices // d)
         if f < fill:
             best, fill = (idx, bucket), f
@@ -926,40 +825,9 @@ def _sparsest_step(draft: _Draft, devices: int):
     return p.samples[ranges(p.starts[idx], p.counts[idx])], bucket, idx.size
 
 
-def _room(draft: _Draft, g: GroupCost, bucket: int) -> int:
-    """Empty row slots in ``draft``'s micro-steps of ``bucket`` on ``g``."""
-    return sum(g.n // d - idx.size for b, d, idx, _ in draft.steps if b == bucket)
-
-
-def _static(method: str, pricers, lengths, img, top) -> tuple[GroupPlan, ...]:
-    groups = [p.g for p in pricers]
-    if method == "pad":
-        share = _static_shares(groups, lengths.size, top)
-        bounds = np.concatenate([[0], np.cumsum(share)])
-        return tuple(_padded(p, np.arange(bounds[k], bounds[k + 1]), lengths, img, top)
-                     for k, p in enumerate(pricers))
-    # fixed-cp: concatenate in order into rows of the largest bucket, rows shared out.
-    rows = sequential(lengths, top, None, img,
-                      None if img is None else min(g.images_of(top) for g in groups))
-    share = _static_shares(groups, len(rows), top)
-    bounds = np.concatenate([[0], np.cumsum(share)])
-    out = []
-    for k, p in enumerate(pricers):
-        mine = rows[bounds[k]:bounds[k + 1]]
-        samples = tuple(i for r in mine for i in r.samples)
-        steps = _micro_steps(mine, _compose(p, Packing.of(mine), sort=False))
-        n_img = int(img[list(samples)].sum()) if img is not None and samples else 0
-        out.append(GroupPlan(p.g.name, samples, steps,
-                             sum(s.time_s for s in steps) + p.g.step_s, n_img))
-    return tuple(out)
-
-
-def _padded(pricer: _Pricer, samples: np.ndarray, lengths, img, top) -> GroupPlan:
-    rows = tuple(Row(top, (int(i),), (int(lengths[i]),)) for i in samples)
-    steps = _micro_steps(rows, _compose(pricer, Packing.of(rows), sort=False))
-    return GroupPlan(pricer.g.name, tuple(int(i) for i in samples), steps,
-                     sum(s.time_s for s in steps) + pricer.g.step_s,
-                     int(img[samples].sum()) if img is not None and samples.size else 0)
+def _room(drafted: Draft, g: GroupCost, bucket: int) -> int:
+    """Empty row slots in ``drafted``'s micro-steps of ``bucket`` on ``g``."""
+    return sum(g.n // d - idx.size for b, d, idx, _ in drafted.steps if b == bucket)
 
 
 # ---- the bound -----------------------------------------------------------------------------

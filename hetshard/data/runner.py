@@ -35,9 +35,10 @@ import jax.numpy as jnp
 
 from hetshard._plan import Context, Pipeline, Plan, Predicted, Stage, data_ways
 from hetshard.collectives import put
+from hetshard.data.drafts import BatchPlan, MicroStep
 from hetshard.data.packing import Row, packed_arrays, target_count
 from hetshard.data.pipelines import PipelineCost
-from hetshard.data.planner import BatchPlan, GroupCost, MicroStep, check_groups
+from hetshard.data.planner import GroupCost, check_groups
 from hetshard.errors import SpecError
 from hetshard.runtime.micro_steps import MicroSteps
 
