@@ -33,7 +33,7 @@ import hetshard.cost.stage as stage
 import hetshard.ir.graph as graph
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.profile import clear_profiles
-from models import steps
+from hetshard_models import steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SWEEPS = {

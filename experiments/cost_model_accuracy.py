@@ -80,7 +80,7 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.stage import attention_rate
 from hetshard.sim import simulate
 from hetshard.solver.uniform import Fix, uniform_plan
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 # ---- megatron ------------------------------------------------------------------------
 

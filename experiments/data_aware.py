@@ -60,7 +60,7 @@ from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.stage import attention_rate
 from hetshard.data import METHODS, choose_groups, group_costs, plan_batch
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LENGTHS = os.path.join(HERE, "data", "lengths", "wikipedia-flexsp.txt.gz")

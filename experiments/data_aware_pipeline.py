@@ -38,7 +38,7 @@ from data_aware import CLUSTERS, IMAGE_TOKENS, LENGTHS, TOKENS_PER_GPU, draw
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.data import METHODS, choose_image_slots, pipeline_costs, plan_pipeline_batch
 from hetshard.data.pipelines import encoder_batch
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = (("V100-32GB", "float16"),)  # no bfloat16 tensor cores

@@ -47,11 +47,12 @@ _COMMON = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", {devices})
     import numpy as np, optax
     from flax import nnx
-    import hetshard, models
+    import hetshard
+    import hetshard_models as models
     from hetshard.checkpoint import Checkpointer
     from hetshard.cluster import Cluster
     from hetshard._plan import Pipeline, Plan, Stage
-    from models import data, losses, steps
+    from hetshard_models import data, losses, steps
 
     MODEL, CLUSTER, STEPS = {model!r}, {cluster!r}, {steps}
     STEP = steps.train_step(losses.text_loss)

@@ -23,7 +23,7 @@ import time
 import warnings
 
 from hetshard.solver import PlannerOptions
-from models.steps import make_plan
+from hetshard_models.steps import make_plan
 
 # cluster, model, global batch, planning-time limit
 ROWS = [

@@ -38,8 +38,8 @@ from hetshard.sim.simulator import annotate
 from hetshard.solver import PlannerOptions
 from hetshard.solver.context import mixed_context_plans
 from hetshard.solver.uniform import Fix, uniform_plan
-from models import profile as profile_model
-from models.steps import make_plan
+from hetshard_models import profile as profile_model
+from hetshard_models.steps import make_plan
 
 DGX_H100 = {"gpu": "H100-80GB", "gpus_per_node": 8, "intra_node_gbs": 450.0,
             "inter_node_gbs": 400.0}

@@ -59,13 +59,13 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import hetshard  # noqa: E402
-import models  # noqa: E402
+import hetshard_models as models  # noqa: E402
 from hetshard._plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.collectives import put  # noqa: E402
 from hetshard.cost.profile import profile_program  # noqa: E402
 from hetshard.runtime.executable import donates  # noqa: E402
 from hetshard.sim import simulate  # noqa: E402
-from models import data, losses  # noqa: E402
+from hetshard_models import data, losses  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=256,heads=8,kv_heads=4,ffn=768,vocab=1024,seq=256," \
         "pos=rope,norm=rmsnorm,mlp=swiglu,tied=false"

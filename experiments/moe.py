@@ -51,7 +51,7 @@ from hetshard.cluster import Cluster
 from hetshard.cost.profile import profile_program
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions, make_plan
 from hetshard.solver.baselines import ep_by_speed, ep_type_blind, zebra
-from models import steps
+from hetshard_models import steps
 
 
 def _group(name, gpu, nodes):

@@ -51,10 +51,10 @@ def worker(mode: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     import hetshard
-    import models
+    import hetshard_models as models
     from hetshard.solver.uniform import parse_fix, uniform_plan
-    from models import data, losses
-    from models import profile as profile_model
+    from hetshard_models import data, losses
+    from hetshard_models import profile as profile_model
     out = {}
     devs = jax.devices()
     if mode in ("transfer", "xhost_transfer"):

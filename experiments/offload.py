@@ -39,7 +39,7 @@ import warnings
 
 from hetshard.cluster import Cluster
 from hetshard.solver import NoFeasiblePlanError, PlannerOptions
-from models.steps import make_plan
+from hetshard_models.steps import make_plan
 
 
 def _group(name, gpu, nodes, per_node, intra, inter):
@@ -82,7 +82,7 @@ def _one(model, cluster, dtype, offload, time_limit):
                "memory_gb": st.predicted_memory_bytes / 1e9}
               for p in plan.pipelines for st in p.stages]
     from hetshard.sim import simulate  # the host memory the plan's offload takes per node
-    from models.steps import profile
+    from hetshard_models.steps import profile
     res = simulate(plan, profile(model, SEQ, dtype, plan.split_blocks), cluster)
     return {"fits": bool(pred.fits), "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
             "bubble": pred.bubble_fraction, "peak_gpu_memory_gb": pred.peak_memory_bytes / 1e9,

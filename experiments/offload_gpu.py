@@ -73,12 +73,12 @@ def offloaded_steps(model_name: str, seq: int, batch: int, steps: int) -> list[d
     from flax import nnx
 
     import hetshard
-    import models
+    import hetshard_models as models
     from hetshard.cluster import Cluster
     from hetshard.sim import simulate
     from hetshard.solver.uniform import parse_fix, uniform_plan
-    from models import data, losses
-    from models import profile as profile_model
+    from hetshard_models import data, losses
+    from hetshard_models import profile as profile_model
 
     cluster = Cluster.from_jax_devices(jax.devices()[:1])
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"

@@ -120,7 +120,7 @@ def main() -> int:
 
 
 def _model(tiny: bool):
-    from models.gpt import GPTConfig
+    from hetshard_models.gpt import GPTConfig
     if tiny:
         return GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq=256, pos="rope",
                          norm="rmsnorm", mlp="swiglu", tied=False, bias=False,
@@ -137,7 +137,7 @@ def measure(args, backend: str) -> int:
     from flax import nnx
 
     import hetshard
-    import models
+    import hetshard_models as models
     from hetshard.cluster import Cluster
     from hetshard.cluster.catalog import device_type_for_kind
     from hetshard.cost.calibration import DEFAULT
@@ -145,8 +145,8 @@ def measure(args, backend: str) -> int:
     from hetshard.data.packing import Packing
     from hetshard.data.planner import _Pricer
     from hetshard.data.runner import micro_step_plan
-    from models.losses import packed_text_loss
-    from models.steps import train_step
+    from hetshard_models.losses import packed_text_loss
+    from hetshard_models.steps import train_step
 
     device = jax.devices()[0]
     gpu = device_type_for_kind(device.device_kind).name if backend == "gpu" else "H200"
@@ -265,10 +265,10 @@ def compare(args, backend: str) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    import models
+    import hetshard_models as models
     from hetshard.data import pack, packed_arrays
     from hetshard.kernels import attention_reference, flash_attention
-    from models.losses import packed_text_loss
+    from hetshard_models.losses import packed_text_loss
 
     config = _model(args.tiny)
     model = models.build(config, rngs=0)

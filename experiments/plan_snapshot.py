@@ -22,7 +22,7 @@ import json
 import sys
 import warnings
 
-import models
+import hetshard_models as models
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import clear_profiles, profile_program
 from hetshard.solver import PlannerOptions, make_plan

@@ -30,7 +30,7 @@ import warnings
 
 import user_models
 
-import models
+import hetshard_models as models
 from hetshard.cluster import Cluster
 from hetshard.cost.profile import clear_profiles, profile_program
 from hetshard.factory import load_program

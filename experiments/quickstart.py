@@ -36,7 +36,7 @@ from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import hetshard  # noqa: E402
-import models  # noqa: E402
+import hetshard_models as models  # noqa: E402
 from hetshard._plan import Context, Plan  # noqa: E402
 from hetshard.cost.profile import profile_program  # noqa: E402
 from hetshard.sim import simulate, write_chrome_trace, write_timeline_png  # noqa: E402
@@ -44,8 +44,8 @@ from hetshard.sim.simulator import annotate  # noqa: E402
 from hetshard.solver import PlannerOptions  # noqa: E402
 from hetshard.solver.baselines import BASELINES, run_baseline  # noqa: E402
 from hetshard.solver.uniform import stage_bounds  # noqa: E402
-from models import data, losses  # noqa: E402
-from models.steps import make_plan, profile  # noqa: E402
+from hetshard_models import data, losses  # noqa: E402
+from hetshard_models.steps import make_plan, profile  # noqa: E402
 
 BIG_MODEL, SEQ = "llama-13b", 2048
 BIG_CLUSTER, BIG_BATCH = "h100-a100-v100-x32", 256

@@ -35,8 +35,8 @@ from hetshard.cluster import Cluster
 from hetshard.cost.calibration import Calibration
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions
-from models import profile as profile_model
-from models.steps import make_plan
+from hetshard_models import profile as profile_model
+from hetshard_models.steps import make_plan
 
 MODEL = sp.MODELS["OPT-350"]
 SIZES = [(8, 24), (20, 60), (32, 96)]  # A100 nodes, V100 nodes (4 GPUs each)

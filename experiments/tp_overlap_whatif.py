@@ -29,8 +29,8 @@ from hetshard.cluster import preset  # noqa: E402
 from hetshard.cost.calibration import DEFAULT, Calibration  # noqa: E402
 from hetshard.sim import upper_bound_tokens_per_s  # noqa: E402
 from hetshard.solver import PlannerOptions  # noqa: E402
-from models import profile as profile_model  # noqa: E402
-from models.steps import make_plan  # noqa: E402
+from hetshard_models import profile as profile_model  # noqa: E402
+from hetshard_models.steps import make_plan  # noqa: E402
 
 # cluster, model, global batch, dtype, planning-time limit (the planner benchmark's)
 ROWS = [

@@ -108,7 +108,7 @@ def cmd_clusters(args) -> int:
 
 
 def _model_row(name: str, config) -> dict:
-    from models import PUBLISHED_PARAMS
+    from hetshard_models import PUBLISHED_PARAMS
     n = config.num_params()
     pub = PUBLISHED_PARAMS.get(name)
     row = {"name": name, "family": config.family, "params": n,
@@ -132,7 +132,7 @@ def _flat(d: dict, prefix: str = ""):
 def cmd_models(args) -> int:
     import dataclasses
 
-    import models
+    import hetshard_models as models
     if args.name:
         c = models.resolve(args.name)
         row = _model_row(args.name, c)
@@ -173,7 +173,7 @@ def _program(args, *, dtype_default: str | None = "bfloat16"):
     if is_factory(args.model):
         return load_program(args.model, seq_len=args.seq_len, dtype=dtype,
                             implied=getattr(args, "implied", ()))
-    from models import steps
+    from hetshard_models import steps
     return steps.program(args.model, seq_len=args.seq_len, dtype=dtype or dtype_default)
 
 

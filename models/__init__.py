@@ -12,11 +12,11 @@ import dataclasses
 import jax
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig
-from models.mllm import MLLM, MLLMConfig
-from models.presets import PRESETS, PUBLISHED_PARAMS
-from models.spec import parse_model_spec
-from models.vit import ViT, ViTConfig
+from .gpt import GPT, GPTConfig
+from .mllm import MLLM, MLLMConfig
+from .presets import PRESETS, PUBLISHED_PARAMS
+from .spec import parse_model_spec
+from .vit import ViT, ViTConfig
 
 ModelConfig = GPTConfig | ViTConfig | MLLMConfig
 _MODULES = {GPTConfig: GPT, ViTConfig: ViT, MLLMConfig: MLLM}
@@ -80,8 +80,8 @@ def param_count(model) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-from models import steps  # noqa: E402 (the zoo's train steps use the model classes above)
-from models.steps import example_batch, loss_of, profile, program, train_step  # noqa: E402
+from . import steps  # noqa: E402 (the zoo's train steps use the model classes above)
+from .steps import example_batch, loss_of, profile, program, train_step  # noqa: E402
 
 __all__ = ["GPT", "GPTConfig", "MLLM", "MLLMConfig", "ViT", "ViTConfig", "PRESETS",
            "PUBLISHED_PARAMS", "ModelConfig", "abstract", "build", "param_count", "resolve",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.mllm import IMAGE_TOKEN, MLLMConfig, pack
+from .mllm import IMAGE_TOKEN, MLLMConfig, pack
 
 
 def _sequence(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hetshard import SpecError
-from models.layers import (
+
+from .layers import (
     MLPS,
     NORMS,
     Block,

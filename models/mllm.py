@@ -19,8 +19,9 @@ from flax import nnx
 
 from hetshard import SpecError
 from hetshard.data import IMAGE_TOKEN  # one image-feature slot in a sample's tokens
-from models.gpt import GPT, GPTConfig
-from models.vit import ViT, ViTConfig
+
+from .gpt import GPT, GPTConfig
+from .vit import ViT, ViTConfig
 
 PROJECTORS = ("mlp", "linear")
 

@@ -27,9 +27,9 @@ Sources:
 
 from __future__ import annotations
 
-from models.gpt import GPTConfig
-from models.mllm import MLLMConfig
-from models.vit import ViTConfig
+from .gpt import GPTConfig
+from .mllm import MLLMConfig
+from .vit import ViTConfig
 
 _GPT3 = dict(vocab=50257, seq=2048)
 _LLAMA = dict(vocab=32000, pos="rope", norm="rmsnorm", mlp="swiglu", tied=False, bias=False,

@@ -15,9 +15,10 @@ import dataclasses
 import typing
 
 from hetshard import SpecError, SpecParseError, UnknownNameError
-from models.gpt import GPTConfig
-from models.mllm import MLLMConfig
-from models.vit import ViTConfig
+
+from .gpt import GPTConfig
+from .mllm import MLLMConfig
+from .vit import ViTConfig
 
 FAMILIES = {"gpt": GPTConfig, "vit": ViTConfig, "mllm": MLLMConfig}
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -43,7 +44,7 @@ def _coerce(cls, key: str, text: str, spec: str):
         except ValueError:
             raise SpecError(key, text, "a number", where=f"model spec {spec!r}") from None
     if base is ViTConfig or base is GPTConfig:
-        from models import resolve
+        from . import resolve
         cfg = resolve(text)
         if not isinstance(cfg, base):
             raise SpecError(key, text, f"a {base.__name__} preset or spec",

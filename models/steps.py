@@ -19,10 +19,11 @@ from flax import nnx
 
 import hetshard
 from hetshard import SpecError
-from models import losses
-from models.gpt import GPTConfig
-from models.mllm import MLLMConfig
-from models.vit import ViTConfig
+
+from . import losses
+from .gpt import GPTConfig
+from .mllm import MLLMConfig
+from .vit import ViTConfig
 
 
 def with_dtype(config, dtype: str | None):
@@ -100,9 +101,9 @@ def program_args(model, *, batch: int = 8, seq_len: int | None = None,
                  dtype: str | None = None, optimizer: optax.GradientTransformation | None
                  = None):
     """``(step, (model, optimizer, batch))`` for a zoo model, shape-only."""
-    import models
-    config = with_dtype(models.resolve(model), dtype)
-    m = models.abstract(config)
+    from . import abstract, resolve  # (the package's own, defined after this module)
+    config = with_dtype(resolve(model), dtype)
+    m = abstract(config)
     tx = optimizer if optimizer is not None else optax.adamw(1e-4)
     opt = nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), m)
     return train_step(loss_of(config)), (m, opt, example_batch(config, batch, seq_len))
@@ -112,8 +113,8 @@ def program_args(model, *, batch: int = 8, seq_len: int | None = None,
 def program(model, *, batch: int = 8, seq_len: int | None = None,
             dtype: str | None = None) -> hetshard.Program:
     """The zoo model's train step (AdamW) as a :class:`hetshard.Program`, shape-only."""
-    import models
-    config = with_dtype(models.resolve(model), dtype)
+    from . import resolve
+    config = with_dtype(resolve(model), dtype)
     step, args = program_args(config, batch=batch, seq_len=seq_len)
     return hetshard.Program(step, args, name=model if isinstance(model, str) else config.name)
 

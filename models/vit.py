@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hetshard import SpecError
-from models.layers import Block, block_params, make_norm, norm_params, positive_int, run_layers
+
+from .layers import Block, block_params, make_norm, norm_params, positive_int, run_layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,7 +212,7 @@ def test_auto_is_priced_at_the_chosen_kernels_rate():
 
 
 def test_a_stage_under_auto_costs_what_its_implementation_costs():
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     prof = profile_model("gpt:layers=2,hidden=256,heads=2,vocab=128,seq=1024", 1024,
                          "bfloat16")
     for gpu, impl in ((CATALOG["H100-80GB"], "cudnn"), (CATALOG["V100-32GB"], "reference")):

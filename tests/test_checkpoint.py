@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.checkpoint import CheckpointCorruptError, Checkpointer
 from hetshard.cluster import Cluster
 from hetshard.errors import SpecError
-from models import data, losses, steps
+from hetshard_models import data, losses, steps
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
 CLUSTER = {"name": "a100-x8", "groups": [{"name": "a", "gpu": "A100-80GB", "nodes": 1,
@@ -144,7 +144,7 @@ _CRASH = textwrap.dedent("""
     import os, signal, sys
     import optax
     from flax import nnx
-    import models
+    import hetshard_models as models
     import orbax.checkpoint._src.path.atomicity as atomicity
     from hetshard.checkpoint import Checkpointer
 

@@ -13,7 +13,7 @@ from hetshard.cost.calibration import DEFAULT
 from hetshard.cost.comm import COMBINE_BYTES, buckets, collective_time, topology
 from hetshard.errors import SpecError
 from hetshard.sim.simulator import simulate
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 
 def _nodes(n, fabric, *, gpn=8, intra=450.0, inter=400.0, gpu="H100-80GB"):

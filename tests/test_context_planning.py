@@ -18,7 +18,7 @@ from hetshard.solver.context import (
     mixed_context_plans,
     speed_chunks,
 )
-from models import steps
+from hetshard_models import steps
 
 SPEC = {"name": "h100-a100-x8", "inter_group_gbs": 50.0, "groups": [
     {"name": "fast", "gpu": "H100-80GB", "nodes": 1, "gpus_per_node": 4,
@@ -175,8 +175,8 @@ def test_a_mixed_context_plan_from_the_planner_trains_as_one_device():
     from flax import nnx
 
     import hetshard
-    import models
-    from models import data, losses
+    import hetshard_models as models
+    from hetshard_models import data, losses
     small = "gpt:layers=2,hidden=64,heads=4,vocab=64,seq=64"
     profile = profile_program(steps.program(small))
     cluster = Cluster.load(SPEC)

@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+import hetshard_models as models
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT, Calibration, Efficiency
 from hetshard.cost.comm import collective_time, p2p_time, topology
@@ -14,8 +14,8 @@ from hetshard.cost.stage import stage_cost
 from hetshard.errors import SpecError
 from hetshard.remat import REMATS
 from hetshard.rewrite.pipeline import remat_wrap, split_stages
-from models import profile as profile_model
-from models.steps import example_batch, loss_of
+from hetshard_models import profile as profile_model
+from hetshard_models.steps import example_batch, loss_of
 
 CAL = Calibration(default=Efficiency(comm_eff=0.5, intra_latency_s=1e-5,
                                      inter_latency_s=2e-5))
@@ -393,7 +393,7 @@ def _graph(spec):
 
     import hetshard
     from hetshard.ir.program import reduced_graph
-    from models import data, losses
+    from hetshard_models import data, losses
     model = models.build(spec, rngs=0)
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     batch = data.text_batch(np.random.default_rng(0), 2, 32, 128)

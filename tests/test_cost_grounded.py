@@ -19,7 +19,7 @@ from hetshard.errors import HetshardError, SpecError
 from hetshard.sim import simulate
 from hetshard.sim.simulator import layers_cost, upper_bound_tokens_per_s
 from hetshard.solver.uniform import parse_fix, uniform_plan
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 # published profiles, as published
 DATA = os.path.join(os.path.dirname(__file__), "..", "experiments", "data", "profiles")
@@ -180,7 +180,7 @@ def test_b_with_amps_profile_the_planner_leaves_tensor_parallelism_off_the_v100s
     # The finding: on AMP's V100 + T4 cluster the planner chose a tp=2 pipeline, whose
     # closest measured counterpart ran 3x slower than the best. AMP's measured blocks are
     # slower per GPU at tp=2 and tp=4 than at tp=1: with them the plan uses none.
-    from models.steps import make_plan
+    from hetshard_models.steps import make_plan
     cluster = Cluster.load("amp-t4-v100")
     plan = make_plan(AMP_MODEL, cluster, global_batch=32, seq_len=1024, dtype="float16",
                      calibration=Calibration.load(AMP), shardings=False)
@@ -372,7 +372,7 @@ def test_sailors_setting_the_planner_beats_sailors_plan_under_the_shared_profile
     import sailor_setting as ss
 
     from hetshard.solver import PlannerOptions
-    from models.steps import make_plan
+    from hetshard_models.steps import make_plan
     cal = Calibration.load(SAILOR)
     c = ss.cluster(8, 24)
     plan = make_plan(ss.MODEL, c, global_batch=1024, seq_len=2048, dtype="float32",

@@ -405,9 +405,9 @@ def _mm_samples(rng, spec, image_tokens=16):
 def test_multimodal_packed_arrays_equal_the_models_own_packer():
     """hetshard.data.packed_arrays of multimodal samples gives what models.mllm.pack
     (written for the model, first fit) gives for the same rows."""
-    import models
+    import hetshard_models as models
     from hetshard.data import target_count
-    from models.mllm import pack as mllm_pack
+    from hetshard_models.mllm import pack as mllm_pack
 
     config = models.resolve("llava-tiny")
     samples = _mm_samples(np.random.default_rng(0), ((13, 1), (7, 0), (5, 2), (3, 1)))
@@ -589,10 +589,10 @@ def _run_equals_one_device(cluster, groups, batches, model_name="llama-tiny", *,
     from flax import nnx
 
     import hetshard
-    import models
+    import hetshard_models as models
     from hetshard.data import run_batch_plan
-    from models.losses import packed_mllm_loss, packed_text_loss
-    from models.steps import train_step
+    from hetshard_models.losses import packed_mllm_loss, packed_text_loss
+    from hetshard_models.steps import train_step
 
     multimodal = model_name.startswith("llava")
     build = build or (lambda: models.build(model_name, rngs=0))
@@ -622,9 +622,9 @@ def test_packed_batches_under_hetshard_jit_equal_one_device_on_the_samples():
     from flax import nnx
 
     import hetshard
-    import models
-    from models.losses import packed_text_loss
-    from models.steps import train_step
+    import hetshard_models as models
+    from hetshard_models.losses import packed_text_loss
+    from hetshard_models.steps import train_step
 
     rng = np.random.default_rng(0)
     batches = []
@@ -830,7 +830,7 @@ _DGX_A100 = {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 300.0,
 
 @pytest.fixture(scope="module")
 def llama7b():
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     return profile_model("llama-7b", seq_len=4096)
 
 
@@ -947,7 +947,7 @@ def test_choose_groups_sizes_image_slots_from_the_data(llama7b):
     group_costs(images_per_row=) is checked."""
     from hetshard.data import choose_groups, group_costs
     from hetshard.data.planner import _capped
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
 
     vision = profile_model("vit-l14")
     cluster = _a100s(2)

@@ -246,7 +246,7 @@ _DGX = {"A100-80GB": {"gpu": "A100-80GB", "gpus_per_node": 8, "intra_node_gbs": 
 @pytest.fixture(scope="module")
 def mixed():
     from hetshard.cluster import Cluster
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     cluster = Cluster.from_dict({"name": "a100-v100", "inter_group_gbs": 100.0, "groups": [
         {"name": "a100", "nodes": 1, **_DGX["A100-80GB"]},
         {"name": "v100", "nodes": 1, **_DGX["V100-32GB"]}]})
@@ -447,7 +447,7 @@ def test_images_on_text_pipelines_and_too_many_images_are_refused():
 @pytest.fixture(scope="module")
 def with_encoders(mixed):
     from hetshard.cluster import Cluster
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     profile, _ = mixed
     cluster = Cluster.from_dict({"name": "a100-v100-enc", "inter_group_gbs": 100.0,
                                  "groups": [{"name": "a100", "nodes": 1, **_DGX["A100-80GB"]},
@@ -599,11 +599,11 @@ def _pipeline_plans_train_as_one_device(cluster, pipes, batches, pipelines,
     from test_data import _one_by_one
 
     import hetshard
-    import models
+    import hetshard_models as models
     from hetshard._plan import Pipeline, Plan, Stage
     from hetshard.data import pack, packed_arrays, run_pipeline_batch_plan
-    from models.losses import packed_mllm_loss, packed_text_loss
-    from models.steps import train_step
+    from hetshard_models.losses import packed_mllm_loss, packed_text_loss
+    from hetshard_models.steps import train_step
 
     seeing = model_name.startswith("llava")
     model = models.build(model_name, rngs=0)

@@ -10,12 +10,12 @@ import pytest
 from flax import nnx
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.elastic import StragglerMonitor, StragglerWarning, slowed
 from hetshard.errors import SpecError
-from models import data, losses, steps
+from hetshard_models import data, losses, steps
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
 CLUSTER = {"name": "a100-2x4", "groups": [
@@ -81,7 +81,7 @@ def test_an_injected_straggler_is_replanned_and_training_continues_equal_to_one_
 
 def test_monitor_needs_every_stage_time():
     pytest.importorskip("ortools")
-    from models.steps import program
+    from hetshard_models.steps import program
     prog = program(MODEL, batch=8, seq_len=32)
     m = StragglerMonitor(PLAN, prog, CLUSTER)
     with pytest.raises(SpecError, match="every"):

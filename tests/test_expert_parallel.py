@@ -400,7 +400,7 @@ def test_fix_ep_builds_an_expert_axis_and_refuses_what_does_not_divide():
 def test_zebra_puts_every_expert_half_on_the_older_type():
     from hetshard.solver import PlannerOptions
     from hetshard.solver.baselines import zebra_candidates
-    from models import steps
+    from hetshard_models import steps
     program = steps.program("deepseekmoe-16b", seq_len=256, dtype="bfloat16")
     from hetshard.cost.profile import profile_program
     halves = profile_program(program, split_blocks=True)
@@ -422,7 +422,7 @@ def test_zebra_puts_every_expert_half_on_the_older_type():
 def _mixtral_on_a100_v100():
     """Mixtral-8x7B's float16 step (shape-only, 4096 tokens) and two A100 nodes and two
     V100 nodes, 100 Gb/s between the types."""
-    from models import steps
+    from hetshard_models import steps
     group = {"nodes": 2, "gpus_per_node": 8}
     return (steps.program("mixtral-8x7b", seq_len=4096, dtype="float16"),
             Cluster.load({"name": "a100+v100-x32", "inter_group_gbs": 12.5, "groups": [
@@ -546,7 +546,7 @@ def test_a_skewed_router_gets_its_experts_placed_to_balance_the_ranks_where_it_p
     from hetshard.solver.evaluator import Evaluator
     from hetshard.solver.uniform import parse_fix, uniform_plan
     from hetshard.solver.variants import balanced_experts
-    from models import steps
+    from hetshard_models import steps
     program = steps.program("deepseekmoe-16b", seq_len=4096, dtype="bfloat16")
     cluster = Cluster.load("dgx-a100-80gb-x16")
     hist = (8.0,) * 4 + (1.0,) * 60

@@ -252,3 +252,26 @@ def test_the_per_batch_planners_are_one_family():
         for module, names in _imports(name, path, modules):
             if module in ("hetshard.data.planner", "hetshard.data.pipelines"):
                 assert not [n for n in names if n.startswith("_")], (name, module, names)
+
+
+def test_the_zoo_installs_as_hetshard_models_and_every_package_is_listed():
+    """``models/`` installs as ``hetshard_models`` (a top-level ``models`` would take a
+    name users' own packages have): pyproject maps it, lists every hetshard package (a
+    directory of modules left out would be missing from the wheel), and the zoo's own
+    imports are relative, so it works under the installed name."""
+    import tomllib
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {"hetshard_models": "models"}
+    tree = {".".join(p.relative_to(ROOT.parent).parts) for p in ROOT.rglob("*")
+            if p.is_dir() and any(p.glob("*.py"))}
+    assert set(config["packages"]) == tree | {"hetshard", "hetshard_models"}
+    absolute = []
+    for path in (ROOT.parent / "models").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and \
+                    (node.module or "").split(".")[0] == "models":
+                absolute.append(f"{path.name}: {node.module}")
+            elif isinstance(node, ast.Import) and any(
+                    a.name.split(".")[0] == "models" for a in node.names):
+                absolute.append(path.name)
+    assert absolute == []

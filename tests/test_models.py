@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard.kernels.reference import attention_reference
-from models import data
-from models.mllm import IMAGE_TOKEN, pack
+from hetshard_models import data
+from hetshard_models.mllm import IMAGE_TOKEN, pack
 
 TINY_LM = ["gpt-tiny", "llama-tiny", "moe-tiny"]
 
@@ -254,7 +254,7 @@ def test_the_zoos_mixture_of_experts_is_found_and_cuts_by_token():
     """moe-tiny (a dense first block, then a dropless MoE with a shared expert): hetshard
     finds its one MoE layer in the trace, stacked experts and all, and its loss treats
     the samples one by one."""
-    from models.steps import program
+    from hetshard_models.steps import program
     prog = program("moe-tiny", seq_len=16)
     (layer,) = prog.moe_layers
     assert (layer.experts, layer.k, layer.dispatch) == (4, 2, "dropless")

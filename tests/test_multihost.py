@@ -285,8 +285,8 @@ def test_a_killed_process_restarts_and_the_run_resumes_from_its_checkpoint(tmp_p
     import optax
     from flax import nnx
 
-    import models
-    from models import data, losses, steps
+    import hetshard_models as models
+    from hetshard_models import data, losses, steps
     out = io.StringIO()
     old = os.environ.copy()
     os.environ["HETSHARD_TIMEOUT_S"] = "5"

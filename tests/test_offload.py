@@ -23,8 +23,8 @@ from hetshard.errors import SpecError
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions
 from hetshard.solver.uniform import parse_fix, uniform_plan
-from models import profile as profile_model
-from models.steps import make_plan
+from hetshard_models import profile as profile_model
+from hetshard_models.steps import make_plan
 
 
 def _consumer(link=None, memory=None, gpus=4, gpu="RTX-4090"):

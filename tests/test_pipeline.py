@@ -12,14 +12,14 @@ import pytest
 from flax import nnx
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cluster import Cluster
 from hetshard.collectives import congruent, sum_across, sum_across_collective
 from hetshard.rewrite.pipeline import Remat, StageSplitError, run_sequential, split_stages
 from hetshard.runtime.pipeline import PipelineSetupError
 from hetshard.sim import simulate
-from models import data, losses
+from hetshard_models import data, losses
 
 CLUSTER = "h100-a100-v100-x8"  # devices 0-1 H100, 2-3 A100, 4-7 V100
 H, A, V = "H100-80GB", "A100-80GB", "V100-32GB"
@@ -579,7 +579,7 @@ def test_runtime_holds_the_memory_the_simulator_predicts(monkeypatch, spec, sche
     # inside one program, not a live array between tasks). (Vocabulary x hidden here is
     # the size of 4 micro-batches' activations: the profile tells them apart by shape.)
     import hetshard.runtime.walk as runtime
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     plan = _two_stage_plan(spec, schedule, remat=remat)
     walk, peaks = runtime.schedule_walk, {}
 

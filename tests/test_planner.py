@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import models
+import hetshard_models as models
 from hetshard._plan import Pipeline, Plan, Stage
 from hetshard.cli import main
 from hetshard.cluster import Cluster
@@ -41,8 +41,8 @@ from hetshard.solver.splits import (
     split_layers_mixed,
     with_partial,
 )
-from models import profile as profile_model
-from models.steps import make_plan as zoo_plan
+from hetshard_models import profile as profile_model
+from hetshard_models.steps import make_plan as zoo_plan
 
 A100 = Cluster.load("dgx-a100-80gb-x8").groups[0].gpu
 

@@ -20,7 +20,7 @@ from hetshard.errors import NonFiniteLossError, PlanNotExecutableError, SpecErro
 from hetshard.runtime.precision import DynamicLossScale
 from hetshard.sim import simulate
 from hetshard.solver import PlannerOptions, make_plan
-from models import data, losses, steps
+from hetshard_models import data, losses, steps
 
 CLUSTER = "h100-a100-v100-x8"  # devices 0-1 H100, 2-3 A100, 4-7 V100
 H, V = "H100-80GB", "V100-32GB"
@@ -54,7 +54,7 @@ def _batches(n=2):
 
 
 def _train(plan, steps_=3, nan_policy="skip", scale=None):
-    import models
+    import hetshard_models as models
     model = models.build(BF16, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
@@ -158,7 +158,7 @@ def test_a_non_finite_loss_is_not_taken_for_an_overflow():
 
 
 def test_a_nan_loss_under_loss_scaling_still_meets_the_nan_policy():
-    import models
+    import hetshard_models as models
     model = models.build(BF16, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
@@ -235,7 +235,7 @@ def test_bad_gpu_dtypes_are_refused_naming_the_field():
 
 
 def test_float16_stages_need_the_loss_call():
-    import models
+    import hetshard_models as models
     model = models.build(BF16, rngs=0)
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 

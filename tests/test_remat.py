@@ -9,7 +9,7 @@ import pytest
 import user_models
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard._plan import Plan
 from hetshard.cluster import Cluster
 from hetshard.cost.calibration import DEFAULT

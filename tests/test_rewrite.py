@@ -6,10 +6,10 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import models
+import hetshard_models as models
 from hetshard.errors import SpecError
 from hetshard.rewrite import count_attention, swap_attention
-from models import data
+from hetshard_models import data
 
 
 def _lm_loss(graphdef):

@@ -10,14 +10,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import hetshard
-import models
+import hetshard_models as models
 from hetshard import cache
 from hetshard._plan import SCHEMA_VERSION
 from hetshard.cluster import Cluster
 from hetshard.solver.shardings import attach_shardings
 from hetshard.solver.uniform import parse_fix, uniform_plan
-from models import data, losses
-from models import profile as profile_model
+from hetshard_models import data, losses
+from hetshard_models import profile as profile_model
 
 MODEL = "gpt-tiny"
 CLUSTER = "dgx-a100-80gb-x8"
@@ -558,8 +558,8 @@ def test_micro_steps_on_one_group_place_the_state_once_a_step(monkeypatch):
 
     from hetshard.data import group_costs, pack, packed_arrays
     from hetshard.data.runner import micro_step_plan
-    from models.losses import packed_text_loss
-    from models.steps import train_step
+    from hetshard_models.losses import packed_text_loss
+    from hetshard_models.steps import train_step
     hjit = importlib.import_module("hetshard.runtime.micro_steps")
 
     cluster = Cluster.from_dict({"name": "one", "groups": [
@@ -608,8 +608,8 @@ def test_a_row_over_a_whole_group_keeps_the_state_sharded_over_the_group():
     from hetshard.data import Row, group_costs, packed_arrays
     from hetshard.data.runner import micro_step_plan
     from hetshard.layout import mesh_of, state_shardings
-    from models.losses import packed_text_loss
-    from models.steps import train_step
+    from hetshard_models.losses import packed_text_loss
+    from hetshard_models.steps import train_step
 
     cluster = Cluster.from_dict({"name": "one", "groups": [
         {"name": "g", "gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4}]})

@@ -42,7 +42,7 @@ from hetshard.sim.schedule import (
 )
 from hetshard.sim.simulator import _slowest, annotate, layers_cost, worker_memory
 from hetshard.solver.uniform import parse_fix, spread, stage_bounds, uniform_plan
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
 

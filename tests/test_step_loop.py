@@ -135,8 +135,8 @@ def test_a_step_returns_before_its_batch_exists(path):
 
 @pytest.mark.parametrize("layout", ["spmd", pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_a_loss_scaled_step_returns_before_its_batch_exists_and_halves_on_overflow(layout):
-    import models
-    from models import data, losses
+    import hetshard_models as models
+    from hetshard_models import data, losses
     bf16 = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=64,dtype=bfloat16"
     n = 6
     stages = {"spmd": (Stage(0, n, (4, 5, 6, 7), V, (("data", 4),)),),
@@ -364,7 +364,7 @@ def test_host_time_counts_each_nodes_tasks(device_only):
     from hetshard.cost.calibration import DEFAULT
     from hetshard.sim import simulate
     from hetshard.sim.simulator import dispatched_tasks, host_time_s
-    from models import profile as profile_model
+    from hetshard_models import profile as profile_model
     spec = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
     c = Cluster.from_dict({"name": "two-by-two", "groups": [  # nodes of 4
         {"name": "a", "gpu": "A100-80GB", "nodes": 2, "gpus_per_node": 4},

@@ -3,10 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+import hetshard_models as models
 from hetshard.ir.program import traced_graph
 from hetshard.ir.trace import layer_of, phase_of, trace
-from models import profile as profile_model
+from hetshard_models import profile as profile_model
 
 
 def trace_train_step(config, *, micro_batch, seq_len, dtype):

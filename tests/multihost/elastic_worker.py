@@ -23,9 +23,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import hetshard  # noqa: E402
-import models  # noqa: E402
+import hetshard_models as models  # noqa: E402
 from hetshard.checkpoint import Checkpointer  # noqa: E402
-from models import data, losses, steps  # noqa: E402
+from hetshard_models import data, losses, steps  # noqa: E402
 
 MODEL = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32"
 CLUSTER = {"name": "two-hosts", "inter_group_gbs": 25.0, "groups": [

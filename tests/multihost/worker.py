@@ -23,12 +23,12 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import hetshard  # noqa: E402
-import models  # noqa: E402
+import hetshard_models as models  # noqa: E402
 from hetshard._plan import Pipeline, Plan, Stage  # noqa: E402
 from hetshard.errors import DeviceBindingError  # noqa: E402
 from hetshard.solver.uniform import parse_fix, uniform_plan  # noqa: E402
-from models import data, losses  # noqa: E402
-from models import profile as profile_model  # noqa: E402
+from hetshard_models import data, losses  # noqa: E402
+from hetshard_models import profile as profile_model  # noqa: E402
 
 MODEL = "gpt-tiny"
 
