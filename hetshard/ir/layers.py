@@ -42,6 +42,7 @@ import hashlib
 import math
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from jax.extend import core as ext
@@ -311,7 +312,7 @@ def _best_repeat(sig: np.ndarray, flops: np.ndarray, lo: int, hi: int, total: fl
     shortest period among equals), or None."""
     a = sig[lo:hi]
     m = len(a)
-    best = None
+    best, most = None, 0
     cum = np.concatenate(([0.0], np.cumsum(flops)))
     for p in range(1, m // 2 + 1):
         s, r = _longest_run(a[:-p] == a[p:])
@@ -322,26 +323,24 @@ def _best_repeat(sig: np.ndarray, flops: np.ndarray, lo: int, hi: int, total: fl
         if cum[start + p] - cum[start] < _MIN_BLOCK_SHARE * total:
             continue
         cover = count * p
-        if best is None or cover > best[3]:
-            best = (start, p, count, cover, r)
-    if best is None:
-        return None
-    return best[0], best[1], best[4]
+        if cover > most:
+            most, best = cover, (start, p, r)
+    return best
 
 
 def _rotate(start: int, period: int, run: int, live: np.ndarray) -> tuple[int, int]:
     """(first block start, block count) of a repeat whose equations are periodic over
     ``[start, start + run + period)``: the rotation keeping the most whole blocks, then
     the fewest bytes crossing the cut between two blocks, then the earliest."""
-    best = None
+    best = least = None
     for r in range(period):
         count = (run + period - r) // period
         if count < 2:
             continue
         key = (-count, live[start + r + period], r)
-        if best is None or key < best[0]:
-            best = (key, start + r, count)
-    return best[1], best[2]
+        if least is None or key < least:
+            least, best = key, (start + r, count)
+    return best
 
 
 def _cost_cuts(lo: int, hi: int, flops: np.ndarray, live: np.ndarray,
@@ -387,7 +386,7 @@ def _by_structure(jaxpr, sig, flops, live) -> tuple[list[tuple], str]:
         first, count = _rotate(start, period, run, live)
         search(lo, first)
         inner = _best_repeat(sig, flops, first, first + period, total)
-        if inner is not None and cum[inner[0] + inner[1] + inner[2]] - cum[inner[0]] >= \
+        if inner is not None and cum[sum(inner)] - cum[inner[0]] >= \
                 _NESTED_SHARE * (cum[first + period] - cum[first]):
             # A repeat of repeats (one model run twice: a distillation's teacher beside
             # its student, DPO's reference model beside its policy): each run's blocks
@@ -401,7 +400,7 @@ def _by_structure(jaxpr, sig, flops, live) -> tuple[list[tuple], str]:
     search(0, n)
     repeats.sort()
     block = max((float(flops[f:f + p].sum()) for f, p, _ in repeats), default=0.0)
-    segments: list[tuple] = []
+    segments: list[_Part] = []
 
     def plain(lo, hi):
         if hi <= lo:
@@ -415,37 +414,47 @@ def _by_structure(jaxpr, sig, flops, live) -> tuple[list[tuple], str]:
             pieces = min(MAX_COST_LAYERS, max(1, dense // 2))
         bounds = [lo, *_cost_cuts(lo, hi, flops, live, pieces), hi]
         for a, b in zip(bounds, bounds[1:], strict=False):
-            segments.append((a, b, -1, 0))
+            segments.append(_Part(a, b, -1, 0))
 
     at = 0
     for stack, (first, period, count) in enumerate(repeats):
         plain(at, first)
         for j in range(count):
-            segments.append((first + j * period, first + (j + 1) * period, stack, j))
+            segments.append(_Part(first + j * period, first + (j + 1) * period, stack, j))
         at = first + period * count
     plain(at, n)
     source = "structure" if repeats else "cost"
     return segments, source
 
 
-def _merge_small(segments: list[tuple], flops: np.ndarray) -> list[tuple]:
+class _Part(NamedTuple):
+    """A stretch of equations ``[lo, hi)``: block ``position`` of repeat ``stack``, or
+    outside every repeat (``stack`` -1)."""
+
+    lo: int
+    hi: int
+    stack: int
+    position: int
+
+
+def _merge_small(segments: list[_Part], flops: np.ndarray) -> list[_Part]:
     """Stretches outside repeats with (almost) no flops join the layer before them (the
     loss's scalar tail joins the head), or after them at the start."""
-    out: list[tuple] = []
+    out: list[_Part] = []
     total = float(flops.sum()) or 1.0
+
+    def tiny(seg: _Part) -> bool:
+        return seg.stack < 0 and float(flops[seg.lo:seg.hi].sum()) < 1e-4 * total
     for seg in segments:
-        lo, hi, stack, _ = seg
-        tiny = stack < 0 and float(flops[lo:hi].sum()) < 1e-4 * total
-        if tiny and out:
-            plo, _, pstack, ppos = out[-1]
-            out[-1] = (plo, hi, pstack, ppos) if pstack < 0 else out[-1]
-            if pstack >= 0:
+        if tiny(seg) and out:
+            if out[-1].stack < 0:
+                out[-1] = out[-1]._replace(hi=seg.hi)
+            else:
                 out.append(seg)
             continue
         out.append(seg)
-    if len(out) > 1 and out[0][2] < 0 and float(flops[out[0][0]:out[0][1]].sum()) < \
-            1e-4 * total and out[1][2] < 0:
-        out[1] = (out[0][0], out[1][1], -1, 0)
+    if len(out) > 1 and tiny(out[0]) and out[1].stack < 0:
+        out[1] = _Part(out[0].lo, out[1].hi, -1, 0)
         out.pop(0)
     return out
 
@@ -499,7 +508,7 @@ def discover(closed, split_blocks: bool = False,
     else:
         parts, source = _by_structure(jaxpr, sig, flops, live)
         parts = _merge_small(parts, flops)
-        segments = [(a, b) for a, b, _, _ in parts]
+        segments = [(part.lo, part.hi) for part in parts]
         kinds = [_kind(sigs[a:b]) for a, b in segments]
         stacks, positions = _stacks_of(kinds)
         if len(segments) == 1:

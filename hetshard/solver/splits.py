@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -206,14 +207,33 @@ def _choice(remat: str, table, a: int, b: int, k: int | None):
     return "none" if k == 0 else "full" if k == b - a else ("full", k)
 
 
-def option_cost(table, a: int, b: int, inflight: int, cap: float):
-    """(time, k) of stage ``[a, b)`` with the option's fastest way to fit (k: recomputed
-    layers of a partial remat, else None), or None when it does not fit."""
+class Fit(NamedTuple):
+    """A stage's time under an option that fits, and the layers a partial remat
+    recomputes to fit (None: a plain option)."""
+
+    time_s: float
+    recomputed: int | None
+
+
+def option_cost(table, a: int, b: int, inflight: int, cap: float) -> Fit | None:
+    """Stage ``[a, b)`` with the option's fastest way to fit, or None when it does not
+    fit."""
     if isinstance(table, PartialRemat):
         times, ks = table.front(a, inflight, cap)
-        return (times[b - a - 1], ks[b - a - 1]) if b - a <= len(times) else None
-    return (table[0][b] - table[0][a], None) if stage_fits(table, a, b, inflight, cap) \
+        return Fit(times[b - a - 1], ks[b - a - 1]) if b - a <= len(times) else None
+    return Fit(table[0][b] - table[0][a], None) if stage_fits(table, a, b, inflight, cap) \
         else None
+
+
+def _fastest(row, a: int, b: int, inflight: int, cap: float):
+    """(time, choice) of the fastest of a stage's options (remat, table) that fits
+    ``[a, b)``, or None."""
+    best = None
+    for remat, table in row:
+        fit = option_cost(table, a, b, inflight, cap)
+        if fit is not None and (best is None or fit.time_s < best[0]):
+            best = (fit.time_s, _choice(remat, table, a, b, fit.recomputed))
+    return best
 
 
 def option_parts(table, a: int, b: int, k: int | None):
@@ -315,12 +335,18 @@ def split_layers(stages, n_layers: int, caps):
     return None if got is None else got[:2]
 
 
+class _Reach(NamedTuple):
+    end: int
+    time_s: float
+    choice: object
+
+
 def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: float,
-                 memo: dict | None):
-    """(end, time, choice): among a stage's options (remat, table), the one reaching
-    furthest from ``start`` (end <= ``limit``) within ``t_max`` and memory, the fastest
-    of those; None when none fits a layer. Every end up to it fits too (time and memory
-    grow with the end for every option)."""
+                 memo: dict | None) -> _Reach | None:
+    """Among a stage's options (remat, table), the one reaching furthest from ``start``
+    (end <= ``limit``) within ``t_max`` and memory, the fastest of those; None when none
+    fits a layer. Every end up to it fits too (time and memory grow with the end for
+    every option)."""
     best = None  # (end, -time, choice)
     for remat, table in row:
         if isinstance(table, PartialRemat):
@@ -336,7 +362,7 @@ def _stage_reach(row, start: int, limit: int, t_max: float, inflight: int, cap: 
             t = table[0][reach] - table[0][start]
         if best is None or (reach, -t) > best[:2]:
             best = (reach, -t, _choice(remat, table, start, reach, k))
-    return None if best is None else (best[0], -best[1], best[2])
+    return None if best is None else _Reach(best[0], -best[1], best[2])
 
 
 def _inflight(p: int, s: int, ahead: int) -> int:
@@ -358,11 +384,11 @@ def _pack_mixed(t_max: float, options, n_layers: int, caps, memo: dict | None = 
     for s, row in enumerate(options):
         got = _stage_reach(row, start, n_layers - (p - s - 1), t_max, _inflight(p, s, ahead),
                            caps[s], memo)
-        if got is None or (s == p - 1 and got[0] != n_layers):
+        if got is None or (s == p - 1 and got.end != n_layers):
             return None
-        bounds.append((start, got[0]))
-        picked.append((got[2], got[1]))
-        start = got[0]
+        bounds.append((start, got.end))
+        picked.append((got.choice, got.time_s))
+        start = got.end
     return bounds, picked
 
 
@@ -388,21 +414,16 @@ def _pack_exact(t_max: float, options, n_layers: int, caps, memo: dict | None = 
         for a in range(s, limit):
             got = _stage_reach(options[s], a, limit, t_max, _inflight(p, s, ahead), caps[s],
                                memo)
-            if got is not None and below[got[0]] > a:
+            if got is not None and below[got.end] > a:
                 now[a] = True
-                ends[s][a] = below[got[0]]
+                ends[s][a] = below[got.end]
         feasible = now
     if not feasible[0]:
         return None
     bounds, picked, start = [], [], 0
     for s, row in enumerate(options):
         end = ends[s][start]
-        fitting = []
-        for remat, table in row:
-            cost = option_cost(table, start, end, _inflight(p, s, ahead), caps[s])
-            if cost is not None:
-                fitting.append((cost[0], _choice(remat, table, start, end, cost[1])))
-        t, choice = min(fitting, key=lambda x: x[0])
+        t, choice = _fastest(row, start, end, _inflight(p, s, ahead), caps[s])
         bounds.append((start, end))
         picked.append((choice, t))
         start = end
@@ -473,12 +494,7 @@ def pareto_splits(options, n_layers: int, caps):
     def stage_best(s: int, a: int, b: int):
         key = (s, a, b)
         if key not in best:
-            fitting = []
-            for remat, tab in options[s]:
-                cost = option_cost(tab, a, b, p - s, caps[s])
-                if cost is not None:
-                    fitting.append((cost[0], _choice(remat, tab, a, b, cost[1])))
-            best[key] = min(fitting, key=lambda x: x[0]) if fitting else None
+            best[key] = _fastest(options[s], a, b, p - s, caps[s])
         return best[key]
 
     for cuts in itertools.combinations(range(1, n_layers), p - 1):
@@ -488,8 +504,9 @@ def pareto_splits(options, n_layers: int, caps):
             got = stage_best(s, a, b)
             if got is None:
                 break
-            times.append(got[0])
-            remats.append(got[1])
+            t, choice = got
+            times.append(t)
+            remats.append(choice)
         else:
             points.append((sum(times), max(times), bounds, times, remats))
     points.sort(key=lambda t: (t[0], t[1]))
