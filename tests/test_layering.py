@@ -277,10 +277,16 @@ def test_the_zoo_installs_as_hetshard_models_and_every_package_is_listed():
     """``models/`` installs as ``hetshard_models`` (a top-level ``models`` would take a
     name users' own packages have): pyproject maps it, lists every hetshard package (a
     directory of modules left out would be missing from the wheel), and the zoo's own
-    imports are relative, so it works under the installed name."""
+    imports are relative, so it works under the installed name. The installed version is
+    the package's own (pyproject holds none)."""
+    import importlib.metadata
     import tomllib
-    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    config = project["tool"]["setuptools"]
     assert config["package-dir"] == {"hetshard_models": "models"}
+    # one version string: hetshard/_version.py's, read by setuptools
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert importlib.metadata.version("hetshard") == hetshard.__version__
     tree = {".".join(p.relative_to(ROOT.parent).parts) for p in ROOT.rglob("*")
             if p.is_dir() and any(p.glob("*.py"))}
     assert set(config["packages"]) == tree | {"hetshard", "hetshard_models"}
