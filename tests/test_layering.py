@@ -151,6 +151,18 @@ def test_the_architecture_page_names_every_module():
     assert missing == []
 
 
+def test_the_docs_give_the_plan_schema_the_code_writes():
+    import re
+
+    from hetshard._plan import SCHEMA_VERSION
+    docs = ROOT.parent / "docs"
+    assert re.findall(r"schema (\d+):", (docs / "architecture.md").read_text()) == \
+        [str(SCHEMA_VERSION)]
+    page = (docs / "plan-format.md").read_text()
+    assert page.startswith(f"# Plan format (schema version {SCHEMA_VERSION})")
+    assert f'{{"version": {SCHEMA_VERSION}, ' in page
+
+
 def test_no_module_reads_a_name_from_the_package_itself():
     """No arrow back up: a module imports the package's submodules, never a name the
     package's ``__init__`` defines (``from hetshard import __version__`` would run the
