@@ -108,9 +108,9 @@ def cmd_clusters(args) -> int:
 
 
 def _model_row(name: str, config) -> dict:
-    published = _zoo().PUBLISHED_PARAMS
+    from hetshard_models import PUBLISHED_PARAMS
     n = config.num_params()
-    pub = published.get(name)
+    pub = PUBLISHED_PARAMS.get(name)
     row = {"name": name, "family": config.family, "params": n,
            "published_params": pub[0] if pub else None,
            "relative_error": (n / pub[0] - 1) if pub else None}
@@ -129,27 +129,10 @@ def _flat(d: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-def _zoo():
-    """The model zoo: the installed ``hetshard_models``, or, in a checkout nobody
-    installed, its ``models/`` under that name (``experiments/hetshard_models.py``)."""
-    try:
-        import hetshard_models
-    except ModuleNotFoundError:
-        import importlib.util
-        shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "experiments", "hetshard_models.py")
-        if not os.path.exists(shim):
-            raise
-        spec = importlib.util.spec_from_file_location("_hetshard_models_shim", shim)
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        import hetshard_models
-    return hetshard_models
-
-
 def cmd_models(args) -> int:
     import dataclasses
 
-    models = _zoo()
+    import hetshard_models as models
     if args.name:
         c = models.resolve(args.name)
         row = _model_row(args.name, c)
@@ -190,7 +173,7 @@ def _program(args, *, dtype_default: str | None = "bfloat16"):
     if is_factory(args.model):
         return load_program(args.model, seq_len=args.seq_len, dtype=dtype,
                             implied=getattr(args, "implied", ()))
-    steps = _zoo().steps
+    from hetshard_models import steps
     return steps.program(args.model, seq_len=args.seq_len, dtype=dtype or dtype_default)
 
 

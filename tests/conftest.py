@@ -10,16 +10,12 @@ import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# The checkout's own zoo as ``hetshard_models`` (whatever is installed):
-# experiments/hetshard_models.py loads models/ under that name. The processes tests start
-# (multi-process workers, the CLI) find the checkout and that file first on their path.
-_ROOT = pathlib.Path(__file__).parent.parent
-_SHIM = _ROOT / "experiments" / "hetshard_models.py"
+# The checkout's own zoo as ``hetshard_models``, whatever is installed (as ``models`` was
+# found from the checkout before it took its installed name): experiments/hetshard_models.py
+# loads models/ under that name.
+_SHIM = pathlib.Path(__file__).parent.parent / "experiments" / "hetshard_models.py"
 _spec = importlib.util.spec_from_file_location("_hetshard_models_shim", _SHIM)
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(_ROOT), str(_SHIM.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
 # XLA CPU's LLVM back end at its lowest optimisation level: the tests' programs are tiny
 # and compiled once or twice each, so compiling dominates their time (a third of the
 # suite's on 2 cores, measured). The HLO passes (fusion, scheduling, memory) are the same,

@@ -725,7 +725,7 @@ def _plan_batch(lengths, groups, images, cluster, cal, method, max_context, roun
     pricers = [_Pricer(g, cluster, cal) for g in groups]
     n = np.array([g.n for g in groups], dtype=np.float64)
     if method in ("pad", "fixed-cp"):
-        # rows of the largest bucket shared in proportion to each group's speed on one
+        # rows of the largest bucket shared in proportion to each group's speed on them
         slots = None if img is None else min(g.images_of(top) for g in groups)
         speeds = np.array([g.n / (g.token_s * top + g.attention_s * top ** 2)
                            for g in groups])
