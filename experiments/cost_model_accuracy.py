@@ -455,6 +455,12 @@ def summarize(rows, fit_rows=frozenset(), gpus_per_node: int = 8):
         out["others_median_abs_error"] = {
             k: float(np.median([abs(r["others"][k] / r["measured_step_s"] - 1)
                                 for r in rows if k in r["others"]])) for k in others}
+        # the other simulators' ranking by efficiency on the rows each priced, the
+        # measure issue 49 sets at 0.9 (Sailor's own rows carry their predictions)
+        out["others_spearman_efficiency"] = {
+            k: spearman([r["model_tflop_per_gpu"] / r["others"][k] for r in mine],
+                        [r["model_tflop_per_gpu"] / r["measured_step_s"] for r in mine])
+            for k in others for mine in [[r for r in rows if k in r["others"]]]}
     return out
 
 
@@ -467,7 +473,8 @@ def print_set(name, summary, rows):
     print("   by nodes: " + ", ".join(f"{n}: {v['median_error']:+.1%} ({v['rows']})"
                                      for n, v in summary["by_nodes"].items()))
     for k, v in summary.get("others_median_abs_error", {}).items():
-        print(f"   {k} median |error| {v:.1%}")
+        print(f"   {k} median |error| {v:.1%}, Spearman of efficiency "
+              f"{summary['others_spearman_efficiency'][k]:.3f}")
     for r in rows:
         tag = " fit" if r["fitted"] else ""
         print(f"   {r['row']:<44} measured {r['measured_step_s']:9.3f} s  predicted "

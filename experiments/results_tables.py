@@ -67,13 +67,16 @@ def accuracy(lines, data):
     rows = []
     for name, d in data["sets"].items():
         s = d["summary"]
-        others = ", ".join(f"{k} {v:.1%}" for k, v in
-                           sorted(s.get("others_median_abs_error", {}).items()))
+        ranked = s.get("others_spearman_efficiency", {})
+        others = ", ".join(f"{k} {v:.1%}" + (f" / {ranked[k]:.2f}" if k in ranked else "")
+                           for k, v in sorted(s.get("others_median_abs_error", {}).items()))
         rows.append([name, s["rows_held_out"], ", ".join(s["fit_rows"]) or "none",
                      f"{s['median_abs_error']:.1%}", f"{s['mean_abs_error']:.1%}",
-                     f"{s['max_abs_error']:.1%}", f"{s['spearman']:.2f}", others or "-"])
+                     f"{s['max_abs_error']:.1%}", f"{s['spearman']:.2f}",
+                     f"{s['spearman_efficiency']:.2f}", others or "-"])
     lines += _table(["set", "rows held out", "fit rows", "median abs. error",
-                     "mean abs. error", "max abs. error", "Spearman", "others (median)"],
+                     "mean abs. error", "max abs. error", "Spearman",
+                     "Spearman of efficiency", "others (median error / of efficiency)"],
                     rows)
     by_nodes = [[name, ", ".join(f"{n}: {v['median_error']:+.1%} ({v['rows']})"
                                  for n, v in d["summary"]["by_nodes"].items())]

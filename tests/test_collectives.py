@@ -224,3 +224,10 @@ def test_a_sync_runs_as_xlas_buckets_each_paying_its_latency_and_size(gpt):
                for _, b in pieces)
     assert s0.end_s - s0.start_s == pytest.approx(want)
     assert want > 1.01 * collective_time("all_reduce", total, topo, DEFAULT, "A100-80GB")
+    # the simulator's runs of equal buckets are exactly those collectives, in order
+    from hetshard.sim.simulator import sync_buckets
+    runs = sync_buckets(gpt, 0, gpt.num_layers, total)
+    expanded = [(k, b) for k, b, m in runs for _ in range(m)]
+    assert [k for k, _ in expanded] == [k for k, _ in pieces]
+    assert [b for _, b in expanded] == pytest.approx([b for _, b in pieces])
+    assert len(runs) < len(pieces) and all(m >= 1 for _, _, m in runs)

@@ -669,9 +669,9 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                         return collective_time(kind, b, topo, cal, slowest, rings)
                 # In XLA's combined buckets (``buckets``), each its own collective.
                 pieces = sync_buckets(profile, st.start, st.end, c.grad_sync_bytes)
-                t_sync = sum(price(b) for _, b in pieces)
-                t_gather = sum(collective_time("all_gather", b, topo, cal, slowest, rings)
-                               for _, b in pieces) if zero1 else 0.0
+                t_sync = sum(m * price(b) for _, b, m in pieces)
+                t_gather = sum(m * collective_time("all_gather", b, topo, cal, slowest, rings)
+                               for _, b, m in pieces) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
                 # with overlap, each layer's gradients stream once the last backward has
                 # produced them (``_streamed_sync``), on every holder.
@@ -802,14 +802,23 @@ def _tied_transfers(pipe, costs, names: dict, profile: ModelProfile, cluster: Cl
 
 
 def sync_buckets(profile: ModelProfile, start: int, end: int,
-                 total: float) -> list[tuple[int, float]]:
+                 total: float) -> list[tuple[int, float, int]]:
     """The collectives of the gradient sync of layers ``[start, end)``, ``total`` bytes
     a device: per layer, last layer first (the order the backward produces them), in
     proportion to the layers' parameters, combined as XLA combines them
-    (``hetshard.cost.comm.buckets``: (the piece that completes a bucket, bytes))."""
+    (``hetshard.cost.comm.buckets``), as runs ``(the piece that completes them, bytes
+    each, how many)``: a layer above the combine threshold is hundreds of equal
+    collectives (a mixture of experts' layer of gigabytes), priced once."""
     size = [max(layer.param_bytes, 0.0) for layer in profile.layers[start:end]]
     whole = sum(size)
-    return buckets([total] if whole <= 0 else [total * b / whole for b in reversed(size)])
+    runs: list[tuple[int, float, int]] = []
+    for k, b in buckets([total] if whole <= 0 else
+                        [total * b / whole for b in reversed(size)]):
+        if runs and runs[-1][:2] == (k, b):
+            runs[-1] = (k, b, runs[-1][2] + 1)
+        else:
+            runs.append((k, b, 1))
+    return runs
 
 
 def sync_time(kind: str, profile: ModelProfile, start: int, end: int, total: float,
@@ -818,20 +827,21 @@ def sync_time(kind: str, profile: ModelProfile, start: int, end: int, total: flo
     "all_reduce" or, sharded state, "reduce_scatter") over ``topo``, not overlapped: one
     collective per bucket (``sync_buckets``), as the simulator prices a stage's sync.
     The per-batch planner (``hetshard.data``) prices its groups' syncs with it."""
-    return sum(collective_time(kind, b, topo, cal, gpu_name, rings)
-               for _, b in sync_buckets(profile, start, end, total))
+    return sum(m * collective_time(kind, b, topo, cal, gpu_name, rings)
+               for _, b, m in sync_buckets(profile, start, end, total))
 
 
 def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, pieces,
                    price) -> float:
     """When a stage's overlapped gradient sync ends: its last backward produces the
     layers' gradients last layer first, each holder's at its share of the backward's
-    compute (the layers' flops), and each bucket of them (``pieces``: (the layer, last
-    first, that completes it; bytes), ``hetshard.cost.comm.buckets``) crosses the
+    compute (the layers' flops), and each bucket of them (``pieces``: ``sync_buckets``'
+    runs, (the layer, last first, that completes them; bytes each; how many)) crosses the
     network, ``price(bytes)`` seconds, once every holder has it and the buckets before
-    it have crossed. So only the backward that runs after a bucket is ready hides it:
-    the first layers' sync (the last gradients produced, often the embedding's) is
-    exposed after the backward ends."""
+    it have crossed (a run of ``m`` equal buckets, ``sync_buckets``, back to back). So
+    only the backward that runs after a bucket is ready hides it: the first layers' sync
+    (the last gradients produced, often the embedding's) is exposed after the backward
+    ends."""
     layers = profile.layers[stage.start:stage.end]
     work = [max(layer.flops(1), 0.0) for layer in reversed(layers)]
     total_work = sum(work)
@@ -842,10 +852,10 @@ def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, piec
         acc += w / total_work if total_work > 0 else 1.0 / len(work)
         done.append(min(acc, 1.0))
     t = free
-    for k, nbytes in pieces:
+    for k, nbytes, m in pieces:
         frac = done[k] if k < len(done) else 1.0
         ready = max(a + (b - a) * frac for a, b in zip(starts, ends, strict=True))
-        t = max(t, ready) + price(nbytes)
+        t = max(t, ready) + m * price(nbytes)
     return t
 
 
