@@ -25,6 +25,7 @@ runtime writes it beside the old (``worker_memory``, ``update_kind``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from hetshard import progress
 from hetshard._plan import Plan, Predicted, data_ways, stage_dtype
@@ -669,9 +670,10 @@ def simulate(plan: Plan, profile: ModelProfile, cluster: Cluster,
                         return collective_time(kind, b, topo, cal, slowest, rings)
                 # In XLA's combined buckets (``buckets``), each its own collective.
                 pieces = sync_buckets(profile, st.start, st.end, c.grad_sync_bytes)
-                t_sync = sum(m * price(b) for _, b, m in pieces)
-                t_gather = sum(m * collective_time("all_gather", b, topo, cal, slowest, rings)
-                               for _, b, m in pieces) if zero1 else 0.0
+                t_sync = _run_sum((price(b), m) for _, b, m in pieces)
+                t_gather = _run_sum((collective_time("all_gather", b, topo, cal, slowest,
+                                                     rings), m)
+                                    for _, b, m in pieces) if zero1 else 0.0
                 # Gradients are complete once every holder finished its last backward;
                 # with overlap, each layer's gradients stream once the last backward has
                 # produced them (``_streamed_sync``), on every holder.
@@ -827,8 +829,15 @@ def sync_time(kind: str, profile: ModelProfile, start: int, end: int, total: flo
     "all_reduce" or, sharded state, "reduce_scatter") over ``topo``, not overlapped: one
     collective per bucket (``sync_buckets``), as the simulator prices a stage's sync.
     The per-batch planner (``hetshard.data``) prices its groups' syncs with it."""
-    return sum(m * collective_time(kind, b, topo, cal, gpu_name, rings)
-               for _, b, m in sync_buckets(profile, start, end, total))
+    return _run_sum((collective_time(kind, b, topo, cal, gpu_name, rings), m)
+                    for _, b, m in sync_buckets(profile, start, end, total))
+
+
+def _run_sum(runs) -> float:
+    """The sum of ``(value, count)`` runs, added one by one as ``sum`` adds the pieces
+    they stand for (the same float, whatever the count: a plan's price does not move by
+    a rounding when its pieces are grouped)."""
+    return sum(itertools.chain.from_iterable(itertools.repeat(v, m) for v, m in runs))
 
 
 def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, pieces,
@@ -855,7 +864,10 @@ def _streamed_sync(profile: ModelProfile, stage, starts, ends, free: float, piec
     for k, nbytes, m in pieces:
         frac = done[k] if k < len(done) else 1.0
         ready = max(a + (b - a) * frac for a, b in zip(starts, ends, strict=True))
-        t = max(t, ready) + m * price(nbytes)
+        cost = price(nbytes)
+        t = max(t, ready) + cost
+        for _ in range(m - 1):  # (added one by one: see _run_sum)
+            t += cost
     return t
 
 
