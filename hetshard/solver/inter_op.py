@@ -66,6 +66,7 @@ from hetshard.cost.calibration import DEFAULT, Calibration
 from hetshard.cost.profile import ModelProfile
 from hetshard.errors import SpecError
 from hetshard.offload import split_key
+from hetshard.sim.simulator import annotate
 from hetshard.solver.baselines import (
     amp_like,
     group_uniform_candidates,
@@ -101,12 +102,13 @@ def plan_offloads(plan: Plan) -> bool:
 
 def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: int,
          seq_len: int, cal: Calibration = DEFAULT, options: PlannerOptions | None = None,
-         extra_candidates: tuple[Plan, ...] = (), with_bare: bool = False):
+         extra_candidates: tuple[Plan, ...] = (), with_starts: bool = False):
     """The best plan found for ``model`` on ``cluster`` (see the module docstring).
     Under ``state_sharding="auto"``, where no plan fits, the search runs again with each
     stage's state sharded inside its nodes (hybrid), then over all its data ways.
-    ``with_bare``: (the plan, the best plan found without offload to host memory where
-    the plan offloads, else None)."""
+    ``with_starts``: (the plan, the best plan found without offload to host memory where
+    the plan offloads, else None, and ``_Search.orders``: the best priced candidate of
+    each of the best few stage orders, for the caller's refinement in block halves)."""
     opts = options or PlannerOptions()
     tries = [opts] + ([dataclasses.replace(opts, state_sharding=s) for s in ("node", "all")]
                       if opts.state_sharding == "auto" else [])
@@ -118,7 +120,7 @@ def plan(model: str, profile: ModelProfile, cluster: Cluster, *, global_batch: i
             candidates = search.candidates(ranked, tuple(extra_candidates) + tuple(seeds))
             scored = search.price(candidates)
             found = search.refined(scored)
-            return (found, search.bare) if with_bare else found
+            return (found, search.bare, search.orders(scored)) if with_starts else found
         except NoFeasiblePlanError:
             if k == len(tries) - 1:
                 raise
@@ -440,6 +442,27 @@ class _Search:
             self.bare = self.ev.annotated(bare, self.t0, self.timed_out, "",
                                           stacklevel=4)
         return self.ev.annotated(chosen, self.t0, self.timed_out, "", stacklevel=4)
+
+    def orders(self, scored: list[Candidate]) -> list[Plan]:
+        """The best fitting priced candidate (phase 5, before any refinement) of each of
+        the ``SearchEffort.halves_starts`` best stage orders (per pipeline, its GPU
+        types in stage order), with its predictions: more starts for the refinement in
+        block halves, whose descents from there can end ahead of the refined plan's.
+        Only plans the options allow (interleaved as ``--fix vpp`` asks, stage counts,
+        offloads)."""
+        out, seen = [], set()
+        for c in scored:
+            if len(out) >= self.opts.search.halves_starts:
+                break
+            key = tuple(tuple(g for g, _ in itertools.groupby(st.gpu for st in q.stages))
+                        for q in c.plan.pipelines)
+            if c.fits and key not in seen and self.ev.stage_counts_allowed(c.plan) and \
+                    self.ev.offloads_allowed(c.plan) and \
+                    (1 in self.opts.virtual_options or
+                     interleaved_as(c.plan, self.opts.virtual_options)):
+                seen.add(key)
+                out.append(annotate(c.plan, c.result))
+        return out
 
     def no_plan(self) -> Exception:
         """An error naming the tightest stage: the largest GPU type, most sharding, full

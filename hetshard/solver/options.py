@@ -47,6 +47,11 @@ class SearchEffort:
     stage_orders: tuple[str, ...] = STAGE_ORDERS
     exhaustive_splits: int = 2000  # enumerate every layer split when there are at most this many
     exhaustive_combos: int = 4096  # no pruning of family candidates below this many combinations
+    # Where the plan is refined in block halves, it starts from the search's plan and
+    # also from the best priced candidate of this many stage orders (the GPU types'
+    # sequence per pipeline), as priced before the whole-block refinement: a descent at
+    # half-block grain from there can end ahead of the refined whole-block plan.
+    halves_starts: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
