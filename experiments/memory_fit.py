@@ -30,6 +30,12 @@ memory pressure in view). Under the first, a checkpointed layer's recomputation 
 scheduled right after its forward (seen in the compiled HLO's order), so a remat saves
 no memory on CPU at all.
 
+The update's guard is measured as accelerators run it, a select per state leaf (what the
+price models), and, under the memory-minimising scheduler, also as this CPU runs it: where
+a process's devices are at least its cores (8 fake devices here), ``hetshard.runtime.
+guard.branches`` runs the update in a ``lax.cond``'s branch, whose buffers the price does
+not model (``--guard``; the select is had by reporting more cores than devices).
+
 Target (issue 49): every compiled peak within 10% of its price. Pipeline plans run one
 program per stage and task, so their peak is not one executable's statistics; they are
 not covered here.
@@ -49,6 +55,10 @@ import time
 
 SCHEDULERS = {"default": "", "memory":
               " --xla_cpu_enable_concurrency_optimized_scheduler=false"}
+# the runs: name -> (XLA CPU scheduler, the update's guard: "select" as on accelerators,
+# "branch" as on this CPU, runtime.guard.branches)
+RUNS = {"default": ("default", "select"), "memory": ("memory", "select"),
+        "memory, CPU branch": ("memory", "branch")}
 _sched = sys.argv[sys.argv.index("--scheduler") + 1] if "--scheduler" in sys.argv else None
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
                       + SCHEDULERS.get(_sched or "default", ""))
@@ -159,28 +169,35 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None,
                         help="one scheduler in this process, rows as JSON on stdout")
+    parser.add_argument("--guard", choices=("select", "branch"), default="branch",
+                        help="with --scheduler: the update's guard as accelerators run it "
+                             "(select) or as this CPU does (branch)")
     args = parser.parse_args()
     names = QUICK if args.quick else tuple(LAYOUTS)
     if args.scheduler:
+        if args.guard == "select":
+            import hetshard.runtime.guard as guard
+            guard._cores = lambda: 1 << 16  # more cores than devices: a select per leaf
         batch = data.text_batch(np.random.default_rng(0), BATCH, SEQ, VOCAB)
         print(json.dumps(rows_here(names, batch)))
         return
     out = {"model": MODEL, "batch": BATCH, "seq": SEQ, "devices": 8,
            "backend": jax.default_backend(), "jax": jax.__version__,
            "target_within": TARGET, "schedulers": {}}
-    for sched in SCHEDULERS:
-        print(f"XLA CPU scheduler: {sched}", flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--scheduler", sched] + (
-            ["--quick"] if args.quick else [])
+    for run, (sched, guard) in RUNS.items():
+        print(f"XLA CPU scheduler: {sched}, guard: {guard}", flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--scheduler", sched,
+               "--guard", guard] + (["--quick"] if args.quick else [])
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         done = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, check=True, text=True)
         rows = json.loads(done.stdout)
         ratios = [r["ratio_priced_over_compiled"] for r in rows]
-        out["schedulers"][sched] = {
+        out["schedulers"][run] = {
+            "scheduler": sched, "guard": guard,
             "rows": rows, "worst_ratio": max(ratios, key=lambda x: abs(x - 1)),
             "meets_target": all(r["within_target"] for r in rows)}
-        print(f"  meets target: {out['schedulers'][sched]['meets_target']}, worst ratio "
-              f"{out['schedulers'][sched]['worst_ratio']:.3f}", flush=True)
+        print(f"  meets target: {out['schedulers'][run]['meets_target']}, worst ratio "
+              f"{out['schedulers'][run]['worst_ratio']:.3f}", flush=True)
     if not args.quick:
         here = os.path.dirname(os.path.abspath(__file__))
         path = os.path.join(here, "results", "memory_fit.json")
