@@ -774,8 +774,7 @@ def test_the_halves_refinement_also_starts_from_the_best_candidate_of_each_stage
     (starts,) = given
     assert 1 <= len(starts) <= PlannerOptions().search.halves_starts
     assert all(p.predicted.fits for p in starts)
-    orders_of = [tuple(tuple(g for g, _ in itertools.groupby(st.gpu for st in q.stages))
-                       for q in p.pipelines) for p in starts]
+    orders_of = [inter_op.stage_order(p) for p in starts]
     assert len(set(orders_of)) == len(starts), orders_of
 
 

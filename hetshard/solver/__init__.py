@@ -204,10 +204,11 @@ def _searched(program, profile, cluster, global_batch, seq_len, cal, narrowed, i
         cut = result.solver.status == "time_limit"
         best_refined = None
         for k, start in enumerate(starts + orders):
-            if k < len(starts):
-                left = max(1.0, (t0 + inter - time.perf_counter()) / (len(starts) - k))
-            else:
-                left = (t0 + inter - time.perf_counter()) / (len(starts) + len(orders) - k)
+            remaining = t0 + inter - time.perf_counter()
+            if k < len(starts):  # the main starts share it, a second each at least
+                left = max(1.0, remaining / (len(starts) - k))
+            else:  # then the others, in what the main ones left
+                left = remaining / (len(starts) + len(orders) - k)
                 if left <= 0.0:  # (the search's effort not done: cut)
                     cut = True
                     break

@@ -394,9 +394,9 @@ class _Search:
         scored = sorted(scored + relaid, key=lambda c: c.key)
         variants = self.variants(scored[:opts.search.variant_top] + partial)
         if 1 not in opts.virtual_options:  # with virtual_options lacking 1 only those win
-            scored = [c for c in scored if interleaved_as(c.plan, opts.virtual_options)]
-            firsts = [c for c in firsts if interleaved_as(c.plan, opts.virtual_options)]
-            variants = [c for c in variants if interleaved_as(c.plan, opts.virtual_options)]
+            scored = [c for c in scored if self._as_asked(c.plan)]
+            firsts = [c for c in firsts if self._as_asked(c.plan)]
+            variants = [c for c in variants if self._as_asked(c.plan)]
             if not scored and not variants:
                 vpp = opts.virtual_options
                 raise SpecError("--fix vpp", vpp[0] if len(vpp) == 1 else list(vpp),
@@ -443,23 +443,23 @@ class _Search:
                                           stacklevel=4)
         return self.ev.annotated(chosen, self.t0, self.timed_out, "", stacklevel=4)
 
+    def _as_asked(self, p: Plan) -> bool:
+        """Interleaved as the options ask (``virtual_options`` without 1: only those)."""
+        vpp = self.opts.virtual_options
+        return 1 in vpp or interleaved_as(p, vpp)
+
     def orders(self, scored: list[Candidate]) -> list[Plan]:
-        """The best fitting priced candidate (phase 5, before any refinement) of each of
-        the ``SearchEffort.halves_starts`` best stage orders (per pipeline, its GPU
-        types in stage order), with its predictions: more starts for the refinement in
-        block halves, whose descents from there can end ahead of the refined plan's.
-        Only plans the options allow (interleaved as ``--fix vpp`` asks, stage counts,
-        offloads)."""
+        """The best fitting priced candidate (phase 5, before any refinement: the
+        candidates are plans the options allow) of each of the
+        ``SearchEffort.halves_starts`` best :func:`stage_order` s, with its predictions:
+        more starts for the refinement in block halves, whose descents from there can
+        end ahead of the refined plan's."""
         out, seen = [], set()
         for c in scored:
             if len(out) >= self.opts.search.halves_starts:
                 break
-            key = tuple(tuple(g for g, _ in itertools.groupby(st.gpu for st in q.stages))
-                        for q in c.plan.pipelines)
-            if c.fits and key not in seen and self.ev.stage_counts_allowed(c.plan) and \
-                    self.ev.offloads_allowed(c.plan) and \
-                    (1 in self.opts.virtual_options or
-                     interleaved_as(c.plan, self.opts.virtual_options)):
+            key = stage_order(c.plan)
+            if c.fits and key not in seen and self._as_asked(c.plan):
                 seen.add(key)
                 out.append(annotate(c.plan, c.result))
         return out
@@ -469,6 +469,12 @@ class _Search:
         remat."""
         return _no_plan(self.profile, self.cluster, self.global_batch, self.tables,
                         self.opts, self.heads)
+
+
+def stage_order(plan: Plan) -> tuple[tuple[str, ...], ...]:
+    """Per pipeline, its GPU types in stage order (each run of stages of one type once)."""
+    return tuple(tuple(g for g, _ in itertools.groupby(st.gpu for st in q.stages))
+                 for q in plan.pipelines)
 
 
 def single_type_stages(plan: Plan, cluster: Cluster, context_groups: bool = False) -> bool:
