@@ -37,12 +37,22 @@ flash over cuDNN TFLOP/s), ``predicted_vs_measured`` (after profiling), and the 
 Targets: hetshard_vs_handwritten >= 0.97, mfu >= 0.45 on H100/H200, own_kernel_vs_cudnn
 >= 0.7, predicted_vs_measured within 10%.
 
+``--tune`` runs instead a sweep of the flash kernels' tiles, warps and pipeline stages
+(``hetshard.kernels.FlashTuning``) on this GPU: first the forward's settings (forward
+alone), then the backward's with the best forward (forward + backward), causal bf16, 16
+heads of 128, at 4K and 16K tokens a row; each setting's TFLOP/s at both lengths, the
+best by their geometric mean against the default's and cuDNN's, and the line to put in
+``hetshard.kernels.flash_attention.TUNED`` (``experiments/results/flash_tuning.json``).
+A setting Triton cannot compile on this GPU is recorded with its error.
+
 Without a GPU it writes that nothing was measured; ``--tiny`` runs a 2-layer model and
 short rows on CPU (jax.nn's XLA path standing in for cuDNN) to check the script: its
 numbers mean nothing.
 
 Usage: python experiments/gpu_bench.py [--tiny] [--steps 10] [--budget-s 420] [--out PATH]
-Writes experiments/results/gpu_bench.json (a --tiny run: gpu_bench_tiny.json).
+       python experiments/gpu_bench.py --tune [--tiny] [--budget-s 300]
+Writes experiments/results/gpu_bench.json (a --tiny run: gpu_bench_tiny.json), with
+--tune flash_tuning.json (flash_tuning_tiny.json).
 """
 
 from __future__ import annotations
@@ -73,11 +83,14 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="skip the sections not yet started after this many seconds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep the flash kernels' settings on this GPU instead")
     args = ap.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.batch, args.seq, args.steps = 2, 128, 2, 128, 3
+    name = "flash_tuning" if args.tune else "gpu_bench"
     out = args.out or os.path.join(HERE, "results",
-                                   "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json")
+                                   f"{name}_tiny.json" if args.tiny else f"{name}.json")
 
     import jax
     backend = jax.default_backend()
@@ -86,6 +99,12 @@ def main() -> int:
                      "note": "no GPU on this machine: run on one (or --tiny to check the "
                              "script on CPU)"})
         print("no GPU: nothing measured")
+        return 0
+    if args.tune:
+        result = tune_flash(args, backend)
+        _write(out, result)
+        print(json.dumps({k: result.get(k) for k in ("gpu", "jax", "best", "best_gain",
+                                                     "tuned_line")}, indent=1))
         return 0
     t0 = time.perf_counter()
     device = jax.devices()[0]
@@ -341,6 +360,118 @@ def attention_table(args, backend: str) -> list[dict]:
             print(f"attention {pattern} S={s} B={b}: " + ", ".join(
                 f"{n} {v:.1f}" for n, v in row["tflops"].items()) + " TFLOP/s", flush=True)
     return rows
+
+
+def _tuning_grid(tiny: bool):
+    """(forward settings, backward settings): FlashTuning keyword sets. Forward: tiles
+    of 64 and 128, 4 or 8 warps, 2 or 3 stages (12); backward: tiles of 32-128, 4 or 8
+    warps, 1 or 2 stages (20). Triton's fused-attention tutorial and FlashAttention-2's
+    Triton kernel use settings in these ranges on Ampere and Hopper."""
+    if tiny:
+        return ([dict(block_q=16, block_k=16), dict(block_q=32, block_k=16)],
+                [dict(block_q_bwd=16, block_k_bwd=16), dict(block_q_bwd=16, block_k_bwd=32)])
+    fwd = [dict(block_q=bq, block_k=bk, warps=w, stages=st)
+           for bq, bk in ((128, 128), (128, 64), (64, 64)) for w in (4, 8) for st in (2, 3)]
+    bwd = [dict(block_q_bwd=bq, block_k_bwd=bk, warps_bwd=w, stages_bwd=st)
+           for bq, bk in ((128, 128), (128, 64), (64, 128), (64, 64), (32, 64))
+           for w in (4, 8) for st in (1, 2)]
+    return fwd, bwd
+
+
+def tune_flash(args, backend: str) -> dict:
+    """The ``--tune`` sweep (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetshard.cost.profiler import _best_time
+    from hetshard.kernels import FlashTuning, dot_product_attention, flash_attention
+    from hetshard.kernels.flash_attention import default_tuning
+
+    t0 = time.perf_counter()
+    heads, dim = (4, 32) if args.tiny else (16, 128)
+    lengths = (128, 256) if args.tiny else (4096, 16384)
+    tokens = 1024 if args.tiny else 32768
+    dtype = jnp.bfloat16
+    inputs = {}
+    for s in lengths:
+        b = max(1, tokens // s)
+        key = jax.random.split(jax.random.key(s), 3)
+        inputs[s] = tuple(jax.random.normal(kk, (b, s, heads, dim), dtype) for kk in key)
+
+    def rate(fn, s, backward: bool):
+        q, k, v = inputs[s]
+        if backward:
+            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                                 argnums=(0, 1, 2)))
+        else:
+            g = jax.jit(fn)
+        t = _best_time(g, q, k, v)
+        # causal: half the pairs; forward 2 products, forward + backward 7 (recomputing
+        # the scores), of 2 S^2 D flops each
+        return (7 if backward else 2) * 2 * (q.shape[0] * s * s / 2) * heads * dim / t / 1e12
+
+    def measure(tuning: FlashTuning, backward: bool) -> dict:
+        row = {"tuning": tuning._asdict(), "tflops": {}}
+        for s in lengths:
+            try:
+                row["tflops"][str(s)] = rate(functools.partial(
+                    flash_attention, causal=True, tuning=tuning), s, backward)
+            except Exception as e:  # noqa: BLE001 - a setting this GPU cannot compile
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                return row
+        row["geomean"] = float(np.exp(np.mean(np.log(list(row["tflops"].values())))))
+        print(f"{'fwd+bwd' if backward else 'fwd'} {tuning.describe()}: " + ", ".join(
+            f"{s} {v:.1f}" for s, v in row["tflops"].items()) + " TFLOP/s", flush=True)
+        return row
+
+    def best(rows):
+        ok = [r for r in rows if "geomean" in r]
+        return max(ok, key=lambda r: r["geomean"]) if ok else None
+
+    base = default_tuning(dim)
+    if args.tiny:
+        base = base._replace(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    fwd_grid, bwd_grid = _tuning_grid(args.tiny)
+    result = {"measured": backend == "gpu", "backend": backend, "jax": jax.__version__,
+              "gpu": jax.devices()[0].device_kind, "tiny": args.tiny, "head_dim": dim,
+              "heads": heads, "lengths": list(lengths), "tokens_per_length": tokens,
+              "default": {"tuning": base._asdict(),
+                          "fwd": measure(base, False), "fwd_bwd": measure(base, True)}}
+    ref = "cudnn" if backend == "gpu" else "xla"
+    result["cudnn"] = {str(s): {
+        "fwd": rate(functools.partial(dot_product_attention, implementation=ref,
+                                      causal=True), s, False),
+        "fwd_bwd": rate(functools.partial(dot_product_attention, implementation=ref,
+                                          causal=True), s, True)} for s in lengths}
+    rows = []
+    for kw in fwd_grid:
+        if time.perf_counter() - t0 > args.budget_s / 2:
+            result["fwd_cut"] = f"budget: {len(rows)} of {len(fwd_grid)} settings"
+            break
+        rows.append(measure(base._replace(**kw), False))
+    result["fwd"] = rows
+    top = best(rows) or result["default"]["fwd"]
+    chosen = base._replace(**{k: v for k, v in top["tuning"].items()
+                              if k in ("block_q", "block_k", "warps", "stages")})
+    rows = []
+    for kw in bwd_grid:
+        if time.perf_counter() - t0 > args.budget_s:
+            result["bwd_cut"] = f"budget: {len(rows)} of {len(bwd_grid)} settings"
+            break
+        rows.append(measure(chosen._replace(**kw), True))
+    result["fwd_bwd"] = rows
+    top = best(rows)
+    if top is not None:
+        tuned = FlashTuning(**top["tuning"])
+        result["best"] = top
+        default = result["default"]["fwd_bwd"].get("geomean")
+        result["best_gain"] = top["geomean"] / default if default else None
+        result["best_vs_cudnn"] = {s: top["tflops"][s] / result["cudnn"][s]["fwd_bwd"]
+                                   for s in top["tflops"]}
+        kind = result["gpu"].replace("NVIDIA ", "").split()[0]
+        result["tuned_line"] = f"({kind!r}, {dim}): FlashTuning{tuple(tuned)!r},"
+    result["wall_s"] = time.perf_counter() - t0
+    return result
 
 
 def _packed_segments(b, s, wiki):

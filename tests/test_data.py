@@ -26,7 +26,11 @@ from hetshard.data.packing import Packing
 from hetshard.data.planner import _compose, _group_plan, _Pricer, _two_group_bound
 from hetshard.data.search import fractional_bound
 from hetshard.errors import SpecError
-from hetshard.kernels.flash_attention import _block_active, flash_attention_positions
+from hetshard.kernels.flash_attention import (
+    block_flags,
+    block_ranges,
+    flash_attention_positions,
+)
 from hetshard.kernels.reference import attention_reference
 
 
@@ -479,11 +483,22 @@ def test_a_context_stage_splits_a_rows_images_and_the_encoders_activations_over_
 
 
 def test_flash_kernel_skips_blocks_of_other_segments():
-    pos = jnp.arange(4)
-    seg_a, seg_b = jnp.array([1, 1, 1, 1]), jnp.array([2, 2, 2, 2])
-    assert not bool(_block_active(pos + 4, pos, seg_b, seg_a, True, True))
-    assert bool(_block_active(pos + 4, pos, seg_b, jnp.array([1, 1, 2, 2]), True, True))
-    assert bool(_block_active(pos + 4, pos, seg_b, seg_a, True, False))
+    """A packed row's query block computes only the key blocks of its own documents:
+    [24 | 24 | 16] tokens in blocks of 8."""
+    seg = jnp.array([[1] * 24 + [2] * 24 + [3] * 16])
+    pos = jnp.concatenate([jnp.arange(24), jnp.arange(24), jnp.arange(16)])[None]
+    active, full = block_flags(pos, pos, seg, seg, 8, 8, True, True)
+    ranges = np.asarray(block_ranges(active, full))[0]
+    # query block 4 (tokens 32-39, document 2's) sees key blocks 3 and 4 only, block 3
+    # unmasked (all before it, one document); block 7 (document 3) blocks 6 and 7
+    assert tuple(ranges[4]) == (3, 3, 4, 5) and tuple(ranges[7]) == (6, 6, 7, 8)
+    # the blocks computed are the causal ones of each document: 6 + 6 + 3
+    assert int(sum(hi - lo for lo, _, _, hi in ranges)) == 15
+    # without segment ids, everything before the diagonal (36 blocks)
+    active, full = block_flags(pos * 0 + jnp.arange(64), pos * 0 + jnp.arange(64), seg, seg,
+                               8, 8, True, False)
+    assert int(sum(hi - lo for lo, _, _, hi in np.asarray(block_ranges(active, full))[0])) \
+        == 36
 
 
 def test_packed_flash_attention_equals_each_sample_alone():

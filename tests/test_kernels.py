@@ -48,6 +48,114 @@ def test_flash_matches_reference_float32(rng, causal, with_segments, s, h, kvh):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _equals_reference(fn, qkv, kw, rng):
+    """``fn(q, k, v)`` equals the reference attention with the same ``kw``, values (1e-5)
+    and gradients under a fresh cotangent (1e-4)."""
+    np.testing.assert_allclose(fn(*qkv), attention_reference(*qkv, **kw), rtol=1e-5,
+                               atol=1e-5)
+    cot = jnp.asarray(rng.normal(size=qkv[0].shape), jnp.float32)
+    g = jax.grad(_loss(fn, cot), argnums=(0, 1, 2))(*qkv)
+    gr = jax.grad(_loss(lambda *a: attention_reference(*a, **kw), cot),
+                  argnums=(0, 1, 2))(*qkv)
+    for a, b in zip(g, gr, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _brute_flags(qpos, kpos, qseg, kseg, bq, bk, causal):
+    """Per (batch, query block, key block): whether any pair is visible, and whether
+    every pair is (the masks the kernels apply, pair by pair)."""
+    vis = (kpos[:, None, :] >= 0) & (qseg[:, :, None] == kseg[:, None, :])
+    if causal:
+        vis &= qpos[:, :, None] >= kpos[:, None, :]
+    b, sq, skv = vis.shape
+    blocks = vis.reshape(b, sq // bq, bq, skv // bk, bk)
+    return blocks.any(axis=(2, 4)), blocks.all(axis=(2, 4))
+
+
+@pytest.mark.parametrize("layout", ["aligned", "zigzag", "padded", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_ranges_cover_every_visible_pair_and_skip_masks_only_on_full_blocks(
+        rng, layout, causal):
+    """The flash kernels compute each row block's range ``[lo, hi)`` and leave the mask
+    out on ``[full_lo, full_hi)``: every block holding a visible pair is in the range,
+    and every block of the unmasked run has every pair visible; causal rows compute
+    about half their blocks."""
+    from hetshard.kernels.flash_attention import block_flags, block_ranges
+    s, bq, bk = 64, 8, 8
+    pos = np.tile(np.arange(s), (2, 1))
+    seg = np.zeros((2, s), np.int64)
+    kpos = pos.copy()
+    if layout == "zigzag":  # a device's chunks: the 2nd and 7th eighth of the sequence
+        pos = np.tile(np.concatenate([np.arange(16, 48), np.arange(208, 240)]), (2, 1))
+        kpos = np.tile(np.concatenate([np.arange(0, 32), np.arange(224, 256)]), (2, 1))
+    elif layout == "padded":  # an uneven chunk: keys after 40 are padding
+        kpos[:, 40:] = -1
+    elif layout == "packed":
+        seg = np.sort(rng.integers(0, 5, (2, s)), axis=1)
+        pos = np.concatenate([np.arange((seg[r] == i).sum()) for r in range(2)
+                              for i in range(5)]).reshape(2, s)
+        kpos = pos
+    kseg = np.where(kpos >= 0, seg, -2)
+    want_any, want_all = _brute_flags(pos, kpos, seg, kseg, bq, bk, causal)
+    active, full = block_flags(*(jnp.asarray(x, jnp.int32) for x in (pos, kpos, seg, kseg)),
+                               bq, bk, causal, True)
+    active, full = np.asarray(active), np.asarray(full)
+    assert not (want_any & ~active).any()  # nothing visible is left out
+    assert np.array_equal(full, want_all)  # unmasked exactly where every pair is seen
+    for flags, fl, axis_rows in ((active, full, False), (active, full, True)):
+        a, f = (np.swapaxes(flags, 1, 2), np.swapaxes(fl, 1, 2)) if axis_rows else (flags, fl)
+        ranges = np.asarray(block_ranges(jnp.asarray(a), jnp.asarray(f)))
+        for r in range(a.shape[0]):
+            for row in range(a.shape[1]):
+                lo, flo, fhi, hi = ranges[r, row]
+                cols = np.flatnonzero(a[r, row])
+                assert lo <= flo <= fhi <= hi
+                assert all(lo <= c < hi for c in cols)
+                assert f[r, row, flo:fhi].all()  # the unmasked run: full blocks only
+    if layout == "aligned" and causal:
+        lo, _, _, hi = np.asarray(block_ranges(jnp.asarray(active),
+                                               jnp.asarray(full)))[0].T
+        assert int((hi - lo).sum()) == 8 * 9 // 2
+
+
+@pytest.mark.parametrize("causal,with_segments,kvh", [(True, True, 2), (False, False, 4),
+                                                       (True, False, 1)])
+def test_flash_with_unmasked_full_blocks_matches_reference(rng, causal, with_segments, kvh):
+    """The GPU path's loops (masked edges, an unmasked run of full blocks; interpreted
+    here) and separate backward tiles equal the reference, values and gradients, with
+    every output poisoned first; the grouped heads' dK/dV summed, the others written in
+    the inputs' dtype."""
+    from hetshard.kernels import FlashTuning
+    q, k, v = _inputs(rng, s=72, h=4, kvh=kvh)
+    seg = _segments(rng, 2, 72) if with_segments else None
+    kw = dict(causal=causal, segment_ids=seg)
+    tuning = FlashTuning(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    _equals_reference(lambda *a: flash_attention(*a, tuning=tuning, poison_outputs=True,
+                                                 **kw), (q, k, v), kw, rng)
+
+
+def test_flash_tuning_per_gpu_and_bad_tunings(monkeypatch):
+    import importlib
+
+    from hetshard.kernels import FlashTuning
+    fa = importlib.import_module("hetshard.kernels.flash_attention")
+    assert fa.tuning_for("NVIDIA H100 80GB HBM3", 128).warps == 8
+    assert fa.tuning_for("NVIDIA A100-SXM4-80GB", 64).warps == 4
+    tuned = FlashTuning(block_k=64, stages=3)
+    monkeypatch.setitem(fa.TUNED, ("H100", 128), tuned)
+    assert fa.tuning_for("NVIDIA H100 80GB HBM3", 128) == tuned
+    assert fa.tuning_for("NVIDIA H100 80GB HBM3", 64) == fa.default_tuning(64)
+    assert fa.tuning_for("NVIDIA H200", 128) == fa.default_tuning(128)
+    q = jnp.zeros((1, 16, 2, 16))
+    for bad, field in ((FlashTuning(block_q=24), "tuning.block_q"),
+                       (FlashTuning(block_k_bwd=8), "tuning.block_k_bwd"),
+                       (FlashTuning(warps=3), "tuning.warps"),
+                       (FlashTuning(stages_bwd=0), "tuning.stages_bwd"),
+                       ((64, 64), "tuning")):
+        with pytest.raises(SpecError, match=field.replace(".", r"\.") + "="):
+            flash_attention(q, q, q, tuning=bad)
+
+
 def test_flash_bfloat16_within_bf16_tolerance(rng):
     q, k, v = _inputs(rng, s=48, dtype=jnp.bfloat16)
     out = flash_attention(q, k, v, causal=True, block_q=16, block_k=16, poison_outputs=True)
@@ -127,14 +235,7 @@ def test_context_parallel_equals_full_attention(rng, chunks, zigzag, causal):
     cp = lambda q, k, v: context_parallel_attention(q, k, v, mesh, "context",
                                                     chunk_lengths=chunks, zigzag=zigzag,
                                                     block_q=16, block_k=16, **kw)
-    np.testing.assert_allclose(cp(q, k, v), attention_reference(q, k, v, **kw),
-                               rtol=1e-5, atol=1e-5)
-    cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    g = jax.grad(_loss(cp, cot), argnums=(0, 1, 2))(q, k, v)
-    gr = jax.grad(_loss(lambda *a: attention_reference(*a, **kw), cot),
-                  argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(g, gr, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    _equals_reference(cp, (q, k, v), kw, rng)
 
 
 def test_context_parallel_rejects_bad_chunks(rng):

@@ -423,6 +423,9 @@ ATTENTION_GEMM_RATIO = 0.8
 # (jax.nn.dot_product_attention) 541, hetshard's Pallas kernel (Triton) 76; at S=4096
 # 218 and 60 (one sample: launch-bound). The long-sequence rate is the sustained one.
 # Types without a measurement take the catalog's FlashAttention-2 rate for both kernels.
+# The flash rate is the kernel of 2026-12-04 (every key block visited under a branch,
+# masks on every block, 4 warps); the kernel now loops over block ranges, leaves the
+# mask off full blocks and takes per-GPU tiles: 76 stands until a GPU measures it.
 ATTENTION_TFLOPS = {("cudnn", 9): 541.0, ("flash", 9): 76.0}
 
 
