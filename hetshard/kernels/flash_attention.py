@@ -98,12 +98,19 @@ def _lowering(interpret: bool | None, warps: int = 4, stages: int = 2) -> dict:
     return {"compiler_params": pltriton.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
-def _block_mask(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool):
-    mask = kpos[None, :] >= 0
+def _block_mask(qpos, kpos, qseg, kseg, causal: bool, has_seg: bool,
+                keys_first: bool = False):
+    """[queries, keys] (``keys_first``: [keys, queries]) bool: which pairs are seen."""
+    def per_query(x):  # a query-side vector along the queries' axis
+        return x[None, :] if keys_first else x[:, None]
+
+    def per_key(x):
+        return x[:, None] if keys_first else x[None, :]
+    mask = per_key(kpos) >= 0
     if causal:
-        mask = mask & (qpos[:, None] >= kpos[None, :])
+        mask = mask & (per_query(qpos) >= per_key(kpos))
     if has_seg:
-        mask = mask & (qseg[:, None] == kseg[None, :])
+        mask = mask & (per_query(qseg) == per_key(kseg))
     return mask
 
 
@@ -182,25 +189,32 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
+# The kernels exponentiate in base 2 (e^x = 2^(x log2 e)): the logit scale carries log2 e,
+# so a score costs one multiply-add before the exponent (FlashAttention-2's kernels and
+# JAX's own Pallas attention do the same). Log-sum-exps leave the kernels in base e.
+_LOG2E = math.log2(math.e)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, ranges_ref,
                 o_ref, lse_ref, *, scale, causal, has_seg, block_k, unmasked_full):
     q = q_ref[...]
     qpos, qseg = qpos_ref[...], qseg_ref[...]
     bq, d = q.shape
+    scale2 = scale * _LOG2E
 
     def body(j, carry, masked):
-        m, denom, acc = carry
+        m, denom, acc = carry  # (m in base 2)
         ks = pl.ds(j * block_k, block_k)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        s = _dot(q, k.T) * scale
+        s = _dot(q, k.T) * scale2
         if masked:
             mask = _block_mask(qpos, kpos_ref[ks], qseg, kseg_ref[ks], causal, has_seg)
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp(s - m_new[:, None])
+        p = jnp.exp2(s - m_new[:, None])
         if masked:
             p = jnp.where(mask, p, 0.0)
-        alpha = jnp.exp(m - m_new)
+        alpha = jnp.exp2(m - m_new)
         return (m_new, alpha * denom + p.sum(axis=1),
                 alpha[:, None] * acc + _dot(p.astype(v.dtype), v))
 
@@ -209,27 +223,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, ran
     m, denom, acc = _over_ranges(ranges_ref, body, init, unmasked_full)
     safe = jnp.where(denom > 0, denom, 1.0)
     o_ref[...] = jnp.where(denom[:, None] > 0, acc / safe[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(denom > 0, m + jnp.log(safe), MASK_VALUE)
-
-
-def _probabilities(q, k, lse, scale, mask):
-    p = jnp.exp(_dot(q, k.T) * scale - lse[:, None])
-    return p if mask is None else jnp.where(mask, p, 0.0)
+    lse_ref[...] = jnp.where(denom > 0, (m + jnp.log2(safe)) / _LOG2E, MASK_VALUE)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
                kseg_ref, ranges_ref, dq_ref, *, scale, causal, has_seg, block_k,
                unmasked_full):
     q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    lse2, delta = lse_ref[...], delta_ref[...]  # (the log-sum-exp in base 2)
     qpos, qseg = qpos_ref[...], qseg_ref[...]
+    scale2 = scale * _LOG2E
 
     def body(j, dq, masked):
         ks = pl.ds(j * block_k, block_k)
         k, v = k_ref[ks, :], v_ref[ks, :]
-        mask = _block_mask(qpos, kpos_ref[ks], qseg, kseg_ref[ks], causal, has_seg) \
-            if masked else None
-        p = _probabilities(q, k, lse, scale, mask)
+        p = jnp.exp2(_dot(q, k.T) * scale2 - lse2[:, None])
+        if masked:
+            p = jnp.where(_block_mask(qpos, kpos_ref[ks], qseg, kseg_ref[ks], causal,
+                                      has_seg), p, 0.0)
         ds = p * (_dot(do, v.T) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k) * scale
 
@@ -242,18 +253,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_
                 unmasked_full):
     k, v = k_ref[...], v_ref[...]
     kpos, kseg = kpos_ref[...], kseg_ref[...]
+    scale2 = scale * _LOG2E
 
     def body(i, carry, masked):
+        # In [keys, queries] (the probabilities' transpose, as FlashAttention-2's
+        # Triton kernel computes them): no transpose of a computed tile.
         dk, dv = carry
         qs = pl.ds(i * block_q, block_q)
         q, do = q_ref[qs, :], do_ref[qs, :]
-        lse, delta = lse_ref[qs], delta_ref[qs]
-        mask = _block_mask(qpos_ref[qs], kpos, qseg_ref[qs], kseg, causal, has_seg) \
-            if masked else None
-        p = _probabilities(q, k, lse, scale, mask)
-        ds = p * (_dot(do, v.T) - delta[:, None])
-        return (dk + _dot(ds.T.astype(q.dtype), q) * scale,
-                dv + _dot(p.T.astype(do.dtype), do))
+        lse2, delta = lse_ref[qs], delta_ref[qs]
+        p_t = jnp.exp2(_dot(k, q.T) * scale2 - lse2[None, :])
+        if masked:
+            p_t = jnp.where(_block_mask(qpos_ref[qs], kpos, qseg_ref[qs], kseg, causal,
+                                        has_seg, keys_first=True), p_t, 0.0)
+        ds_t = p_t * (_dot(v, do.T) - delta[None, :])
+        return (dk + _dot(ds_t.astype(q.dtype), q) * scale,
+                dv + _dot(p_t.astype(do.dtype), do))
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = _over_ranges(ranges_ref, body, (zeros, zeros), unmasked_full)
@@ -369,6 +384,7 @@ def _flash_bwd(cfg: _Config, res, cts):
     if dlse is not None:  # d(lse)/d(s) = p: folds into delta with the opposite sign
         delta = delta - dlse
     q_ranges, k_ranges = _ranges(cfg, qpos, kpos, qseg, kseg, bq, bk)
+    lse2 = lse * _LOG2E  # (the kernels' base)
     lw = _lowering(cfg.interpret, t.warps_bwd, t.stages_bwd)
     static = dict(scale=cfg.scale, causal=cfg.causal, has_seg=cfg.has_seg,
                   unmasked_full=t.unmasked_full)
@@ -381,7 +397,7 @@ def _flash_bwd(cfg: _Config, res, cts):
                   sp["whole_pos"], sp["ranges"]],
         out_specs=sp["rows"], out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="hetshard_flash_dq", lowering=lw, poison=cfg.poison,
-        args=(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, q_ranges))
+        args=(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, q_ranges))
     sp = _row_specs(bk, sq, d, group, rows_are_q=False)
     # Per query head; with grouped queries the heads of a group add up below (in
     # float32), without groups each head's dK/dV is written in the inputs' dtype.
@@ -396,7 +412,7 @@ def _flash_bwd(cfg: _Config, res, cts):
         out_specs=[kb_out, kb_out],
         out_shape=[jax.ShapeDtypeStruct((b, h, skv, d), kv_dtype)] * 2,
         name="hetshard_flash_dkv", lowering=lw, poison=cfg.poison,
-        args=(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, k_ranges))
+        args=(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, k_ranges))
     if group > 1:  # query heads of one group share a kv head: their contributions add
         dk_h = dk_h.reshape(b, kvh, group, skv, d).sum(axis=2)
         dv_h = dv_h.reshape(b, kvh, group, skv, d).sum(axis=2)
