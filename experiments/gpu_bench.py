@@ -50,6 +50,7 @@ short rows on CPU (jax.nn's XLA path standing in for cuDNN) to check the script:
 numbers mean nothing.
 
 Usage: python experiments/gpu_bench.py [--tiny] [--steps 10] [--budget-s 420] [--out PATH]
+                                      [--tuning flash_tuning.json]
        python experiments/gpu_bench.py --tune [--tiny] [--budget-s 300]
 Writes experiments/results/gpu_bench.json (a --tiny run: gpu_bench_tiny.json), with
 --tune flash_tuning.json (flash_tuning_tiny.json).
@@ -85,6 +86,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tune", action="store_true",
                     help="sweep the flash kernels' settings on this GPU instead")
+    ap.add_argument("--tuning", default=None,
+                    help="a --tune run's JSON: its best settings run the flash kernel "
+                         "here (when measured on this GPU type)")
     args = ap.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.batch, args.seq, args.steps = 2, 128, 2, 128, 3
@@ -108,8 +112,9 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     device = jax.devices()[0]
+    tuned = _use_tuning(args.tuning, device.device_kind) if args.tuning else None
     result = {"measured": backend == "gpu", "backend": backend, "jax": jax.__version__,
-              "gpu": device.device_kind, "tiny": args.tiny,
+              "gpu": device.device_kind, "tiny": args.tiny, "flash_tuning": tuned,
               "model": {"layers": args.layers, "hidden": args.hidden, "heads":
                         args.hidden // 128 if not args.tiny else 4, "batch": args.batch,
                         "seq": args.seq}}
@@ -360,6 +365,23 @@ def attention_table(args, backend: str) -> list[dict]:
             print(f"attention {pattern} S={s} B={b}: " + ", ".join(
                 f"{n} {v:.1f}" for n, v in row["tflops"].items()) + " TFLOP/s", flush=True)
     return rows
+
+
+def _use_tuning(path: str, device_kind: str) -> dict:
+    """Puts a ``--tune`` run's best settings into ``flash_attention.TUNED`` for this run,
+    when that run measured this GPU type; says what it did."""
+    import importlib
+
+    from hetshard.kernels import FlashTuning
+    fa = importlib.import_module("hetshard.kernels.flash_attention")  # (the module)
+    with open(path) as f:
+        got = json.load(f)
+    if got.get("gpu") != device_kind or not got.get("best"):
+        return {"from": path, "used": False,
+                "why": f"measured on {got.get('gpu')!r}, best {bool(got.get('best'))}"}
+    tuning = FlashTuning(**got["best"]["tuning"])
+    fa.TUNED[(device_kind, int(got["head_dim"]))] = tuning
+    return {"from": path, "used": True, "tuning": tuning._asdict()}
 
 
 def _tuning_grid(tiny: bool):

@@ -401,6 +401,27 @@ def gpu_bench(lines, data):
               f"{data.get('predicted_vs_measured')}.", ""]
 
 
+def flash_tuning(lines, data):
+    lines += ["## The flash kernel's tiles per GPU", ""]
+    if not data or not data.get("measured"):
+        lines += ["`python experiments/gpu_bench.py --tune` (12 forward and 20 backward "
+                  "settings at 4K and 16K) has not run on a GPU yet: every GPU runs JAX's "
+                  "Pallas attention defaults (`bash experiments/gpu_session.sh` runs it "
+                  "first on a lent GPU, then gpu_bench.py with what it found).", ""]
+        return
+    best, lengths = data["best"], [str(s) for s in data["lengths"]]
+    lines += [f"`python experiments/gpu_bench.py --tune` on one {data['gpu']} (JAX "
+              f"{data['jax']}), causal bf16, {data['heads']} heads of {data['head_dim']}, "
+              "forward + backward TFLOP/s:", ""]
+    rows = [["default", *(f"{data['default']['fwd_bwd']['tflops'].get(s, 0):.0f}"
+                          for s in lengths)],
+            ["best: " + ", ".join(f"{k} {v}" for k, v in best["tuning"].items()),
+             *(f"{best['tflops'][s]:.0f}" for s in lengths)],
+            ["cuDNN", *(f"{data['cudnn'][s]['fwd_bwd']:.0f}" for s in lengths)]]
+    lines += _table(["settings", *(f"S={s}" for s in lengths)], rows)
+    lines += ["", f"`TUNED` line: `{data.get('tuned_line')}`", ""]
+
+
 def attention_scaled(lines, data):
     base = {(r["cluster"], r["model"], r["max_context"]): r
             for r in (_load("data_aware.json") or {}).get("rows", [])}
@@ -537,6 +558,7 @@ SECTIONS = (("planner_bench.json", planner), ("cost_model_accuracy.json", accura
             ("long_context.json", long_context), ("data_aware.json", data_aware),
             ("data_aware_pipeline.json", data_aware_pipeline),
             ("packed_step_gpu.json", packed_step_gpu), ("gpu_bench.json", gpu_bench),
+            ("flash_tuning.json", flash_tuning),
             ("data_aware_attention_x0.25.json", attention_scaled),
             ("elastic.json", elastic), ("attention_bench.json", attention),
             ("runtime_overhead.json", runtime), ("memory_fit.json", memory_fit),
