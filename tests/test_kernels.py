@@ -134,6 +134,28 @@ def test_flash_with_unmasked_full_blocks_matches_reference(rng, causal, with_seg
                                                  **kw), (q, k, v), kw, rng)
 
 
+def test_flash_head_dims_that_are_no_power_of_two(rng):
+    """Triton's tiles are powers of two: a head dim of 24 runs zero-padded to 32 (the
+    scale of 24's), equal to the reference, gradients too; the ring's backward entry
+    point (explicit positions, a given output and log-sum-exp) likewise."""
+    from hetshard.kernels.flash_attention import _head_dim, flash_attention_backward_positions
+    assert (_head_dim(24, True), _head_dim(80, False), _head_dim(8, False),
+            _head_dim(8, True)) == (32, 128, 16, 8)
+    q, k, v = _inputs(rng, s=40, h=4, kvh=2, d=24)
+    kw = dict(causal=True)
+    _equals_reference(lambda *a: flash_attention(*a, block_q=16, block_k=16,
+                                                 poison_outputs=True, **kw), (q, k, v), kw,
+                      rng)
+    out, lse = attention_reference(q, k, v, return_lse=True, **kw)
+    dout = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    got = flash_attention_backward_positions(q, k, v, pos, pos, out, lse, dout, block_q=16,
+                                             block_k=16, **kw)
+    _, vjp = jax.vjp(lambda *a: attention_reference(*a, **kw), q, k, v)
+    for a, b in zip(got, vjp(dout), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_flash_tuning_per_gpu_and_bad_tunings(monkeypatch):
     import importlib
 

@@ -454,6 +454,16 @@ def _tuning(sq, skv, d, block_q, block_k, interpret, tuning) -> FlashTuning:
     return tuning
 
 
+def _head_dim(d: int, interpret: bool) -> int:
+    """The head dim the kernels run at: Triton's tiles are powers of two, at least 16
+    wide for a product, so a head dim of 80 or 96 runs at 128 and one of 8 at 16 (zero
+    columns: the scores are the same, the output's extra columns zero and cut off);
+    interpreted, only a head dim that is no power of two is padded (so the path is
+    tested on CPU)."""
+    up = 1 << max(0, math.ceil(math.log2(max(d, 1))))
+    return up if interpret else max(16, up)
+
+
 def check_tuning(tuning) -> None:
     """A :class:`FlashTuning` Triton can lower, else a SpecError naming the field."""
     if not isinstance(tuning, FlashTuning):
@@ -488,8 +498,10 @@ def _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids, kv_segment_i
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     cfg = _Config(scale=scale, causal=bool(causal), has_seg=has_seg, tuning=t,
                   interpret=use_interpret, poison=bool(poison))
-    arrays = (_pad(jnp.swapaxes(q, 1, 2), 2, sq_p), _pad(jnp.swapaxes(k, 1, 2), 2, skv_p),
-              _pad(jnp.swapaxes(v, 1, 2), 2, skv_p),
+    d_p = _head_dim(d, use_interpret)
+    arrays = (_pad(_pad(jnp.swapaxes(q, 1, 2), 2, sq_p), 3, d_p),
+              _pad(_pad(jnp.swapaxes(k, 1, 2), 2, skv_p), 3, d_p),
+              _pad(_pad(jnp.swapaxes(v, 1, 2), 2, skv_p), 3, d_p),
               _pad(q_positions.astype(jnp.int32), 1, sq_p, -1),
               _pad(kv_positions.astype(jnp.int32), 1, skv_p, -1),
               _pad(qseg.astype(jnp.int32), 1, sq_p, -1),
@@ -514,7 +526,7 @@ def flash_attention_positions(q, k, v, q_positions, kv_positions, *, causal=Fals
                                     kv_segment_ids, causal, sm_scale, block_q, block_k,
                                     interpret, poison_outputs, tuning)
     o, lse = _flash(*arrays, cfg)
-    return jnp.swapaxes(o[:, :, :sq], 1, 2), lse[:, :, :sq]
+    return jnp.swapaxes(o[:, :, :sq, :q.shape[3]], 1, 2), lse[:, :, :sq]
 
 
 def flash_attention_backward_positions(q, k, v, q_positions, kv_positions, out, lse, dout,
@@ -528,16 +540,17 @@ def flash_attention_backward_positions(q, k, v, q_positions, kv_positions, out, 
     dv)``: this chunk's share of dq, and dk, dv of the chunk. A ring's backward sums the
     dq over its chunks (Liu et al. 2023). Arguments as :func:`flash_attention_positions`.
     """
-    sq, skv = q.shape[1], k.shape[1]
+    sq, skv, d = q.shape[1], k.shape[1], q.shape[3]
     cfg, arrays, sq_p = _kernel_inputs(q, k, v, q_positions, kv_positions, segment_ids,
                                        kv_segment_ids, causal, sm_scale, block_q, block_k,
                                        interpret, False, tuning)
-    ot = _pad(jnp.swapaxes(out, 1, 2), 2, sq_p)
-    dot = _pad(jnp.swapaxes(dout, 1, 2), 2, sq_p)  # padded queries: no cotangent
+    d_p = arrays[0].shape[3]
+    ot = _pad(_pad(jnp.swapaxes(out, 1, 2), 2, sq_p), 3, d_p)
+    dot = _pad(_pad(jnp.swapaxes(dout, 1, 2), 2, sq_p), 3, d_p)  # padded: no cotangent
     lse_p = _pad(lse.astype(jnp.float32), 2, sq_p)
     dq, dk, dv, *_ = _flash_bwd(cfg, (*arrays, ot, lse_p), (dot, None))
-    return (jnp.swapaxes(dq[:, :, :sq], 1, 2), jnp.swapaxes(dk[:, :, :skv], 1, 2),
-            jnp.swapaxes(dv[:, :, :skv], 1, 2))
+    return (jnp.swapaxes(dq[:, :, :sq, :d], 1, 2), jnp.swapaxes(dk[:, :, :skv, :d], 1, 2),
+            jnp.swapaxes(dv[:, :, :skv, :d], 1, 2))
 
 
 def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None, sm_scale=None,
