@@ -297,24 +297,31 @@ def _pallas(kernel, *, grid, in_specs, out_specs, out_shape, name, lowering, poi
                           out_shape=out_shape, name=name, **lowering)(*args)
 
 
-def _row_specs(block: int, other: int, d: int, group: int, rows_are_q: bool):
+def _row_specs(block: int, other: int, d: int, group: int, rows_are_q: bool,
+               n_rows: int):
     """BlockSpecs over grid (b, h, row block): the row side's block, the other side's
-    whole sequence, per-row-block vectors and positions, the row block's ranges."""
+    whole sequence, per-row-block vectors and positions, the row block's ranges. Query
+    rows go last block first: a causal row's last query blocks have the most key blocks,
+    and blocks launched first finish before the short ones fill in behind them (longest
+    first; key rows are already in that order)."""
     def head(h):  # a q head's kv head when the spec's side is kv
         return h // group
+
+    def row(i):
+        return n_rows - 1 - i if rows_are_q else i
     if rows_are_q:
-        rows = pl.BlockSpec((None, None, block, d), lambda b, h, i: (b, h, i, 0))
+        rows = pl.BlockSpec((None, None, block, d), lambda b, h, i: (b, h, row(i), 0))
         whole = pl.BlockSpec((None, None, other, d), lambda b, h, i: (b, head(h), 0, 0))
     else:
         rows = pl.BlockSpec((None, None, block, d), lambda b, h, i: (b, head(h), i, 0))
         whole = pl.BlockSpec((None, None, other, d), lambda b, h, i: (b, h, 0, 0))
     return dict(
         rows=rows, whole=whole,
-        row_vec=pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i)),
+        row_vec=pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, row(i))),
         whole_vec=pl.BlockSpec((None, None, other), lambda b, h, i: (b, h, 0)),
-        row_pos=pl.BlockSpec((None, block), lambda b, h, i: (b, i)),
+        row_pos=pl.BlockSpec((None, block), lambda b, h, i: (b, row(i))),
         whole_pos=pl.BlockSpec((None, other), lambda b, h, i: (b, 0)),
-        ranges=pl.BlockSpec((None, None, 4), lambda b, h, i: (b, i, 0)))
+        ranges=pl.BlockSpec((None, None, 4), lambda b, h, i: (b, row(i), 0)))
 
 
 class _Config(NamedTuple):
@@ -346,7 +353,7 @@ def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg: _Config):
     bq, bk = t.block_q, t.block_k
     b, h, sq, d = q.shape
     skv, group = k.shape[2], h // k.shape[1]
-    sp = _row_specs(bq, skv, d, group, rows_are_q=True)
+    sp = _row_specs(bq, skv, d, group, rows_are_q=True, n_rows=sq // bq)
     ranges, _ = _ranges(cfg, qpos, kpos, qseg, kseg, bq, bk)
     kernel = functools.partial(_fwd_kernel, scale=cfg.scale, causal=cfg.causal,
                                has_seg=cfg.has_seg, block_k=bk,
@@ -388,7 +395,7 @@ def _flash_bwd(cfg: _Config, res, cts):
     lw = _lowering(cfg.interpret, t.warps_bwd, t.stages_bwd)
     static = dict(scale=cfg.scale, causal=cfg.causal, has_seg=cfg.has_seg,
                   unmasked_full=t.unmasked_full)
-    sp = _row_specs(bq, skv, d, group, rows_are_q=True)
+    sp = _row_specs(bq, skv, d, group, rows_are_q=True, n_rows=sq // bq)
     dq = _pallas(
         functools.partial(_dq_kernel, block_k=bk, **static),
         grid=(b, h, sq // bq),
@@ -398,7 +405,7 @@ def _flash_bwd(cfg: _Config, res, cts):
         out_specs=sp["rows"], out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="hetshard_flash_dq", lowering=lw, poison=cfg.poison,
         args=(q, k, v, do, lse2, delta, qpos, kpos, qseg, kseg, q_ranges))
-    sp = _row_specs(bk, sq, d, group, rows_are_q=False)
+    sp = _row_specs(bk, sq, d, group, rows_are_q=False, n_rows=skv // bk)
     # Per query head; with grouped queries the heads of a group add up below (in
     # float32), without groups each head's dK/dV is written in the inputs' dtype.
     kv_dtype = jnp.float32 if group > 1 else k.dtype
