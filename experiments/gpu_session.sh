@@ -2,8 +2,8 @@
 # Every prepared GPU benchmark in one call on a lent GPU (one machine, about 15 minutes of
 # device time a task, 10 minutes a call): the flash kernel's tiles on this GPU first
 # (gpu_bench.py --tune), then the train step, attention table and price with those tiles
-# (gpu_bench.py --tuning), then the packed rows (packed_step_gpu.py), each cut to the
-# time left. Results and a log go to $OUT (the device tool brings them back), else to
+# (gpu_bench.py --tuning), then the packed rows and the kernels alone (packed_step_gpu.py
+# --compare), then host offload (offload_gpu.py), each cut to the time left. Results and a log go to $OUT (the device tool brings them back), else to
 # experiments/results/.
 #
 # Here, before the call (the GPU image has JAX 0.11, Flax, Optax and Orbax, not OR-tools):
@@ -45,8 +45,12 @@ run() {  # seconds, then the command
     timeout "$secs" "$@" 2>&1 | tee -a "$log"
     echo "== rc ${PIPESTATUS[0]}, $(( $(date +%s) - start ))s in" | tee -a "$log"
 }
-run $(( $(left) * 3 / 10 )) python3 experiments/gpu_bench.py --tune \
-    --budget-s $(( $(left) * 3 / 10 - 30 )) --out "$out/flash_tuning.json"
-run $(( $(left) * 7 / 10 )) python3 experiments/gpu_bench.py --tuning "$out/flash_tuning.json" \
-    --budget-s $(( $(left) * 7 / 10 - 60 )) --out "$out/gpu_bench.json"
-run $(( $(left) - 10 )) python3 experiments/packed_step_gpu.py --out "$out/packed_step_gpu.json"
+# shares of the time left: tiles 25%, step 40%, packed rows (with the kernels compared
+# alone) 60% of what is then left, offload the rest
+run $(( $(left) / 4 )) python3 experiments/gpu_bench.py --tune \
+    --budget-s $(( $(left) / 4 - 30 )) --out "$out/flash_tuning.json"
+run $(( $(left) * 8 / 15 )) python3 experiments/gpu_bench.py --tuning "$out/flash_tuning.json" \
+    --budget-s $(( $(left) * 8 / 15 - 60 )) --out "$out/gpu_bench.json"
+run $(( $(left) * 3 / 5 )) python3 experiments/packed_step_gpu.py --compare \
+    --budget-s $(( $(left) * 3 / 5 - 60 )) --out "$out/packed_step_gpu.json"
+run $(( $(left) - 10 )) python3 experiments/offload_gpu.py --out "$out/offload_gpu.json"
