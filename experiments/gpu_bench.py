@@ -321,7 +321,6 @@ def attention_table(args, backend: str) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from hetshard.cost.profiler import _best_time
     from hetshard.kernels import attention_reference, dot_product_attention, flash_attention
 
     heads, dim = (4, 32) if args.tiny else (16, 128)
@@ -351,16 +350,14 @@ def attention_table(args, backend: str) -> list[dict]:
                     continue  # no segment ids through jax.nn (auto runs flash there)
                 if name == "reference" and b * heads * s * s * 4 * 3 > 40e9:
                     continue  # O(S^2) scores do not fit
-                f = functools.partial(fn, causal=True, segment_ids=seg)
-                g = jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(
-                    jnp.float32)), argnums=(0, 1, 2)))
                 try:
-                    t = _best_time(g, q, k, v)
+                    t = _attention_time(functools.partial(fn, causal=True, segment_ids=seg),
+                                        (q, k, v), backward=True)
                 except Exception as e:  # noqa: BLE001 - what this GPU cannot run, recorded
                     row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
                     continue
                 row["seconds"][name] = t
-                row["tflops"][name] = 7 * 2 * pairs * heads * dim / t / 1e12
+                row["tflops"][name] = _tflops(pairs, heads, dim, t, backward=True)
             rows.append(row)
             print(f"attention {pattern} S={s} B={b}: " + ", ".join(
                 f"{n} {v:.1f}" for n, v in row["tflops"].items()) + " TFLOP/s", flush=True)
@@ -405,7 +402,6 @@ def tune_flash(args, backend: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from hetshard.cost.profiler import _best_time
     from hetshard.kernels import FlashTuning, dot_product_attention, flash_attention
     from hetshard.kernels.flash_attention import default_tuning
 
@@ -421,16 +417,9 @@ def tune_flash(args, backend: str) -> dict:
         inputs[s] = tuple(jax.random.normal(kk, (b, s, heads, dim), dtype) for kk in key)
 
     def rate(fn, s, backward: bool):
-        q, k, v = inputs[s]
-        if backward:
-            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                                 argnums=(0, 1, 2)))
-        else:
-            g = jax.jit(fn)
-        t = _best_time(g, q, k, v)
-        # causal: half the pairs; forward 2 products, forward + backward 7 (recomputing
-        # the scores), of 2 S^2 D flops each
-        return (7 if backward else 2) * 2 * (q.shape[0] * s * s / 2) * heads * dim / t / 1e12
+        q = inputs[s][0]
+        return _tflops(q.shape[0] * s * s / 2, heads, dim,
+                       _attention_time(fn, inputs[s], backward), backward)
 
     def measure(tuning: FlashTuning, backward: bool) -> dict:
         row = {"tuning": tuning._asdict(), "tflops": {}}
@@ -494,6 +483,25 @@ def tune_flash(args, backend: str) -> dict:
         result["tuned_line"] = f"({kind!r}, {dim}): FlashTuning{tuple(tuned)!r},"
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def _attention_time(fn, qkv, backward: bool) -> float:
+    """Best time of ``fn(q, k, v)`` jitted: forward, or (``backward``) the gradient of its
+    sum with respect to q, k and v."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetshard.cost.profiler import _best_time
+    g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                         argnums=(0, 1, 2))) if backward else jax.jit(fn)
+    return _best_time(g, *qkv)
+
+
+def _tflops(pairs: float, heads: int, dim: int, seconds: float, backward: bool) -> float:
+    """TFLOP/s of attention over ``pairs`` (query, key) pairs computed (a causal row's:
+    half its S^2): forward 2 products of 2 D flops a pair, forward + backward 7 (the
+    backward recomputes the scores)."""
+    return (7 if backward else 2) * 2 * pairs * heads * dim / seconds / 1e12
 
 
 def _packed_segments(b, s, wiki):

@@ -336,13 +336,10 @@ class _Config(NamedTuple):
     poison: bool
 
 
-def _ranges(cfg: _Config, qpos, kpos, qseg, kseg, block_q: int, block_k: int):
-    """(per query block over key blocks, per key block over query blocks)."""
-    return _both_ranges(qpos, kpos, qseg, kseg, block_q, block_k, cfg.causal, cfg.has_seg)
-
-
 @functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))  # (one program when eager)
-def _both_ranges(qpos, kpos, qseg, kseg, block_q, block_k, causal, has_seg):
+def _ranges(qpos, kpos, qseg, kseg, block_q: int, block_k: int, causal: bool,
+            has_seg: bool):
+    """(per query block over key blocks, per key block over query blocks)."""
     active, full = block_flags(qpos, kpos, qseg, kseg, block_q, block_k, causal, has_seg)
     return (block_ranges(active, full),
             block_ranges(jnp.swapaxes(active, 1, 2), jnp.swapaxes(full, 1, 2)))
@@ -354,7 +351,7 @@ def _forward(q, k, v, qpos, kpos, qseg, kseg, cfg: _Config):
     b, h, sq, d = q.shape
     skv, group = k.shape[2], h // k.shape[1]
     sp = _row_specs(bq, skv, d, group, rows_are_q=True, n_rows=sq // bq)
-    ranges, _ = _ranges(cfg, qpos, kpos, qseg, kseg, bq, bk)
+    ranges, _ = _ranges(qpos, kpos, qseg, kseg, bq, bk, cfg.causal, cfg.has_seg)
     kernel = functools.partial(_fwd_kernel, scale=cfg.scale, causal=cfg.causal,
                                has_seg=cfg.has_seg, block_k=bk,
                                unmasked_full=t.unmasked_full)
@@ -390,7 +387,8 @@ def _flash_bwd(cfg: _Config, res, cts):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     if dlse is not None:  # d(lse)/d(s) = p: folds into delta with the opposite sign
         delta = delta - dlse
-    q_ranges, k_ranges = _ranges(cfg, qpos, kpos, qseg, kseg, bq, bk)
+    q_ranges, k_ranges = _ranges(qpos, kpos, qseg, kseg, bq, bk, cfg.causal,
+                                 cfg.has_seg)
     lse2 = lse * _LOG2E  # (the kernels' base)
     lw = _lowering(cfg.interpret, t.warps_bwd, t.stages_bwd)
     static = dict(scale=cfg.scale, causal=cfg.causal, has_seg=cfg.has_seg,
